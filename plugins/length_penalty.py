@@ -1,0 +1,71 @@
+"""``length_penalty``: penalise completions away from a target length or outside a range."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from textgym import Sample, hookimpl
+
+
+class LengthPenalty:
+    """``-(distance / scale) ** p`` where distance is how far the length is from ``target`` (or outside
+    ``[min, max]``), ``p`` is 1 (``shape="linear"``) or 2 (``"quadratic"``), and ``scale`` defaults to the
+    target (or ``max``). ``missing_eos_penalty`` is subtracted when the completion hit the token limit
+    without ending (``finish_reason == "length"``).
+    """
+
+    name = "length_penalty"
+
+    def __init__(
+        self,
+        target: int | None = None,
+        min: int | None = None,
+        max: int | None = None,
+        unit: str = "tokens",
+        shape: str = "linear",
+        scale: float | None = None,
+        missing_eos_penalty: float = 1.0,
+    ):
+        if (target is None) == (min is None and max is None):
+            raise ValueError("give either target, or min and/or max (a range), not both and not neither.")
+        if target is not None and target < 0:
+            raise ValueError(f"target must be >= 0, not {target}.")
+        if min is not None and max is not None and min > max:
+            raise ValueError(f"min ({min}) is larger than max ({max}).")
+        if unit not in ("tokens", "words"):
+            raise ValueError(f"unit must be 'tokens' or 'words', not {unit!r}.")
+        if shape not in ("linear", "quadratic"):
+            raise ValueError(f"shape must be 'linear' or 'quadratic', not {shape!r}.")
+        self.low = target if target is not None else (min if min is not None else 0)
+        self.high = target if target is not None else (max if max is not None else float("inf"))
+        default_scale = target if target is not None else (max if max is not None else min)
+        self.scale = float(scale if scale is not None else default_scale or 1)
+        if self.scale <= 0:
+            raise ValueError(f"scale must be > 0, not {self.scale}.")
+        self.unit, self.power, self.missing_eos_penalty = (
+            unit,
+            1 if shape == "linear" else 2,
+            missing_eos_penalty,
+        )
+
+    def length(self, sample: Sample) -> int:
+        if self.unit == "words":
+            return len(sample.completion.split())
+        n = len(sample.completion_ids)
+        return n - 1 if sample.finish_reason == "stop" and n else n  # the EOS token is not text
+
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        scores = []
+        for s in samples:
+            n = self.length(s)
+            distance = max(self.low - n, n - self.high, 0)
+            penalty = (distance / self.scale) ** self.power
+            if s.finish_reason == "length":
+                penalty += self.missing_eos_penalty
+            scores.append(-float(penalty))
+        return scores
+
+
+@hookimpl
+def register_rewards(register: Callable[..., None]) -> None:
+    register("length_penalty", LengthPenalty)

@@ -1,0 +1,72 @@
+"""``match``: compare the completion with a reference answer (verifiable tasks)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Sequence
+
+from textgym import Sample, hookimpl
+from textgym.errors import RewardError
+
+
+class Match:
+    """1.0 when the completion matches the reference, else 0.0.
+
+    Args:
+        mode: ``"exact"`` (whole completion), ``"contains"`` (reference anywhere in it) or ``"regex"``
+            (the reference is a pattern searched in the completion).
+        reference: a fixed reference; by default each prompt's metadata supplies it under ``reference_key``.
+        reference_key: the metadata key holding the reference (default ``"reference"``).
+        normalize: strip surrounding whitespace and compare case-insensitively (not for regex).
+        partial: with ``mode="exact"``, score the string similarity in [0, 1] (difflib's ratio) instead of
+            all-or-nothing: partial credit for almost-right answers.
+    """
+
+    name = "match"
+
+    def __init__(
+        self,
+        mode: str = "exact",
+        reference: str | None = None,
+        reference_key: str = "reference",
+        normalize: bool = True,
+        partial: bool = False,
+    ):
+        if mode not in ("exact", "contains", "regex"):
+            raise ValueError(f"mode must be 'exact', 'contains' or 'regex', not {mode!r}.")
+        if partial and mode != "exact":
+            raise ValueError("partial=True needs mode='exact'.")
+        if mode == "regex" and reference is not None:
+            re.compile(reference)
+        self.mode, self.reference, self.reference_key = mode, reference, reference_key
+        self.normalize, self.partial = normalize, partial
+
+    def _reference(self, sample: Sample) -> str:
+        if self.reference is not None:
+            return self.reference
+        if self.reference_key not in sample.meta:
+            raise RewardError(
+                f"prompt {sample.prompt[:50]!r} has no {self.reference_key!r} in its metadata; give the "
+                f"prompts a {self.reference_key!r} field or the reward a fixed `reference`."
+            )
+        return str(sample.meta[self.reference_key])
+
+    def score(self, completion: str, reference: str) -> float:
+        if self.mode == "regex":
+            return float(re.search(reference, completion) is not None)
+        if self.normalize:
+            completion, reference = completion.strip().lower(), reference.strip().lower()
+        if self.mode == "contains":
+            return float(reference in completion)
+        if self.partial:
+            return difflib.SequenceMatcher(None, completion, reference, autojunk=False).ratio()
+        return float(completion == reference)
+
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        return [self.score(s.completion, self._reference(s)) for s in samples]
+
+
+@hookimpl
+def register_rewards(register: Callable[..., None]) -> None:
+    register("match", Match)

@@ -1,0 +1,42 @@
+"""textgym: text generation as a Gymnasium environment, with rewards as pluggy plugins.
+
+One token is one action, one completion is one episode, and the reward is a weighted stack of reward
+plugins. Importing textgym loads the plugins and registers their environments with Gymnasium.
+"""
+
+from textgym.hookspecs import hookimpl
+from textgym.rewards import (
+    FunctionReward,
+    Reward,
+    RewardStack,
+    Sample,
+    build_reward_stack,
+    make_reward,
+    reward,
+)
+
+__version__ = "0.1.0"
+
+from textgym import plugin_manager
+from textgym.envs import TextGenEnv, TextGenVectorEnv
+from textgym.models import load_model, load_tokenizer
+from textgym.prompts import Prompt, load_prompts
+
+plugin_manager.load_plugins()
+
+__all__ = [
+    "FunctionReward",
+    "Prompt",
+    "Reward",
+    "RewardStack",
+    "Sample",
+    "TextGenEnv",
+    "TextGenVectorEnv",
+    "build_reward_stack",
+    "hookimpl",
+    "load_model",
+    "load_prompts",
+    "load_tokenizer",
+    "make_reward",
+    "reward",
+]

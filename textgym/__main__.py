@@ -1,0 +1,3 @@
+from textgym.cli import main
+
+raise SystemExit(main())

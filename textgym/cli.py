@@ -1,0 +1,159 @@
+"""The ``textgym`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from textgym.errors import TextgymError
+
+DEMO_REWARDS = [
+    "sentiment weight=1.0",
+    "fluency weight=0.2",
+    "safety weight=1.0",
+    "length_penalty weight=0.5 target=24",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    plugin_args = argparse.ArgumentParser(add_help=False)
+    plugin_args.add_argument(
+        "--plugin", action="append", default=[], metavar="FILE.py", help="load a plugin file (repeatable)"
+    )
+    parser = argparse.ArgumentParser(prog="textgym", description=__doc__, parents=[plugin_args])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("plugins", parents=[plugin_args], help="list plugins and what each registered")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    p = commands.add_parser(
+        "sample", parents=[plugin_args], help="sample completions through the vector env and score them"
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name or model directory")
+    p.add_argument("--prompts", default="chat", help="prompt-source name or prompt file")
+    p.add_argument("--num", type=int, default=8, help="number of prompts (taken in order)")
+    p.add_argument("--batch-size", type=int, default=8, help="episodes generated together")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--reward",
+        action="append",
+        metavar="'NAME [weight=W] [key=value ...]'",
+        help=f"a reward spec (repeatable); default: {'; '.join(DEMO_REWARDS)}",
+    )
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--output", type=Path, help="also write the rows as JSONL here")
+
+    args = parser.parse_args(argv)
+    try:
+        from textgym import plugin_manager
+
+        for path in args.plugin:
+            plugin_manager.load_plugin_file(path)
+        if args.command == "plugins":
+            return _plugins(args)
+        return _sample(args)
+    except TextgymError as exc:
+        print(f"textgym: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from textgym import plugin_manager
+
+    report = plugin_manager.plugins_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for row in report:
+        print(f"{row['name']}  ({row['source']})")
+        for kind, names in row["registers"].items():
+            print(f"    {kind}s: {', '.join(names)}")
+        if not row["registers"]:
+            print("    (registers nothing)")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from textgym.envs import TextGenVectorEnv
+    from textgym.errors import ConfigError
+    from textgym.models import load_model
+    from textgym.sampling import sample_episodes
+
+    if args.num < 1 or args.batch_size < 1:
+        raise ConfigError(f"--num and --batch-size must be positive, not {args.num} and {args.batch_size}.")
+    batch = min(args.batch_size, args.num)
+    env = TextGenVectorEnv(
+        num_envs=batch,
+        model=args.model,
+        prompts=args.prompts,
+        rewards=args.reward or DEMO_REWARDS,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        chat_template=args.chat_template,
+        prompt_order="sequential",
+        autoreset_mode="Disabled",
+    )
+    model, _ = load_model(args.model)
+    rows: list[dict[str, Any]] = []
+    from tqdm.auto import tqdm
+
+    with tqdm(total=args.num, desc="sampling", unit="episode", disable=None) as bar:
+        for round_ in range(math.ceil(args.num / batch)):
+            seed = args.seed + round_
+            episodes = sample_episodes(model, env, temperature=args.temperature, top_k=args.top_k, seed=seed)
+            rows.extend(episodes[: args.num - len(rows)])
+            bar.update(len(episodes))
+    env.close()
+    print(format_table(rows))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        with args.output.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"wrote {len(rows)} rows to {args.output}")
+    return 0
+
+
+def format_table(rows: Sequence[dict[str, Any]], width: int = 38) -> str:
+    """A plain-text table: prompt, completion, each reward component, total."""
+
+    def cut(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    names = list(rows[0]["reward_components"]) if rows else []
+    header = [
+        f"{'prompt':<{width}}",
+        f"{'completion':<{width}}",
+        *(f"{n[:14]:>14}" for n in names),
+        f"{'total':>8}",
+    ]
+    lines = ["  ".join(header), "-" * len("  ".join(header))]
+    for row in rows:
+        cells = [f"{cut(row['prompt']):<{width}}", f"{cut(row['completion']):<{width}}"]
+        cells += [f"{row['reward_components'][n]:>14.3f}" for n in names]
+        cells.append(f"{row['reward']:>8.3f}")
+        lines.append("  ".join(cells))
+    if rows:
+        means = [sum(r["reward_components"][n] for r in rows) / len(rows) for n in names]
+        mean_total = sum(r["reward"] for r in rows) / len(rows)
+        lines.append("-" * len(lines[0]))
+        lines.append(
+            "  ".join(
+                [f"{'mean':<{width}}", " " * width, *(f"{m:>14.3f}" for m in means), f"{mean_total:>8.3f}"]
+            )
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

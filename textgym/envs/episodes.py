@@ -1,0 +1,219 @@
+"""The state both env classes share: N generation slots in fixed-size arrays, and their scoring."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.error import InvalidAction
+
+from textgym.errors import ConfigError, PromptError
+from textgym.models import check_pad_token, load_tokenizer
+from textgym.prompts import Prompt, PromptsLike, load_prompts
+from textgym.rewards import RewardSpec, RewardStack, Sample, build_reward_stack
+
+DEFAULT_REWARDS: list[dict[str, Any]] = [
+    {"name": "sentiment", "weight": 1.0},
+    {"name": "length_penalty", "weight": 0.5, "target": 24},
+]
+
+
+class Episodes:
+    """``n`` episodes in lockstep: prompt left-padded into ``[0, P)``, completion written into ``[P, P+T)``.
+
+    Args: see :class:`textgym.envs.TextGenEnv`.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        model: Any = None,
+        prompts: PromptsLike = None,
+        rewards: RewardStack | Sequence[RewardSpec] | None = None,
+        max_new_tokens: int = 32,
+        max_prompt_tokens: int = 96,
+        chat_template: bool | None = None,
+        stop: Sequence[str] | str | None = None,
+        prompt_overflow: str = "truncate",
+        prompt_order: str = "random",
+    ):
+        for arg, value in (("max_new_tokens", max_new_tokens), ("max_prompt_tokens", max_prompt_tokens)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(f"{arg} must be a positive integer, not {value!r}.")
+        if prompt_overflow not in ("truncate", "error"):
+            raise ConfigError(f"prompt_overflow must be 'truncate' or 'error', not {prompt_overflow!r}.")
+        if prompt_order not in ("random", "sequential"):
+            raise ConfigError(f"prompt_order must be 'random' or 'sequential', not {prompt_order!r}.")
+        self.tokenizer = load_tokenizer(model if model is not None else "smollm2-135m-instruct")
+        check_pad_token(self.tokenizer)
+        self.prompts: list[Prompt] = load_prompts(prompts)
+        self.n_source = len(self.prompts)  # texts passed in options["prompt"] go after these, never drawn
+        self._adhoc: dict[str, int] = {}
+        self.stack = build_reward_stack(DEFAULT_REWARDS if rewards is None else rewards)
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat_template and not has_template:
+            raise ConfigError(
+                f"chat_template=True, but the tokenizer {type(self.tokenizer).__name__} has none."
+            )
+        self.chat_template = has_template if chat_template is None else bool(chat_template)
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, not {self.stop!r}.")
+        self._stop_window = max((len(s) for s in self.stop), default=0) + 2
+        self.prompt_overflow, self.prompt_order = prompt_overflow, prompt_order
+
+        self.n, self.P, self.T = n, int(max_prompt_tokens), int(max_new_tokens)
+        self.vocab_size = len(self.tokenizer)
+        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        L = self.P + self.T
+        self.input_ids = np.full((n, L), self.pad_id, dtype=np.int64)  # (N, L)
+        self.attention_mask = np.zeros((n, L), dtype=np.int8)  # (N, L)
+        self.prompt_index = np.zeros(n, dtype=np.int64)
+        self.length = np.zeros(n, dtype=np.int64)  # new tokens so far
+        self.active = np.zeros(n, dtype=bool)
+        self._encoded: dict[int, np.ndarray] = {}
+        self._cursor = 0
+
+        self.observation_space = spaces.Dict(
+            {
+                "input_ids": spaces.Box(0, self.vocab_size - 1, shape=(L,), dtype=np.int64),
+                "attention_mask": spaces.Box(0, 1, shape=(L,), dtype=np.int8),
+            }
+        )
+        self.action_space = spaces.Discrete(self.vocab_size)
+
+    # -- prompts ---------------------------------------------------------------------------------------
+    def encode_prompt(self, index: int) -> np.ndarray:
+        if index not in self._encoded:
+            text = self.prompts[index].text
+            if self.chat_template:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+                )
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.encode(text)
+            ids = np.asarray(ids, dtype=np.int64)
+            if len(ids) > self.P:
+                where = f"prompt {index} ({self.prompts[index].text[:40]!r}...) has {len(ids)} tokens"
+                if self.prompt_overflow == "error":
+                    raise PromptError(
+                        f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
+                        f"the prompt, or pass prompt_overflow='truncate' to keep its last {self.P} tokens."
+                    )
+                warnings.warn(
+                    f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
+                    f"to keep it whole.",
+                    stacklevel=4,
+                )
+                ids = ids[-self.P :]  # from the left: the end of a prompt is what the completion continues
+            self._encoded[index] = ids
+        return self._encoded[index]
+
+    def start(self, slots: Sequence[int] | np.ndarray, rng: np.random.Generator, prompt: Any = None) -> None:
+        """Begin new episodes in ``slots``: with ``prompt`` (an index or a text), else the next prompt."""
+        for slot in slots:
+            if prompt is not None:
+                index = self._prompt_option(prompt)
+            elif self.prompt_order == "sequential":
+                index, self._cursor = self._cursor, (self._cursor + 1) % self.n_source
+            else:
+                index = int(rng.integers(self.n_source))
+            ids = self.encode_prompt(index)
+            self.input_ids[slot] = self.pad_id
+            self.attention_mask[slot] = 0
+            self.input_ids[slot, self.P - len(ids) : self.P] = ids
+            self.attention_mask[slot, self.P - len(ids) : self.P] = 1
+            self.prompt_index[slot], self.length[slot], self.active[slot] = index, 0, True
+
+    def _prompt_option(self, prompt: Any) -> int:
+        if isinstance(prompt, (int, np.integer)) and 0 <= prompt < self.n_source:
+            return int(prompt)
+        if isinstance(prompt, str) and prompt.strip():
+            if prompt not in self._adhoc:
+                self._adhoc[prompt] = len(self.prompts)
+                self.prompts.append(Prompt(prompt))
+            return self._adhoc[prompt]
+        raise ConfigError(
+            f"options['prompt'] must be a prompt index in [0, {self.n_source}) or a text, not {prompt!r}."
+        )
+
+    # -- stepping --------------------------------------------------------------------------------------
+    def append(self, actions: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """Append one token to every active episode. Returns the slots that ended and why."""
+        rows = np.flatnonzero(self.active)
+        tokens = actions[rows]
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise InvalidAction(
+                f"action {tokens[k]} (env {rows[k]}) is not a token id: actions must be in "
+                f"[0, {self.vocab_size}) for this vocabulary."
+            )
+        cols = self.P + self.length[rows]
+        self.input_ids[rows, cols] = tokens
+        self.attention_mask[rows, cols] = 1
+        self.length[rows] += 1
+        stopped = tokens == self.eos_id
+        if self.stop:
+            stopped |= np.array([self._hit_stop(i) for i in rows], dtype=bool)
+        full = self.length[rows] >= self.T
+        ended = stopped | full
+        self.active[rows[ended]] = False
+        return rows[ended], ["stop" if s else "length" for s in stopped[ended]]
+
+    def _hit_stop(self, i: int) -> bool:
+        end = self.P + self.length[i]
+        tail = self.tokenizer.decode(self.input_ids[i, max(self.P, end - self._stop_window) : end])
+        return any(s in tail for s in self.stop)
+
+    def sample(self, i: int, finish_reason: str) -> Sample:
+        completion_ids = self.input_ids[i, self.P : self.P + self.length[i]]
+        body = (
+            completion_ids[:-1]
+            if finish_reason == "stop" and completion_ids[-1] == self.eos_id
+            else completion_ids
+        )
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        prompt = self.prompts[self.prompt_index[i]]
+        prompt_ids = self.input_ids[i, : self.P][self.attention_mask[i, : self.P] == 1]
+        return Sample(
+            prompt=prompt.text,
+            completion=text,
+            prompt_ids=tuple(prompt_ids.tolist()),
+            completion_ids=tuple(completion_ids.tolist()),
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            meta=prompt.meta,
+        )
+
+    def finish(self, slots: np.ndarray, reasons: list[str]) -> tuple[np.ndarray, list[dict[str, Any]]]:
+        """Score the episodes that ended in ``slots`` in one batched call: rewards and their infos."""
+        samples = [self.sample(i, r) for i, r in zip(slots, reasons)]
+        total, components = self.stack.score(samples)
+        infos = [
+            {
+                "reward_components": {name: float(v[k]) for name, v in components.items()},
+                "completion": s.completion,
+                "finish_reason": s.finish_reason,
+                "prompt": s.prompt,
+            }
+            for k, s in enumerate(samples)
+        ]
+        return total, infos
+
+    def obs(self, i: int) -> dict[str, np.ndarray]:
+        return {"input_ids": self.input_ids[i].copy(), "attention_mask": self.attention_mask[i].copy()}
+
+    def batch_obs(self) -> dict[str, np.ndarray]:
+        return {"input_ids": self.input_ids.copy(), "attention_mask": self.attention_mask.copy()}
+
+    def text(self, i: int) -> str:
+        ids = self.input_ids[i][self.attention_mask[i] == 1]
+        return self.tokenizer.decode(ids)

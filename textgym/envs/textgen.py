@@ -1,0 +1,226 @@
+"""``TextGenEnv`` (one episode = one completion) and its native batched form ``TextGenVectorEnv``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.error import InvalidAction, ResetNeeded
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+from textgym.envs.episodes import Episodes
+from textgym.errors import ConfigError
+from textgym.prompts import PromptsLike
+from textgym.rewards import RewardSpec, RewardStack
+
+Obs = dict[str, np.ndarray]
+
+
+class TextGenEnv(gym.Env[Obs, int]):
+    """Prompted text generation, one token per step.
+
+    ## Description
+    Each episode draws a prompt from ``prompts`` and lets the agent write a completion one token at a time.
+    When the completion ends, the reward stack scores it.
+
+    ## Action Space
+    ``Discrete(V)``: the id of the next token, ``V = len(tokenizer)``.
+
+    ## Observation Space
+    ``Dict(input_ids=Box(int64, (L,)), attention_mask=Box(int8, (L,)))`` with
+    ``L = max_prompt_tokens + max_new_tokens``. The prompt is left-padded into the first
+    ``max_prompt_tokens`` positions; the completion so far follows from position ``max_prompt_tokens``;
+    padding elsewhere (``attention_mask`` 0).
+
+    ## Rewards
+    0 on every step but the last. On the last step: the reward stack's weighted total, with
+    ``info["reward_components"]`` (each plugin's raw score), ``info["completion"]`` (text, without EOS or
+    stop string) and ``info["finish_reason"]`` (``"stop"`` or ``"length"``).
+
+    ## Episode End
+    ``terminated`` when the agent emits EOS or a stop string appears; ``truncated`` after ``max_new_tokens``.
+
+    ## Arguments
+    - ``model``: zoo name, model directory or tokenizer object (default: the embedded SmolLM2 tokenizer).
+    - ``prompts``: list, file path or registered prompt-source name (default: the shipped ``"chat"`` set).
+    - ``rewards``: list of reward specs (``{"name": ..., "weight": ..., **args}``) or a ``RewardStack``.
+    - ``max_new_tokens`` (32), ``max_prompt_tokens`` (96).
+    - ``chat_template``: wrap each prompt as a user message (default: when the tokenizer has a template).
+    - ``stop``: extra stop strings. ``prompt_overflow``: ``"truncate"`` (from the left, with a warning) or
+      ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"``.
+    - ``reset(options={"prompt": index_or_text})`` starts an episode on a given prompt.
+
+    ## Version History
+    - v0: initial version.
+    """
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(
+        self,
+        model: Any = None,
+        prompts: PromptsLike = None,
+        rewards: RewardStack | Sequence[RewardSpec] | None = None,
+        max_new_tokens: int = 32,
+        max_prompt_tokens: int = 96,
+        chat_template: bool | None = None,
+        stop: Sequence[str] | str | None = None,
+        prompt_overflow: str = "truncate",
+        prompt_order: str = "random",
+        render_mode: str | None = None,
+    ):
+        if render_mode not in (None, "ansi"):
+            raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
+        self.render_mode = render_mode
+        self.episodes = Episodes(
+            1, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
+            prompt_overflow, prompt_order,
+        )  # fmt: skip
+        self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
+        self.observation_space = self.episodes.observation_space
+        self.action_space = self.episodes.action_space
+        self._needs_reset = True
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
+        super().reset(seed=seed)
+        prompt = (options or {}).get("prompt")
+        self.episodes.start([0], self.np_random, prompt)
+        self._needs_reset = False
+        return self.episodes.obs(0), {"prompt": self.episodes.prompts[self.episodes.prompt_index[0]].text}
+
+    def step(self, action: int) -> tuple[Obs, float, bool, bool, dict]:
+        if self._needs_reset:
+            raise ResetNeeded("the episode has ended (or never started): call reset() before step().")
+        if not np.issubdtype(np.asarray(action).dtype, np.integer) or np.size(action) != 1:
+            raise InvalidAction(
+                f"action {action!r} is not a token id (an integer in [0, {self.action_space.n}))."
+            )
+        ended, reasons = self.episodes.append(np.asarray(action, dtype=np.int64).reshape(1))
+        if len(ended) == 0:
+            return self.episodes.obs(0), 0.0, False, False, {}
+        self._needs_reset = True
+        total, infos = self.episodes.finish(ended, reasons)
+        terminated = reasons[0] == "stop"
+        return self.episodes.obs(0), float(total[0]), terminated, not terminated, infos[0]
+
+    def render(self) -> str | None:
+        if self.render_mode == "ansi":
+            return self.episodes.text(0)
+        return None
+
+    def close(self) -> None:
+        self.reward_stack.close()
+
+
+class TextGenVectorEnv(VectorEnv):
+    """``num_envs`` :class:`TextGenEnv` episodes stepped together, with their rewards scored in batches.
+
+    Every episode that ends on a step is scored in the same call to the reward stack.
+
+    ``autoreset_mode``:
+    - ``"SameStep"`` (default, as Stable-Baselines3 expects): an ended episode restarts on the same step;
+      its last observation and info are in ``info["final_obs"]`` and ``info["final_info"]``.
+    - ``"Disabled"``: ended episodes stay idle until ``reset(options={"reset_mask": mask})``; their actions
+      are ignored and they return reward 0. Agents that generate a whole batch before restarting
+      (KV-cached rollouts) use this mode.
+
+    Other arguments: as :class:`TextGenEnv`.
+    """
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
+
+    def __init__(
+        self,
+        num_envs: int = 1,
+        model: Any = None,
+        prompts: PromptsLike = None,
+        rewards: RewardStack | Sequence[RewardSpec] | None = None,
+        max_new_tokens: int = 32,
+        max_prompt_tokens: int = 96,
+        chat_template: bool | None = None,
+        stop: Sequence[str] | str | None = None,
+        prompt_overflow: str = "truncate",
+        prompt_order: str = "random",
+        autoreset_mode: str | AutoresetMode = AutoresetMode.SAME_STEP,
+        render_mode: str | None = None,
+    ):
+        if not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
+            raise ConfigError(f"num_envs must be a positive integer, not {num_envs!r}.")
+        try:
+            mode = AutoresetMode(autoreset_mode)
+        except ValueError:
+            mode = None
+        if mode not in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED):
+            raise ConfigError(f"autoreset_mode must be 'SameStep' or 'Disabled', not {autoreset_mode!r}.")
+        self.metadata = {**self.metadata, "autoreset_mode": mode}
+        self.autoreset_mode = mode
+        self.render_mode = render_mode
+        self.num_envs = int(num_envs)
+        self.episodes = Episodes(
+            self.num_envs, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
+            prompt_overflow, prompt_order,
+        )  # fmt: skip
+        self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
+        self.single_observation_space = self.episodes.observation_space
+        self.single_action_space = self.episodes.action_space
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self._started = False
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
+        super().reset(seed=seed)
+        options = options or {}
+        mask = options.get("reset_mask")
+        slots = np.arange(self.num_envs) if mask is None else np.flatnonzero(np.asarray(mask, dtype=bool))
+        if mask is not None and np.shape(mask) != (self.num_envs,):
+            raise ConfigError(f"reset_mask must have shape ({self.num_envs},), not {np.shape(mask)}.")
+        self.episodes.start(slots, self.np_random, options.get("prompt"))
+        self._started = True
+        infos: dict[str, Any] = {}
+        for i in slots:
+            infos = self._add_info(
+                infos, {"prompt": self.episodes.prompts[self.episodes.prompt_index[i]].text}, i
+            )
+        return self.episodes.batch_obs(), infos
+
+    def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict]:
+        if not self._started:
+            raise ResetNeeded("call reset() before step().")
+        actions = np.asarray(actions)
+        if actions.shape != (self.num_envs,) or not np.issubdtype(actions.dtype, np.integer):
+            raise InvalidAction(
+                f"actions must be {self.num_envs} integer token ids, got shape {actions.shape} dtype {actions.dtype}."
+            )
+        ended, reasons = self.episodes.append(actions.astype(np.int64, copy=False))
+        rewards = np.zeros(self.num_envs, dtype=np.float64)
+        terminated = np.zeros(self.num_envs, dtype=bool)
+        truncated = np.zeros(self.num_envs, dtype=bool)
+        infos: dict[str, Any] = {}
+        if len(ended):
+            total, episode_infos = self.episodes.finish(ended, reasons)
+            rewards[ended] = total
+            stopped = np.array([r == "stop" for r in reasons])
+            terminated[ended[stopped]] = True
+            truncated[ended[~stopped]] = True
+            if self.autoreset_mode is AutoresetMode.SAME_STEP:
+                for i, info in zip(ended, episode_infos):
+                    infos = self._add_info(infos, {"final_obs": self.episodes.obs(i), "final_info": info}, i)
+                self.episodes.start(ended, self.np_random)
+                for i in ended:
+                    prompt = self.episodes.prompts[self.episodes.prompt_index[i]].text
+                    infos = self._add_info(infos, {"prompt": prompt}, i)
+            else:
+                for i, info in zip(ended, episode_infos):
+                    infos = self._add_info(infos, info, i)
+        return self.episodes.batch_obs(), rewards, terminated, truncated, infos
+
+    @property
+    def active(self) -> np.ndarray:
+        """Which sub-envs are inside an episode (all of them, except ended ones in ``"Disabled"`` mode)."""
+        return self.episodes.active.copy()
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self.reward_stack.close()

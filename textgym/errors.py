@@ -1,0 +1,56 @@
+"""Typed exceptions. Every message names the bad value and says what to do instead."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class TextgymError(Exception):
+    """Base class of every error textgym raises on purpose."""
+
+
+class UnknownNameError(TextgymError, LookupError):
+    """A reward, env, agent, model or prompt-source name that no plugin registered."""
+
+    def __init__(self, kind: str, name: str, known: Iterable[str]):
+        self.kind, self.name, self.known = kind, name, sorted(known)
+        message = f"unknown {kind} {name!r}."
+        close = difflib.get_close_matches(str(name), self.known, n=1, cutoff=0.5)
+        if close:
+            message += f" Did you mean {close[0]!r}?"
+        message += f" Known {kind}s: {', '.join(self.known) or '(none)'}."
+        if kind in ("reward", "agent", "env", "prompt source", "model"):
+            message += " Run `textgym plugins` to see what each installed plugin registers."
+        super().__init__(message)
+
+    def __str__(self) -> str:  # LookupError would quote the message like a KeyError
+        return self.args[0]
+
+
+class DuplicateNameError(TextgymError):
+    """Two plugins registered the same name."""
+
+
+class PluginError(TextgymError):
+    """A plugin failed to load, or a plugin file is not usable."""
+
+
+class PluginArgumentError(TextgymError, TypeError):
+    """A plugin was built with an argument it does not take, or with a bad value."""
+
+
+class RewardError(TextgymError):
+    """A reward plugin raised, or returned something other than one finite float per sample."""
+
+
+class PromptError(TextgymError, ValueError):
+    """A prompt source is empty, unreadable, or a prompt does not fit."""
+
+
+class ModelError(TextgymError):
+    """A model or tokenizer cannot be loaded or is unusable as it is."""
+
+
+class ConfigError(TextgymError, ValueError):
+    """A configuration value is invalid."""

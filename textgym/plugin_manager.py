@@ -1,0 +1,253 @@
+"""The plugin manager: built-ins, then the ``textgym`` entry-point group, then plugin files.
+
+Everything textgym can name (rewards, envs, agents, prompt sources, models) is registered through the hooks
+in :mod:`textgym.hookspecs`, the built-ins exactly like third-party plugins. The registries are rebuilt from
+the hooks whenever the set of plugins changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from textgym import hookspecs
+from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
+
+DEFAULT_PLUGINS = (
+    "textgym.plugins.rm_score",
+    "textgym.plugins.fluency",
+    "textgym.plugins.safety",
+    "textgym.plugins.length_penalty",
+    "textgym.plugins.sentiment",
+    "textgym.plugins.similarity",
+    "textgym.plugins.match",
+    "textgym.prompts",
+    "textgym.models",
+    "textgym.envs.builtin",
+)
+ENTRY_POINT_GROUP = "textgym"
+DISABLE_AUTOLOAD_VAR = "TEXTGYM_DISABLE_PLUGIN_AUTOLOAD"
+PLUGINS_VAR = "TEXTGYM_PLUGINS"
+
+# hook name -> the word used for its names in messages
+KINDS = {
+    "register_rewards": "reward",
+    "register_envs": "env",
+    "register_agents": "agent",
+    "register_prompt_sources": "prompt source",
+    "register_models": "model",
+}
+
+pm = pluggy.PluginManager("textgym")
+pm.add_hookspecs(hookspecs)
+
+_sources: dict[str, str] = {}  # plugin name -> where it came from
+_registries: dict[str, Registry] = {}
+_loaded = False
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered name: the thing itself, the plugin that registered it, and extra keyword arguments."""
+
+    name: str
+    value: Any
+    plugin: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Registry:
+    """Names of one kind (e.g. rewards) -> :class:`Entry`, with duplicate detection."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Entry] = {}
+
+    def add(self, name: str, value: Any, plugin: str, **extra: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}.")
+        if name in self._entries:
+            first = self._entries[name].plugin
+            raise DuplicateNameError(
+                f"{self.kind} {name!r} is registered twice: by plugin {first!r} ({describe_source(first)}) "
+                f"and by plugin {plugin!r} ({describe_source(plugin)}). Rename one of them, or uninstall one "
+                f"plugin (TEXTGYM_DISABLE_PLUGIN_AUTOLOAD=1 turns off installed plugins)."
+            )
+        self._entries[name] = Entry(name, value, plugin, extra)
+
+    def get(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise UnknownNameError(self.kind, name, self._entries) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self._entries.values())
+
+
+def describe_source(plugin_name: str) -> str:
+    return _sources.get(plugin_name, "registered in code")
+
+
+def _changed() -> None:
+    _registries.clear()
+    _register_gym_envs()
+
+
+def register_plugin(plugin: object, name: str, source: str = "registered in code") -> None:
+    """Register ``plugin`` (a module or object with ``@hookimpl`` functions) under ``name``."""
+    load_plugins()
+    if pm.has_plugin(name):
+        raise DuplicateNameError(
+            f"a plugin named {name!r} is already registered ({describe_source(name)}); choose another name."
+        )
+    pm.register(plugin, name=name)
+    pm.check_pending()
+    _sources[name] = source
+    _changed()
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove the plugin registered under ``name`` (tests use this to clean up throwaway plugins)."""
+    if pm.get_plugin(name) is None:
+        raise PluginError(f"no plugin named {name!r} is registered.")
+    pm.unregister(name=name)
+    _sources.pop(name, None)
+    _changed()
+
+
+def load_plugin_file(path: str | os.PathLike) -> str:
+    """Import a Python file as a plugin. It may define ``@hookimpl`` functions or ``@textgym.reward`` ones.
+
+    Returns:
+        The plugin name (the resolved path). Loading the same file twice is a no-op.
+    """
+    load_plugins()
+    file = Path(path).expanduser().resolve()
+    name = str(file)
+    if pm.has_plugin(name):
+        return name
+    if not file.is_file() or file.suffix != ".py":
+        raise PluginError(f"plugin file {str(path)!r} does not exist or is not a .py file.")
+    module_name = f"textgym_plugin_{abs(hash(name)):x}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    register_plugin(module, name=name, source=f"file {name}")
+    return name
+
+
+def load_plugins() -> None:
+    """Load built-ins, entry points and ``TEXTGYM_PLUGINS`` files, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module_name in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(module_name), name=module_name)
+        _sources[module_name] = "built-in"
+    if not os.environ.get(DISABLE_AUTOLOAD_VAR):
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if pm.has_plugin(ep.name):
+                continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {ep.name!r} (entry point {ep.value} in {dist}) failed to load: "
+                    f"{type(exc).__name__}: {exc}. Fix or uninstall it, or set {DISABLE_AUTOLOAD_VAR}=1."
+                ) from exc
+            pm.register(plugin, name=ep.name)
+            _sources[ep.name] = f"entry point {ep.value} in {dist}"
+    pm.check_pending()
+    for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
+        load_plugin_file(path)
+    _changed()
+
+
+def registry(hook_name: str) -> Registry:
+    """The registry built from every plugin's ``hook_name`` implementation, in loading order."""
+    load_plugins()
+    if hook_name not in _registries:
+        reg = Registry(KINDS[hook_name])
+        # Hook implementations are visited in registration order (pluggy *calls* them LIFO), so built-ins
+        # come first and a duplicate is reported against the plugin that was loaded later.
+        for impl in getattr(pm.hook, hook_name).get_hookimpls()[::-1]:
+            _call_impl(impl, reg)
+        _registries[hook_name] = reg
+    return _registries[hook_name]
+
+
+def _call_impl(impl: pluggy.HookImpl, reg: Registry) -> None:
+    plugin = impl.plugin_name
+
+    def register(name: str, value: Any, *args: Any, **extra: Any) -> None:
+        if args:
+            extra["args"] = args
+        reg.add(name, value, plugin, **extra)
+
+    try:
+        impl.function(register=register)
+    except (DuplicateNameError, PluginError):
+        raise
+    except Exception as exc:
+        raise PluginError(f"plugin {plugin!r} failed in {impl.function.__name__}: {exc}") from exc
+
+
+def plugins_report() -> list[dict[str, Any]]:
+    """One dict per plugin: its name, where it came from, and the names it registered per hook."""
+    load_plugins()
+    rows: dict[str, dict[str, Any]] = {
+        name: {"name": name, "source": describe_source(name), "registers": {}}
+        for name, _ in pm.list_name_plugin()
+    }
+    for hook_name, kind in KINDS.items():
+        for entry in registry(hook_name):
+            rows[entry.plugin]["registers"].setdefault(kind, []).append(entry.name)
+    return list(rows.values())
+
+
+_gym_registered: set[str] = set()
+
+
+def _register_gym_envs() -> None:
+    """Register every env of the env registry with Gymnasium (once per id)."""
+    import gymnasium
+
+    envs = registry("register_envs")
+    for env_id in sorted(_gym_registered - set(envs.names())):  # their plugin was unregistered
+        gymnasium.registry.pop(env_id, None)
+        _gym_registered.discard(env_id)
+    for entry in envs:
+        if entry.name in _gym_registered:
+            continue
+        extra = dict(entry.extra)
+        vector_entry_point = extra.pop("vector_entry_point", None)
+        gymnasium.register(
+            id=entry.name, entry_point=entry.value, vector_entry_point=vector_entry_point, kwargs=extra
+        )
+        _gym_registered.add(entry.name)
+
+
+def get(hook_name: str, name: str) -> Entry:
+    """Shorthand: ``get("register_rewards", "sentiment")``."""
+    return registry(hook_name).get(name)

@@ -1,0 +1,144 @@
+"""Prompt sources: inline lists, ``.txt`` / ``.jsonl`` / ``.csv`` files, datasets saved to disk, named sets."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from textgym.errors import PromptError, UnknownNameError
+from textgym.hookspecs import hookimpl
+
+DATA_DIR = Path(__file__).parent / "data" / "prompts"
+DEFAULT_PROMPTS = "chat"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's text and whatever metadata came with it (reference answer, topic, ...)."""
+
+    text: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+PromptsLike = str | os.PathLike | Sequence[str | Mapping[str, Any] | Prompt] | None
+
+
+def load_prompts(source: PromptsLike = None) -> list[Prompt]:
+    """Resolve ``source`` to a non-empty list of :class:`Prompt`.
+
+    Args:
+        source: a registered prompt-source name (``textgym plugins`` lists them), a path to a ``.txt`` file
+            (one prompt per line), a ``.jsonl`` file (objects with a ``prompt`` key; the other keys become
+            metadata), a ``.csv`` file (a ``prompt`` column; the other columns become metadata), a directory
+            written by ``datasets.Dataset.save_to_disk`` (a ``prompt`` column), or a list of strings/dicts.
+            ``None`` means the shipped ``"chat"`` set.
+    """
+    if source is None:
+        source = DEFAULT_PROMPTS
+    where = repr(source) if isinstance(source, (str, os.PathLike)) else "the prompt list"
+    if isinstance(source, (str, os.PathLike)):
+        records = _resolve(source)
+    else:
+        records = list(source)
+    prompts = [_to_prompt(record, where, i) for i, record in enumerate(records)]
+    if not prompts:
+        raise PromptError(f"prompt source {where} is empty: give at least one prompt.")
+    return prompts
+
+
+def _resolve(source: str | os.PathLike) -> Sequence[Any]:
+    from textgym import plugin_manager
+
+    sources = plugin_manager.registry("register_prompt_sources")
+    if isinstance(source, str) and source in sources:
+        return sources.get(source).value()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _read_dataset_dir(path)
+    if path.is_file():
+        return read_prompt_file(path)
+    if isinstance(source, str) and os.sep not in source and "." not in source:
+        raise UnknownNameError("prompt source", source, sources.names())
+    raise PromptError(f"prompt file {str(source)!r} does not exist (nor is it a registered prompt source).")
+
+
+def read_prompt_file(path: Path) -> list[Any]:
+    """Records from a ``.txt``, ``.jsonl`` or ``.csv`` prompt file."""
+    suffix = path.suffix.lower()
+    text = path.read_text(encoding="utf-8")
+    if suffix == ".txt":
+        return [line for line in text.splitlines() if line.strip()]
+    if suffix == ".jsonl":
+        records = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{path}:{n} is not valid JSON: {exc.msg}.") from None
+        return records
+    if suffix == ".csv":
+        rows = list(csv.DictReader(text.splitlines()))
+        if rows and "prompt" not in rows[0]:
+            raise PromptError(f"{path} has no 'prompt' column (columns: {', '.join(rows[0])}).")
+        return rows
+    raise PromptError(
+        f"prompt file {str(path)!r} must end in .txt, .jsonl or .csv, not {suffix or '(none)'}."
+    )
+
+
+def _read_dataset_dir(path: Path) -> list[Any]:
+    try:
+        import datasets
+    except ImportError:
+        raise PromptError(
+            f"{str(path)!r} is a directory; reading a saved dataset needs `pip install datasets`."
+        ) from None
+    dataset = datasets.load_from_disk(str(path))
+    if "prompt" not in dataset.column_names:
+        raise PromptError(f"dataset {str(path)!r} has no 'prompt' column (columns: {dataset.column_names}).")
+    return list(dataset)
+
+
+def _to_prompt(record: Any, where: str, index: int) -> Prompt:
+    if isinstance(record, Prompt):
+        return record
+    if isinstance(record, str):
+        text, meta = record, {}
+    elif isinstance(record, Mapping):
+        meta = dict(record)
+        text = meta.pop("prompt", None)
+    else:
+        text, meta = None, {}
+    if not isinstance(text, str) or not text.strip():
+        raise PromptError(
+            f"prompt {index} of {where} is {record!r}: each prompt must be a non-empty string, "
+            f"or a mapping with a non-empty 'prompt' string."
+        )
+    return Prompt(text, meta)
+
+
+def _shipped(name: str) -> Callable[[], list[Any]]:
+    return lambda: read_prompt_file(DATA_DIR / f"{name}.jsonl")
+
+
+def copy_prompts(alphabet: str = "abcdefgh", length: int = 3) -> list[dict[str, Any]]:
+    """Every string of ``length`` letters from ``alphabet``, each its own reference (the Copy task)."""
+    words = [""]
+    for _ in range(length):
+        words = [w + c for w in words for c in alphabet]
+    return [{"prompt": w, "reference": w} for w in words]
+
+
+@hookimpl
+def register_prompt_sources(register: Callable[..., None]) -> None:
+    register("chat", _shipped("chat"))
+    register("reviews", _shipped("reviews"))
+    register("arithmetic", _shipped("arithmetic"))
+    register("copy", copy_prompts)

@@ -1,0 +1,100 @@
+"""Adapter from the native :class:`~textgym.envs.TextGenVectorEnv` to Stable-Baselines3's ``VecEnv``.
+
+``make_vec_env("textgym/Copy-v0", n_envs=8)`` gives a VecEnv that SB3's algorithms train on directly, with
+the vector env's batched reward scoring kept (one reward call per step for all episodes that end on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvStepReturn
+
+from textgym.envs import TextGenVectorEnv
+from textgym.errors import ConfigError
+
+
+class TextGymVecEnv(VecEnv):
+    """SB3 ``VecEnv`` over a ``TextGenVectorEnv`` in ``"SameStep"`` autoreset mode.
+
+    Episode ends follow SB3's conventions: ``infos[i]["terminal_observation"]`` holds the last observation,
+    ``infos[i]["TimeLimit.truncated"]`` marks episodes cut at ``max_new_tokens``, and the info of an ended
+    episode also carries ``reward_components``, ``completion`` and ``finish_reason``.
+    """
+
+    def __init__(self, env: TextGenVectorEnv):
+        if env.autoreset_mode is not gym.vector.AutoresetMode.SAME_STEP:
+            raise ConfigError("TextGymVecEnv needs a TextGenVectorEnv with autoreset_mode='SameStep'.")
+        self.env = env
+        super().__init__(env.num_envs, env.single_observation_space, env.single_action_space)
+        self._actions: np.ndarray | None = None
+
+    def reset(self) -> dict[str, np.ndarray]:
+        seed = self._seeds[0] if self._seeds else None
+        obs, _ = self.env.reset(seed=seed, options=self._options[0] or None)
+        self._reset_seeds()
+        self._reset_options()
+        return obs
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self._actions = np.asarray(actions).reshape(self.num_envs).astype(np.int64)
+
+    def step_wait(self) -> VecEnvStepReturn:
+        obs, rewards, terminated, truncated, vinfo = self.env.step(self._actions)
+        dones = terminated | truncated
+        infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
+        for i in np.flatnonzero(dones):
+            final = vinfo["final_info"]
+            infos[i] = {
+                k: v[i] for k, v in final.items() if not k.startswith("_") and not isinstance(v, dict)
+            }
+            infos[i]["reward_components"] = {
+                name: values[i]
+                for name, values in final["reward_components"].items()
+                if not name.startswith("_")
+            }
+            infos[i]["terminal_observation"] = vinfo["final_obs"][i]
+            infos[i]["TimeLimit.truncated"] = bool(truncated[i])
+        return obs, rewards.astype(np.float32), dones, infos
+
+    def close(self) -> None:
+        self.env.close()
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        return [getattr(self.env, attr_name)] * len(self._get_indices(indices))
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        setattr(self.env, attr_name, value)
+
+    def env_method(
+        self, method_name: str, *args: Any, indices: VecEnvIndices = None, **kwargs: Any
+    ) -> list[Any]:
+        result = getattr(self.env, method_name)(*args, **kwargs)
+        return [result] * len(self._get_indices(indices))
+
+    def env_is_wrapped(self, wrapper_class: type, indices: VecEnvIndices = None) -> list[bool]:
+        return [False] * len(self._get_indices(indices))
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        return [None] * self.num_envs
+
+    def _get_indices(self, indices: VecEnvIndices) -> Iterable[int]:
+        if indices is None:
+            return range(self.num_envs)
+        return [indices] if isinstance(indices, int) else indices
+
+
+def make_vec_env(
+    env_id: str = "textgym/TextGen-v0", n_envs: int = 8, seed: int | None = None, **kwargs: Any
+) -> TextGymVecEnv:
+    """An SB3 VecEnv of ``n_envs`` episodes of a registered textgym env (``kwargs`` override its defaults)."""
+    import textgym  # noqa: F401  (registers the envs)
+
+    env = gym.make_vec(env_id, num_envs=n_envs, vectorization_mode="vector_entry_point", **kwargs)
+    vec = TextGymVecEnv(env.unwrapped if hasattr(env, "unwrapped") else env)
+    if seed is not None:
+        vec.seed(seed)
+    return vec
