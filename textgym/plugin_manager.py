@@ -116,9 +116,19 @@ def register_plugin(plugin: object, name: str, source: str = "registered in code
             f"a plugin named {name!r} is already registered ({describe_source(name)}); choose another name."
         )
     pm.register(plugin, name=name)
-    pm.check_pending()
+    _check_pending(name)
     _sources[name] = source
     _changed()
+
+
+def _check_pending(name: str | None = None) -> None:
+    """``check_pending`` with a message that names the plugin and the valid hook names."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        if name is not None:
+            pm.unregister(name=name)
+        raise PluginError(f"{exc}. textgym's hooks are: {', '.join(KINDS)}.") from exc
 
 
 def unregister_plugin(name: str) -> None:
@@ -178,7 +188,7 @@ def load_plugins() -> None:
                 ) from exc
             pm.register(plugin, name=ep.name)
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
-    pm.check_pending()
+    _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
         load_plugin_file(path)
     _changed()

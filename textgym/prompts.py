@@ -40,7 +40,7 @@ def load_prompts(source: PromptsLike = None) -> list[Prompt]:
     """
     if source is None:
         source = DEFAULT_PROMPTS
-    where = repr(source) if isinstance(source, (str, os.PathLike)) else "the prompt list"
+    where = repr(str(source)) if isinstance(source, (str, os.PathLike)) else "the prompt list"
     if isinstance(source, (str, os.PathLike)):
         records = _resolve(source)
     else:

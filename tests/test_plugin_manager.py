@@ -1,0 +1,179 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import textgym
+from textgym import plugin_manager
+from textgym.cli import main
+from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
+from tests.conftest import reward_plugin
+
+BUILTIN_REWARDS = {"rm_score", "fluency", "safety", "length_penalty", "sentiment", "similarity", "match"}
+
+
+def test_builtins_register_through_the_hooks():
+    assert set(plugin_manager.registry("register_rewards").names()) == BUILTIN_REWARDS
+    assert {"chat", "reviews", "arithmetic", "copy"} <= set(
+        plugin_manager.registry("register_prompt_sources").names()
+    )
+    assert {"smollm2-135m-instruct", "tiny-random-llama"} <= set(
+        plugin_manager.registry("register_models").names()
+    )
+    for name in plugin_manager.DEFAULT_PLUGINS:
+        assert plugin_manager.describe_source(name) == "built-in"
+
+
+def test_a_throwaway_reward_plugin_is_usable_by_name_and_gone_after(register):
+    register(reward_plugin("twice", lambda ss: [2.0] * len(ss)), "twice-plugin")
+    total, _ = textgym.build_reward_stack(["twice weight=3"]).score([textgym.Sample("p", "c")])
+    assert total.tolist() == [6.0]
+    plugin_manager.unregister_plugin("twice-plugin")
+    with pytest.raises(UnknownNameError):
+        textgym.make_reward("twice")
+
+
+def test_duplicate_names_are_an_error_naming_both_plugins(register):
+    register(reward_plugin("sentiment", lambda ss: [0.0] * len(ss)), "my-sentiment")
+    with pytest.raises(DuplicateNameError) as err:
+        plugin_manager.registry("register_rewards")
+    assert "'textgym.plugins.sentiment' (built-in)" in str(err.value) and "'my-sentiment'" in str(err.value)
+
+
+def test_misspelled_hook_is_caught_by_check_pending():
+    class Typo:
+        @staticmethod
+        @textgym.hookimpl
+        def register_reward(register):  # missing "s"
+            pass
+
+    with pytest.raises(PluginError, match="unknown hook 'register_reward'.*hooks are: register_rewards"):
+        plugin_manager.register_plugin(Typo(), name="typo")
+    assert not plugin_manager.pm.has_plugin("typo")
+
+
+def test_unknown_agent_name_lists_known_agents(register):
+    class Agents:
+        @staticmethod
+        @textgym.hookimpl
+        def register_agents(register):
+            register("my-ppo", object)
+
+    register(Agents(), "agents-plugin")
+    with pytest.raises(UnknownNameError, match="unknown agent 'my-pop'. Did you mean 'my-ppo'"):
+        plugin_manager.get("register_agents", "my-pop")
+
+
+def test_plugin_envs_are_registered_with_gymnasium(register):
+    import gymnasium
+
+    class Envs:
+        @staticmethod
+        @textgym.hookimpl
+        def register_envs(register):
+            register(
+                "myproject/Short-v0",
+                "textgym.envs:TextGenEnv",
+                model="chars",
+                prompts=["abc"],
+                max_new_tokens=2,
+            )
+
+    register(Envs(), "env-plugin")
+    env = gymnasium.make("myproject/Short-v0")
+    assert env.observation_space["input_ids"].shape == (96 + 2,)
+    plugin_manager.unregister_plugin("env-plugin")
+    assert "myproject/Short-v0" not in gymnasium.registry
+
+
+PLUGIN_FILE = """
+import textgym
+
+@textgym.reward("exclaim")
+def exclaim(samples, per_mark=1.0):
+    return [per_mark * s.completion.count("!") for s in samples]
+"""
+
+
+def test_reward_decorator_in_a_plain_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(PLUGIN_FILE)
+    name = plugin_manager.load_plugin_file(path)
+    try:
+        reward = textgym.make_reward("exclaim", per_mark=0.5)
+        assert list(reward([textgym.Sample("p", "hi!!")])) == [1.0]
+        assert plugin_manager.get("register_rewards", "exclaim").plugin == f"{path.resolve()}::exclaim"
+        with pytest.raises(textgym.errors.PluginArgumentError, match="Valid arguments: per_mark"):
+            textgym.make_reward("exclaim", per_marks=2)
+        assert plugin_manager.load_plugin_file(path) == name  # loading twice is a no-op
+    finally:
+        plugin_manager.unregister_plugin(name)
+        plugin_manager.unregister_plugin(f"{path.resolve()}::exclaim")
+
+
+def test_bad_plugin_files_are_errors(tmp_path):
+    with pytest.raises(PluginError, match="does not exist"):
+        plugin_manager.load_plugin_file(tmp_path / "nope.py")
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(PluginError, match="failed to import: ModuleNotFoundError"):
+        plugin_manager.load_plugin_file(tmp_path / "broken.py")
+
+
+def run_textgym(args, env_extra, cwd):
+    env = {**os.environ, **env_extra}
+    return subprocess.run(
+        [sys.executable, "-m", "textgym", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+def test_cli_plugin_flag_and_env_var_and_listing(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(PLUGIN_FILE)
+    by_flag = run_textgym(["plugins", "--json", "--plugin", str(path)], {}, tmp_path)
+    by_var = run_textgym(["plugins", "--json"], {"TEXTGYM_PLUGINS": str(path)}, tmp_path)
+    for result in (by_flag, by_var):
+        assert result.returncode == 0, result.stderr
+        report = {row["name"]: row for row in json.loads(result.stdout)}
+        row = report[f"{path.resolve()}::exclaim"]
+        assert (
+            row["registers"] == {"reward": ["exclaim"]}
+            and row["source"] == f"@textgym.reward in {path.resolve()}"
+        )
+        assert report["textgym.plugins.sentiment"]["registers"] == {"reward": ["sentiment"]}
+
+
+def test_cli_plugins_text_listing(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "textgym.plugins.match  (built-in)\n    rewards: match" in out
+    assert "envs: textgym/TextGen-v0, textgym/Copy-v0" in out
+
+
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    assert main(["plugins", "--plugin", str(tmp_path / "missing.py")]) == 2
+    assert "textgym: error: plugin file" in capsys.readouterr().err
+
+
+def test_check_pending_runs_for_plugin_files(tmp_path):
+    (tmp_path / "typo.py").write_text(
+        textwrap.dedent(
+            """
+            import textgym
+            @textgym.hookimpl
+            def register_reward(register):
+                pass
+            """
+        )
+    )
+    result = run_textgym(["plugins", "--plugin", str(tmp_path / "typo.py")], {}, tmp_path)
+    assert (
+        result.returncode == 2 and "textgym: error:" in result.stderr and "register_reward" in result.stderr
+    )

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from textgym.errors import PromptError, UnknownNameError
+from textgym.prompts import Prompt, load_prompts
+
+
+def test_inline_list_of_strings_and_dicts():
+    prompts = load_prompts(["hi", {"prompt": "2+2?", "reference": "4"}])
+    assert prompts == [Prompt("hi", {}), Prompt("2+2?", {"reference": "4"})]
+
+
+def test_txt_jsonl_csv_files_with_metadata(tmp_path):
+    (tmp_path / "p.txt").write_text("first\n\nsecond\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "q", "reference": "a", "topic": "t"}) + "\n\n")
+    (tmp_path / "p.csv").write_text("prompt,reference\nq1,a1\nq2,a2\n")
+    assert [p.text for p in load_prompts(tmp_path / "p.txt")] == ["first", "second"]
+    assert load_prompts(str(tmp_path / "p.jsonl")) == [Prompt("q", {"reference": "a", "topic": "t"})]
+    assert load_prompts(tmp_path / "p.csv")[1] == Prompt("q2", {"reference": "a2"})
+
+
+@pytest.mark.parametrize("name", ["chat", "reviews", "arithmetic", "copy"])
+def test_shipped_prompt_sets(name):
+    prompts = load_prompts(name)
+    assert len(prompts) >= 16
+    if name in ("arithmetic", "copy"):
+        assert all("reference" in p.meta for p in prompts)
+
+
+def test_default_is_the_chat_set():
+    assert load_prompts() == load_prompts("chat")
+
+
+def test_empty_sources_are_errors(tmp_path):
+    with pytest.raises(PromptError, match="is empty"):
+        load_prompts([])
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(PromptError, match="empty.txt' is empty"):
+        load_prompts(tmp_path / "empty.txt")
+
+
+def test_bad_records_and_files_are_errors(tmp_path):
+    with pytest.raises(PromptError, match="prompt 1 of the prompt list"):
+        load_prompts(["ok", {"text": "no prompt key"}])
+    (tmp_path / "bad.csv").write_text("question\nq\n")
+    with pytest.raises(PromptError, match="no 'prompt' column"):
+        load_prompts(tmp_path / "bad.csv")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(PromptError, match="bad.jsonl:2 is not valid JSON"):
+        load_prompts(tmp_path / "bad.jsonl")
+    with pytest.raises(PromptError, match="does not exist"):
+        load_prompts(tmp_path / "missing.txt")
+
+
+def test_unknown_prompt_source_name_suggests():
+    with pytest.raises(UnknownNameError, match="Did you mean 'reviews'"):
+        load_prompts("reveiws")

@@ -1,0 +1,97 @@
+import math
+
+import numpy as np
+import pytest
+
+from textgym import FunctionReward, RewardStack, Sample, build_reward_stack, make_reward
+from textgym.errors import ConfigError, PluginArgumentError, RewardError, UnknownNameError
+from textgym.rewards import parse_reward_spec
+
+SAMPLES = [Sample("p", "good"), Sample("p", "bad day"), Sample("p", "")]
+
+
+def const(value):
+    return lambda samples: [value] * len(samples)
+
+
+def test_stack_total_is_weighted_sum_and_components_are_raw():
+    a = FunctionReward("a", lambda ss: [len(s.completion) for s in ss])
+    b = FunctionReward("b", const(2.0))
+    total, components = RewardStack([(a, 0.5), (b, -1.0)]).score(SAMPLES)
+    np.testing.assert_allclose(components["a"], [4, 7, 0])
+    np.testing.assert_allclose(components["b"], [2, 2, 2])
+    np.testing.assert_allclose(total, [0.5 * 4 - 2, 0.5 * 7 - 2, -2])
+
+
+def test_weight_zero_is_logged_but_does_not_count():
+    stack = RewardStack([(FunctionReward("a", const(1.0)), 1.0), (FunctionReward("m", const(100.0)), 0)])
+    total, components = stack.score(SAMPLES)
+    np.testing.assert_allclose(total, [1, 1, 1])
+    np.testing.assert_allclose(components["m"], [100, 100, 100])
+
+
+def test_same_reward_twice_gets_distinct_component_names():
+    stack = build_reward_stack(["length_penalty target=4", "length_penalty target=8"])
+    assert stack.names == ["length_penalty", "length_penalty_2"]
+
+
+@pytest.mark.parametrize(
+    ("output", "match"),
+    [
+        (lambda ss: [1.0], "returned 1 scores for 3 samples"),
+        (lambda ss: [1.0, float("nan"), 0.0], r"returned nan for sample 1"),
+        (lambda ss: [1.0, 0.0, math.inf], r"returned inf for sample 2"),
+        (lambda ss: "abc", "one float per sample"),
+        (lambda ss: None, "one float per sample"),
+        (lambda ss: [[1.0, 2.0]] * 3, "one float per sample"),
+    ],
+)
+def test_bad_plugin_output_is_an_error_naming_the_plugin(output, match):
+    stack = RewardStack([(FunctionReward("broken", output), 1.0)])
+    with pytest.raises(RewardError, match="reward plugin 'broken'") as err:
+        stack.score(SAMPLES)
+    assert err.match(match)
+
+
+def test_plugin_exception_is_wrapped_with_its_name():
+    def boom(samples):
+        raise ZeroDivisionError("oops")
+
+    with pytest.raises(RewardError, match="reward plugin 'boom' raised ZeroDivisionError: oops"):
+        RewardStack([(FunctionReward("boom", boom), 1.0)]).score(SAMPLES)
+
+
+def test_unknown_reward_name_lists_known_and_suggests_closest():
+    with pytest.raises(UnknownNameError, match="Did you mean 'sentiment'") as err:
+        make_reward("sentimnet")
+    assert "length_penalty" in str(err.value) and "rm_score" in str(err.value)
+
+
+def test_unknown_plugin_argument_lists_valid_ones():
+    with pytest.raises(PluginArgumentError, match="'targte'") as err:
+        make_reward("length_penalty", targte=3)
+    assert "Valid arguments: target, min, max, unit, shape, scale, missing_eos_penalty" in str(err.value)
+
+
+def test_bad_argument_value_names_the_reward():
+    with pytest.raises(PluginArgumentError, match="reward 'length_penalty': unit must be"):
+        make_reward("length_penalty", target=3, unit="lines")
+
+
+def test_reward_spec_strings_parse_values_as_toml():
+    assert parse_reward_spec("length_penalty weight=0.2 target=32 unit='words' shape=quadratic") == {
+        "name": "length_penalty",
+        "weight": 0.2,
+        "target": 32,
+        "unit": "words",
+        "shape": "quadratic",
+    }
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_reward_spec("sentiment 0.5")
+
+
+def test_bad_weight_and_missing_name_are_errors():
+    with pytest.raises(ConfigError, match="weight nan"):
+        RewardStack([(FunctionReward("a", const(1.0)), float("nan"))])
+    with pytest.raises(ConfigError, match="has no 'name'"):
+        build_reward_stack([{"weight": 1.0}])
