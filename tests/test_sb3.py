@@ -36,10 +36,13 @@ def test_stock_sb3_ppo_learns_the_copy_task_well_beyond_random():
     random_reward = mean_episode_reward(
         make_vec_env("textgym/Copy-v0", n_envs=16, seed=1), lambda obs: rng.integers(0, n_actions, 16)
     )
-    model = PPO("MultiInputPolicy", env, seed=0, n_steps=128, batch_size=256, ent_coef=0.01, learning_rate=1e-3)
+    model = PPO(
+        "MultiInputPolicy", env, seed=0, n_steps=128, batch_size=256, ent_coef=0.01, learning_rate=1e-3
+    )
     model.learn(60_000)
     trained_reward = mean_episode_reward(
-        make_vec_env("textgym/Copy-v0", n_envs=16, seed=1), lambda obs: model.predict(obs, deterministic=True)[0]
+        make_vec_env("textgym/Copy-v0", n_envs=16, seed=1),
+        lambda obs: model.predict(obs, deterministic=True)[0],
     )
     print(f"random policy {random_reward:.3f}, PPO after 60k steps {trained_reward:.3f}")
     assert trained_reward > 3 * random_reward and trained_reward > 0.3, (random_reward, trained_reward)

@@ -1,0 +1,148 @@
+"""The built-in reward plugins, each built by name as users do, on real inputs."""
+
+import numpy as np
+import pytest
+import torch
+
+from textgym import Sample, make_reward
+from textgym.errors import PluginArgumentError, RewardError
+
+
+def s(completion, prompt="p", finish_reason="stop", completion_ids=None, **meta):
+    ids = completion_ids if completion_ids is not None else tuple(range(len(completion.split()) + 1))
+    return Sample(prompt, completion, (), tuple(ids), finish_reason, meta)
+
+
+def test_sentiment_ranks_positive_above_negative_and_can_flip():
+    samples = [s("I love this, it is wonderful!"), s("This is terrible and I hate it.")]
+    pos, neg = make_reward("sentiment")(samples)
+    assert pos > 0.5 and neg < -0.5
+    assert make_reward("sentiment", target="negative")(samples) == [-pos, -neg]
+
+
+def test_length_penalty_target_range_shapes_units_and_missing_eos():
+    # completion_ids include EOS when finish_reason is "stop": 5 ids -> 4 tokens of text
+    four = s("a b c d", completion_ids=(1, 2, 3, 4, 9))
+    assert make_reward("length_penalty", target=4)([four]) == [0.0]
+    assert make_reward("length_penalty", target=8)([four]) == [-0.5]
+    assert make_reward("length_penalty", target=8, shape="quadratic")([four]) == [-0.25]
+    assert make_reward("length_penalty", min=2, max=6)([four]) == [0.0]
+    assert make_reward("length_penalty", min=6, max=10)([four]) == [-0.2]
+    assert make_reward("length_penalty", target=2, unit="words")([four]) == [-1.0]
+    cut = s("a b c d", finish_reason="length", completion_ids=(1, 2, 3, 4))
+    assert make_reward("length_penalty", target=4, missing_eos_penalty=0.7)([cut]) == [-0.7]
+    with pytest.raises(PluginArgumentError, match="either target, or min and/or max"):
+        make_reward("length_penalty", target=4, max=3)
+
+
+def test_match_modes_and_references():
+    samples = [s(" 42 ", reference="42"), s("the answer is 42.", reference="42"), s("41", reference="42")]
+    assert make_reward("match")(samples) == [1.0, 0.0, 0.0]
+    assert make_reward("match", mode="contains")(samples) == [1.0, 1.0, 0.0]
+    assert make_reward("match", mode="regex", reference=r"\b4\d\b")(samples) == [1.0, 1.0, 1.0]
+    assert make_reward("match", partial=True)(samples)[2] == pytest.approx(0.5)
+    with pytest.raises(RewardError, match="has no 'reference' in its metadata"):
+        make_reward("match")([s("x")])
+    with pytest.raises(PluginArgumentError, match="partial=True needs mode='exact'"):
+        make_reward("match", mode="contains", partial=True)
+
+
+def test_safety_penalises_offensive_text():
+    samples = [s("Have a lovely day, friend."), s("You are a stupid idiot, shut up.")]
+    clean, offensive = make_reward("safety")(samples)
+    assert -0.5 < clean <= 0 and offensive < -0.5
+    assert list(make_reward("safety", shape="step", penalty=2.0)(samples)) == [0.0, -2.0]
+    hinge = make_reward("safety", shape="hinge", threshold=0.5)(samples)
+    assert hinge[0] == 0.0 and hinge[1] < 0
+    with pytest.raises(PluginArgumentError, match="threshold must be in"):
+        make_reward("safety", threshold=1.5)
+
+
+def test_similarity_to_reference_and_to_a_fixed_target():
+    samples = [
+        s("A cat sits on the mat.", reference="A cat is sitting on a mat."),
+        s("Stock markets fell sharply.", reference="A cat is sitting on a mat."),
+    ]
+    same, other = make_reward("similarity")(samples)
+    assert same > 0.7 and other < 0.3
+    fixed = make_reward("similarity", target="The weather is sunny today.")
+    assert fixed([s("It is sunny and warm today.")])[0] > fixed([s("The cat sleeps.")])[0]
+    with pytest.raises(RewardError, match="or the reward a fixed `target`"):
+        make_reward("similarity")([s("x")])
+
+
+def test_fluency_on_the_tiny_model_is_a_mean_log_prob_and_batch_independent(tiny):
+    fluency = make_reward("fluency", model="tiny-random-llama", batch_size=2)
+    samples = [
+        s("Hello there, how are you?"),
+        s("Fine."),
+        s("word word word word word word", finish_reason="length"),
+    ]
+    scores = fluency(samples)
+    assert all(np.isfinite(scores)) and all(x < 0 for x in scores)
+    one_by_one = [make_reward("fluency", model="tiny-random-llama", batch_size=1)([x])[0] for x in samples]
+    np.testing.assert_allclose(scores, one_by_one, rtol=1e-4)
+    penalised = make_reward("fluency", model="tiny-random-llama", repetition_penalty=1.0)(samples)
+    assert penalised[2] == pytest.approx(scores[2] - 0.8, rel=1e-4)  # distinct-2 of "word word ..." is 1/5
+    assert penalised[0] == pytest.approx(scores[0], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=2, pad_token_id=tokenizer.pad_token_id,
+        id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1},
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("rm")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_rm_score_labels_outputs_and_batching(reward_model_dir):
+    samples = [s("I like it."), s("No."), s("A much longer completion that goes on and on.")]
+    logits = make_reward("rm_score", model=reward_model_dir, label="POSITIVE", batch_size=2)(samples)
+    same = make_reward("rm_score", model=reward_model_dir, label=1, batch_size=1)(samples)
+    np.testing.assert_allclose(logits, same, rtol=1e-4, atol=1e-5)
+    probs = make_reward("rm_score", model=reward_model_dir, label="POSITIVE", output="probability")(samples)
+    negs = make_reward("rm_score", model=reward_model_dir, label="NEGATIVE", output="probability")(samples)
+    np.testing.assert_allclose(np.add(probs, negs), 1.0, rtol=1e-5)
+    plain = make_reward(
+        "rm_score",
+        model=reward_model_dir,
+        label=1,
+        chat_template=False,
+        template="Q: {prompt}\nA: {completion}",
+    )
+    assert plain.format(samples[0]) == "Q: p\nA: I like it."
+    chat = make_reward("rm_score", model=reward_model_dir, label=1)
+    assert "<|im_start|>assistant\nI like it." in chat.format(samples[0])
+    truncated = make_reward("rm_score", model=reward_model_dir, label=1, max_length=8)(samples)
+    assert np.isfinite(truncated).all()
+
+
+def test_rm_score_bad_arguments(reward_model_dir, tmp_path):
+    with pytest.raises(PluginArgumentError, match=r"has 2 labels .*choose one with `label`"):
+        make_reward("rm_score", model=reward_model_dir)
+    with pytest.raises(
+        PluginArgumentError, match=r"'HAPPY' is not one of the model's labels \['NEGATIVE', 'POSITIVE'\]"
+    ):
+        make_reward("rm_score", model=reward_model_dir, label="HAPPY")
+    with pytest.raises(PluginArgumentError, match="is not a local directory"):
+        make_reward("rm_score", model=str(tmp_path / "nothing"))
+
+
+@pytest.mark.slow
+def test_fluency_on_the_embedded_model_prefers_fluent_text():
+    fluency = make_reward("fluency")
+    fluent, garbled = fluency(
+        [
+            s("The sea was calm and blue.", prompt="Describe the sea."),
+            s("sea blue the calm was and.", prompt="Describe the sea."),
+        ]
+    )
+    assert fluent > garbled

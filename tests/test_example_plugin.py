@@ -1,0 +1,59 @@
+"""The example plugin package in docs/ installs with pip and its reward is usable by name."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).parents[1] / "docs" / "example-plugin"
+
+USE_BY_NAME = """
+import textgym
+env = textgym.TextGenEnv(model="chars", prompts="copy",
+                         rewards=[{"name": "keyword_bonus", "keywords": ["ab"], "bonus": 2.0}], max_new_tokens=3,
+                         max_prompt_tokens=3)
+env.reset(seed=0)
+for token in env.tokenizer.encode("ab"):
+    env.step(token)
+print(env.step(env.tokenizer.eos_token_id)[1])
+print(textgym.load_prompts("polite-requests")[0].text)
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(EXAMPLE)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TEXTGYM_DISABLE_PLUGIN_AUTOLOAD", None)
+    return env
+
+
+def run(code_or_args, env):
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else ["-m", "textgym", *code_or_args]
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_installed_plugin_reward_and_prompts_are_used_by_name(installed):
+    result = run(USE_BY_NAME, installed)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["2.0", "Ask a neighbour to water your plants."]
+
+
+def test_textgym_plugins_lists_the_entry_point(installed):
+    result = run(["plugins", "--json"], installed)
+    assert result.returncode == 0, result.stderr
+    row = next(r for r in json.loads(result.stdout) if r["name"] == "example")
+    assert row["source"] == "entry point textgym_example in textgym-example-plugin 0.1.0"
+    assert row["registers"] == {"reward": ["keyword_bonus"], "prompt source": ["polite-requests"]}
+
+
+def test_autoload_can_be_disabled(installed):
+    result = run(["plugins", "--json"], {**installed, "TEXTGYM_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert "example" not in {r["name"] for r in json.loads(result.stdout)}
