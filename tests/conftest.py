@@ -4,12 +4,12 @@ import os
 os.environ["TEXTGYM_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 os.environ.pop("TEXTGYM_PLUGINS", None)
 
-import contextlib  # noqa: E402
+import contextlib
 
-import pytest  # noqa: E402
+import pytest
 
-import textgym  # noqa: E402
-from textgym import plugin_manager  # noqa: E402
+import textgym
+from textgym import plugin_manager
 
 
 @pytest.fixture(scope="session")

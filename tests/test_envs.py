@@ -194,7 +194,7 @@ def test_vector_env_disabled_autoreset_idles_ended_envs_until_reset_mask():
     _, _, term, _, infos = env.step(np.array([eos, 2]))
     assert term.tolist() == [True, False] and infos["completion"][0] == ""
     assert env.active.tolist() == [False, True]
-    obs, rewards, term, trunc, _ = env.step(np.array([5, eos]))  # env 0 idle: its action is ignored
+    obs, rewards, _, _, _ = env.step(np.array([5, eos]))  # env 0 idle: its action is ignored
     assert obs["attention_mask"][0, 96:].sum() == 1 and rewards.tolist() == [0.0, 1.0]
     assert not env.active.any()
     env.reset(options={"reset_mask": np.array([True, False])})

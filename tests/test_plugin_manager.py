@@ -7,10 +7,10 @@ import textwrap
 import pytest
 
 import textgym
+from tests.conftest import reward_plugin
 from textgym import plugin_manager
 from textgym.cli import main
 from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
-from tests.conftest import reward_plugin
 
 BUILTIN_REWARDS = {"rm_score", "fluency", "safety", "length_penalty", "sentiment", "similarity", "match"}
 
