@@ -180,7 +180,11 @@ def test_check_pending_runs_for_plugin_files(tmp_path):
 
 
 def test_unknown_env_and_model_names_suggest_the_closest():
-    with pytest.raises(UnknownNameError, match="unknown env 'textgym/Copy-v1'. Did you mean 'textgym/Copy-v0'"):
+    with pytest.raises(
+        UnknownNameError, match="unknown env 'textgym/Copy-v1'. Did you mean 'textgym/Copy-v0'"
+    ):
         plugin_manager.get("register_envs", "textgym/Copy-v1")
-    with pytest.raises(UnknownNameError, match="Known models: chars, smollm2-135m-instruct, tiny-random-llama"):
+    with pytest.raises(
+        UnknownNameError, match="Known models: chars, smollm2-135m-instruct, tiny-random-llama"
+    ):
         plugin_manager.get("register_models", "gpt2")

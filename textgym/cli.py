@@ -106,19 +106,30 @@ def _sample(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     from tqdm.auto import tqdm
 
-    with tqdm(total=args.num, desc="sampling", unit="episode", disable=None) as bar:
-        for round_ in range(math.ceil(args.num / batch)):
-            seed = args.seed + round_
-            episodes = sample_episodes(model, env, temperature=args.temperature, top_k=args.top_k, seed=seed)
-            rows.extend(episodes[: args.num - len(rows)])
-            bar.update(len(episodes))
-    env.close()
-    print(format_table(rows))
+    # Rows are written as each batch finishes, so an interrupted run keeps what it sampled.
+    output = None
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        output = args.output.open("w", encoding="utf-8")
+    try:
+        with tqdm(total=args.num, desc="sampling", unit="episode", disable=None) as bar:
+            for round_ in range(math.ceil(args.num / batch)):
+                seed = args.seed + round_
+                episodes = sample_episodes(
+                    model, env, temperature=args.temperature, top_k=args.top_k, seed=seed
+                )
+                episodes = episodes[: args.num - len(rows)]
+                rows.extend(episodes)
+                if output:
+                    output.writelines(json.dumps(row) + "\n" for row in episodes)
+                    output.flush()
+                bar.update(len(episodes))
+    finally:
+        env.close()
+        if output:
+            output.close()
+    print(format_table(rows))
+    if args.output:
         print(f"wrote {len(rows)} rows to {args.output}")
     return 0
 
