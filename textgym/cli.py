@@ -134,35 +134,27 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(rows: Sequence[dict[str, Any]], width: int = 38) -> str:
-    """A plain-text table: prompt, completion, each reward component, total."""
+def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
+    """A plain-text table: prompt, completion, each reward component, total (and their means)."""
 
-    def cut(text: str) -> str:
+    def cut(text: str, width: int) -> str:
         text = " ".join(text.split())
-        return text if len(text) <= width else text[: width - 1] + "…"
+        return f"{text if len(text) <= width else text[: width - 1] + '…':<{width}}"
 
     names = list(rows[0]["reward_components"]) if rows else []
-    header = [
-        f"{'prompt':<{width}}",
-        f"{'completion':<{width}}",
-        *(f"{n[:14]:>14}" for n in names),
-        f"{'total':>8}",
-    ]
-    lines = ["  ".join(header), "-" * len("  ".join(header))]
+    header = [cut("prompt", prompt_width), cut("completion", completion_width)]
+    header += [f"{n[:14]:>14}" for n in names] + [f"{'total':>8}"]
+    rule = "-" * len("  ".join(header))
+    lines = ["  ".join(header), rule]
     for row in rows:
-        cells = [f"{cut(row['prompt']):<{width}}", f"{cut(row['completion']):<{width}}"]
-        cells += [f"{row['reward_components'][n]:>14.3f}" for n in names]
-        cells.append(f"{row['reward']:>8.3f}")
+        cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
+        cells += [f"{row['reward_components'][n]:>14.3f}" for n in names] + [f"{row['reward']:>8.3f}"]
         lines.append("  ".join(cells))
     if rows:
         means = [sum(r["reward_components"][n] for r in rows) / len(rows) for n in names]
-        mean_total = sum(r["reward"] for r in rows) / len(rows)
-        lines.append("-" * len(lines[0]))
-        lines.append(
-            "  ".join(
-                [f"{'mean':<{width}}", " " * width, *(f"{m:>14.3f}" for m in means), f"{mean_total:>8.3f}"]
-            )
-        )
+        cells = [cut("mean", prompt_width), cut("", completion_width)]
+        cells += [f"{m:>14.3f}" for m in means] + [f"{sum(r['reward'] for r in rows) / len(rows):>8.3f}"]
+        lines += [rule, "  ".join(cells)]
     return "\n".join(lines)
 
 

@@ -155,7 +155,8 @@ def load_plugin_file(path: str | os.PathLike) -> str:
         raise PluginError(f"plugin file {str(path)!r} does not exist or is not a .py file.")
     module_name = f"textgym_plugin_{abs(hash(name)):x}"
     spec = importlib.util.spec_from_file_location(module_name, file)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise PluginError(f"plugin file {name!r} cannot be imported as a Python module.")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
