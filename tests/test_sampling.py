@@ -86,3 +86,38 @@ def test_demo_on_the_embedded_model(tmp_path, capsys):
     assert len(rows) == 4
     assert set(rows[0]["reward_components"]) == {"sentiment", "fluency", "safety", "length_penalty"}
     assert all(len(r["completion"].split()) >= 2 for r in rows)  # a real model writes words
+
+
+def test_rollout_logprobs_equal_one_full_forward_at_the_same_temperature(tiny):
+    """Before any update the PPO ratio must be 1: the KV-cached rollout (left padding, positions, masking
+    after EOS, temperature) and a single forward over prompt + response give the same log-probs."""
+    from textgym.agents.ppo_core import logprobs_from_logits
+
+    from textgym.sampling import rollout
+
+    model, tok = tiny
+    env = TextGenVectorEnv(
+        num_envs=3, model="tiny-random-llama", prompts=PROMPTS, rewards=[{"name": "sentiment"}],
+        max_new_tokens=8, prompt_order="sequential", autoreset_mode="Disabled", chat_template=False,
+    )  # fmt: skip
+    result = rollout(model, env, temperature=0.7, seed=0, keep_hidden=True)
+    for row, info in enumerate(result.infos):  # mask: ones up to and including the last token, then zeros
+        n = int(result.response_mask[row].sum())
+        assert result.response_mask[row, :n].all() and not result.response_mask[row, n:].any()
+        last = int(result.response_ids[row, n - 1])
+        assert (last == tok.eos_token_id) == (info["finish_reason"] == "stop") and (
+            n == 8 or last == tok.eos_token_id
+        )
+    ids = torch.cat([result.query_ids, result.response_ids], dim=1)  # (N, P+T)
+    mask = torch.cat([result.query_mask, result.response_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+    P = result.query_ids.shape[1]
+    logits = out.logits[:, P - 1 : -1]  # (N, T, V): the logits that chose each response token
+    full = logprobs_from_logits(logits, result.response_ids, temperature=0.7) * result.response_mask
+    torch.testing.assert_close(full, result.logprobs, atol=1e-5, rtol=0)
+    m = result.response_mask.bool()
+    torch.testing.assert_close(out.hidden_states[-1][:, P - 1 : -1][m], result.hidden[m], atol=1e-4, rtol=0)
+    assert (result.response_ids[~m] == tok.pad_token_id).all() and (result.logprobs[~m] == 0).all()
+    assert result.scores.tolist() == [i["reward"] for i in result.infos]

@@ -1,8 +1,15 @@
-"""Sample completions from a causal LM by stepping a ``TextGenVectorEnv``, one KV-cached token per step."""
+"""Generate with a causal LM by stepping a ``TextGenVectorEnv``, one KV-cached token per step.
+
+The prompt is encoded once; afterwards each step feeds one new token per episode through the KV cache,
+so a rollout costs what ``model.generate`` costs. Agents use :func:`rollout`, which also keeps each
+sampled token's log-probability (at the sampling temperature) and, optionally, the last hidden states
+for a value head; ``textgym sample`` uses :func:`sample_episodes`.
+"""
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,7 +17,22 @@ import numpy as np
 from textgym.envs import TextGenVectorEnv
 
 
-def sample_episodes(
+@dataclass
+class Rollout:
+    """One batch of episodes, one row per sub-env. Response tensors are (N, T) with T = max_new_tokens;
+    ``response_mask`` is 1 on generated tokens (EOS included) and 0 after the episode ended."""
+
+    query_ids: Any  # (N, P) left-padded prompts
+    query_mask: Any  # (N, P)
+    response_ids: Any  # (N, T), pad after the end
+    response_mask: Any  # (N, T)
+    logprobs: Any  # (N, T) log p(token) at the sampling temperature, 0 after the end
+    hidden: Any | None  # (N, T, H) last hidden state that produced each token's logits, if asked for
+    scores: np.ndarray  # (N,) reward-stack totals
+    infos: list[dict[str, Any]]  # per episode: prompt, completion, finish_reason, reward_components
+
+
+def rollout(
     model: Any,
     env: TextGenVectorEnv,
     *,
@@ -18,54 +40,68 @@ def sample_episodes(
     top_k: int = 0,
     seed: int | None = None,
     options: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """Run one episode in every sub-env of ``env`` (``autoreset_mode="Disabled"``) with ``model`` choosing
-    the tokens; returns per episode its prompt, completion, finish reason, reward and reward components.
-
-    ``temperature=0`` is greedy decoding. The prompt is encoded once; afterwards each step feeds one new
-    token per episode through the KV cache.
-    """
+    keep_hidden: bool = False,
+) -> Rollout:
+    """Run one episode in every sub-env of ``env`` (``autoreset_mode="Disabled"``), ``model`` choosing the
+    tokens. ``temperature=0`` is greedy decoding (log-probs are then taken at temperature 1)."""
     import torch
 
     if env.autoreset_mode.value != "Disabled":
-        raise ValueError("sample_episodes needs a TextGenVectorEnv with autoreset_mode='Disabled'.")
+        raise ValueError("rollout needs a TextGenVectorEnv with autoreset_mode='Disabled'.")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, not {temperature}.")
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu")
     generator.manual_seed(0 if seed is None else seed)
     obs, _ = env.reset(seed=seed, options=options)
-    P, n = env.episodes.P, env.num_envs
-    mask = torch.from_numpy(obs["attention_mask"][:, :P]).long().to(device)  # (N, P), prompts left-padded
+    P, T, n = env.episodes.P, env.episodes.T, env.num_envs
+    query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
+    query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
+    mask = query_mask.to(device)  # grows by one column per step
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P)
-    results: list[dict[str, Any] | None] = [None] * n
+    response_ids = torch.full((n, T), env.episodes.pad_id, dtype=torch.long)
+    response_mask = torch.zeros(n, T, dtype=torch.long)
+    logprobs = torch.zeros(n, T)
+    hidden: list[Any] = []
+    scores = np.zeros(n)
+    infos: list[dict[str, Any]] = [{} for _ in range(n)]
+    scale = temperature if temperature > 0 else 1.0
     with torch.inference_mode():
         out = model(
-            input_ids=torch.from_numpy(obs["input_ids"][:, :P]).to(device),
+            input_ids=query_ids.to(device),
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
+            output_hidden_states=keep_hidden,
         )
         next_position = positions[:, -1:] + 1  # (N, 1)
-        while True:
-            logits = out.logits[:, -1].float().cpu()  # (N, V)
-            logits = logits[:, : env.single_action_space.n]
+        for t in range(T):
+            active = torch.from_numpy(env.active)
+            logits = out.logits[:, -1, : env.single_action_space.n].float().cpu() / scale  # (N, V)
+            if keep_hidden:
+                hidden.append(out.hidden_states[-1][:, -1].float().cpu())  # (N, H)
             if temperature == 0:
                 tokens = logits.argmax(-1)
             else:
-                logits = logits / temperature
                 if top_k:
                     kth = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-            _, rewards, terminated, truncated, infos = env.step(tokens.numpy())
+            tokens = torch.where(active, tokens, env.episodes.pad_id)
+            response_ids[:, t] = tokens
+            response_mask[:, t] = active.long()
+            logprobs[:, t] = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1) * active
+            _, rewards, terminated, truncated, step_infos = env.step(tokens.numpy())
             for i in np.flatnonzero(terminated | truncated):
-                results[i] = {
-                    "prompt": infos["prompt"][i],
-                    "completion": infos["completion"][i],
-                    "finish_reason": infos["finish_reason"][i],
+                scores[i] = rewards[i]
+                infos[i] = {
+                    "prompt": step_infos["prompt"][i],
+                    "completion": step_infos["completion"][i],
+                    "finish_reason": step_infos["finish_reason"][i],
                     "reward_components": {
-                        k: float(v[i]) for k, v in infos["reward_components"].items() if not k.startswith("_")
+                        k: float(v[i])
+                        for k, v in step_infos["reward_components"].items()
+                        if not k.startswith("_")
                     },
                     "reward": float(rewards[i]),
                 }
@@ -77,10 +113,29 @@ def sample_episodes(
                 attention_mask=mask,
                 position_ids=next_position,
                 use_cache=True,
+                output_hidden_states=keep_hidden,
                 **cache_kwargs(model, out),
             )
             next_position = next_position + 1
-    return [r for r in results if r is not None]
+    hidden_states = None
+    if keep_hidden:
+        hidden_states = torch.zeros(n, T, hidden[0].shape[-1])
+        hidden_states[:, : len(hidden)] = torch.stack(hidden, dim=1)
+    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, hidden_states, scores, infos)
+
+
+def sample_episodes(
+    model: Any,
+    env: TextGenVectorEnv,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """One episode per sub-env: its prompt, completion, finish reason, reward and reward components."""
+    result = rollout(model, env, temperature=temperature, top_k=top_k, seed=seed, options=options)
+    return result.infos
 
 
 def cache_kwargs(model: Any, out: Any) -> dict[str, Any]:
