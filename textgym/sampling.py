@@ -66,6 +66,7 @@ def rollout(
     scores = np.zeros(n)
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
+    cache_key = cache_keyword(model)  # looked up once, not per token
     with torch.inference_mode():
         out = model(
             input_ids=query_ids.to(device),
@@ -114,7 +115,7 @@ def rollout(
                 position_ids=next_position,
                 use_cache=True,
                 output_hidden_states=keep_hidden,
-                **cache_kwargs(model, out),
+                **{cache_key: out[cache_key]},
             )
             next_position = next_position + 1
     hidden_states = None
@@ -138,9 +139,7 @@ def sample_episodes(
     return result.infos
 
 
-def cache_kwargs(model: Any, out: Any) -> dict[str, Any]:
-    """The KV cache of ``out`` as the keyword ``model.forward`` takes: ``cache`` in transformers 5.x,
-    ``past_key_values`` before (5.x still accepts it, with a deprecation warning)."""
-    if "cache" in inspect.signature(model.forward).parameters:
-        return {"cache": out["cache"]}
-    return {"past_key_values": out["past_key_values"]}
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model.forward`` takes (and its output returns) the KV cache: ``cache`` in
+    transformers 5.x, ``past_key_values`` before (5.x still accepts that, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
