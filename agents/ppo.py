@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
     FixedKLController,
@@ -24,8 +26,6 @@ from textgym.agents.ppo_core import (
     policy_loss,
     value_loss,
 )
-from torch import nn
-
 from textgym.envs import TextGenVectorEnv
 from textgym.sampling import rollout
 
@@ -83,8 +83,8 @@ class LMPPO:
         self.policy.eval()  # dropout off: rollout and training log-probs must agree
         self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False)
         self.value_head = ValueHead(self.policy.config.hidden_size)
-        params = [*self.policy.parameters(), *self.value_head.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.learning_rate)
+        self.params = [*self.policy.parameters(), *self.value_head.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.learning_rate)
         c = self.config
         self.kl_ctl = (
             AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon)
@@ -156,9 +156,7 @@ class LMPPO:
                 loss = pg_loss + c.vf_coef * vf_loss
                 self.optimizer.zero_grad()
                 loss.backward()
-                nn.utils.clip_grad_norm_(
-                    [*self.policy.parameters(), *self.value_head.parameters()], c.max_grad_norm
-                )
+                nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
                 self.optimizer.step()
                 approx_kls.append(approx_kl.item())
             if c.target_kl is not None and approx_kls[-1] > 1.5 * c.target_kl:  # cleanrl's early stop

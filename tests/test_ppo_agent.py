@@ -1,9 +1,9 @@
 import numpy as np
 import torch
-from textgym.agents.ppo import LMPPO
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from textgym import FunctionReward, RewardStack, TextGenVectorEnv
+from textgym.agents.ppo import LMPPO
 from textgym.models import CharTokenizer
 
 CHARS = CharTokenizer("abcdefgh")

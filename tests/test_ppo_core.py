@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
     entropy_from_logits,

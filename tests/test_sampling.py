@@ -92,7 +92,6 @@ def test_rollout_logprobs_equal_one_full_forward_at_the_same_temperature(tiny):
     """Before any update the PPO ratio must be 1: the KV-cached rollout (left padding, positions, masking
     after EOS, temperature) and a single forward over prompt + response give the same log-probs."""
     from textgym.agents.ppo_core import logprobs_from_logits
-
     from textgym.sampling import rollout
 
     model, tok = tiny
