@@ -27,6 +27,7 @@ from textgym.agents.ppo_core import (
     value_loss,
 )
 from textgym.envs import TextGenVectorEnv
+from textgym.errors import ConfigError
 from textgym.sampling import rollout
 
 
@@ -56,6 +57,15 @@ class LMPPOConfig:
     kl_estimator: str = "k1"
     whiten_rewards: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:  # log-probs divide by it; greedy rollouts have no PPO ratio
+            raise ConfigError(f"temperature must be > 0 for PPO, not {self.temperature!r}.")
+        for name in ("n_epochs", "n_minibatches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, not {getattr(self, name)!r}.")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ConfigError(f"kl_estimator must be 'k1' or 'k3', not {self.kl_estimator!r}.")
 
 
 class ValueHead(nn.Module):

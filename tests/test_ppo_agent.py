@@ -54,3 +54,19 @@ def test_ratio_is_one_before_the_first_update():
     ratio = (new - b["logprobs"]).exp()[b["response_mask"].bool()]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     assert (b["values"] == 0).all()  # zero-initialised value head
+
+
+def test_bad_hyperparameters_are_clear_errors():
+    import pytest
+
+    from textgym.agents.ppo import LMPPOConfig
+    from textgym.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="temperature must be > 0 for PPO, not 0"):
+        LMPPOConfig(temperature=0)
+    with pytest.raises(ConfigError, match="n_minibatches must be a positive integer, not 0"):
+        LMPPOConfig(n_minibatches=0)
+    with pytest.raises(ConfigError, match="kl_estimator must be 'k1' or 'k3', not 'k2'"):
+        LMPPOConfig(kl_estimator="k2")
+    with pytest.raises(TypeError, match="learnin_rate"):
+        LMPPOConfig(learnin_rate=1e-3)
