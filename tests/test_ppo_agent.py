@@ -1,12 +1,26 @@
+import json
+
 import numpy as np
+import pytest
 import torch
+from stable_baselines3.common.callbacks import (
+    BaseCallback,
+    CheckpointCallback,
+    EvalCallback,
+    StopTrainingOnRewardThreshold,
+)
+from stable_baselines3.common.evaluation import evaluate_policy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from textgym import FunctionReward, RewardStack, TextGenVectorEnv
-from textgym.agents.ppo import LMPPO
+from textgym.agents.ppo import LMPPO, LMPPOConfig
+from textgym.agents.ppo_core import logprobs_from_logits
+from textgym.errors import ConfigError
 from textgym.models import CharTokenizer
+from textgym.sb3 import TextGymVecEnv
 
 CHARS = CharTokenizer("abcdefgh")
+FAST = dict(learning_rate=3e-3, kl_coef=0.0, verbose=0)
 
 
 def share_of_a(samples):
@@ -23,45 +37,174 @@ def char_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def make_env():
+def make_env(n=16, autoreset_mode="Disabled"):
     return TextGenVectorEnv(
-        num_envs=16, model=CHARS, prompts="copy", max_new_tokens=6, max_prompt_tokens=3,
-        rewards=RewardStack([(FunctionReward("share_of_a", share_of_a), 1.0)]), autoreset_mode="Disabled",
+        num_envs=n, model=CHARS, prompts="copy", max_new_tokens=6, max_prompt_tokens=3,
+        rewards=RewardStack([(FunctionReward("share_of_a", share_of_a), 1.0)]), autoreset_mode=autoreset_mode,
     )  # fmt: skip
 
 
-def run():
-    agent = LMPPO(char_llama(), make_env(), learning_rate=3e-3, kl_coef=0.0, seed=0)
-    agent.learn(total_timesteps=16 * 6 * 8)
+def scores_of(agent):
     return [h["objective/scores"] for h in agent.history]
 
 
 def test_seeded_ppo_raises_a_toy_reward_and_is_reproducible_bit_for_bit():
+    def run():
+        return scores_of(LMPPO(char_llama(), make_env(), seed=0, **FAST).learn(16 * 6 * 8))
+
     scores = run()
-    print(scores)
-    assert np.mean(scores[-2:]) > scores[0] + 0.3
+    assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
     assert run() == scores
 
 
-def test_ratio_is_one_before_the_first_update():
-    agent = LMPPO(char_llama(), make_env(), temperature=0.7, seed=0)
+def test_ratio_is_one_before_the_first_update_and_values_start_at_zero():
+    agent = LMPPO(char_llama(), make_env(), temperature=0.7, seed=0, verbose=0)
     b = agent.collect_rollouts()
-    from textgym.agents.ppo_core import logprobs_from_logits
-
     with torch.no_grad():
-        logits, _ = agent._forward(agent.policy, b, hidden=False)
+        logits, _ = agent._forward(agent.policy, b.tensors, hidden=False)
     new = logprobs_from_logits(logits, b["response_ids"], 0.7) * b["response_mask"]
     ratio = (new - b["logprobs"]).exp()[b["response_mask"].bool()]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
-    assert (b["values"] == 0).all()  # zero-initialised value head
+    assert (b["values"] == 0).all()
 
 
-def test_bad_hyperparameters_are_clear_errors():
-    import pytest
+def test_micro_batches_accumulate_to_the_same_update():
+    def update(micro):
+        agent = LMPPO(char_llama(), make_env(8), n_epochs=1, micro_batch_size=micro, seed=0, **FAST)
+        agent.train(agent.collect_rollouts())
+        return [p.detach().clone() for p in agent.params]
 
-    from textgym.agents.ppo import LMPPOConfig
-    from textgym.errors import ConfigError
+    for whole, parts in zip(update(None), update(3)):
+        torch.testing.assert_close(whole, parts, atol=1e-6, rtol=1e-5)
 
+
+def iterations(agent, n):
+    for _ in range(n):  # learn(1) runs exactly one iteration
+        agent.learn(1, reset_num_timesteps=False)
+    return agent
+
+
+def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bit(tmp_path):
+    straight = iterations(LMPPO(char_llama(), make_env(), seed=0, **FAST), 4)
+
+    agent = iterations(LMPPO(char_llama(), make_env(), seed=0, **FAST), 2)
+    agent.save(tmp_path / "ckpt")
+    loaded = LMPPO.load(tmp_path / "ckpt", make_env())
+    assert (loaded.num_timesteps, loaded.iteration) == (agent.num_timesteps, agent.iteration)
+    assert loaded.kl_ctl.kl_coef == agent.kl_ctl.kl_coef
+    obs, _ = make_env(4).reset(seed=1)
+    np.testing.assert_array_equal(
+        agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
+    )
+    iterations(loaded, 2)
+    assert scores_of(agent) + scores_of(loaded) == scores_of(straight)
+    assert loaded.num_timesteps == straight.num_timesteps
+
+
+def test_load_of_an_incomplete_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ConfigError, match="not a complete LMPPO checkpoint"):
+        LMPPO.load(tmp_path / "half")
+
+
+class Recorder(BaseCallback):
+    """Records the callback events; stops training after ``stop_after`` steps."""
+
+    def __init__(self, stop_after=None):
+        super().__init__()
+        self.events, self.stop_after = [], stop_after
+
+    def _on_training_start(self):
+        self.events.append("start")
+
+    def _on_rollout_start(self):
+        self.events.append("rollout_start")
+
+    def _on_rollout_end(self):
+        self.events.append("rollout_end")
+
+    def _on_step(self):
+        self.events.append(("step", self.num_timesteps))
+        return self.stop_after is None or self.n_calls < self.stop_after
+
+    def _on_training_end(self):
+        self.events.append("end")
+
+
+def test_sb3_callbacks_are_called_and_checkpoint_and_eval_callbacks_work(tmp_path):
+    agent = LMPPO(char_llama(), make_env(), seed=0, **FAST)
+    recorder = Recorder(stop_after=3)
+    eval_env = TextGymVecEnv(make_env(4, autoreset_mode="SameStep"))
+    callbacks = [
+        recorder,
+        CheckpointCallback(save_freq=2, save_path=str(tmp_path / "ckpts"), name_prefix="lmppo"),
+        EvalCallback(eval_env, n_eval_episodes=4, eval_freq=3, log_path=str(tmp_path / "eval"), verbose=0),
+    ]
+    agent.learn(10_000, callback=callbacks)
+    assert recorder.events[0] == "start" and recorder.events[-1] == "end"
+    steps = [e for e in recorder.events if isinstance(e, tuple)]
+    assert len(steps) == 3 and recorder.events[1:4] == ["rollout_start", "rollout_end", steps[0]]
+    assert steps[-1][1] == agent.num_timesteps
+    checkpoints = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    assert checkpoints == [f"lmppo_{agent.history[1]['timesteps']}_steps.zip"]
+    assert LMPPO.load(tmp_path / "ckpts" / checkpoints[0]).iteration == 2
+    assert (tmp_path / "eval" / "evaluations.npz").is_file()
+
+
+def test_stop_training_on_reward_threshold():
+    agent = LMPPO(char_llama(), make_env(), seed=0, **FAST)
+    stop = StopTrainingOnRewardThreshold(reward_threshold=-1.0)  # any evaluation beats it
+    eval_env = TextGymVecEnv(make_env(4, autoreset_mode="SameStep"))
+    agent.learn(
+        16 * 6 * 50,
+        callback=EvalCallback(eval_env, callback_on_new_best=stop, eval_freq=1, n_eval_episodes=4, verbose=0),
+    )
+    assert agent.iteration == 1
+
+
+def test_evaluate_policy_runs_on_the_agent():
+    agent = LMPPO(char_llama(), make_env(), seed=0, **FAST)
+    mean, std = evaluate_policy(
+        agent, TextGymVecEnv(make_env(4, autoreset_mode="SameStep")), n_eval_episodes=8
+    )
+    assert 0.0 <= mean <= 1.0 and std >= 0.0
+
+
+def test_logger_writes_trl_stat_names_and_reward_components(tmp_path):
+    agent = LMPPO(char_llama(), make_env(), seed=0, tensorboard_log=str(tmp_path), **{**FAST, "verbose": 0})
+    agent.learn(16 * 6 * 2, tb_log_name="run")
+    header = (tmp_path / "run_1" / "progress.csv").read_text().splitlines()[0].split(",")
+    for name in ("objective/kl", "objective/entropy", "objective/scores", "policy/approxkl_avg",
+                 "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/var_explained", "val/ratio",
+                 "reward/share_of_a", "env/response_length", "env/eos_rate", "time/tokens_per_s",
+                 "time/rollout", "time/reference", "time/reward", "time/update"):  # fmt: skip
+        assert name in header, name
+
+
+def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
+    base = char_llama()
+    agent = LMPPO(
+        char_llama(),
+        make_env(),
+        lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        seed=0,
+        **FAST,
+    )
+    assert agent.ref_policy is None
+    b = agent.collect_rollouts()
+    with torch.no_grad():
+        logits, _ = agent._forward(base, b.tensors, hidden=False)
+    torch.testing.assert_close(
+        agent._ref_logprobs(b.tensors), logprobs_from_logits(logits, b["response_ids"])
+    )
+    trainable = sum(p.numel() for p in agent.params)
+    assert trainable < sum(p.numel() for p in base.parameters()) / 5
+    agent.learn(16 * 6 * 2)
+    with pytest.raises(ConfigError, match="LoRA policy needs the base model given by name"):
+        agent.save(tmp_path / "lora")
+
+
+def test_bad_hyperparameters_and_envs_are_clear_errors():
     with pytest.raises(ConfigError, match="temperature must be > 0 for PPO, not 0"):
         LMPPOConfig(temperature=0)
     with pytest.raises(ConfigError, match="n_minibatches must be a positive integer, not 0"):
@@ -70,3 +213,13 @@ def test_bad_hyperparameters_are_clear_errors():
         LMPPOConfig(kl_estimator="k2")
     with pytest.raises(TypeError, match="learnin_rate"):
         LMPPOConfig(learnin_rate=1e-3)
+    with pytest.raises(ConfigError, match="autoreset_mode='Disabled'"):
+        LMPPO(char_llama(), make_env(2, autoreset_mode="SameStep"))
+
+
+def test_score_shaping_order():
+    agent = LMPPO(char_llama(), None, missing_eos_penalty=1.0, score_scale=2.0, score_clip=1.5, verbose=0)
+    episodes = [{"finish_reason": "length"}, {"finish_reason": "stop"}]
+    shaped = agent._shape_scores(torch.tensor([0.5, 0.5]), episodes)
+    assert shaped.tolist() == [-1.0, 1.0]  # (0.5 - 1) * 2 = -1; 0.5 * 2 = 1, under the clip
+    assert json.dumps(agent.config.__dict__)  # the config is JSON-serialisable for checkpoints

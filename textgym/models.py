@@ -37,27 +37,39 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TEXTGYM_CACHE") or platformdirs.user_cache_dir("textgym"))
 
 
-def atomic_build_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """Return ``target``, building it first with ``build(tmp_dir)`` if it is not complete.
+def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool = False) -> Path:
+    """Return ``target``, building it first with ``build(tmp_dir)`` if it is not complete (or always, with
+    ``replace=True``, e.g. for checkpoints).
 
     ``build`` writes into a temporary sibling directory, which is renamed into place only after it
-    returned and a completion marker was written; an interrupted or failed build leaves no ``target``.
+    returned and a completion marker was written; an interrupted or failed build leaves ``target`` as it
+    was (absent, or the previous complete version).
     """
-    if (target / _COMPLETE).is_file():
+    target = Path(target)
+    if not replace and is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         build(tmp)
         (tmp / _COMPLETE).write_text("ok\n")
-        if target.exists():  # an incomplete leftover from an old crash, or a concurrent build finished
-            if (target / _COMPLETE).is_file():
+        if target.exists():  # an old version, an incomplete leftover, or a concurrent build's result
+            if not replace and is_complete(target):
                 return target
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+            old = tmp.with_name(tmp.name + ".old")
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def is_complete(directory: Path) -> bool:
+    """Whether ``directory`` was finished by :func:`atomic_build_dir`."""
+    return (Path(directory) / _COMPLETE).is_file()
 
 
 def gguf_path() -> Path:

@@ -8,7 +8,6 @@ for a value head; ``textgym sample`` uses :func:`sample_episodes`.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +65,6 @@ def rollout(
     scores = np.zeros(n)
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
-    cache_key = cache_keyword(model)  # looked up once, not per token
     with torch.inference_mode():
         out = model(
             input_ids=query_ids.to(device),
@@ -76,6 +74,9 @@ def rollout(
             output_hidden_states=keep_hidden,
         )
         next_position = positions[:, -1:] + 1  # (N, 1)
+        # transformers 5.x names the KV cache `cache`, older versions `past_key_values`; the model takes it
+        # back under the name it returned it (wrappers such as peft pass unknown keywords through).
+        cache_key = "cache" if "cache" in out else "past_key_values"
         for t in range(T):
             active = torch.from_numpy(env.active)
             logits = out.logits[:, -1, : env.single_action_space.n].float().cpu() / scale  # (N, V)
@@ -137,9 +138,3 @@ def sample_episodes(
     """One episode per sub-env: its prompt, completion, finish reason, reward and reward components."""
     result = rollout(model, env, temperature=temperature, top_k=top_k, seed=seed, options=options)
     return result.infos
-
-
-def cache_keyword(model: Any) -> str:
-    """The keyword under which ``model.forward`` takes (and its output returns) the KV cache: ``cache`` in
-    transformers 5.x, ``past_key_values`` before (5.x still accepts that, with a deprecation warning)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

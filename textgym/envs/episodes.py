@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +77,7 @@ class Episodes:
         self.active = np.zeros(n, dtype=bool)
         self._encoded: dict[int, np.ndarray] = {}
         self._cursor = 0
+        self.reward_seconds = 0.0  # time spent in the reward stack, for agents' time breakdowns
 
         self.observation_space = spaces.Dict(
             {
@@ -196,7 +198,9 @@ class Episodes:
     def finish(self, slots: np.ndarray, reasons: list[str]) -> tuple[np.ndarray, list[dict[str, Any]]]:
         """Score the episodes that ended in ``slots`` in one batched call: rewards and their infos."""
         samples = [self.sample(i, r) for i, r in zip(slots, reasons)]
+        start = time.perf_counter()
         total, components = self.stack.score(samples)
+        self.reward_seconds += time.perf_counter() - start
         infos = [
             {
                 "reward_components": {name: float(v[k]) for name, v in components.items()},
