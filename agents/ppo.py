@@ -177,6 +177,8 @@ class LMPPO:
         **hyperparameters: fields of :class:`LMPPOConfig`.
     """
 
+    native_vector_env = True  # `textgym train` gives it a TextGenVectorEnv, not an SB3 VecEnv
+
     def __init__(self, policy: Any, env: TextGenVectorEnv | None = None, **hyperparameters: Any):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
@@ -574,6 +576,7 @@ class LMPPO:
                 "iteration": self.iteration,
                 "kl_coef": self.kl_ctl.kl_coef,
                 "score_moments": asdict(self.score_moments),
+                "history": self.history,
             }
             (out / "state.json").write_text(json.dumps(state, indent=2))
 
@@ -616,4 +619,5 @@ class LMPPO:
         agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
         agent.kl_ctl.kl_coef = state["kl_coef"]
         agent.score_moments = RunningMoments(**state["score_moments"])
+        agent.history = state["history"]
         return agent

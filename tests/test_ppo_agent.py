@@ -97,7 +97,7 @@ def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bi
         agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
     )
     iterations(loaded, 2)
-    assert scores_of(agent) + scores_of(loaded) == scores_of(straight)
+    assert scores_of(loaded) == scores_of(straight)  # the history travels in the checkpoint
     assert loaded.num_timesteps == straight.num_timesteps
 
 

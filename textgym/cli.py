@@ -52,6 +52,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--output", type=Path, help="also write the rows as JSONL here")
 
+    p = commands.add_parser("train", parents=[plugin_args], help="train an agent as a TOML config says")
+    p.add_argument("config", nargs="?", type=Path, help="the run's TOML config (see textgym.config)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
+    )
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument("--agent", help="a registered agent name (overrides agent.name)")
+
     args = parser.parse_args(argv)
     try:
         from textgym import plugin_manager
@@ -60,10 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             plugin_manager.load_plugin_file(path)
         if args.command == "plugins":
             return _plugins(args)
+        if args.command == "train":
+            return _train(args)
         return _sample(args)
     except TextgymError as exc:
         print(f"textgym: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from textgym.errors import ConfigError
+    from textgym.train import run
+
+    if (args.config is None) == (args.resume is None):
+        raise ConfigError(
+            "give a config file to start a run, or --resume RUN_DIR to continue one (not both)."
+        )
+    run(args.config, args.set, resume=args.resume, agent_name=args.agent)
+    return 0
 
 
 def _plugins(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS = (
     "textgym.prompts",
     "textgym.models",
     "textgym.envs.builtin",
+    "textgym.agents",
 )
 ENTRY_POINT_GROUP = "textgym"
 DISABLE_AUTOLOAD_VAR = "TEXTGYM_DISABLE_PLUGIN_AUTOLOAD"
@@ -262,3 +263,20 @@ def _register_gym_envs() -> None:
 def get(hook_name: str, name: str) -> Entry:
     """Shorthand: ``get("register_rewards", "sentiment")``."""
     return registry(hook_name).get(name)
+
+
+def resolve(value: Any) -> Any:
+    """A registered thing, importing it first when it was registered as ``"module:attribute"`` (so that
+    registering an agent does not import torch or Stable-Baselines3 at start-up)."""
+    if isinstance(value, str) and ":" in value:
+        module, _, attribute = value.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise PluginError(f"cannot import {value!r}: {exc}") from exc
+    return value
+
+
+def load_agent(name: str) -> Any:
+    """The agent class registered as ``name``."""
+    return resolve(get("register_agents", name).value)

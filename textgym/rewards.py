@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
-import tomllib
 
 from textgym.errors import ConfigError, PluginArgumentError, RewardError
 

@@ -1,0 +1,144 @@
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from textgym.cli import main
+from textgym.config import load_config
+from textgym.errors import ConfigError
+from textgym.models import is_complete
+from textgym.train import run
+
+TINY = """
+[run]
+total_timesteps = 64
+checkpoint_every = 2
+sample_prompts = 2
+
+[env]
+num_envs = 4
+max_new_tokens = 8
+rewards = [{ name = "sentiment" }, { name = "length_penalty", weight = 0.5, target = 4 }]
+
+[agent]
+policy = "tiny-random-llama"
+learning_rate = 1e-3
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    return path
+
+
+def rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    out = capsys.readouterr().out
+    assert "before training:" in out and "after training:" in out and "reward trend:" in out
+    names = {p.name for p in run_dir.iterdir()}
+    assert names >= {"config.toml", "metrics.csv", "samples.jsonl", "samples_before.jsonl", "samples_after.jsonl",
+                     "reward_kl.png", "checkpoint"}  # fmt: skip
+    metrics = rows(run_dir / "metrics.csv")
+    assert [int(r["iteration"]) for r in metrics] == list(range(1, len(metrics) + 1))
+    assert (
+        int(metrics[-1]["timesteps"]) >= 64
+        and "objective/kl" in metrics[0]
+        and "reward/sentiment" in metrics[0]
+    )
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * len(metrics) and set(samples[0]) >= {
+        "iteration",
+        "prompt",
+        "completion",
+        "reward",
+    }
+    before = [json.loads(x)["prompt"] for x in (run_dir / "samples_before.jsonl").read_text().splitlines()]
+    after = [json.loads(x)["prompt"] for x in (run_dir / "samples_after.jsonl").read_text().splitlines()]
+    assert (
+        before
+        == after
+        == ["Write one sentence about the sea.", "Describe your ideal weekend in one sentence."]
+    )
+    assert is_complete(run_dir / "checkpoint")
+    resolved = load_config(run_dir / "config.toml")
+    assert resolved["agent"]["learning_rate"] == 1e-3 and resolved["env"]["id"] == "textgym/TextGen-v0"
+
+
+def test_resume_continues_counters_and_history(config, tmp_path):
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    first = rows(run_dir / "metrics.csv")
+    run(None, ["run.total_timesteps=128"], resume=run_dir)
+    metrics = rows(run_dir / "metrics.csv")
+    assert metrics[: len(first)] == first and len(metrics) > len(first)
+    assert [int(r["iteration"]) for r in metrics] == list(range(1, len(metrics) + 1))
+    with pytest.raises(ConfigError, match="already holds a run; resume it with --resume"):
+        run(config, [f"run.output_dir='{run_dir}'"])
+
+
+def test_config_errors_name_the_bad_value(config, tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown section \[agnet\]. Did you mean \[agent\]"):
+        load_config(None, ["agnet.policy='x'"])
+    with pytest.raises(ConfigError, match="unknown key run.total_steps. Did you mean 'total_timesteps'"):
+        load_config(config, ["run.total_steps=5"])
+    with pytest.raises(ConfigError, match="run.total_timesteps must be a positive integer, not 0"):
+        load_config(config, ["run.total_timesteps=0"])
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(config, ["learning_rate=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match=r"\[agent\] lmppo: .*learnin_rate"):
+        run(config, [f"run.output_dir='{tmp_path / 'a'}'", "agent.learnin_rate=1e-3"])
+    with pytest.raises(ConfigError, match=r"\[env\] textgym/TextGen-v0: .*max_new_token"):
+        run(config, [f"run.output_dir='{tmp_path / 'b'}'", "env.max_new_token=3"])
+    with pytest.raises(ConfigError, match="not a run directory"):
+        run(None, resume=tmp_path)
+
+
+def test_unknown_agent_name_suggests(config, capsys):
+    assert main(["train", str(config), "--agent", "lmpo"]) == 2
+    assert "unknown agent 'lmpo'. Did you mean 'lmppo'?" in capsys.readouterr().err
+
+
+def test_sb3_ppo_trains_the_copy_env_through_the_same_command(tmp_path, capsys):
+    args = ["train", "--agent", "sb3-ppo", "--set", f"run.output_dir='{tmp_path / 'sb3'}'",
+            "--set", "env.id='textgym/Copy-v0'", "--set", "run.total_timesteps=2048",
+            "--set", "agent.n_steps=128", "--set", "agent.batch_size=256", "--set", "agent.verbose=0"]  # fmt: skip
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    assert main([args[0], str(config), *args[1:]]) == 0
+    run_dir = tmp_path / "sb3"
+    assert (run_dir / "checkpoint.zip").is_file() and (run_dir / "reward_kl.png").is_file()
+    assert len(rows(run_dir / "metrics.csv")) == 2  # 8 envs x 128 steps = 1024 per rollout
+    assert main(["train", "--resume", str(run_dir), "--set", "run.total_timesteps=4096"]) == 0
+    assert len(rows(run_dir / "metrics.csv")) == 4
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(config, tmp_path):
+    out = tmp_path / "interrupted"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'",
+           "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 120
+    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "interrupted; checkpoint saved. Continue with: textgym train --resume" in output
+    assert is_complete(out / "checkpoint")
+    done = len(rows(out / "metrics.csv"))
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["iteration"] == done and len(state["history"]) == done
