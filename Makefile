@@ -20,7 +20,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 setup: $(VENV)/.setup-done
 
 demo: setup
-	$(VENV)/bin/textgym sample --num 8 --max-new-tokens 64 --output runs/demo-samples.jsonl
+	$(VENV)/bin/textgym train examples/demo.toml
 
 test: setup
 	$(PY) -m pytest -q

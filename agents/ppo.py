@@ -184,11 +184,13 @@ class LMPPO:
         from accelerate.utils import set_seed
 
         self.config = c = LMPPOConfig(**hyperparameters)
-        set_seed(c.seed)
         on_gpu = torch.cuda.is_available() if c.device == "auto" else c.device.startswith("cuda")
         bf16 = on_gpu if c.bf16 is None else c.bf16
         self.accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if bf16 else "no")
         self.device = self.accelerator.device
+        # Each process (under `accelerate launch`) gets its own seed, hence its own rollouts.
+        self.seed = c.seed + 10_007 * self.accelerator.process_index
+        set_seed(self.seed)
         self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
         model = self._load_policy(policy)
         model.eval()  # dropout off: rollout and training log-probs must agree
@@ -288,11 +290,14 @@ class LMPPO:
     def _forward(self, model: Any, b: dict[str, torch.Tensor], hidden: bool) -> tuple[torch.Tensor, Any]:
         """One forward over prompt + response: the logits that chose each response token (N, T, V), and
         the hidden states they came from (N, T, H) if asked."""
-        ids = torch.cat([b["query_ids"], b["response_ids"]], dim=1).to(self.device)  # (N, P+T)
-        mask = torch.cat([b["query_mask"], b["response_mask"]], dim=1).to(self.device)
+        # Prompts are left-padded to max_prompt_tokens; columns that are padding in every row are dropped.
+        start = int(b["query_mask"].any(0).long().argmax())
+        query_ids, query_mask = b["query_ids"][:, start:], b["query_mask"][:, start:]
+        ids = torch.cat([query_ids, b["response_ids"]], dim=1).to(self.device)  # (N, P'+T)
+        mask = torch.cat([query_mask, b["response_mask"]], dim=1).to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=hidden)
-        P = b["query_ids"].shape[1]
+        P = query_ids.shape[1]
         last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
         return out.logits[:, P - 1 : -1], last_hidden
 
@@ -334,7 +339,7 @@ class LMPPO:
             self.policy,
             env,
             temperature=c.temperature,
-            seed=c.seed * 1_000_003 + self.iteration,
+            seed=self.seed * 1_000_003 + self.iteration,
             keep_hidden=True,
         )
         t_rollout = time.perf_counter() - start
@@ -389,7 +394,7 @@ class LMPPO:
         n = len(b["response_ids"])
         mb_size = math.ceil(n / c.n_minibatches)
         micro = c.micro_batch_size or mb_size
-        generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
         logs: dict[str, list[float]] = {
             k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent", "ratio")
         }

@@ -223,3 +223,21 @@ def test_score_shaping_order():
     shaped = agent._shape_scores(torch.tensor([0.5, 0.5]), episodes)
     assert shaped.tolist() == [-1.0, 1.0]  # (0.5 - 1) * 2 = -1; 0.5 * 2 = 1, under the clip
     assert json.dumps(agent.config.__dict__)  # the config is JSON-serialisable for checkpoints
+
+
+def test_lora_checkpoint_round_trip_by_model_name(tmp_path):
+    env = TextGenVectorEnv(
+        num_envs=2, model="tiny-random-llama", prompts=["Hi", "Why?"], max_new_tokens=4,
+        rewards=[{"name": "sentiment"}], autoreset_mode="Disabled",
+    )  # fmt: skip
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    agent = LMPPO("tiny-random-llama", env, lora=lora, seed=0, **FAST).learn(8)
+    agent.save(tmp_path / "lora")
+    assert (tmp_path / "lora" / "policy" / "adapter_config.json").is_file()
+    assert not (tmp_path / "lora" / "reference").exists()  # the base model is reloaded by name
+    loaded = LMPPO.load(tmp_path / "lora", env)
+    obs, _ = env.reset(seed=0)
+    np.testing.assert_array_equal(
+        agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
+    )
+    assert loaded.iteration == agent.iteration and loaded.ref_policy is None

@@ -142,3 +142,16 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(config, tmp_path):
     done = len(rows(out / "metrics.csv"))
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["iteration"] == done and len(state["history"]) == done
+
+
+@pytest.mark.slow
+def test_demo_config_trains_the_embedded_model(tmp_path):
+    """The demo's config on the real 135M model, cut to two short iterations."""
+    run_dir = run(
+        "examples/demo.toml",
+        [f"run.output_dir='{tmp_path / 'demo'}'", "run.total_timesteps=40", "env.num_envs=4",
+         "env.max_new_tokens=8", "run.sample_prompts=2", "agent.micro_batch_size=2"],
+    )  # fmt: skip
+    metrics = rows(run_dir / "metrics.csv")
+    assert len(metrics) >= 2 and all(float(m["val/ratio"]) > 0 for m in metrics)
+    assert {"reward/sentiment", "reward/fluency", "reward/safety", "reward/length_penalty"} <= set(metrics[0])

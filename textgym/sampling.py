@@ -56,8 +56,9 @@ def rollout(
     P, T, n = env.episodes.P, env.episodes.T, env.num_envs
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
     query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
-    mask = query_mask.to(device)  # grows by one column per step
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P)
+    start = int(query_mask.any(0).long().argmax())  # columns that are padding in every prompt are skipped
+    mask = query_mask[:, start:].to(device)  # (N, P'), grows by one column per step
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P')
     response_ids = torch.full((n, T), env.episodes.pad_id, dtype=torch.long)
     response_mask = torch.zeros(n, T, dtype=torch.long)
     logprobs = torch.zeros(n, T)
@@ -67,7 +68,7 @@ def rollout(
     scale = temperature if temperature > 0 else 1.0
     with torch.inference_mode():
         out = model(
-            input_ids=query_ids.to(device),
+            input_ids=query_ids[:, start:].to(device),
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,

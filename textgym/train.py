@@ -168,6 +168,7 @@ def _sample_table(agent: Any, config: dict[str, Any], path: Path) -> list[dict[s
 
 def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
     from stable_baselines3.common.callbacks import BaseCallback
+    from tqdm.auto import tqdm
 
     from textgym.cli import format_table
 
@@ -200,11 +201,10 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
                 for episode in model.last_episodes:
                     f.write(json.dumps({"iteration": model.iteration, **episode}) + "\n")
             write_metrics(run_dir / "metrics.csv", model.history)
-            print(
+            tqdm.write(
                 f"iter {model.iteration:4d}  tokens {model.num_timesteps:7d}  score {stats['objective/scores']:7.3f}"
                 f"  kl {stats['objective/kl']:7.3f}  len {stats['env/response_length']:5.1f}"
-                f"  eos {stats['env/eos_rate']:4.2f}  {stats['time/iteration']:6.1f} s",
-                flush=True,
+                f"  eos {stats['env/eos_rate']:4.2f}  {stats['time/iteration']:6.1f} s"
             )
             if model.iteration % run["checkpoint_every"] == 0 or flag.stop:
                 model.save(run_dir / CHECKPOINT)
@@ -213,7 +213,7 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, progress_bar=False)
+            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, progress_bar=True)
     agent.save(run_dir / CHECKPOINT)
     if agent.history:
         plot(run_dir / "reward_kl.png", agent.history, "objective/scores", "objective/kl")
