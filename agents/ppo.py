@@ -301,7 +301,8 @@ class LMPPO:
         last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
         return out.logits[:, P - 1 : -1], last_hidden
 
-    def _ref_logprobs(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    def reference_logprobs(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Log-probs (N, T) of the response tokens under the reference policy, at the sampling temperature."""
         c = self.config
         chunks = []
         step = c.micro_batch_size or len(b["response_ids"])
@@ -354,7 +355,7 @@ class LMPPO:
         mask = r.response_mask.float()
         start = time.perf_counter()
         with torch.no_grad():
-            ref_logprobs = self._ref_logprobs(b).cpu() * mask
+            ref_logprobs = self.reference_logprobs(b).cpu() * mask
             b["values"] = self.value_head(r.hidden.to(self.device)).float().cpu() * mask
         t_reference = time.perf_counter() - start
         raw_scores = torch.as_tensor(r.scores, dtype=torch.float32)

@@ -20,7 +20,7 @@ def test_builtins_register_through_the_hooks():
     assert {"chat", "reviews", "arithmetic", "copy"} <= set(
         plugin_manager.registry("register_prompt_sources").names()
     )
-    assert {"smollm2-135m-instruct", "tiny-random-llama"} <= set(
+    assert {"smollm2-135m-instruct", "tiny-random-llama", "tiny-char-llama"} <= set(
         plugin_manager.registry("register_models").names()
     )
     for name in plugin_manager.DEFAULT_PLUGINS:
@@ -185,6 +185,7 @@ def test_unknown_env_and_model_names_suggest_the_closest():
     ):
         plugin_manager.get("register_envs", "textgym/Copy-v1")
     with pytest.raises(
-        UnknownNameError, match="Known models: chars, smollm2-135m-instruct, tiny-random-llama"
+        UnknownNameError,
+        match="Known models: chars, smollm2-135m-instruct, tiny-char-llama, tiny-random-llama",
     ):
         plugin_manager.get("register_models", "gpt2")

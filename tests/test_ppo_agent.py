@@ -195,7 +195,7 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
     with torch.no_grad():
         logits, _ = agent._forward(base, b.tensors, hidden=False)
     torch.testing.assert_close(
-        agent._ref_logprobs(b.tensors), logprobs_from_logits(logits, b["response_ids"])
+        agent.reference_logprobs(b.tensors), logprobs_from_logits(logits, b["response_ids"])
     )
     trainable = sum(p.numel() for p in agent.params)
     assert trainable < sum(p.numel() for p in base.parameters()) / 5

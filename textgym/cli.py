@@ -60,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--agent", help="a registered agent name (overrides agent.name)")
 
+    p = commands.add_parser("bench", parents=[plugin_args], help="benchmark reward designs side by side")
+    p.add_argument("designs", type=Path, help="the designs file (TOML; see docs/bench.md)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a value")
+
     args = parser.parse_args(argv)
     try:
         from textgym import plugin_manager
@@ -70,6 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plugins(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "bench":
+            from textgym.bench import run as bench
+
+            out = bench(args.designs, args.set)
+            print(f"textgym: report in {out / 'report.md'}")
+            return 0
         return _sample(args)
     except TextgymError as exc:
         print(f"textgym: error: {exc}", file=sys.stderr)

@@ -207,11 +207,30 @@ def _chars() -> tuple[None, CharTokenizer]:
     return None, CharTokenizer()
 
 
+def _tiny_char_llama(**kwargs: Any) -> tuple[Any, CharTokenizer]:
+    """A randomly initialised 2-layer Llama over the ``chars`` vocabulary (seed 0): an LM policy for the
+    small-vocabulary tasks, so LMPPO (with its KL to a reference) runs on them in seconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = CharTokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    return model.eval(), tokenizer
+
+
 @hookimpl
 def register_models(register: Callable[..., None]) -> None:
     register(EMBEDDED, _smollm2, tokenizer_loader=_smollm2_tokenizer)
     register(TINY, _tiny_random_llama, tokenizer_loader=_smollm2_tokenizer)
     register("chars", _chars, tokenizer_loader=CharTokenizer)
+    register("tiny-char-llama", _tiny_char_llama, tokenizer_loader=CharTokenizer)
 
 
 def _is_tokenizer(obj: Any) -> bool:

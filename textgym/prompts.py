@@ -142,3 +142,6 @@ def register_prompt_sources(register: Callable[..., None]) -> None:
     register("reviews", _shipped("reviews"))
     register("arithmetic", _shipped("arithmetic"))
     register("copy", copy_prompts)
+    # A fixed split of the same strings: every 8th for evaluation, the rest for training.
+    register("copy-train", lambda: [p for i, p in enumerate(copy_prompts()) if i % 8 != 7])
+    register("copy-heldout", lambda: [p for i, p in enumerate(copy_prompts()) if i % 8 == 7])

@@ -177,6 +177,20 @@ def make_reward(name: str, **kwargs: Any) -> Reward:
 RewardSpec = Mapping[str, Any] | str | tuple[Any, float] | Reward
 
 
+def check_reward_specs(specs: Sequence[RewardSpec], where: str = "rewards") -> None:
+    """Check names and argument names of reward specs without building them (no models are loaded)."""
+    from textgym import plugin_manager
+
+    for spec in specs:
+        if isinstance(spec, str):
+            spec = parse_reward_spec(spec)
+        if not isinstance(spec, Mapping) or "name" not in spec:
+            raise ConfigError(f"{where}: {spec!r} is not a reward spec (a table with a 'name').")
+        args = {k: v for k, v in spec.items() if k not in ("name", "weight")}
+        factory = plugin_manager.get("register_rewards", spec["name"]).value
+        check_arguments("reward", spec["name"], factory, args)
+
+
 def build_reward_stack(specs: RewardStack | Sequence[RewardSpec] | None) -> RewardStack:
     """A :class:`RewardStack` from specs: ``{"name": ..., "weight": ..., **args}``, ``"name"``,
     ``"name weight=0.5 target=32"``, ``(reward, weight)`` or a reward object (weight 1)."""

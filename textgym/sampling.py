@@ -101,6 +101,7 @@ def rollout(
                     "prompt": step_infos["prompt"][i],
                     "completion": step_infos["completion"][i],
                     "finish_reason": step_infos["finish_reason"][i],
+                    "num_tokens": int(step_infos["num_tokens"][i]),
                     "reward_components": {
                         k: float(v[i])
                         for k, v in step_infos["reward_components"].items()

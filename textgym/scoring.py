@@ -46,8 +46,18 @@ def chat_prompt(tokenizer: Any, prompt: str) -> str:
     )
 
 
+def ngrams(units: Sequence[Any], n: int) -> list[tuple[Any, ...]]:
+    return [tuple(units[i : i + n]) for i in range(len(units) - n + 1)]
+
+
 def distinct_n(text: str, n: int) -> float:
     """Unique word n-grams / all word n-grams (1.0 when the text has fewer than n words)."""
-    words = text.split()
-    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    grams = ngrams(text.split(), n)
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def corpus_distinct_n(sequences: Sequence[Sequence[Any]], n: int) -> float:
+    """Distinct-n of a set of generations (Li et al. 2016): unique n-grams / all n-grams, over all of them.
+    Give token ids (the model's units, which also works for character-level tasks) or words."""
+    grams = [g for seq in sequences for g in ngrams(list(seq), n)]
     return len(set(grams)) / len(grams) if grams else 1.0

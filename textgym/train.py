@@ -97,9 +97,15 @@ def run(
     overrides: Sequence[str] = (),
     resume: str | Path | None = None,
     agent_name: str | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Path:
-    """Train as configured; returns the run directory."""
-    if resume is not None:
+    """Train as configured (a TOML file, or an already-parsed ``config`` dict); returns the run directory."""
+    if config is not None:  # a new run from a parsed config (textgym bench)
+        config = validate(config)
+        run_dir = Path(config["run"]["output_dir"] or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
+        if (run_dir / CHECKPOINT).exists():
+            raise ConfigError(f"{run_dir} already holds a run; resume it with --resume {run_dir}.")
+    elif resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")

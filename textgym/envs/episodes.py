@@ -207,6 +207,7 @@ class Episodes:
                 "completion": s.completion,
                 "finish_reason": s.finish_reason,
                 "prompt": s.prompt,
+                "num_tokens": len(s.completion_ids),
             }
             for k, s in enumerate(samples)
         ]
