@@ -41,7 +41,7 @@ from textgym.agents.ppo_core import (
 )
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError
-from textgym.sampling import rollout
+from textgym.sampling import logits_to_keep, rollout
 
 
 @dataclass
@@ -204,7 +204,10 @@ class LMPPO:
             self.ref_policy = copy.deepcopy(model).requires_grad_(False).to(self.device)
         value_head = ValueHead(model.config.hidden_size)
         params = [p for p in [*model.parameters(), *value_head.parameters()] if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
+        try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
+            optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
+        except (RuntimeError, TypeError):
+            optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
         self.policy, self.value_head, self.optimizer = self.accelerator.prepare(model, value_head, optimizer)
         self.params = params
         self.kl_ctl = (
@@ -296,10 +299,15 @@ class LMPPO:
         ids = torch.cat([query_ids, b["response_ids"]], dim=1).to(self.device)  # (N, P'+T)
         mask = torch.cat([query_mask, b["response_mask"]], dim=1).to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=hidden)
+        T = b["response_ids"].shape[1]
+        keep = logits_to_keep(model, T + 1)  # the LM head runs over the response positions only
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=hidden, **keep
+        )
         P = query_ids.shape[1]
         last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
-        return out.logits[:, P - 1 : -1], last_hidden
+        logits = out.logits[:, -(T + 1) : -1]  # (N, T, V): positions P-1 .. P+T-2 chose the response tokens
+        return logits, last_hidden
 
     def reference_logprobs(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs (N, T) of the response tokens under the reference policy, at the sampling temperature."""
@@ -419,7 +427,9 @@ class LMPPO:
                     vf_loss, vf_clipfrac = value_loss(
                         values, old["values"], old["returns"], mask, c.clip_range_vf
                     )
-                    entropy = masked_mean(entropy_from_logits(logits, c.temperature), mask)
+                    # Without an entropy bonus the entropy is only logged: keep its (N, T, V) graph out of backward.
+                    with torch.set_grad_enabled(c.ent_coef != 0):
+                        entropy = masked_mean(entropy_from_logits(logits, c.temperature), mask)
                     loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
                     self.accelerator.backward(loss * mask.sum() / mb_tokens)
                     with torch.no_grad():

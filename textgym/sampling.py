@@ -8,6 +8,7 @@ for a value head; ``textgym sample`` uses :func:`sample_episodes`.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ def rollout(
             position_ids=positions,
             use_cache=True,
             output_hidden_states=keep_hidden,
+            **logits_to_keep(model, 1),  # the prompt's last position only, as generate() does
         )
         next_position = positions[:, -1:] + 1  # (N, 1)
         # transformers 5.x names the KV cache `cache`, older versions `past_key_values`; the model takes it
@@ -80,7 +82,9 @@ def rollout(
         cache_key = "cache" if "cache" in out else "past_key_values"
         for t in range(T):
             active = torch.from_numpy(env.active)
-            logits = out.logits[:, -1, : env.single_action_space.n].float().cpu() / scale  # (N, V)
+            logits = out.logits[:, -1, : env.single_action_space.n].float().cpu()  # (N, V)
+            if scale != 1.0:
+                logits = logits / scale
             if keep_hidden:
                 hidden.append(out.hidden_states[-1][:, -1].float().cpu())  # (N, H)
             if temperature == 0:
@@ -93,7 +97,9 @@ def rollout(
             tokens = torch.where(active, tokens, env.episodes.pad_id)
             response_ids[:, t] = tokens
             response_mask[:, t] = active.long()
-            logprobs[:, t] = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1) * active
+            # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step
+            chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
+            logprobs[:, t] = (chosen - torch.logsumexp(logits, -1)) * active
             _, rewards, terminated, truncated, step_infos = env.step(tokens.numpy())
             for i in np.flatnonzero(terminated | truncated):
                 scores[i] = rewards[i]
@@ -140,3 +146,10 @@ def sample_episodes(
     """One episode per sub-env: its prompt, completion, finish reason, reward and reward components."""
     result = rollout(model, env, temperature=temperature, top_k=top_k, seed=seed, options=options)
     return result.infos
+
+
+def logits_to_keep(model: Any, k: int) -> dict[str, int]:
+    """``{"logits_to_keep": k}`` when the model can compute logits for its last ``k`` positions only (the
+    LM head over a 49k vocabulary is a large share of a small model's cost), else ``{}``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": k} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
