@@ -65,6 +65,19 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
+def ppo_arguments(parser: Any) -> Any:
+    """The settings both sides of the PPO comparison take (ppo_textgym.py and ppo_trl.py)."""
+    parser.add_argument("--prompts", required=True, help="JSON file: prompt texts (chat template applied)")
+    parser.add_argument("--rm-model", required=True)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--response-length", type=int, default=24)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--minibatches", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=3)
+    return parser
+
+
 def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     """The shipped chat prompts with the chat template, tokenized, cycled to ``n``."""
     from textgym.prompts import load_prompts

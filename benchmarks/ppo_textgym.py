@@ -8,22 +8,14 @@ import time
 from pathlib import Path
 
 import textgym
-from benchmarks.common import peak_rss_mb
+from benchmarks.common import peak_rss_mb, ppo_arguments
 from textgym import TextGenVectorEnv
 from textgym.agents.ppo import LMPPO
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", required=True, help="JSON file: prompt texts (chat template applied)")
-    parser.add_argument("--rm-model", required=True)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--response-length", type=int, default=24)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--minibatches", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--iterations", type=int, default=3)
-    args = parser.parse_args()
+    args = ppo_arguments(parser).parse_args()
     prompts = json.loads(Path(args.prompts).read_text())
     env = TextGenVectorEnv(
         num_envs=args.batch, model="smollm2-135m-instruct", prompts=prompts, chat_template=False,

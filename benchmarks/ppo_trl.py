@@ -20,6 +20,8 @@ from transformers import (
 )
 from trl.experimental.ppo import PPOConfig, PPOTrainer
 
+from benchmarks.common import ppo_arguments  # run.py puts the repository on PYTHONPATH
+
 
 class Timer(TrainerCallback):
     def __init__(self) -> None:
@@ -32,15 +34,7 @@ class Timer(TrainerCallback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, help="the converted SmolLM2 directory")
-    parser.add_argument("--prompts", required=True, help="JSON file: prompt texts (chat template applied)")
-    parser.add_argument("--rm-model", required=True)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--response-length", type=int, default=24)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--minibatches", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--iterations", type=int, default=3)
-    args = parser.parse_args()
+    args = ppo_arguments(parser).parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     texts = json.loads(Path(args.prompts).read_text())

@@ -16,7 +16,6 @@ import io
 import json
 import math
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from textgym import plugin_manager
-from textgym.config import apply_override, validate
+from textgym.config import apply_override, read_toml, validate
 from textgym.errors import ConfigError
 from textgym.rewards import RewardStack, check_reward_specs, make_reward
 from textgym.scoring import corpus_distinct_n
@@ -48,14 +47,7 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if isinstance(path, Mapping):
         raw, source = copy.deepcopy(dict(path)), "the designs"
     else:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"designs file {str(path)!r} does not exist.")
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-        source = str(path)
+        raw, source = read_toml(path, "designs file"), str(path)
     for override in overrides:
         apply_override(raw, override)
     bench = {**BENCH_DEFAULTS, **raw.pop("bench", {})}

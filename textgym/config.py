@@ -52,18 +52,21 @@ POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts")
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The config of ``path`` (or the defaults), with ``overrides`` (``"section.key=value"``, values
     parsed as TOML) applied, validated, and with defaults filled in."""
-    config: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist.")
-        try:
-            config = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    config = read_toml(path, "config file") if path is not None else {}
     for override in overrides:
         apply_override(config, override)
     return validate(config, source=str(path) if path else "the config")
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file as a dict; a missing or invalid file is a :class:`ConfigError` that names it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist.")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
 
 
 def apply_override(config: dict[str, Any], override: str) -> None:
