@@ -54,13 +54,13 @@ def rollout(
     generator = torch.Generator(device="cpu")
     generator.manual_seed(0 if seed is None else seed)
     obs, _ = env.reset(seed=seed, options=options)
-    P, T, n = env.episodes.P, env.episodes.T, env.num_envs
+    P, T, n = env.max_prompt_tokens, env.max_new_tokens, env.num_envs
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
     query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
     start = int(query_mask.any(0).long().argmax())  # columns that are padding in every prompt are skipped
     mask = query_mask[:, start:].to(device)  # (N, P'), grows by one column per step
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P')
-    response_ids = torch.full((n, T), env.episodes.pad_id, dtype=torch.long)
+    response_ids = torch.full((n, T), env.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(n, T, dtype=torch.long)
     logprobs = torch.zeros(n, T)
     hidden: list[Any] = []
@@ -94,7 +94,7 @@ def rollout(
                     kth = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-            tokens = torch.where(active, tokens, env.episodes.pad_id)
+            tokens = torch.where(active, tokens, env.pad_token_id)
             response_ids[:, t] = tokens
             response_mask[:, t] = active.long()
             # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step

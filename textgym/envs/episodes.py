@@ -115,15 +115,25 @@ class Episodes:
             self._encoded[index] = ids
         return self._encoded[index]
 
-    def start(self, slots: Sequence[int] | np.ndarray, rng: np.random.Generator, prompt: Any = None) -> None:
-        """Begin new episodes in ``slots``: with ``prompt`` (an index or a text), else the next prompt."""
-        for slot in slots:
-            if prompt is not None:
-                index = self._prompt_option(prompt)
-            elif self.prompt_order == "sequential":
-                index, self._cursor = self._cursor, (self._cursor + 1) % self.n_source
-            else:
-                index = int(rng.integers(self.n_source))
+    def draw(self, k: int, rng: np.random.Generator) -> list[int]:
+        """The indices of the next ``k`` prompts, in ``prompt_order``."""
+        if self.prompt_order == "sequential":
+            indices = [(self._cursor + j) % self.n_source for j in range(k)]
+            self._cursor = (self._cursor + k) % self.n_source
+            return indices
+        return [int(rng.integers(self.n_source)) for _ in range(k)]
+
+    def start(
+        self,
+        slots: Sequence[int] | np.ndarray,
+        rng: np.random.Generator,
+        prompts: Sequence[Any] | None = None,
+    ) -> None:
+        """Begin new episodes in ``slots``: ``prompts[k]`` (a prompt index or a text) in ``slots[k]``, or the
+        next prompts of the source when ``prompts`` is None."""
+        slots = list(slots)
+        indices = self.draw(len(slots), rng) if prompts is None else [self.prompt_option(p) for p in prompts]
+        for slot, index in zip(slots, indices):
             ids = self.encode_prompt(index)
             self.input_ids[slot] = self.pad_id
             self.attention_mask[slot] = 0
@@ -131,8 +141,13 @@ class Episodes:
             self.attention_mask[slot, self.P - len(ids) : self.P] = 1
             self.prompt_index[slot], self.length[slot], self.active[slot] = index, 0, True
 
-    def _prompt_option(self, prompt: Any) -> int:
-        if isinstance(prompt, (int, np.integer)) and 0 <= prompt < self.n_source:
+    def prompt_option(self, prompt: Any) -> int:
+        """The prompt index for a ``reset`` option: an index into the source, or a text (added on first use)."""
+        if (
+            isinstance(prompt, (int, np.integer))
+            and not isinstance(prompt, bool)
+            and 0 <= prompt < self.n_source
+        ):
             return int(prompt)
         if isinstance(prompt, str) and prompt.strip():
             if prompt not in self._adhoc:
@@ -140,7 +155,7 @@ class Episodes:
                 self.prompts.append(Prompt(prompt))
             return self._adhoc[prompt]
         raise ConfigError(
-            f"options['prompt'] must be a prompt index in [0, {self.n_source}) or a text, not {prompt!r}."
+            f"a prompt option must be a prompt index in [0, {self.n_source}) or a non-empty text, not {prompt!r}."
         )
 
     # -- stepping --------------------------------------------------------------------------------------

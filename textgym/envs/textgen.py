@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -17,9 +17,61 @@ from textgym.prompts import PromptsLike
 from textgym.rewards import RewardSpec, RewardStack
 
 Obs = dict[str, np.ndarray]
+SINGLE_OPTIONS = ("prompt",)
+VECTOR_OPTIONS = ("reset_mask", "prompt", "prompts", "group_size")
 
 
-class TextGenEnv(gym.Env[Obs, int]):
+def _checked_options(options: Any, valid: Sequence[str]) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"reset options must be a dict, not {type(options).__name__} {options!r}.")
+    unknown = sorted(set(options) - set(valid), key=str)
+    if unknown:
+        raise ConfigError(f"unknown reset option {unknown[0]!r}; valid options: {', '.join(valid)}.")
+    return {k: v for k, v in options.items() if v is not None}
+
+
+class _Accessors:
+    """What agents and tools may read about an env's episodes (nothing outside textgym/envs reads
+    ``env.episodes``)."""
+
+    episodes: Episodes
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Prompt positions in an observation (prompts are left-padded into them)."""
+        return self.episodes.P
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The response budget: an episode is truncated after this many tokens."""
+        return self.episodes.T
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.episodes.pad_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.episodes.eos_id
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the source (reset options index into them)."""
+        return self.episodes.n_source
+
+    @property
+    def reward_seconds(self) -> float:
+        """Seconds spent in the reward stack since the env was made (for agents' time breakdowns)."""
+        return self.episodes.reward_seconds
+
+    def encode_prompt(self, prompt: int | str) -> np.ndarray:
+        """The token ids an episode on ``prompt`` (an index or a text) starts from, template applied."""
+        return self.episodes.encode_prompt(self.episodes.prompt_option(prompt)).copy()
+
+
+class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     """Prompted text generation, one token per step.
 
     ## Description
@@ -86,8 +138,8 @@ class TextGenEnv(gym.Env[Obs, int]):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
         super().reset(seed=seed)
-        prompt = (options or {}).get("prompt")
-        self.episodes.start([0], self.np_random, prompt)
+        prompt = _checked_options(options, SINGLE_OPTIONS).get("prompt")
+        self.episodes.start([0], self.np_random, None if prompt is None else [prompt])
         self._needs_reset = False
         return self.episodes.obs(0), {"prompt": self.episodes.prompts[self.episodes.prompt_index[0]].text}
 
@@ -115,7 +167,7 @@ class TextGenEnv(gym.Env[Obs, int]):
         self.reward_stack.close()
 
 
-class TextGenVectorEnv(VectorEnv):
+class TextGenVectorEnv(_Accessors, VectorEnv):
     """``num_envs`` :class:`TextGenEnv` episodes stepped together, with their rewards scored in batches.
 
     Every episode that ends on a step is scored in the same call to the reward stack.
@@ -126,6 +178,16 @@ class TextGenVectorEnv(VectorEnv):
     - ``"Disabled"``: ended episodes stay idle until ``reset(options={"reset_mask": mask})``; their actions
       are ignored and they return reward 0. Agents that generate a whole batch before restarting
       (KV-cached rollouts) use this mode.
+
+    ``reset(options=...)`` takes at most one of:
+    - ``{"prompt": p}``: every sub-env being reset starts on prompt ``p`` (an index into the source or a text);
+    - ``{"prompts": [p0, p1, ...]}``: one prompt per sub-env being reset;
+    - ``{"group_size": G}``: the env draws one prompt per G sub-envs (in ``prompt_order``) and consecutive
+      groups of G sub-envs share it, e.g. ``[a, a, b, b]`` for G = 2: what group-relative agents (GRPO,
+      RLOO) ask for;
+    and, with any of them, ``{"reset_mask": mask}`` (a bool array) to reset only some sub-envs.
+    ``max_prompt_tokens``, ``max_new_tokens``, ``pad_token_id``, ``eos_token_id``, ``num_prompts`` and
+    ``reward_seconds`` are public read-only properties for agents.
 
     Other arguments: as :class:`TextGenEnv`.
     """
@@ -172,12 +234,16 @@ class TextGenVectorEnv(VectorEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
         super().reset(seed=seed)
-        options = options or {}
-        mask = options.get("reset_mask")
-        slots = np.arange(self.num_envs) if mask is None else np.flatnonzero(np.asarray(mask, dtype=bool))
-        if mask is not None and np.shape(mask) != (self.num_envs,):
-            raise ConfigError(f"reset_mask must have shape ({self.num_envs},), not {np.shape(mask)}.")
-        self.episodes.start(slots, self.np_random, options.get("prompt"))
+        options = _checked_options(options, VECTOR_OPTIONS)
+        slots = np.arange(self.num_envs)
+        if "reset_mask" in options:
+            mask = np.asarray(options["reset_mask"])
+            if mask.shape != (self.num_envs,) or mask.dtype != bool:
+                raise ConfigError(
+                    f"reset_mask must be a bool array of shape ({self.num_envs},), not {options['reset_mask']!r}."
+                )
+            slots = np.flatnonzero(mask)
+        self.episodes.start(slots, self.np_random, self._prompts_option(options, len(slots)))
         self._started = True
         infos: dict[str, Any] = {}
         for i in slots:
@@ -185,6 +251,32 @@ class TextGenVectorEnv(VectorEnv):
                 infos, {"prompt": self.episodes.prompts[self.episodes.prompt_index[i]].text}, i
             )
         return self.episodes.batch_obs(), infos
+
+    def _prompts_option(self, options: dict[str, Any], k: int) -> list[Any] | None:
+        """The prompt of each of the ``k`` sub-envs being reset, from the reset options (None: draw them)."""
+        given = [key for key in ("prompt", "prompts", "group_size") if key in options]
+        if len(given) > 1:
+            raise ConfigError(f"reset options {given} exclude each other: give one of them.")
+        if "prompt" in options:
+            return [options["prompt"]] * k
+        if "prompts" in options:
+            prompts = options["prompts"]
+            if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) != k:
+                raise ConfigError(
+                    f"options['prompts'] must be a list of {k} prompts (indices or texts), one per sub-env "
+                    f"being reset, not {prompts!r}."
+                )
+            return list(prompts)
+        if "group_size" in options:
+            g = options["group_size"]
+            if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or g < 1 or k % g:
+                raise ConfigError(
+                    f"options['group_size'] must be a positive integer that divides the {k} sub-envs being "
+                    f"reset, not {g!r}."
+                )
+            # Consecutive sub-envs share a prompt: [p0]*g + [p1]*g + ...
+            return [index for index in self.episodes.draw(k // int(g), self.np_random) for _ in range(g)]
+        return None
 
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict]:
         if not self._started:
