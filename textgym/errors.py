@@ -54,3 +54,7 @@ class ModelError(TextgymError):
 
 class ConfigError(TextgymError, ValueError):
     """A configuration value is invalid."""
+
+
+class PairsError(TextgymError, ValueError):
+    """A preference-pairs file is missing or unreadable, or one of its rows is unusable."""
