@@ -179,6 +179,19 @@ def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
     assert (tmp_path / "rm" / REPORT).is_file()
 
 
+@pytest.mark.slow
+def test_smollm2_reward_model_learns_the_marker_and_loads_in_rm_score(tmp_path):
+    rows = marker_pairs(24, seed=2)
+    report = train_reward_model(
+        rows, tmp_path / "rm", epochs=2, learning_rate=5e-5, batch_size=6, eval_fraction=0.25
+    )
+    assert report.model == "smollm2-135m-instruct" and report.eval_pairs == 6
+    assert report.after.accuracy >= 5 / 6 and report.after.loss < report.before.loss
+    held_out = [rows[line - 1] for line in report.eval_lines]
+    margins = rm_score_margins(tmp_path / "rm", held_out)
+    assert sum(margins) / len(margins) == pytest.approx(report.after.mean_margin, abs=1e-3)
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 
@@ -224,6 +237,10 @@ def test_too_few_pairs_for_the_held_out_split(tmp_path):
         ({"epochs": 0}, r"epochs \(--epochs\) must be an integer >= 1, not 0"),
         ({"learning_rate": 0.0}, r"learning_rate \(--learning-rate\) must be > 0, not 0.0"),
         ({"learning_rate": -1e-5}, r"must be > 0, not -1e-05"),
+        (
+            {"head_learning_rate": 0},
+            r"head_learning_rate \(--head-learning-rate\) must be > 0, not 0, e.g. 0.001",
+        ),
         ({"batch_size": 0}, r"batch_size \(--batch-size\) must be an integer >= 1"),
         ({"eval_fraction": 1.0}, r"eval_fraction \(--eval-fraction\) must be between 0 and 1"),
         ({"lora": "{r = }"}, r"--lora '\{r = \}' is not a TOML inline table"),
@@ -304,3 +321,12 @@ def test_every_command_in_the_docs_parses(monkeypatch):
     for command in commands:
         assert main(shlex.split(command, comments=True)[1:]) == 0, command
     assert len(ran) == len(commands)
+
+
+def test_the_python_snippet_in_the_docs_runs(tmp_path, monkeypatch, capsys):
+    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, str(DOC), "exec"), {})
+    printed = capsys.readouterr().out
+    assert "pairs to runs/tiny/pairs.jsonl" in printed and "accuracy" in printed
+    assert re.search(r"^\[-?\d+\.\d+\]$", printed, flags=re.M)  # the proxy's score of one sample

@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--lora", metavar="'{r = 8}'", help="train a LoRA adapter (peft LoraConfig arguments as TOML)"
     )
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--learning-rate", type=float, help="default 1e-5, or 1e-4 with --lora")
+    p.add_argument("--learning-rate", type=float, help="the LM's: default 1e-5, or 1e-4 with --lora")
+    p.add_argument("--head-learning-rate", type=float, help="the new score head's: default 1e-3")
     p.add_argument("--batch-size", type=int, default=8, help="pairs per step")
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of pairs held out")
     p.add_argument("--seed", type=int, default=0)
@@ -151,8 +152,8 @@ def _train_rm(args: argparse.Namespace) -> int:
 
     report = train_reward_model(
         args.pairs, args.output, model=args.model, lora=args.lora, epochs=args.epochs,
-        learning_rate=args.learning_rate, batch_size=args.batch_size, eval_fraction=args.eval_fraction,
-        seed=args.seed, max_length=args.max_length,
+        learning_rate=args.learning_rate, head_learning_rate=args.head_learning_rate,
+        batch_size=args.batch_size, eval_fraction=args.eval_fraction, seed=args.seed, max_length=args.max_length,
     )  # fmt: skip
     print(report.summary())
     return 0
