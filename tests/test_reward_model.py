@@ -181,12 +181,12 @@ def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_reward_model_learns_the_marker_and_loads_in_rm_score(tmp_path):
-    rows = marker_pairs(24, seed=2)
-    report = train_reward_model(
-        rows, tmp_path / "rm", epochs=2, learning_rate=5e-5, batch_size=6, eval_fraction=0.25
-    )
-    assert report.model == "smollm2-135m-instruct" and report.eval_pairs == 6
-    assert report.after.accuracy >= 5 / 6 and report.after.loss < report.before.loss
+    """The embedded model end to end (its pad token, chat template, saved config): ~15 steps, ~3 min here."""
+    rows = marker_pairs(48, seed=2)
+    report = train_reward_model(rows, tmp_path / "rm", epochs=3, eval_fraction=0.25)
+    assert report.model == "smollm2-135m-instruct" and report.eval_pairs == 12
+    assert report.after.loss < report.before.loss - 0.1  # measured: 0.719 -> 0.430
+    assert report.after.mean_margin > report.before.mean_margin + 0.5  # measured: -0.035 -> +1.066
     held_out = [rows[line - 1] for line in report.eval_lines]
     margins = rm_score_margins(tmp_path / "rm", held_out)
     assert sum(margins) / len(margins) == pytest.approx(report.after.mean_margin, abs=1e-3)
