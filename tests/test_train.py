@@ -55,7 +55,7 @@ def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
     assert (
         int(metrics[-1]["timesteps"]) >= 64
         and "objective/kl" in metrics[0]
-        and "reward/sentiment" in metrics[0]
+        and "rewards/sentiment/mean" in metrics[0]
     )
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 * len(metrics) and set(samples[0]) >= {
@@ -154,4 +154,6 @@ def test_demo_config_trains_the_embedded_model(tmp_path):
     )  # fmt: skip
     metrics = rows(run_dir / "metrics.csv")
     assert len(metrics) >= 2 and all(float(m["val/ratio"]) > 0 for m in metrics)
-    assert {"reward/sentiment", "reward/fluency", "reward/safety", "reward/length_penalty"} <= set(metrics[0])
+    assert {f"rewards/{n}/mean" for n in ("sentiment", "fluency", "safety", "length_penalty")} <= set(
+        metrics[0]
+    )

@@ -196,7 +196,9 @@ def evaluate(run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     kwargs.update(rewards=stack, prompt_order="sequential")
     if spec["bench"]["eval_prompts"] is not None:
         kwargs["prompts"] = spec["bench"]["eval_prompts"]
-    if getattr(agent_class, "native_vector_env", False):
+    from textgym.train import is_lm_agent
+
+    if is_lm_agent(agent_class):
         kwargs.setdefault("model", config["agent"]["policy"])  # the policy's tokenizer, as in training
         episodes, kls = _evaluate_native(agent_class, run_dir, config, kwargs, n)
     else:
@@ -226,6 +228,7 @@ def _evaluate_native(
     import gymnasium
     import torch
 
+    from textgym.agents.base import RolloutBatch
     from textgym.sampling import rollout
 
     num_envs = min(n, config["env"]["num_envs"])
@@ -241,16 +244,8 @@ def _evaluate_native(
     kls: list[float] = []
     for round_ in range(math.ceil(n / num_envs)):
         r = rollout(agent.policy, env, temperature=agent.config.temperature, seed=EVAL_SEED + round_)
-        batch = {
-            "query_ids": r.query_ids,
-            "query_mask": r.query_mask,
-            "response_ids": r.response_ids,
-            "response_mask": r.response_mask,
-        }
         with torch.no_grad():
-            ref = agent.reference_logprobs(batch).cpu()
-        mask = r.response_mask.float()
-        kls.extend(((r.logprobs - ref) * mask).sum(1).tolist())
+            kls.extend(agent.sequence_kl(RolloutBatch.from_rollout(r)).tolist())
         for row, info in enumerate(r.infos):
             info["tokens"] = r.response_ids[row][r.response_mask[row].bool()].tolist()
             episodes.append(info)

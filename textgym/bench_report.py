@@ -115,7 +115,7 @@ def plot_all(
         for seed in spec["bench"]["seeds"]:
             with (out / "runs" / f"{design}-seed{seed}" / "metrics.csv").open() as f:
                 rows = list(csv.DictReader(f))
-            key = "objective/scores" if "objective/scores" in rows[0] else "reward"
+            key = "reward"
             curves.append([(float(r["timesteps"]), float(r[key])) for r in rows])
         n = min(len(c) for c in curves)
         x = np.mean([[p[0] for p in c[:n]] for c in curves], axis=0)

@@ -123,15 +123,60 @@ def run(
     for path in config["run"]["plugins"]:
         plugin_manager.load_plugin_file(path)
     agent_class = plugin_manager.load_agent(config["agent"]["name"])
+    hyperparameters = {k: v for k, v in config["agent"].items() if k not in ("name", "policy")}
+    check_hyperparameters(config["agent"]["name"], agent_class, hyperparameters)
     run_dir.mkdir(parents=True, exist_ok=True)
     config["run"]["output_dir"] = str(run_dir)
     if resume is None:
         import tomli_w
 
         _write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(validate(config))))
-    if getattr(agent_class, "native_vector_env", False):
+    if is_lm_agent(agent_class):
         return _run_native(agent_class, config, run_dir, resume is not None)
     return _run_sb3(agent_class, config, run_dir, resume is not None)
+
+
+def is_lm_agent(agent_class: Any) -> bool:
+    """LM agents (subclasses of ``LMAgent``) step the native vector env; others get an SB3 VecEnv."""
+    from textgym.agents.base import LMAgent
+
+    return isinstance(agent_class, type) and issubclass(agent_class, LMAgent)
+
+
+def hyperparameter_names(agent_class: Any) -> list[str] | None:
+    """The hyperparameters an agent takes: its config dataclass's fields (LM agents) or its constructor's
+    keyword arguments (SB3 algorithms); None when it takes any keyword."""
+    import dataclasses
+    import inspect
+
+    if is_lm_agent(agent_class):
+        return [f.name for f in dataclasses.fields(agent_class.config_class)]
+    try:
+        params = inspect.signature(agent_class.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    skip = {"self", "policy", "env"}
+    return [
+        n for n, p in params.items() if n not in skip and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def check_hyperparameters(name: str, agent_class: Any, hyperparameters: dict[str, Any]) -> None:
+    """Every hyperparameter must be one the agent takes: checked before anything loads."""
+    import difflib
+
+    valid = hyperparameter_names(agent_class)
+    if valid is None:
+        return
+    for key in hyperparameters:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"[agent] {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}."
+            )
 
 
 def _drop_none(value: Any) -> Any:  # TOML has no null
@@ -208,9 +253,9 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
                     f.write(json.dumps({"iteration": model.iteration, **episode}) + "\n")
             write_metrics(run_dir / "metrics.csv", model.history)
             tqdm.write(
-                f"iter {model.iteration:4d}  tokens {model.num_timesteps:7d}  score {stats['objective/scores']:7.3f}"
-                f"  kl {stats['objective/kl']:7.3f}  len {stats['env/response_length']:5.1f}"
-                f"  eos {stats['env/eos_rate']:4.2f}  {stats['time/iteration']:6.1f} s"
+                f"iter {model.iteration:4d}  tokens {model.num_timesteps:7d}  reward {stats['reward']:7.3f}"
+                f"  kl {stats['kl']:7.3f}  len {stats['completions/mean_length']:5.1f}"
+                f"  eos {1 - stats['completions/clipped_ratio']:4.2f}  {stats['time/iteration']:6.1f} s"
             )
             if model.iteration % run["checkpoint_every"] == 0 or flag.stop:
                 model.save(run_dir / CHECKPOINT)
@@ -222,13 +267,13 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
             agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, progress_bar=True)
     agent.save(run_dir / CHECKPOINT)
     if agent.history:
-        plot(run_dir / "reward_kl.png", agent.history, "objective/scores", "objective/kl")
+        plot(run_dir / "reward_kl.png", agent.history, "reward", "kl")
     if flag.stop:
         print(f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {run_dir}")
         return run_dir
     after = _sample_table(agent, config, run_dir / "samples_after.jsonl")
     print("after training:\n" + format_table(after))
-    _print_trend(agent.history, "objective/scores")
+    _print_trend(agent.history, "reward")
     print(f"textgym: run directory {run_dir}")
     return run_dir
 

@@ -1,0 +1,801 @@
+"""``LMAgent``: what every language-model agent shares, in the spirit of SB3's ``OnPolicyAlgorithm``.
+
+``learn`` is a loop of ``collect_rollouts()`` (one batch of episodes through the vector env, as a typed
+:class:`RolloutBatch`) and ``train(batch)`` (the agent's update, returning its statistics). A subclass
+implements those two and, if it has them, extra modules (a value head) and extra state. The base owns the
+rest: loading the policy (zoo name, directory or model object), LoRA, the reference model (a frozen copy, the
+adapter-disabled model, or none when the agent does not need one), ``accelerate``, the optimizer, seeding,
+the forward over prompt + response, reference log-probs, score shaping, guards against non-finite values,
+and SB3's user contract (``learn`` with callbacks, logger and progress bar, ``predict``, atomic ``save``,
+``load``).
+
+Every agent logs one metrics schema (TRL's names, see :data:`COMMON_STATS`), so ``textgym train`` and
+``textgym bench`` never need to know which agent wrote a file.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits, masked_mean
+from textgym.envs import TextGenVectorEnv
+from textgym.errors import ConfigError, TrainingError
+from textgym.sampling import logits_to_keep, rollout
+
+# Logged by every agent, every iteration (NaN where an agent has no such quantity, e.g. `kl` without a
+# reference model). Agents add their own keys (LMPPO: TRL's PPO names, `objective/*`, `policy/*`, ...).
+COMMON_STATS = (
+    "iteration",
+    "timesteps",
+    "reward",  # mean reward-stack total (composition applied; before the agent's own score shaping)
+    "reward_std",
+    "frac_reward_zero_std",  # share of prompt groups (the whole batch for non-group agents) with equal totals
+    "kl",  # KL(policy || reference) per completion: sum over its tokens of log pi - log pi_ref, batch mean
+    "entropy",  # mean per-token entropy of the policy in the update
+    "completions/mean_length",  # generated tokens per completion (EOS included)
+    "completions/clipped_ratio",  # share of completions cut at max_new_tokens (no EOS)
+    "lr",
+    "train/skipped_steps",  # optimizer steps skipped for non-finite losses or gradients, so far
+    "time/rollout",
+    "time/reward",
+    "time/reference",
+    "time/update",
+    "time/iteration",
+    "time/tokens_per_s",
+)
+
+
+@dataclass
+class LMAgentConfig:
+    """Hyperparameters every LM agent has. Subclasses add theirs (a dataclass per agent)."""
+
+    learning_rate: float = 1e-5
+    """AdamW learning rate."""
+    lr_schedule: str = "constant"
+    """"constant", or "linear" (anneal to 0 over the learn() call's total_timesteps)."""
+    temperature: float = 1.0
+    """Sampling temperature; it divides the logits wherever log-probs are computed."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping."""
+    micro_batch_size: int | None = None
+    """Sequences per forward pass; gradients accumulate over the minibatch (None: the whole minibatch)."""
+    missing_eos_penalty: float | None = None
+    """Subtract this from the score of episodes that hit max_new_tokens without EOS."""
+    score_scale: float = 1.0
+    """Multiply the reward-stack total by this."""
+    score_norm: bool = False
+    """Normalise scores by their running mean and std."""
+    score_clip: float | None = None
+    """Clip (scaled, normalised) scores to [-score_clip, score_clip]."""
+    max_abs_score: float = 1e6
+    """A reward-stack total beyond ±this stops training with the plugin that produced it named (a reward
+    of 1e20 is finite but drives the losses to inf)."""
+    lora: dict[str, Any] | None = None
+    """peft LoraConfig arguments (e.g. {"r": 8}); the reference is then the adapter-disabled model."""
+    device: str = "auto"
+    """"auto" (the GPU when there is one), "cpu", "cuda", ..."""
+    bf16: bool | None = None
+    """bf16 autocast; None: on for GPUs, off on the CPU."""
+    seed: int = 0
+    """Seeds torch, numpy and the rollouts."""
+    verbose: int = 1
+    """0: silent; 1: log to stdout."""
+    tensorboard_log: str | None = None
+    """Folder for tensorboard (and CSV) logs."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            # log-probs divide by it; greedy rollouts have no importance ratio
+            raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")
+        if not isinstance(self.learning_rate, (int, float)) or not 0 < self.learning_rate < math.inf:
+            raise ConfigError(f"learning_rate must be a positive number, not {self.learning_rate!r}.")
+        if self.lr_schedule not in ("constant", "linear"):
+            raise ConfigError(f"lr_schedule must be 'constant' or 'linear', not {self.lr_schedule!r}.")
+        if self.micro_batch_size is not None:
+            check_positive_int("micro_batch_size", self.micro_batch_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, not {self.seed!r}.")
+        if not self.max_abs_score > 0:
+            raise ConfigError(f"max_abs_score must be > 0, not {self.max_abs_score!r}.")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
+
+
+def make_config(config_class: type, agent_name: str, hyperparameters: dict[str, Any]) -> Any:
+    """``config_class(**hyperparameters)``, with an unknown name reported with the closest valid ones."""
+    valid = [f.name for f in dataclasses.fields(config_class)]
+    for name in hyperparameters:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{agent_name} has no hyperparameter {name!r}.{hint} Valid: {', '.join(sorted(valid))}."
+            )
+    return config_class(**hyperparameters)
+
+
+@dataclass
+class RunningMoments:
+    """Running mean and variance of scores (Chan et al.'s parallel update), for ``score_norm``."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    var: float = 1.0
+
+    def update(self, x: torch.Tensor) -> None:
+        n, mean, var = x.numel(), float(x.mean()), float(x.var(unbiased=False)) if x.numel() > 1 else 0.0
+        total = self.count + n
+        delta = mean - self.mean
+        m2 = self.var * self.count + var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var, self.count = m2 / total, total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var) if self.var > 0 else 1.0
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's episodes: N rows (one per sub-env), T response positions.
+
+    ``response_mask`` is 1 on the tokens the agent generated (EOS included) and 0 after the episode ended.
+    Subclasses add what their update needs (values, advantages, ...); :meth:`select` slices every tensor.
+    """
+
+    query_ids: torch.Tensor  # (N, P) left-padded prompts
+    query_mask: torch.Tensor  # (N, P)
+    response_ids: torch.Tensor  # (N, T)
+    response_mask: torch.Tensor  # (N, T)
+    logprobs: torch.Tensor  # (N, T) log p(token) at sampling time and temperature, 0 after the end
+    ref_logprobs: torch.Tensor | None  # (N, T) under the reference, when the agent has one
+    scores: torch.Tensor  # (N,) the training score: reward-stack total after score shaping
+    raw_scores: torch.Tensor  # (N,) the reward-stack total
+    truncated: torch.Tensor  # (N,) bool: cut at max_new_tokens without EOS
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)  # rollout-stage statistics
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @classmethod
+    def from_rollout(cls, r: Any) -> RolloutBatch:
+        """A batch from :func:`textgym.sampling.rollout`'s result; ``scores`` are the raw totals until an
+        agent shapes them."""
+        raw = torch.as_tensor(np.asarray(r.scores, dtype=np.float64), dtype=torch.float32)
+        return cls(
+            query_ids=r.query_ids,
+            query_mask=r.query_mask,
+            response_ids=r.response_ids,
+            response_mask=r.response_mask,
+            logprobs=r.logprobs,
+            ref_logprobs=None,
+            scores=raw.clone(),
+            raw_scores=raw,
+            truncated=torch.tensor([e["finish_reason"] == "length" for e in r.infos], dtype=torch.bool),
+            episodes=r.infos,
+        )
+
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        """The rows ``index`` of every tensor (episodes and stats are not carried)."""
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value[index] if isinstance(value, torch.Tensor) else None
+        values.update(episodes=[], stats={})
+        return type(self)(**values)
+
+
+class LMAgent:
+    """Base class of textgym's LM agents. See the module docstring for the template.
+
+    Args:
+        policy: a zoo name or model directory (then also the reference, reloadable from the name), or a
+            causal-LM model object.
+        env: a ``TextGenVectorEnv`` with ``autoreset_mode="Disabled"`` whose tokenizer matches the policy.
+            Optional for inference (``predict``).
+        **hyperparameters: fields of the agent's config dataclass (``config_class``).
+    """
+
+    config_class: ClassVar[type] = LMAgentConfig
+    name: ClassVar[str] = "lm-agent"  # the registered name, in messages and checkpoints
+
+    def __init__(self, policy: Any, env: TextGenVectorEnv | None = None, **hyperparameters: Any):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.config = c = make_config(self.config_class, self.name, hyperparameters)
+        on_gpu = torch.cuda.is_available() if c.device == "auto" else c.device.startswith("cuda")
+        bf16 = on_gpu if c.bf16 is None else c.bf16
+        self.accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if bf16 else "no")
+        self.device = self.accelerator.device
+        # Each process (under `accelerate launch`) gets its own seed, hence its own rollouts.
+        self.seed = c.seed + 10_007 * self.accelerator.process_index
+        set_seed(self.seed)
+        self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
+        model = self._load_policy(policy)
+        model.eval()  # dropout off: rollout and training log-probs must agree
+        self.ref_policy = None
+        if c.lora is not None:
+            from peft import LoraConfig, PeftModel, get_peft_model
+
+            if not isinstance(model, PeftModel):
+                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **c.lora))
+            # the reference, when needed, is the same weights with the adapter disabled
+        elif self.uses_reference:
+            self.ref_policy = copy.deepcopy(model).requires_grad_(False).to(self.device)
+        modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
+        params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
+        try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
+            optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
+        except (RuntimeError, TypeError):
+            optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
+        prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
+        self.policy, self.optimizer = prepared[0], prepared[-1]
+        self.modules: dict[str, nn.Module] = dict(zip(modules, prepared[1:-1]))
+        self.params = params
+        self.score_moments = RunningMoments()
+        self.num_timesteps = 0
+        self.iteration = 0  # never reset: it seeds the rollouts, so a resumed run continues the same stream
+        self.skipped_steps = 0
+        self._total_timesteps = 0
+        self._logger = None
+        self.env: TextGenVectorEnv | None = None
+        if env is not None:
+            self.set_env(env)
+        self.last_episodes: list[dict[str, Any]] = []
+        self.history: list[dict[str, float]] = []
+
+    # -- what subclasses implement -------------------------------------------------------------------
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the agent needs reference log-probs (False: no reference model is loaded at all)."""
+        return True
+
+    @property
+    def group_size(self) -> int:
+        """Completions per prompt in a batch (1: every sub-env draws its own prompt)."""
+        return 1
+
+    def build_modules(self, model: Any) -> dict[str, nn.Module]:
+        """Trainable modules besides the policy (saved and loaded with it), e.g. a value head."""
+        return {}
+
+    def collect_rollouts(self) -> RolloutBatch:
+        """One batch of episodes with everything ``train`` needs."""
+        return self.generate()[0]
+
+    def train(self, batch: RolloutBatch) -> dict[str, float]:
+        """Update the policy on ``batch``; return the update's statistics."""
+        raise NotImplementedError
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-serialisable state a subclass saves with checkpoints (e.g. its KL controller)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned."""
+
+    # -- policy and env ------------------------------------------------------------------------------
+    @staticmethod
+    def _load_policy(policy: Any) -> Any:
+        if isinstance(policy, (str, os.PathLike)):
+            from textgym.models import load_model
+
+            model = load_model(policy)[0]
+            if model is None:
+                raise ConfigError(
+                    f"{str(policy)!r} is a tokenizer without weights; give a model as the policy."
+                )
+            return model
+        if not hasattr(policy, "config") or not callable(policy):
+            raise ConfigError(f"policy must be a zoo name, a model directory or a causal LM, not {policy!r}.")
+        return policy
+
+    def set_env(self, env: TextGenVectorEnv) -> None:
+        if not isinstance(env, TextGenVectorEnv):
+            raise ConfigError(
+                f"{self.name} needs a textgym TextGenVectorEnv, not {type(env).__name__}; e.g. "
+                f'gymnasium.make_vec("textgym/TextGen-v0", num_envs=16, autoreset_mode="Disabled").'
+            )
+        if env.autoreset_mode.value != "Disabled":
+            raise ConfigError(
+                f"{self.name} generates whole batches: make the env with autoreset_mode='Disabled'."
+            )
+        if env.num_envs % self.group_size:
+            raise ConfigError(
+                f"the env's batch (num_envs={env.num_envs}) must be a multiple of num_generations="
+                f"{self.group_size}: each prompt gets {self.group_size} completions."
+            )
+        self._check_tokenizer(env)
+        self.env = env
+
+    def _check_tokenizer(self, env: TextGenVectorEnv) -> None:
+        """The env must tokenize with the policy's tokenizer: same ids for the same text, same EOS."""
+        config = self.accelerator.unwrap_model(self.policy).config
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is None and hasattr(config, "get_text_config"):
+            vocab = config.get_text_config().vocab_size
+        mismatch = None
+        if vocab is not None and env.single_action_space.n > vocab:
+            mismatch = f"the env's vocabulary has {env.single_action_space.n} tokens, the policy's {vocab}"
+        elif self.policy_source is not None:
+            from textgym.models import load_tokenizer
+
+            try:
+                mine = load_tokenizer(self.policy_source)
+            except Exception:  # a policy directory without a tokenizer: nothing to compare with
+                mine = None
+            if mine is not None and mine is not env.tokenizer:
+                n = min(len(env.tokenizer), len(mine))  # a tokenizer may have gained a pad token
+                probe = sorted(set(range(min(n, 64))) | set(np.linspace(0, n - 1, 64).astype(int).tolist()))
+                same = mine.eos_token_id == env.eos_token_id
+                same = same and all(mine.decode([i]) == env.tokenizer.decode([i]) for i in probe)
+                if not same:
+                    mismatch = f"{self.policy_source!r} tokenizes differently from the env"
+        if mismatch is None:
+            eos = getattr(config, "eos_token_id", None)
+            eos = eos if isinstance(eos, (list, tuple)) else [eos]
+            if env.eos_token_id is not None and None not in eos and env.eos_token_id not in eos:
+                mismatch = f"the env's EOS id is {env.eos_token_id}, the policy's {eos}"
+        if mismatch:
+            raise ConfigError(
+                f"the env's tokenizer does not match the policy ({mismatch}): make the env with the policy's "
+                f"tokenizer, e.g. model={self.policy_source or '<the policy name>'!r}."
+            )
+
+    def get_env(self) -> TextGenVectorEnv | None:
+        return self.env
+
+    def get_vec_normalize_env(self) -> None:
+        return None
+
+    # -- forwards ------------------------------------------------------------------------------------
+    def forward(
+        self, model: Any, batch: RolloutBatch, hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over prompt + response: the logits that chose each response token (N, T, V), and
+        the last hidden states they came from (N, T, H) if asked."""
+        # Prompts are left-padded to max_prompt_tokens; columns that are padding in every row are dropped.
+        start = int(batch.query_mask.any(0).long().argmax())
+        query_ids, query_mask = batch.query_ids[:, start:], batch.query_mask[:, start:]
+        ids = torch.cat([query_ids, batch.response_ids], dim=1).to(self.device)  # (N, P'+T)
+        mask = torch.cat([query_mask, batch.response_mask], dim=1).to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        T = batch.response_ids.shape[1]
+        keep = logits_to_keep(model, T + 1)  # the LM head runs over the response positions only
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=hidden, **keep
+        )
+        P = query_ids.shape[1]
+        last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
+        logits = out.logits[:, -(T + 1) : -1]  # (N, T, V): positions P-1 .. P+T-2 chose the response tokens
+        return logits, last_hidden
+
+    def policy_logprobs(
+        self, batch: RolloutBatch, hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probs (N, T) of the response tokens under the policy (with gradients), per-token entropy
+        (N, T; without a graph) and, if asked, the hidden states."""
+        with self.accelerator.autocast():
+            logits, last_hidden = self.forward(self.policy, batch, hidden=hidden)
+        logprobs = logprobs_from_logits(logits, batch.response_ids.to(self.device), self.config.temperature)
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits, self.config.temperature)
+        return logprobs, entropy, last_hidden
+
+    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """Log-probs (N, T) of the response tokens under the reference, at the sampling temperature."""
+        chunks = []
+        step = self.config.micro_batch_size or len(batch)
+        with torch.no_grad():
+            for start in range(0, len(batch), step):
+                mb = batch.select(torch.arange(start, min(start + step, len(batch))))
+                if self.ref_policy is None:  # LoRA: the same weights with the adapter disabled
+                    with self.accelerator.unwrap_model(self.policy).disable_adapter():
+                        logits, _ = self.forward(self.policy, mb)
+                else:
+                    logits, _ = self.forward(self.ref_policy, mb)
+                logprobs = logprobs_from_logits(
+                    logits, mb.response_ids.to(self.device), self.config.temperature
+                )
+                chunks.append(logprobs.cpu())
+        return torch.cat(chunks) * batch.response_mask
+
+    def sequence_kl(self, batch: RolloutBatch) -> torch.Tensor:
+        """KL(policy || reference) per completion (N,): the sum over its tokens of log pi - log pi_ref for the
+        sampled tokens. Agents without a reference (e.g. GRPO with beta = 0) load the initial policy for this,
+        once, outside training (evaluation only)."""
+        if self.uses_reference or self.config.lora is not None:  # LoRA: the adapter-disabled model
+            ref = self.reference_logprobs(batch)
+        else:
+            if getattr(self, "_kl_reference", None) is None:
+                if self.policy_source is None:
+                    raise ConfigError(f"this {self.name} has no reference model to measure a KL against.")
+                self._kl_reference = (
+                    self._load_policy(self.policy_source).requires_grad_(False).to(self.device)
+                )
+            with torch.no_grad():
+                logits, _ = self.forward(self._kl_reference, batch)
+            ref = logprobs_from_logits(
+                logits, batch.response_ids.to(self.device), self.config.temperature
+            ).cpu()
+        return ((batch.logprobs - ref) * batch.response_mask).sum(1)
+
+    # -- one batch of episodes -----------------------------------------------------------------------
+    def shape_scores(self, raw: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        """missing-EOS penalty -> scale -> running normalisation -> clip, in that order."""
+        c = self.config
+        scores = raw.clone()
+        if c.missing_eos_penalty is not None:
+            scores[truncated] -= c.missing_eos_penalty
+        scores = scores * c.score_scale
+        if c.score_norm:
+            self.score_moments.update(scores)
+            scores = (scores - self.score_moments.mean) / self.score_moments.std
+        if c.score_clip is not None:
+            scores = scores.clamp(-c.score_clip, c.score_clip)
+        return scores
+
+    def generate(self, keep_hidden: bool = False) -> tuple[RolloutBatch, Any]:
+        """Roll out one episode per sub-env (``group_size`` consecutive sub-envs per prompt), take the
+        reference log-probs and the scores, and the statistics every agent logs. Returns the batch and the
+        hidden states (N, T, H) when ``keep_hidden``."""
+        env = self.env
+        if env is None:
+            raise ConfigError(f"this {self.name} has no env: pass one to the agent or to load(path, env).")
+        stack = env.reward_stack
+        if hasattr(stack, "set_progress") and self._total_timesteps:
+            stack.set_progress(min(1.0, self.num_timesteps / self._total_timesteps))
+        start, reward_before = time.perf_counter(), env.reward_seconds
+        options = {"group_size": self.group_size} if self.group_size > 1 else None
+        r = rollout(
+            self.policy,
+            env,
+            temperature=self.config.temperature,
+            seed=self.seed * 1_000_003 + self.iteration,
+            options=options,
+            keep_hidden=keep_hidden,
+        )
+        t_rollout = time.perf_counter() - start
+        t_reward = env.reward_seconds - reward_before
+        batch = RolloutBatch.from_rollout(r)
+        self._check_scores(batch.raw_scores, r.infos)
+        batch.scores = self.shape_scores(batch.raw_scores, batch.truncated)
+        start = time.perf_counter()
+        if self.uses_reference:
+            batch.ref_logprobs = self.reference_logprobs(batch)
+        t_reference = time.perf_counter() - start
+        batch.stats = self.rollout_stats(batch)
+        mask = batch.response_mask.float()
+        batch.stats.update(
+            {
+                "time/rollout": t_rollout - t_reward,
+                "time/reward": t_reward,
+                "time/reference": t_reference,
+                "time/tokens_per_s": float(mask.sum()) / max(t_rollout, 1e-9),
+            }
+        )
+        self.last_episodes = r.infos
+        return batch, r.hidden
+
+    def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
+        """The common statistics of a batch (see :data:`COMMON_STATS`)."""
+        scores = batch.raw_scores.double()
+        groups = scores.view(-1, self.group_size) if self.group_size > 1 else scores.view(1, -1)
+        mask = batch.response_mask.float()
+        stats = {
+            "reward": float(scores.mean()),
+            "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+            "frac_reward_zero_std": float((groups.max(1).values == groups.min(1).values).double().mean()),
+            "kl": math.nan,
+            "completions/mean_length": float(mask.sum(1).mean()),
+            "completions/clipped_ratio": float(batch.truncated.double().mean()),
+        }
+        if batch.ref_logprobs is not None:
+            stats["kl"] = float(((batch.logprobs - batch.ref_logprobs) * mask).sum(1).mean())
+        names = batch.episodes[0]["reward_components"] if batch.episodes else {}
+        for name in names:
+            values = np.array(
+                [np.nan if (v := e["reward_components"][name]) is None else v for e in batch.episodes],
+                dtype=float,
+            )
+            applicable = values[~np.isnan(values)]  # None = not applicable: left out of the statistics
+            stats[f"rewards/{name}/mean"] = float(applicable.mean()) if len(applicable) else math.nan
+            stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else 0.0
+        return stats
+
+    def _check_scores(self, raw: torch.Tensor, episodes: list[dict[str, Any]]) -> None:
+        """Stop before an absurd score reaches the losses, naming the plugin that produced it."""
+        limit = self.config.max_abs_score
+        bad = (~torch.isfinite(raw)) | (raw.abs() > limit)
+        if not bad.any():
+            return
+        i = int(bad.nonzero()[0])
+        episode = episodes[i]
+        components = {k: v for k, v in episode["reward_components"].items() if v is not None}
+        culprit = max(components, key=lambda k: abs(components[k]), default=None)
+        raise TrainingError(
+            f"the reward-stack total {float(raw[i]):.3g} for completion {episode['completion'][:50]!r} is beyond "
+            f"max_abs_score={limit:g}"
+            + (f"; reward plugin {culprit!r} returned {components[culprit]:.3g}" if culprit else "")
+            + ". Fix or rescale that reward (a weight, score_scale), or raise max_abs_score if such values are "
+            "meant. Training stopped before the update, so the weights and checkpoints are untouched."
+        )
+
+    # -- the optimizer step --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backward through ``loss`` unless it is not finite (then the step will be skipped)."""
+        if not torch.isfinite(loss.detach()).all():
+            self._bad_loss = True
+            return False
+        self.accelerator.backward(loss)
+        return True
+
+    def optimizer_step(self) -> bool:
+        """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
+        then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
+        norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        bad = getattr(self, "_bad_loss", False) or not torch.isfinite(torch.as_tensor(norm)).all()
+        self._bad_loss = False
+        if bad:
+            self.optimizer.zero_grad()
+            self.skipped_steps += 1
+            return False
+        self.optimizer.step()
+        return True
+
+    def weights_are_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    # -- SB3's user contract -------------------------------------------------------------------------
+    @property
+    def logger(self) -> Any:
+        if self._logger is None:
+            from stable_baselines3.common.logger import configure
+
+            self._logger = configure(None, ["stdout"] if self.config.verbose else [])
+        return self._logger
+
+    def set_logger(self, logger: Any) -> None:
+        self._logger = logger
+
+    def _setup_logger(self, tb_log_name: str) -> None:
+        if self.config.tensorboard_log is None:
+            return
+        from stable_baselines3.common.logger import configure
+        from stable_baselines3.common.utils import get_latest_run_id
+
+        run_id = get_latest_run_id(self.config.tensorboard_log, tb_log_name) + 1
+        folder = os.path.join(self.config.tensorboard_log, f"{tb_log_name}_{run_id}")
+        formats = ["stdout"] if self.config.verbose else []
+        formats.append("csv")
+        try:
+            import tensorboard  # noqa: F401
+
+            formats.append("tensorboard")
+        except ImportError:
+            pass
+        self._logger = configure(folder, formats)
+
+    def learn(
+        self,
+        total_timesteps: int,
+        callback: Any = None,
+        log_interval: int = 1,
+        tb_log_name: str | None = None,
+        reset_num_timesteps: bool = True,
+        progress_bar: bool = False,
+    ) -> LMAgent:
+        """Alternate ``collect_rollouts`` and ``train`` until ``total_timesteps`` tokens were generated.
+
+        ``callback``: SB3 callback(s) or a function of ``(locals, globals)``; ``on_step`` is called once per
+        iteration (one batch of episodes) and stops training when it returns False. Statistics are logged
+        every ``log_interval`` iterations under TRL's names.
+        """
+        from tqdm.auto import tqdm
+
+        if self.env is None:
+            raise ConfigError(f"this {self.name} has no env: pass one to the agent or to load(path, env).")
+        if reset_num_timesteps:
+            self.num_timesteps = 0
+        else:
+            total_timesteps += self.num_timesteps
+        self._total_timesteps = total_timesteps
+        self._setup_logger(tb_log_name or type(self).__name__)
+        callback = self._init_callback(callback)
+        callback.on_training_start(locals(), globals())
+        bar = tqdm(total=total_timesteps, initial=self.num_timesteps, unit="tok", disable=not progress_bar)
+        while self.num_timesteps < total_timesteps:
+            if self.config.lr_schedule == "linear":
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.config.learning_rate * max(
+                        0.0, 1 - self.num_timesteps / total_timesteps
+                    )
+            callback.on_rollout_start()
+            batch = self.collect_rollouts()
+            tokens = int(batch.response_mask.sum())
+            self.num_timesteps += tokens
+            callback.update_locals(locals())
+            callback.on_rollout_end()
+            start = time.perf_counter()
+            update_stats = self.train(batch)
+            update_stats.setdefault("time/update", time.perf_counter() - start)
+            self.iteration += 1
+            stats = {
+                "iteration": self.iteration,
+                "timesteps": self.num_timesteps,
+                **batch.stats,
+                **update_stats,
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "train/skipped_steps": self.skipped_steps,
+            }
+            stats["time/iteration"] = sum(
+                v for k, v in stats.items() if k.startswith("time/") and k not in ("time/tokens_per_s",)
+            )
+            self.history.append(stats)
+            if log_interval and self.iteration % log_interval == 0:
+                for key, value in stats.items():
+                    if key not in ("iteration", "timesteps"):
+                        self.logger.record(key, value)
+                self.logger.record("time/iterations", self.iteration)
+                self.logger.dump(step=self.num_timesteps)
+            bar.update(tokens)
+            bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
+            if not callback.on_step():
+                break
+        bar.close()
+        callback.on_training_end()
+        return self
+
+    def _init_callback(self, callback: Any) -> Any:
+        from stable_baselines3.common.callbacks import BaseCallback, CallbackList, ConvertCallback
+
+        if isinstance(callback, list):
+            callback = CallbackList(callback)
+        if not isinstance(callback, BaseCallback):
+            callback = ConvertCallback(callback)
+        callback.init_callback(self)
+        return callback
+
+    def predict(
+        self,
+        observation: dict[str, np.ndarray],
+        state: Any = None,
+        episode_start: Any = None,
+        deterministic: bool = False,
+    ) -> tuple[np.ndarray, Any]:
+        """The next token for each observation (a full forward; for generation, ``rollout`` is faster)."""
+        ids = np.asarray(observation["input_ids"])
+        single = ids.ndim == 1
+        ids = torch.as_tensor(ids.reshape(-1, ids.shape[-1]), dtype=torch.long, device=self.device)
+        mask = torch.as_tensor(np.asarray(observation["attention_mask"]).reshape(ids.shape), dtype=torch.long)
+        mask = mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # (N,) index of each row's newest token
+        with torch.no_grad():
+            logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits = logits[torch.arange(len(ids)), last].float()  # (N, V)
+        if self.env is not None:
+            logits = logits[:, : self.env.single_action_space.n]
+        if deterministic:
+            actions = logits.argmax(-1)
+        else:
+            actions = torch.multinomial((logits / self.config.temperature).softmax(-1), 1).squeeze(-1)
+        actions = actions.cpu().numpy()
+        return (actions[0] if single else actions), state
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint directory atomically: the policy in Hugging Face format (the adapter with
+        LoRA), the agent's modules, the optimizer, the counters, the config and the agent's extra state.
+        Refuses non-finite weights, so a diverged run never overwrites a good checkpoint."""
+        from textgym.models import atomic_build_dir
+
+        if not self.weights_are_finite():
+            raise TrainingError(
+                f"the policy has non-finite weights; not writing a checkpoint to {str(path)!r} (the last good "
+                f"one, if any, is kept). Lower learning_rate or check the rewards."
+            )
+        policy = self.accelerator.unwrap_model(self.policy)
+        if self.policy_source is None and self.config.lora is not None:
+            raise ConfigError(
+                "saving a LoRA policy needs the base model given by name or path, not as an object."
+            )
+
+        def build(out: Path) -> None:
+            policy.save_pretrained(out / "policy")
+            if self.policy_source is None and self.ref_policy is not None:
+                self.ref_policy.save_pretrained(out / "reference")
+            for name, module in self.modules.items():
+                torch.save(self.accelerator.unwrap_model(module).state_dict(), out / f"{name}.pt")
+            torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
+            state = {
+                "agent": self.name,
+                "config": asdict(self.config),
+                "policy_source": self.policy_source,
+                "num_timesteps": self.num_timesteps,
+                "iteration": self.iteration,
+                "skipped_steps": self.skipped_steps,
+                "score_moments": asdict(self.score_moments),
+                "extra": self.extra_state(),
+                "history": self.history,
+            }
+            (out / "state.json").write_text(json.dumps(state, indent=2))
+
+        atomic_build_dir(Path(path), build, replace=True)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, env: TextGenVectorEnv | None = None, **overrides: Any) -> LMAgent:
+        """An agent restored from :meth:`save`, with optimizer and counters; ``overrides`` replace config
+        fields (e.g. ``learning_rate``)."""
+        from transformers import AutoModelForCausalLM
+
+        from textgym.models import is_complete
+
+        path = Path(path)
+        if not is_complete(path):
+            raise ConfigError(
+                f"{str(path)!r} is not a complete {cls.__name__} checkpoint (no state.json written by save)."
+            )
+        try:
+            state = json.loads((path / "state.json").read_text())
+            saved_by = state.get("agent", "lmppo")
+            if saved_by != cls.name:
+                raise ConfigError(
+                    f"{str(path)!r} is a checkpoint of agent {saved_by!r}, not {cls.name!r}: load it with that agent."
+                )
+            config = {**state["config"], **overrides}
+            source = state["policy_source"]
+            if config.get("lora") is not None:
+                from peft import PeftModel
+
+                base = cls._load_policy(source)
+                policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
+            else:
+                policy = AutoModelForCausalLM.from_pretrained(path / "policy")
+            agent = cls(policy, env, **config)
+            agent.policy_source = source
+            if agent.ref_policy is not None:
+                reference = (
+                    cls._load_policy(source)
+                    if source
+                    else AutoModelForCausalLM.from_pretrained(path / "reference")
+                )
+                agent.ref_policy = reference.requires_grad_(False).eval().to(agent.device)
+            for name, module in agent.modules.items():
+                weights = torch.load(path / f"{name}.pt", weights_only=True)
+                agent.accelerator.unwrap_model(module).load_state_dict(weights)
+            agent.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
+            agent.skipped_steps = state.get("skipped_steps", 0)
+            agent.score_moments = RunningMoments(**state["score_moments"])
+            agent.history = state["history"]
+            agent.load_extra_state(state.get("extra", {}))
+        except (ConfigError, TrainingError):
+            raise
+        except (OSError, KeyError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
+            ) from exc
+        return agent
+
+
+def masked_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``x`` over the masked positions, as a float (for statistics)."""
+    return float(masked_mean(x.detach().float(), mask.float()))
