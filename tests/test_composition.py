@@ -3,7 +3,10 @@ normalize-then-sum, gates, weight schedules, functions as rewards (files, module
 errors for bad designs."""
 
 import math
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -438,3 +441,35 @@ gates = [{ component = "match", min = 0.5 }]
     (rewards_dir / "bad.toml").write_text(bad)
     with pytest.raises(ConfigError, match="design 'composed': gate on unknown component 'sefety'"):
         load_designs(rewards_dir / "bad.toml")
+
+
+# -- the guide -------------------------------------------------------------------------------------
+def test_rewards_guide_snippets_run_in_order(tmp_path):
+    """docs/rewards.md: a python block starting with ``# name.py`` is a file; the others run in order in its
+    directory, and every TOML block's reward stack (plugins.md's too) passes the checks."""
+    blocks = re.findall(r"```(python|toml)\n(.*?)```", (DOCS / "rewards.md").read_text(), flags=re.S)
+    code, tomls = [], []
+    for lang, block in blocks:
+        file = re.fullmatch(r"# (\w+\.py)", block.splitlines()[0])
+        if lang == "python" and file:
+            (tmp_path / file.group(1)).write_text(block)
+        else:
+            (code if lang == "python" else tomls).append(block)
+    assert len(code) >= 5 and len(tomls) >= 2
+    (tmp_path / "guide.py").write_text("\n".join(code))
+    result = subprocess.run(
+        [sys.executable, "guide.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[ 0.658 -0.447 -1.553  1.342]" in result.stdout and "[ 2. -1.  3.]" in result.stdout
+    tomls += re.findall(r"```toml\n(\[env\.rewards\].*?)```", (DOCS / "plugins.md").read_text(), flags=re.S)
+    for block in tomls:
+        data = tomllib.loads(block)
+        stacks = [data["env"]["rewards"]] if "env" in data else [d["rewards"] for d in data["designs"]]
+        for stack in stacks:
+            check_reward_specs(stack, base_dir=tmp_path)
