@@ -25,7 +25,8 @@ import numpy as np
 from textgym import plugin_manager
 from textgym.config import apply_override, read_toml, validate
 from textgym.errors import ConfigError
-from textgym.rewards import RewardStack, check_reward_specs, make_reward
+from textgym.reward_functions import resolve_fn_paths
+from textgym.rewards import RewardStack, build_reward, check_reward_specs, make_reward
 from textgym.scoring import corpus_distinct_n
 
 BUILTIN_METRICS = {"kl": "lower", "length": None, "distinct_2": "higher", "eos_rate": "higher"}
@@ -45,9 +46,9 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     """Parse and validate a designs file (or dict). Every reward and metric name is checked here, before
     any training starts."""
     if isinstance(path, Mapping):
-        raw, source = copy.deepcopy(dict(path)), "the designs"
+        raw, source, base_dir = copy.deepcopy(dict(path)), "the designs", Path.cwd()
     else:
-        raw, source = read_toml(path, "designs file"), str(path)
+        raw, source, base_dir = read_toml(path, "designs file"), str(path), Path(path).resolve().parent
     for override in overrides:
         apply_override(raw, override)
     bench = {**BENCH_DEFAULTS, **raw.pop("bench", {})}
@@ -70,16 +71,20 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
             )
         if not design.get("rewards"):
             raise ConfigError(f"{source}: design {design['name']!r} has no rewards.")
+        # `fn` files resolve against the designs file, and are stored absolute so training agrees
+        design["rewards"] = resolve_fn_paths(design["rewards"], base_dir)
         check_reward_specs(design["rewards"], where=f"design {design['name']!r}")
     if set(metrics) - {"rewards", "builtin"}:
         raise ConfigError(
             f"{source}: [metrics] takes 'rewards' and 'builtin', not {sorted(set(metrics) - {'rewards', 'builtin'})}."
         )
-    metric_rewards = metrics.get("rewards", [])
+    metric_rewards = [resolve_fn_paths(m, base_dir) for m in metrics.get("rewards", [])]
     check_reward_specs(
-        [{k: v for k, v in m.items() if k != "label"} for m in metric_rewards], where="[metrics] rewards"
+        [{k: v for k, v in m.items() if k != "label"} for m in metric_rewards],
+        where="[metrics] rewards",
+        allow_all_metrics=True,
     )
-    labels = [m.get("label", m.get("name")) for m in metric_rewards]
+    labels = [m.get("label", m.get("name", str(m.get("fn")).rpartition(":")[2])) for m in metric_rewards]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"{source}: metric names {labels} repeat; give the metrics distinct `label`s.")
     builtin = metrics.get("builtin", list(BUILTIN_METRICS))
@@ -169,9 +174,8 @@ def metric_stack(specs: Sequence[Mapping[str, Any]]) -> RewardStack:
     """The metric rewards as a stack of weight-0 rewards, each named by its ``label`` (default: its name)."""
     rewards = []
     for spec in specs:
-        args = {k: v for k, v in spec.items() if k not in ("name", "weight", "label")}
-        reward = make_reward(spec["name"], **args)
-        reward.name = spec.get("label", spec["name"])
+        reward, _ = build_reward({k: v for k, v in spec.items() if k not in ("weight", "label")})
+        reward.name = spec.get("label", reward.name)
         rewards.append((reward, 0.0))
     if not rewards:  # the env needs a stack; nothing of it is reported
         rewards.append((make_reward("length_penalty", target=1), 0.0))

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from textgym.composition import describe_stack
+
 
 def _fmt(row: Mapping[str, Any]) -> str:
     if math.isnan(row["ci_low"]):
@@ -43,12 +45,7 @@ def write_report(
         "",
     ]
     for design in spec["designs"]:
-        rewards = ", ".join(
-            f"{r['name']} x{r.get('weight', 1.0):g}"
-            + "".join(f" {k}={v}" for k, v in r.items() if k not in ("name", "weight"))
-            for r in design["rewards"]
-        )
-        lines.append(f"- **{design['name']}**: {rewards}")
+        lines.append(f"- **{design['name']}**: {describe_stack(design['rewards'])}")
     lines += [
         "",
         "## Results",

@@ -29,6 +29,7 @@ DEFAULT_PLUGINS = (
     "textgym.plugins.sentiment",
     "textgym.plugins.similarity",
     "textgym.plugins.match",
+    "textgym.plugins.math",
     "textgym.prompts",
     "textgym.models",
     "textgym.envs.builtin",
