@@ -475,6 +475,18 @@ class LMAgent:
         )
         t_rollout = time.perf_counter() - start
         t_reward = env.reward_seconds - reward_before
+        if getattr(stack, "aggregate", "sum") != "sum":
+            # normalize_then_sum standardises each component over a batch: the env saw only the episodes that
+            # ended on the same step, so the totals are recombined over the whole rollout (the training signal).
+            components = {
+                name: np.array(
+                    [np.nan if (v := e["reward_components"][name]) is None else v for e in r.infos]
+                )
+                for name in stack.names
+            }
+            r.scores = stack.combine(components)
+            for episode, total in zip(r.infos, r.scores):
+                episode["reward"] = float(total)
         batch = RolloutBatch.from_rollout(r)
         self._check_scores(batch.raw_scores, r.infos)
         batch.scores = self.shape_scores(batch.raw_scores, batch.truncated)
@@ -531,12 +543,12 @@ class LMAgent:
         episode = episodes[i]
         components = {k: v for k, v in episode["reward_components"].items() if v is not None}
         culprit = max(components, key=lambda k: abs(components[k]), default=None)
+        where = f"for completion {episode['completion'][:50]!r}"
+        cause = f"reward plugin {culprit!r} returned {components[culprit]:.3g} {where}: " if culprit else ""
         raise TrainingError(
-            f"the reward-stack total {float(raw[i]):.3g} for completion {episode['completion'][:50]!r} is beyond "
-            f"max_abs_score={limit:g}"
-            + (f"; reward plugin {culprit!r} returned {components[culprit]:.3g}" if culprit else "")
-            + ". Fix or rescale that reward (a weight, score_scale), or raise max_abs_score if such values are "
-            "meant. Training stopped before the update, so the weights and checkpoints are untouched."
+            f"{cause}the reward-stack total {float(raw[i]):.3g} is beyond max_abs_score={limit:g}. Fix or rescale "
+            "that reward (its weight, score_scale), or raise max_abs_score if such values are meant. Training "
+            "stopped before the update: the weights and checkpoints are untouched."
         )
 
     # -- the optimizer step --------------------------------------------------------------------------
@@ -563,6 +575,28 @@ class LMAgent:
 
     def weights_are_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params)
+
+    def check_health(self, batch: RolloutBatch | None = None) -> None:
+        """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows
+        of) ``batch`` are too: a diverged update (e.g. learning_rate=1e6) stops training here, with its
+        cause, before a checkpoint is written or a rollout samples from NaN."""
+        batch = batch if batch is not None else getattr(self, "_last_batch", None)
+        finite = self.weights_are_finite()
+        if finite and batch is not None:
+            with torch.no_grad():
+                logits, _ = self.forward(self.policy, batch.select(torch.arange(min(2, len(batch)))))
+            finite = bool(torch.isfinite(logits).all())
+        if not finite:
+            raise TrainingError(
+                f"the policy's weights or outputs are no longer finite after iteration {self.iteration}: the "
+                f"update diverged (learning_rate={self.config.learning_rate:g}"
+                + (
+                    f", {self.skipped_steps} optimizer steps skipped for non-finite losses or gradients"
+                    if self.skipped_steps
+                    else ""
+                )
+                + "). Lower the learning rate (or max_grad_norm) and resume from the last checkpoint."
+            )
 
     # -- SB3's user contract -------------------------------------------------------------------------
     @property
@@ -638,6 +672,8 @@ class LMAgent:
             update_stats = self.train(batch)
             update_stats.setdefault("time/update", time.perf_counter() - start)
             self.iteration += 1
+            self._last_batch = batch.select(torch.arange(min(2, len(batch))))
+            self.check_health()
             stats = {
                 "iteration": self.iteration,
                 "timesteps": self.num_timesteps,
@@ -707,11 +743,12 @@ class LMAgent:
         Refuses non-finite weights, so a diverged run never overwrites a good checkpoint."""
         from textgym.models import atomic_build_dir
 
-        if not self.weights_are_finite():
+        try:
+            self.check_health()
+        except TrainingError as exc:
             raise TrainingError(
-                f"the policy has non-finite weights; not writing a checkpoint to {str(path)!r} (the last good "
-                f"one, if any, is kept). Lower learning_rate or check the rewards."
-            )
+                f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
+            ) from None
         policy = self.accelerator.unwrap_model(self.policy)
         if self.policy_source is None and self.config.lora is not None:
             raise ConfigError(

@@ -25,6 +25,7 @@ import numpy as np
 from textgym import plugin_manager
 from textgym.config import apply_override, read_toml, validate
 from textgym.errors import ConfigError
+from textgym.formatting import applicable_mean
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import RewardStack, build_reward, check_reward_specs, make_reward
 from textgym.scoring import corpus_distinct_n
@@ -208,7 +209,7 @@ def evaluate(run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     else:
         episodes, kls = _evaluate_sb3(agent_class, run_dir, config, kwargs, n)
     metrics = {
-        name: float(np.mean([e["reward_components"][name] for e in episodes]))
+        name: applicable_mean([e["reward_components"][name] for e in episodes])
         for name in (stack.names if spec["metric_rewards"] else [])
     }
     builtin = spec["builtin"]

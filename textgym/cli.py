@@ -160,34 +160,12 @@ def _sample(args: argparse.Namespace) -> int:
         env.close()
         if output:
             output.close()
+    from textgym.formatting import format_table
+
     print(format_table(rows))
     if args.output:
         print(f"wrote {len(rows)} rows to {args.output}")
     return 0
-
-
-def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
-    """A plain-text table: prompt, completion, each reward component, total (and their means)."""
-
-    def cut(text: str, width: int) -> str:
-        text = " ".join(text.split())
-        return f"{text if len(text) <= width else text[: width - 1] + '…':<{width}}"
-
-    names = list(rows[0]["reward_components"]) if rows else []
-    header = [cut("prompt", prompt_width), cut("completion", completion_width)]
-    header += [f"{n[:14]:>14}" for n in names] + [f"{'total':>8}"]
-    rule = "-" * len("  ".join(header))
-    lines = ["  ".join(header), rule]
-    for row in rows:
-        cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
-        cells += [f"{row['reward_components'][n]:>14.3f}" for n in names] + [f"{row['reward']:>8.3f}"]
-        lines.append("  ".join(cells))
-    if rows:
-        means = [sum(r["reward_components"][n] for r in rows) / len(rows) for n in names]
-        cells = [cut("mean", prompt_width), cut("", completion_width)]
-        cells += [f"{m:>14.3f}" for m in means] + [f"{sum(r['reward'] for r in rows) / len(rows):>8.3f}"]
-        lines += [rule, "  ".join(cells)]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

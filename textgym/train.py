@@ -221,7 +221,7 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
 
-    from textgym.cli import format_table
+    from textgym.formatting import format_table
 
     run, agent_cfg = config["run"], config["agent"]
     env = _make_native_env(config, config["env"]["num_envs"])
