@@ -16,13 +16,9 @@ Every agent logs one metrics schema (TRL's names, see :data:`COMMON_STATS`), so 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import difflib
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,10 +26,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits, masked_mean
+from textgym.agents.lm_config import LMAgentConfig, make_config
+from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
+from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TrainingError
 from textgym.sampling import logits_to_keep, rollout
+
+__all__ = ["COMMON_STATS", "LMAgent", "LMAgentConfig", "RolloutBatch", "RunningMoments"]
 
 # Logged by every agent, every iteration (NaN where an agent has no such quantity, e.g. `kl` without a
 # reference model). Agents add their own keys (LMPPO: TRL's PPO names, `objective/*`, `policy/*`, ...).
@@ -56,150 +56,6 @@ COMMON_STATS = (
     "time/iteration",
     "time/tokens_per_s",
 )
-
-
-@dataclass
-class LMAgentConfig:
-    """Hyperparameters every LM agent has. Subclasses add theirs (a dataclass per agent)."""
-
-    learning_rate: float = 1e-5
-    """AdamW learning rate."""
-    lr_schedule: str = "constant"
-    """"constant", or "linear" (anneal to 0 over the learn() call's total_timesteps)."""
-    temperature: float = 1.0
-    """Sampling temperature; it divides the logits wherever log-probs are computed."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping."""
-    micro_batch_size: int | None = None
-    """Sequences per forward pass; gradients accumulate over the minibatch (None: the whole minibatch)."""
-    missing_eos_penalty: float | None = None
-    """Subtract this from the score of episodes that hit max_new_tokens without EOS."""
-    score_scale: float = 1.0
-    """Multiply the reward-stack total by this."""
-    score_norm: bool = False
-    """Normalise scores by their running mean and std."""
-    score_clip: float | None = None
-    """Clip (scaled, normalised) scores to [-score_clip, score_clip]."""
-    max_abs_score: float = 1e6
-    """A reward-stack total beyond ±this stops training with the plugin that produced it named (a reward
-    of 1e20 is finite but drives the losses to inf)."""
-    lora: dict[str, Any] | None = None
-    """peft LoraConfig arguments (e.g. {"r": 8}); the reference is then the adapter-disabled model."""
-    device: str = "auto"
-    """"auto" (the GPU when there is one), "cpu", "cuda", ..."""
-    bf16: bool | None = None
-    """bf16 autocast; None: on for GPUs, off on the CPU."""
-    seed: int = 0
-    """Seeds torch, numpy and the rollouts."""
-    verbose: int = 1
-    """0: silent; 1: log to stdout."""
-    tensorboard_log: str | None = None
-    """Folder for tensorboard (and CSV) logs."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
-            # log-probs divide by it; greedy rollouts have no importance ratio
-            raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")
-        if not isinstance(self.learning_rate, (int, float)) or not 0 < self.learning_rate < math.inf:
-            raise ConfigError(f"learning_rate must be a positive number, not {self.learning_rate!r}.")
-        if self.lr_schedule not in ("constant", "linear"):
-            raise ConfigError(f"lr_schedule must be 'constant' or 'linear', not {self.lr_schedule!r}.")
-        if self.micro_batch_size is not None:
-            check_positive_int("micro_batch_size", self.micro_batch_size)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be a non-negative integer, not {self.seed!r}.")
-        if not self.max_abs_score > 0:
-            raise ConfigError(f"max_abs_score must be > 0, not {self.max_abs_score!r}.")
-
-
-def check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
-
-
-def make_config(config_class: type, agent_name: str, hyperparameters: dict[str, Any]) -> Any:
-    """``config_class(**hyperparameters)``, with an unknown name reported with the closest valid ones."""
-    valid = [f.name for f in dataclasses.fields(config_class)]
-    for name in hyperparameters:
-        if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"{agent_name} has no hyperparameter {name!r}.{hint} Valid: {', '.join(sorted(valid))}."
-            )
-    return config_class(**hyperparameters)
-
-
-@dataclass
-class RunningMoments:
-    """Running mean and variance of scores (Chan et al.'s parallel update), for ``score_norm``."""
-
-    count: float = 0.0
-    mean: float = 0.0
-    var: float = 1.0
-
-    def update(self, x: torch.Tensor) -> None:
-        n, mean, var = x.numel(), float(x.mean()), float(x.var(unbiased=False)) if x.numel() > 1 else 0.0
-        total = self.count + n
-        delta = mean - self.mean
-        m2 = self.var * self.count + var * n + delta**2 * self.count * n / total
-        self.mean += delta * n / total
-        self.var, self.count = m2 / total, total
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.var) if self.var > 0 else 1.0
-
-
-@dataclass
-class RolloutBatch:
-    """One iteration's episodes: N rows (one per sub-env), T response positions.
-
-    ``response_mask`` is 1 on the tokens the agent generated (EOS included) and 0 after the episode ended.
-    Subclasses add what their update needs (values, advantages, ...); :meth:`select` slices every tensor.
-    """
-
-    query_ids: torch.Tensor  # (N, P) left-padded prompts
-    query_mask: torch.Tensor  # (N, P)
-    response_ids: torch.Tensor  # (N, T)
-    response_mask: torch.Tensor  # (N, T)
-    logprobs: torch.Tensor  # (N, T) log p(token) at sampling time and temperature, 0 after the end
-    ref_logprobs: torch.Tensor | None  # (N, T) under the reference, when the agent has one
-    scores: torch.Tensor  # (N,) the training score: reward-stack total after score shaping
-    raw_scores: torch.Tensor  # (N,) the reward-stack total
-    truncated: torch.Tensor  # (N,) bool: cut at max_new_tokens without EOS
-    episodes: list[dict[str, Any]] = field(default_factory=list)
-    stats: dict[str, float] = field(default_factory=dict)  # rollout-stage statistics
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-    @classmethod
-    def from_rollout(cls, r: Any) -> RolloutBatch:
-        """A batch from :func:`textgym.sampling.rollout`'s result; ``scores`` are the raw totals until an
-        agent shapes them."""
-        raw = torch.as_tensor(np.asarray(r.scores, dtype=np.float64), dtype=torch.float32)
-        return cls(
-            query_ids=r.query_ids,
-            query_mask=r.query_mask,
-            response_ids=r.response_ids,
-            response_mask=r.response_mask,
-            logprobs=r.logprobs,
-            ref_logprobs=None,
-            scores=raw.clone(),
-            raw_scores=raw,
-            truncated=torch.tensor([e["finish_reason"] == "length" for e in r.infos], dtype=torch.bool),
-            episodes=r.infos,
-        )
-
-    def select(self, index: torch.Tensor) -> RolloutBatch:
-        """The rows ``index`` of every tensor (episodes and stats are not carried)."""
-        values = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            values[f.name] = value[index] if isinstance(value, torch.Tensor) else None
-        values.update(episodes=[], stats={})
-        return type(self)(**values)
 
 
 class LMAgent:
@@ -740,99 +596,15 @@ class LMAgent:
     def save(self, path: str | os.PathLike) -> None:
         """Write a checkpoint directory atomically: the policy in Hugging Face format (the adapter with
         LoRA), the agent's modules, the optimizer, the counters, the config and the agent's extra state.
-        Refuses non-finite weights, so a diverged run never overwrites a good checkpoint."""
-        from textgym.models import atomic_build_dir
+        Refuses a diverged policy, so a broken run never overwrites a good checkpoint."""
+        from textgym.agents.checkpoint import save_checkpoint
 
-        try:
-            self.check_health()
-        except TrainingError as exc:
-            raise TrainingError(
-                f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
-            ) from None
-        policy = self.accelerator.unwrap_model(self.policy)
-        if self.policy_source is None and self.config.lora is not None:
-            raise ConfigError(
-                "saving a LoRA policy needs the base model given by name or path, not as an object."
-            )
-
-        def build(out: Path) -> None:
-            policy.save_pretrained(out / "policy")
-            if self.policy_source is None and self.ref_policy is not None:
-                self.ref_policy.save_pretrained(out / "reference")
-            for name, module in self.modules.items():
-                torch.save(self.accelerator.unwrap_model(module).state_dict(), out / f"{name}.pt")
-            torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
-            state = {
-                "agent": self.name,
-                "config": asdict(self.config),
-                "policy_source": self.policy_source,
-                "num_timesteps": self.num_timesteps,
-                "iteration": self.iteration,
-                "skipped_steps": self.skipped_steps,
-                "score_moments": asdict(self.score_moments),
-                "extra": self.extra_state(),
-                "history": self.history,
-            }
-            (out / "state.json").write_text(json.dumps(state, indent=2))
-
-        atomic_build_dir(Path(path), build, replace=True)
+        save_checkpoint(self, Path(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike, env: TextGenVectorEnv | None = None, **overrides: Any) -> LMAgent:
         """An agent restored from :meth:`save`, with optimizer and counters; ``overrides`` replace config
         fields (e.g. ``learning_rate``)."""
-        from transformers import AutoModelForCausalLM
+        from textgym.agents.checkpoint import load_checkpoint
 
-        from textgym.models import is_complete
-
-        path = Path(path)
-        if not is_complete(path):
-            raise ConfigError(
-                f"{str(path)!r} is not a complete {cls.__name__} checkpoint (no state.json written by save)."
-            )
-        try:
-            state = json.loads((path / "state.json").read_text())
-            saved_by = state.get("agent", "lmppo")
-            if saved_by != cls.name:
-                raise ConfigError(
-                    f"{str(path)!r} is a checkpoint of agent {saved_by!r}, not {cls.name!r}: load it with that agent."
-                )
-            config = {**state["config"], **overrides}
-            source = state["policy_source"]
-            if config.get("lora") is not None:
-                from peft import PeftModel
-
-                base = cls._load_policy(source)
-                policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
-            else:
-                policy = AutoModelForCausalLM.from_pretrained(path / "policy")
-            agent = cls(policy, env, **config)
-            agent.policy_source = source
-            if agent.ref_policy is not None:
-                reference = (
-                    cls._load_policy(source)
-                    if source
-                    else AutoModelForCausalLM.from_pretrained(path / "reference")
-                )
-                agent.ref_policy = reference.requires_grad_(False).eval().to(agent.device)
-            for name, module in agent.modules.items():
-                weights = torch.load(path / f"{name}.pt", weights_only=True)
-                agent.accelerator.unwrap_model(module).load_state_dict(weights)
-            agent.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-            agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
-            agent.skipped_steps = state.get("skipped_steps", 0)
-            agent.score_moments = RunningMoments(**state["score_moments"])
-            agent.history = state["history"]
-            agent.load_extra_state(state.get("extra", {}))
-        except (ConfigError, TrainingError):
-            raise
-        except (OSError, KeyError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
-            raise ConfigError(
-                f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
-            ) from exc
-        return agent
-
-
-def masked_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean of ``x`` over the masked positions, as a float (for statistics)."""
-    return float(masked_mean(x.detach().float(), mask.float()))
+        return load_checkpoint(cls, Path(path), env, overrides)

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from textgym.agents.base import LMAgent, LMAgentConfig, RolloutBatch, check_positive_int
+from textgym.agents.base import LMAgent
+from textgym.agents.lm_config import LMAgentConfig, check_positive_int
+from textgym.agents.rollout_batch import RolloutBatch
 from textgym.errors import ConfigError
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from textgym.agents.base import RolloutBatch
 from textgym.agents.group import GroupAgent, GroupBatch, GroupConfig
 from textgym.agents.group_core import (
     LOSS_TYPES,
@@ -24,6 +23,7 @@ from textgym.agents.group_core import (
     group_advantages,
     k3_kl,
 )
+from textgym.agents.rollout_batch import RolloutBatch
 from textgym.errors import ConfigError
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from textgym.agents.base import LMAgent, LMAgentConfig, RolloutBatch, check_positive_int, masked_token_mean
+from textgym.agents.base import LMAgent
+from textgym.agents.lm_config import LMAgentConfig, check_positive_int
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
     FixedKLController,
@@ -36,6 +37,7 @@ from textgym.agents.ppo_core import (
     policy_loss,
     value_loss,
 )
+from textgym.agents.rollout_batch import RolloutBatch, masked_token_mean
 from textgym.errors import ConfigError
 
 

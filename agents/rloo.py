@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from textgym.agents.base import RolloutBatch
 from textgym.agents.group import GroupAgent, GroupBatch, GroupConfig
 from textgym.agents.group_core import leave_one_out_advantages, normalize, sequence_clipped_surrogate
+from textgym.agents.rollout_batch import RolloutBatch
 
 
 @dataclass
