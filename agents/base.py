@@ -19,7 +19,6 @@ import copy
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -597,14 +596,14 @@ class LMAgent:
         """Write a checkpoint directory atomically: the policy in Hugging Face format (the adapter with
         LoRA), the agent's modules, the optimizer, the counters, the config and the agent's extra state.
         Refuses a diverged policy, so a broken run never overwrites a good checkpoint."""
-        from textgym.agents.checkpoint import save_checkpoint
+        from textgym.agents.checkpoint import checkpoint_path, save_checkpoint
 
-        save_checkpoint(self, Path(path))
+        save_checkpoint(self, checkpoint_path(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike, env: TextGenVectorEnv | None = None, **overrides: Any) -> LMAgent:
         """An agent restored from :meth:`save`, with optimizer and counters; ``overrides`` replace config
         fields (e.g. ``learning_rate``)."""
-        from textgym.agents.checkpoint import load_checkpoint
+        from textgym.agents.checkpoint import checkpoint_path, load_checkpoint
 
-        return load_checkpoint(cls, Path(path), env, overrides)
+        return load_checkpoint(cls, checkpoint_path(path), env, overrides)

@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from textgym.agents.base import LMAgent
 
 
+def checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint is a directory: SB3's ``CheckpointCallback`` passes ``name_<steps>_steps.zip``, which
+    becomes ``name_<steps>_steps``."""
+    path = Path(path)
+    return path.with_suffix("") if path.suffix == ".zip" else path
+
+
 def save_checkpoint(agent: LMAgent, path: Path) -> None:
     from textgym.models import atomic_build_dir
 
@@ -105,7 +112,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.load_extra_state(state.get("extra", {}))
     except (ConfigError, TrainingError):
         raise
-    except (OSError, KeyError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+    except Exception as exc:  # whatever a damaged file makes the loaders raise
         raise ConfigError(
             f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
         ) from exc

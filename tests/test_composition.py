@@ -473,3 +473,22 @@ def test_rewards_guide_snippets_run_in_order(tmp_path):
         stacks = [data["env"]["rewards"]] if "env" in data else [d["rewards"] for d in data["designs"]]
         for stack in stacks:
             check_reward_specs(stack, base_dir=tmp_path)
+
+
+def test_a_reward_that_hangs_is_bounded_by_its_timeout(tmp_path):
+    import time
+
+    from textgym.errors import ConfigError, RewardError
+
+    (tmp_path / "slow.py").write_text(
+        "import time\n\ndef stuck(samples):\n    time.sleep(30)\n    return [1.0] * len(samples)\n"
+    )
+    stack = textgym.build_reward_stack([{"fn": f"{tmp_path / 'slow.py'}:stuck", "timeout": 0.2}])
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"reward 'stuck' did not return within its timeout of 0.2 s"):
+        stack.score([textgym.Sample("p", "c")])
+    assert time.perf_counter() - start < 5
+    fast = textgym.build_reward_stack(["length_penalty target=4 timeout=5"])
+    assert fast.score([textgym.Sample("p", "abcd", completion_ids=(1, 2, 3, 4))])[0].shape == (1,)
+    with pytest.raises(ConfigError, match="timeout must be a number of seconds > 0, not -1"):
+        textgym.build_reward_stack([{"name": "length_penalty", "timeout": -1}])

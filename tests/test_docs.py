@@ -11,7 +11,7 @@ DOCS = Path(__file__).parents[1] / "docs"
 
 def test_plugin_guide_snippets_run_in_order(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / "plugins.md").read_text(), flags=re.S)
-    assert len(blocks) == 5  # one per hook
+    assert len(blocks) >= 6  # one per hook, two for agents
     script = tmp_path / "snippets.py"
     script.write_text("\n".join(blocks))
     result = subprocess.run(
@@ -22,6 +22,7 @@ def test_plugin_guide_snippets_run_in_order(tmp_path):
         "politeness" in result.stdout
         and "Tokyo" in result.stdout
         and "LlamaForCausalLM 49152" in result.stdout
+        and "reward 0." in result.stdout
     )
 
 

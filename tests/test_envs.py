@@ -114,13 +114,25 @@ def test_actions_outside_the_vocabulary_are_invalid(action):
 
 
 def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
-    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3)
-    with pytest.warns(UserWarning, match="has 8 tokens; keeping its last 3"):
-        obs, _ = env.reset(seed=0)
+    # every prompt of the source is checked when the env is made: one warning (or error) up front
+    with pytest.warns(UserWarning, match="1 of 2 prompts have more than max_prompt_tokens=3 tokens; keeping"):
+        env = char_env(prompts=["abcdefgh", "ab"], max_prompt_tokens=3)
+    obs, _ = env.reset(options={"prompt": 0})
     assert CHARS.decode(obs["input_ids"][:3]) == "fgh"
-    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+    with pytest.warns(UserWarning, match="has 9 tokens; keeping its last 3"):  # a text given at reset
+        env.reset(options={"prompt": "abcdefghh"})
     with pytest.raises(PromptError, match="8 tokens, more than max_prompt_tokens=3"):
-        env.reset(seed=0)
+        char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+
+
+def test_prompts_the_tokenizer_cannot_encode_are_refused_when_the_env_is_made():
+    with pytest.raises(PromptError, match=r"prompt 1 \('abz'\) cannot be tokenized: character 'z' is not in"):
+        char_env(prompts=["abc", "abz"])
+
+
+def test_absurd_sizes_are_refused_before_allocating():
+    with pytest.raises(ConfigError, match=r"would need .* GiB for observations; lower them"):
+        TextGenVectorEnv(num_envs=100_000, model=CHARS, prompts=["ab"], max_new_tokens=10_000)
 
 
 def test_bad_constructor_arguments_are_clear_errors():

@@ -265,7 +265,9 @@ def _evaluate_sb3(
     env = make_vec_env(
         config["env"]["id"], n_envs=min(n, config["env"]["num_envs"]), seed=EVAL_SEED, **kwargs
     )
-    agent = agent_class.load(run_dir / "checkpoint.zip", env)
+    from textgym.train import load_sb3_run
+
+    agent = load_sb3_run(run_dir, env)
     obs, episodes = env.reset(), []
     while len(episodes) < n:
         obs, _, dones, infos = env.step(agent.predict(obs, deterministic=False)[0])
@@ -286,7 +288,7 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    from textgym.train import CHECKPOINT
+    from textgym.rundir import RunDir
     from textgym.train import run as train
 
     spec = load_designs(designs, overrides)
@@ -302,14 +304,15 @@ def run(
                 log = io.StringIO()
                 with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                     try:
-                        started = (run_dir / CHECKPOINT).exists() or (run_dir / f"{CHECKPOINT}.zip").exists()
-                        if started and (run_dir / "config.toml").is_file():
+                        if (run_dir / "config.toml").is_file():
                             train(resume=run_dir)
                         else:
                             train(config=_run_config(spec, design, seed, run_dir))
-                    finally:
-                        run_dir.mkdir(parents=True, exist_ok=True)
-                        with (run_dir / "train.log").open("a", encoding="utf-8") as f:
+                    finally:  # a start that failed left no run directory: its log goes next to it
+                        where = (
+                            run_dir / "train.log" if RunDir(run_dir).is_run() else run_dir.with_suffix(".log")
+                        )
+                        with where.open("a", encoding="utf-8") as f:
                             f.write(log.getvalue())
                 result = {"design": design["name"], "seed": seed, **evaluate(run_dir, spec)}
                 tmp = run_dir / f".{EVAL_FILE}.tmp"

@@ -50,14 +50,18 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    from textgym.rundir import crash_point
+
     try:
         build(tmp)
+        crash_point("checkpoint-build")
         (tmp / _COMPLETE).write_text("ok\n")
         if target.exists():  # an old version, an incomplete leftover, or a concurrent build's result
             if not replace and is_complete(target):
                 return target
             old = tmp.with_name(tmp.name + ".old")
             os.rename(target, old)
+            crash_point("checkpoint-swap")  # the state RunDir.recover_checkpoint repairs
             os.rename(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
         else:

@@ -70,7 +70,12 @@ def _resolve(source: str | os.PathLike) -> Sequence[Any]:
 def read_prompt_file(path: Path) -> list[Any]:
     """Records from a ``.txt``, ``.jsonl`` or ``.csv`` prompt file."""
     suffix = path.suffix.lower()
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(
+            f"prompt file {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8."
+        ) from None
     if suffix == ".txt":
         return [line for line in text.splitlines() if line.strip()]
     if suffix == ".jsonl":

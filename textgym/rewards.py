@@ -157,6 +157,44 @@ class RewardStack:
         return "RewardStack(" + ", ".join(parts) + ")"
 
 
+class TimeoutReward:
+    """A reward whose calls must return within ``seconds`` (spec key ``timeout``): a plugin that hangs (a
+    remote judge, a deadlock) stops training with its name instead of stalling it forever. The call runs in a
+    daemon thread, which is abandoned on timeout."""
+
+    def __init__(self, reward: Reward, seconds: float):
+        self.reward, self.seconds = reward, seconds
+        self.name = reward.name
+
+    def __call__(self, samples: Sequence[Sample]) -> Any:
+        import threading
+
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["out"] = self.reward(samples)
+            except BaseException as exc:  # handed to the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"reward-{self.name}", daemon=True)
+        thread.start()
+        thread.join(self.seconds)
+        if thread.is_alive():
+            raise RewardError(
+                f"reward {self.name!r} did not return within its timeout of {self.seconds:g} s for a batch of "
+                f"{len(samples)} samples; fix the plugin or raise its timeout."
+            )
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+
+    def close(self) -> None:
+        close = getattr(self.reward, "close", None)
+        if callable(close):
+            close()
+
+
 def _label(name: str, reward: Reward) -> str:
     source = getattr(reward, "source", None)
     return f"reward function {name!r} ({source})" if source else f"reward plugin {name!r}"
@@ -168,6 +206,8 @@ def _validated(name: str, reward: Reward, samples: Sequence[Sample]) -> np.ndarr
     label = _label(name, reward)
     try:
         out = reward(samples)
+    except RewardError:
+        raise
     except Exception as exc:
         raise RewardError(f"{label} raised {type(exc).__name__}: {exc}") from exc
     if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
@@ -291,6 +331,13 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
 
     if isinstance(spec, str):
         spec = parse_reward_spec(spec)
+    if isinstance(spec, Mapping) and "timeout" in spec:
+        args = dict(spec)
+        seconds = args.pop("timeout")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ConfigError(f"{where}: timeout must be a number of seconds > 0, not {seconds!r}.")
+        inner = _component(args, base_dir, where)
+        return _Component(inner.name, inner.weight, lambda: TimeoutReward(inner.build(), float(seconds)))
     if isinstance(spec, Mapping):
         args = dict(spec)
         if "fn" in args:

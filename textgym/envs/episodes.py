@@ -16,6 +16,7 @@ from textgym.models import check_pad_token, load_tokenizer
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.rewards import RewardSpec, RewardStack, Sample, build_reward_stack
 
+MAX_OBSERVATION_BYTES = 2**31
 DEFAULT_REWARDS: list[dict[str, Any]] = [
     {"name": "sentiment", "weight": 1.0},
     {"name": "length_penalty", "weight": 0.5, "target": 24},
@@ -67,6 +68,11 @@ class Episodes:
         self.prompt_overflow, self.prompt_order = prompt_overflow, prompt_order
 
         self.n, self.P, self.T = n, int(max_prompt_tokens), int(max_new_tokens)
+        if n * (self.P + self.T) * 9 > MAX_OBSERVATION_BYTES:  # refuse before allocating
+            raise ConfigError(
+                f"{n} sub-envs x (max_prompt_tokens + max_new_tokens = {self.P + self.T}) tokens would need "
+                f"{n * (self.P + self.T) * 9 / 2**30:.1f} GiB for observations; lower them."
+            )
         self.vocab_size = len(self.tokenizer)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         L = self.P + self.T
@@ -86,9 +92,19 @@ class Episodes:
             }
         )
         self.action_space = spaces.Discrete(self.vocab_size)
+        self._overflowed = 0
+        if len(self.prompts) <= 10_000:  # a prompt the tokenizer cannot encode fails now, not mid-training
+            for index in range(len(self.prompts)):
+                self.encode_prompt(index, warn=False)
+            if self._overflowed:
+                warnings.warn(
+                    f"{self._overflowed} of {len(self.prompts)} prompts have more than max_prompt_tokens={self.P} "
+                    f"tokens; keeping the last {self.P} of each. Raise max_prompt_tokens to keep them whole.",
+                    stacklevel=3,
+                )
 
     # -- prompts ---------------------------------------------------------------------------------------
-    def encode_prompt(self, index: int) -> np.ndarray:
+    def encode_prompt(self, index: int, warn: bool = True) -> np.ndarray:
         if index not in self._encoded:
             text = self.prompts[index].text
             if self.chat_template:
@@ -97,7 +113,12 @@ class Episodes:
                 )
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
-                ids = self.tokenizer.encode(text)
+                try:
+                    ids = self.tokenizer.encode(text)
+                except ValueError as exc:  # e.g. a character outside a character tokenizer's alphabet
+                    raise PromptError(
+                        f"prompt {index} ({self.prompts[index].text[:40]!r}) cannot be tokenized: {exc}"
+                    ) from None
             ids = np.asarray(ids, dtype=np.int64)
             if len(ids) > self.P:
                 where = f"prompt {index} ({self.prompts[index].text[:40]!r}...) has {len(ids)} tokens"
@@ -106,11 +127,13 @@ class Episodes:
                         f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
                         f"the prompt, or pass prompt_overflow='truncate' to keep its last {self.P} tokens."
                     )
-                warnings.warn(
-                    f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
-                    f"to keep it whole.",
-                    stacklevel=4,
-                )
+                if warn:
+                    warnings.warn(
+                        f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
+                        f"to keep it whole.",
+                        stacklevel=4,
+                    )
+                self._overflowed += 1
                 ids = ids[-self.P :]  # from the left: the end of a prompt is what the completion continues
             self._encoded[index] = ids
         return self._encoded[index]
