@@ -57,6 +57,15 @@ COMMON_STATS = (
 )
 
 
+def require_tensorboard(what: str) -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{what} writes TensorBoard logs, and TensorBoard is not installed: pip install 'textgym[tensorboard]'."
+        ) from None
+
+
 class LMAgent:
     """Base class of textgym's LM agents. See the module docstring for the template.
 
@@ -465,23 +474,21 @@ class LMAgent:
     def set_logger(self, logger: Any) -> None:
         self._logger = logger
 
-    def _setup_logger(self, tb_log_name: str) -> None:
+    def _setup_logger(self, tb_log_name: str, reset_num_timesteps: bool) -> None:
+        """Log to stdout, CSV and TensorBoard under ``tensorboard_log/<tb_log_name>_<n>``; a learn() call that
+        continues (``reset_num_timesteps=False``) continues the latest run, as SB3 does."""
         if self.config.tensorboard_log is None:
             return
         from stable_baselines3.common.logger import configure
         from stable_baselines3.common.utils import get_latest_run_id
 
-        run_id = get_latest_run_id(self.config.tensorboard_log, tb_log_name) + 1
+        require_tensorboard("tensorboard_log")
+        run_id = get_latest_run_id(self.config.tensorboard_log, tb_log_name)
+        if reset_num_timesteps or run_id == 0:
+            run_id += 1
         folder = os.path.join(self.config.tensorboard_log, f"{tb_log_name}_{run_id}")
         formats = ["stdout"] if self.config.verbose else []
-        formats.append("csv")
-        try:
-            import tensorboard  # noqa: F401
-
-            formats.append("tensorboard")
-        except ImportError:
-            pass
-        self._logger = configure(folder, formats)
+        self._logger = configure(folder, [*formats, "csv", "tensorboard"])
 
     def learn(
         self,
@@ -507,7 +514,7 @@ class LMAgent:
         else:
             total_timesteps += self.num_timesteps
         self._total_timesteps = total_timesteps
-        self._setup_logger(tb_log_name or type(self).__name__)
+        self._setup_logger(tb_log_name or type(self).__name__, reset_num_timesteps)
         callback = self._init_callback(callback)
         callback.on_training_start(locals(), globals())
         bar = tqdm(total=total_timesteps, initial=self.num_timesteps, unit="tok", disable=not progress_bar)
@@ -530,6 +537,7 @@ class LMAgent:
             self._last_batch = batch.select(torch.arange(min(2, len(batch))))
             self.check_health()
             stats = {
+                **dict.fromkeys(COMMON_STATS, math.nan),  # every agent's rows have every common column
                 "iteration": self.iteration,
                 "timesteps": self.num_timesteps,
                 **batch.stats,

@@ -302,3 +302,43 @@ def test_bad_reset_options_are_clear_errors(options, message):
 def test_single_env_rejects_unknown_reset_options():
     with pytest.raises(ConfigError, match="valid options: prompt"):
         char_env().reset(options={"prompts": [0]})
+
+
+@pytest.mark.parametrize("how", ["make", "wrapper", "argument"])
+def test_an_episode_cut_by_a_time_limit_is_still_scored(how):
+    kwargs = dict(
+        model=CHARS,
+        prompts=["abc"],
+        max_new_tokens=10,
+        rewards=RewardStack([(FunctionReward("len", length_reward), 1)]),
+    )
+    if how == "make":
+        env = gymnasium.make("textgym/TextGen-v0", max_episode_steps=3, disable_env_checker=True, **kwargs)
+    elif how == "wrapper":
+        env = gymnasium.wrappers.TimeLimit(TextGenEnv(**kwargs), max_episode_steps=3)
+    else:
+        env = TextGenEnv(max_episode_steps=3, **kwargs)
+    env.reset(seed=0)
+    for _ in range(2):
+        assert env.step(2)[1:4] == (0.0, False, False)
+    _, reward, terminated, truncated, info = env.step(2)
+    assert (reward, terminated, truncated) == (3.0, False, True)
+    assert info["reward_components"] == {"len": 3.0} and info["finish_reason"] == "length"
+
+
+def test_make_vec_passes_max_episode_steps_to_the_vector_env():
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=2, max_episode_steps=2, autoreset_mode="Disabled")
+    env.reset(seed=0)
+    env.step(np.array([2, 2]))
+    _, _, _, truncated, infos = env.step(np.array([2, 2]))
+    assert truncated.all() and "reward_components" in infos
+
+
+def test_the_vector_env_renders_text_and_declares_render_fps():
+    env = vector_char_env(2, render_mode="ansi")
+    env.reset(options={"prompts": [0, 1]})
+    env.step(np.array([2, 3]))
+    assert env.render() == ("abca", "deb")
+    assert env.metadata["render_fps"] and TextGenEnv.metadata["render_fps"]
+    with pytest.raises(ConfigError, match="render_mode must be None or 'ansi'"):
+        vector_char_env(2, render_mode="human")

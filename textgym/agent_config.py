@@ -83,7 +83,9 @@ def hyperparameter_names(agent_class: Any) -> list[str] | None:
     return [
         n
         for n, p in params.items()
-        if n not in ("self", "policy", "env") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if n not in ("self", "policy", "env")
+        and not n.startswith("_")
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "sample_prompts": 4,
         "plugins": [],
         "allow_env_import": False,
+        "report_to": [],
     },
     "env": {"id": "textgym/TextGen-v0", "num_envs": 8},
     "agent": {"name": "lmppo", "policy": None},
@@ -117,17 +119,30 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def apply_override(config: dict[str, Any], override: str) -> None:
+    """Apply ``section.key=value`` (or ``section.table.key=value``, e.g. ``agent.grpo.beta=0.04``) to ``config``;
+    the value is parsed as TOML, a bare word as a string."""
     key, sep, value = override.partition("=")
-    section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not name:
+    key = key.strip()
+    if not sep or "." not in key or not all(key.split(".")):
         raise ConfigError(
             f"--set {override!r} must look like section.key=value, e.g. agent.learning_rate=3e-5."
         )
     try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
+        parsed = tomllib.loads(f"{key} = {value}")
     except tomllib.TOMLDecodeError:
-        parsed = value  # a bare word: a string
-    config.setdefault(section, {})[name] = parsed
+        try:
+            parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--set {override!r}: {key!r} is not a valid key ({exc}).") from None
+    _merge(config, parsed)
+
+
+def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str, Any]:
@@ -156,6 +171,10 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
         raise ConfigError(f"{source}: run.seed must be a non-negative integer, not {run['seed']!r}.")
     if run["output_dir"] is not None and not isinstance(run["output_dir"], str):
         raise ConfigError(f"{source}: run.output_dir must be a path (a string), not {run['output_dir']!r}.")
+    if not isinstance(run["report_to"], list) or not set(run["report_to"]) <= {"tensorboard"}:
+        raise ConfigError(
+            f"{source}: run.report_to must be a list of 'tensorboard', not {run['report_to']!r}."
+        )
     if not isinstance(run["allow_env_import"], bool):
         raise ConfigError(
             f"{source}: run.allow_env_import must be true or false, not {run['allow_env_import']!r}."

@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,10 +161,19 @@ def load_plugin_file(path: str | os.PathLike) -> str:
     if spec is None or spec.loader is None:
         raise PluginError(f"plugin file {name!r} cannot be imported as a Python module.")
     module = importlib.util.module_from_spec(spec)
+    if str(file.parent) not in sys.path:  # the file may import modules that sit next to it, as a script can
+        sys.path.append(str(file.parent))
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    for hook in KINDS:
+        function = getattr(module, hook, None)
+        if callable(function) and not hasattr(function, "textgym_impl"):
+            raise PluginError(
+                f"plugin file {name!r} defines {hook}() without @textgym.hookimpl, so textgym would never call it: "
+                f"put @textgym.hookimpl on the line above `def {hook}`."
+            )
     register_plugin(module, name=name, source=f"file {name}")
     return name
 

@@ -447,7 +447,7 @@ def parse_reward_spec(text: str) -> dict[str, Any]:
 
     A spec without a leading name, such as ``"fn=my_rewards.py:brevity weight=0.5"``, is all key=value pairs.
     """
-    words = text.split()
+    words = _split_spec(text)
     spec: dict[str, Any] = {}
     if words and "=" not in words[0]:
         spec["name"] = words.pop(0)
@@ -460,6 +460,30 @@ def parse_reward_spec(text: str) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             spec[key] = value  # a bare word: take it as a string
     return spec
+
+
+def _split_spec(text: str) -> list[str]:
+    """Split on whitespace outside quotes and brackets, keeping both, so values stay TOML:
+    ``keyword_bonus keywords=['thank you', "please"]`` -> ``["keyword_bonus", "keywords=['thank you', \"please\"]"]``."""
+    words, current, quote, depth = [], "", None, 0
+    for char in text:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char.isspace() and depth == 0:
+            if current:
+                words.append(current)
+            current = ""
+            continue
+        current += char
+    if quote or depth:
+        raise ConfigError(f"reward spec {text!r} has an unclosed quote or bracket.")
+    return [*words, current] if current else words
 
 
 def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[..., Sequence[float]]]:
@@ -494,9 +518,12 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
                 register(name, factory)
 
         file = inspect.getsourcefile(fn) or fn.__module__
-        plugin_manager.register_plugin(
-            _Plugin(), name=f"{file}::{fn.__name__}", source=f"@textgym.reward in {file}"
-        )
+        plugin_name = f"{file}::{fn.__name__}"
+        if plugin_manager.pm.has_plugin(
+            plugin_name
+        ):  # the same file imported again (as a plugin and a module)
+            plugin_manager.unregister_plugin(plugin_name)
+        plugin_manager.register_plugin(_Plugin(), name=plugin_name, source=f"@textgym.reward in {file}")
         return fn
 
     return decorator

@@ -115,6 +115,11 @@ def run(
     agent_class, policy, hyperparameters = resolve_agent(config["agent"])
     if not is_lm_agent(agent_class):
         _check_sb3_rewards(config)
+    if "tensorboard" in config["run"]["report_to"]:  # one TensorBoard run per run directory, resumes included
+        from textgym.agents.base import require_tensorboard
+
+        require_tensorboard("run.report_to = ['tensorboard']")
+        hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     config["run"]["output_dir"] = str(run_dir)
     rd = RunDir(run_dir)
     resuming, created = resume is not None, False
@@ -281,7 +286,13 @@ def _run_native(
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, progress_bar=True)
+            agent.learn(
+                remaining,
+                callback=Recorder(),
+                reset_num_timesteps=False,
+                progress_bar=True,
+                tb_log_name="run",
+            )
     rd.write_checkpoint(agent.save)
     return _finish(rd, agent.history, flag.stop, config, generate, has_kl=True)
 
@@ -388,7 +399,7 @@ def _run_sb3(
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False)
+            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, tb_log_name="run")
     rd.write_checkpoint(save)
     return _finish(rd, history, flag.stop, config, generate, has_kl=False)
 
