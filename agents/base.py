@@ -105,7 +105,10 @@ class LMAgent:
                 "bf16 = true on a CPU without native bf16 instructions (no avx512_bf16 or amx_bf16): torch would "
                 "emulate bf16, slower than fp32. Set bf16 = false (the CPU default)."
             )
-        self.accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if bf16 else "no")
+        # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
+        # process-wide singleton, which would forbid two agents of different precision in one process.
+        self.accelerator = Accelerator(cpu=not on_gpu)
+        self.bf16 = bool(bf16)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
         if self.dist.world > 1:  # each process its share of the machine's cores
@@ -248,6 +251,10 @@ class LMAgent:
                 f"tokenizer, e.g. model={self.policy_source or '<the policy name>'!r}."
             )
 
+    def autocast(self) -> Any:
+        """bf16 autocast on the agent's device when ``bf16`` is on (the training forwards run in it)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
     @property
     def rollout_model(self) -> Any:
         """The policy without its data-parallel wrapper: rollouts, reference passes and predictions run on
@@ -298,7 +305,7 @@ class LMAgent:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log-probs (N, T) of the response tokens under the policy (with gradients), per-token entropy
         (N, T; without a graph) and, if asked, the hidden states."""
-        with self.accelerator.autocast():
+        with self.autocast():
             logits, last_hidden = self.forward(self.policy, batch, hidden=hidden)
         logprobs = logprobs_from_logits(logits, batch.response_ids.to(self.device), self.config.temperature)
         with torch.no_grad():

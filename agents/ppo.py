@@ -202,7 +202,7 @@ class LMPPO(LMAgent):
                     mb = batch.select(micro_inds)
                     mask = mb.response_mask.to(self.device)
                     with self.accumulating(last=k == len(micros) - 1):
-                        with self.accelerator.autocast():
+                        with self.autocast():
                             logits, hidden = self.forward(self.policy, mb, hidden=True)
                             values = self.value_head(hidden).float()
                         logprobs = logprobs_from_logits(
