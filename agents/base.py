@@ -109,6 +109,14 @@ class LMAgent:
         # process-wide singleton, which would forbid two agents of different precision in one process.
         self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
+        sharded = self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+        if sharded:  # see docs/distributed.md
+            raise ConfigError(
+                f"{self.accelerator.distributed_type.value} (sharded training) is not supported by textgym's LM agents "
+                f"yet: their rollouts stop each process when its own episodes end, which sharded forwards cannot "
+                f"do. Train data-parallel (a plain multi-GPU accelerate config or torchrun) and, for a large policy, "
+                f"use LoRA (lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
+            )
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
         if self.dist.world > 1:  # each process its share of the machine's cores

@@ -95,8 +95,10 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     env = make_env(args.model, tokenizer, batch, args.new_tokens)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    agent = cls(args.model, env, device=args.device, bf16=args.bf16, verbose=0, learning_rate=1e-6,
-                **{k: min(v, batch) if k == "micro_batch_size" else v for k, v in hyperparameters.items()})  # fmt: skip
+    hyperparameters = {**hyperparameters, "micro_batch_size": min(args.micro_batch, batch)}
+    agent = cls(
+        args.model, env, device=args.device, bf16=args.bf16, verbose=0, learning_rate=1e-6, **hyperparameters
+    )
     times = []
     for _ in range(2):  # a warm-up iteration, then the measured one
         sync(args.device)
@@ -120,6 +122,8 @@ def main() -> None:
     parser.add_argument(
         "--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for GPUs"
     )
+    parser.add_argument("--skip-rollout", action="store_true", help="only the agents' iterations")
+    parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
     args = parser.parse_args()
     if args.bf16 is None:
