@@ -114,13 +114,25 @@ def test_actions_outside_the_vocabulary_are_invalid(action):
 
 
 def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
-    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3)
-    with pytest.warns(UserWarning, match="has 8 tokens; keeping its last 3"):
-        obs, _ = env.reset(seed=0)
+    # every prompt of the source is checked when the env is made: one warning (or error) up front
+    with pytest.warns(UserWarning, match="1 of 2 prompts have more than max_prompt_tokens=3 tokens; keeping"):
+        env = char_env(prompts=["abcdefgh", "ab"], max_prompt_tokens=3)
+    obs, _ = env.reset(options={"prompt": 0})
     assert CHARS.decode(obs["input_ids"][:3]) == "fgh"
-    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+    with pytest.warns(UserWarning, match="has 9 tokens; keeping its last 3"):  # a text given at reset
+        env.reset(options={"prompt": "abcdefghh"})
     with pytest.raises(PromptError, match="8 tokens, more than max_prompt_tokens=3"):
-        env.reset(seed=0)
+        char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+
+
+def test_prompts_the_tokenizer_cannot_encode_are_refused_when_the_env_is_made():
+    with pytest.raises(PromptError, match=r"prompt 1 \('abz'\) cannot be tokenized: character 'z' is not in"):
+        char_env(prompts=["abc", "abz"])
+
+
+def test_absurd_sizes_are_refused_before_allocating():
+    with pytest.raises(ConfigError, match=r"would need .* GiB for observations; lower them"):
+        TextGenVectorEnv(num_envs=100_000, model=CHARS, prompts=["ab"], max_new_tokens=10_000)
 
 
 def test_bad_constructor_arguments_are_clear_errors():
@@ -290,3 +302,43 @@ def test_bad_reset_options_are_clear_errors(options, message):
 def test_single_env_rejects_unknown_reset_options():
     with pytest.raises(ConfigError, match="valid options: prompt"):
         char_env().reset(options={"prompts": [0]})
+
+
+@pytest.mark.parametrize("how", ["make", "wrapper", "argument"])
+def test_an_episode_cut_by_a_time_limit_is_still_scored(how):
+    kwargs = dict(
+        model=CHARS,
+        prompts=["abc"],
+        max_new_tokens=10,
+        rewards=RewardStack([(FunctionReward("len", length_reward), 1)]),
+    )
+    if how == "make":
+        env = gymnasium.make("textgym/TextGen-v0", max_episode_steps=3, disable_env_checker=True, **kwargs)
+    elif how == "wrapper":
+        env = gymnasium.wrappers.TimeLimit(TextGenEnv(**kwargs), max_episode_steps=3)
+    else:
+        env = TextGenEnv(max_episode_steps=3, **kwargs)
+    env.reset(seed=0)
+    for _ in range(2):
+        assert env.step(2)[1:4] == (0.0, False, False)
+    _, reward, terminated, truncated, info = env.step(2)
+    assert (reward, terminated, truncated) == (3.0, False, True)
+    assert info["reward_components"] == {"len": 3.0} and info["finish_reason"] == "length"
+
+
+def test_make_vec_passes_max_episode_steps_to_the_vector_env():
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=2, max_episode_steps=2, autoreset_mode="Disabled")
+    env.reset(seed=0)
+    env.step(np.array([2, 2]))
+    _, _, _, truncated, infos = env.step(np.array([2, 2]))
+    assert truncated.all() and "reward_components" in infos
+
+
+def test_the_vector_env_renders_text_and_declares_render_fps():
+    env = vector_char_env(2, render_mode="ansi")
+    env.reset(options={"prompts": [0, 1]})
+    env.step(np.array([2, 3]))
+    assert env.render() == ("abca", "deb")
+    assert env.metadata["render_fps"] and TextGenEnv.metadata["render_fps"]
+    with pytest.raises(ConfigError, match="render_mode must be None or 'ansi'"):
+        vector_char_env(2, render_mode="human")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from textgym.envs import TextGenVectorEnv
+from textgym.errors import TrainingError
 
 
 @dataclass
@@ -93,7 +94,12 @@ def rollout(
                 if top_k:
                     kth = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
-                tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+                try:
+                    tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+                except RuntimeError as exc:  # NaN or inf logits: the model's weights have diverged
+                    raise TrainingError(
+                        f"the model's next-token distribution is not finite ({exc}); its weights have diverged."
+                    ) from None
             tokens = torch.where(active, tokens, env.pad_token_id)
             response_ids[:, t] = tokens
             response_mask[:, t] = active.long()
@@ -108,8 +114,8 @@ def rollout(
                     "completion": step_infos["completion"][i],
                     "finish_reason": step_infos["finish_reason"][i],
                     "num_tokens": int(step_infos["num_tokens"][i]),
-                    "reward_components": {
-                        k: float(v[i])
+                    "reward_components": {  # not applicable (NaN) becomes None: null in JSON files
+                        k: None if np.isnan(v[i]) else float(v[i])
                         for k, v in step_infos["reward_components"].items()
                         if not k.startswith("_")
                     },

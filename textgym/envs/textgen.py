@@ -32,6 +32,31 @@ def _checked_options(options: Any, valid: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _check_steps(value: Any) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+    ):
+        raise ConfigError(f"max_episode_steps must be a positive integer or None, not {value!r}.")
+    return None if value is None else int(value)
+
+
+def _enclosing_time_limit(depth: int = 12) -> int | None:
+    """The step limit of a ``gymnasium.wrappers.TimeLimit`` whose ``reset`` is calling this env's, if any.
+    Gymnasium adds that wrapper outside the env and never tells it the limit; looking up the call stack is
+    the one way to truncate (and so score) an episode on the wrapper's last step."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, gym.wrappers.TimeLimit):
+            return int(owner._max_episode_steps)
+        frame = frame.f_back
+    return None
+
+
 class _Accessors:
     """What agents and tools may read about an env's episodes (nothing outside textgym/envs reads
     ``env.episodes``)."""
@@ -103,13 +128,18 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     - ``chat_template``: wrap each prompt as a user message (default: when the tokenizer has a template).
     - ``stop``: extra stop strings. ``prompt_overflow``: ``"truncate"`` (from the left, with a warning) or
       ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"``.
+    - ``allowed_tokens``: token ids, token strings or a string of characters the agent may choose (EOS is
+      always allowed, pad never); ``action_masks()`` returns them for action-masking agents (MaskablePPO).
+    - ``pad_token``: an existing token to pad with, for tokenizers whose pad is their EOS.
+    - ``max_episode_steps``: truncate (and score) after this many steps; a ``TimeLimit`` wrapper around the
+      env (``gymnasium.make(..., max_episode_steps=N)``) does the same.
     - ``reset(options={"prompt": index_or_text})`` starts an episode on a given prompt.
 
     ## Version History
     - v0: initial version.
     """
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(
         self,
@@ -122,14 +152,18 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         stop: Sequence[str] | str | None = None,
         prompt_overflow: str = "truncate",
         prompt_order: str = "random",
+        allowed_tokens: Sequence[str | int] | str | None = None,
+        pad_token: str | None = None,
         render_mode: str | None = None,
+        max_episode_steps: int | None = None,
     ):
         if render_mode not in (None, "ansi"):
             raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
         self.render_mode = render_mode
+        self._max_episode_steps = _check_steps(max_episode_steps)
         self.episodes = Episodes(
             1, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
-            prompt_overflow, prompt_order,
+            prompt_overflow, prompt_order, allowed_tokens, pad_token,
         )  # fmt: skip
         self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
         self.observation_space = self.episodes.observation_space
@@ -138,6 +172,10 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
         super().reset(seed=seed)
+        # An episode cut by a TimeLimit wrapper (gymnasium.make(..., max_episode_steps=N)) is still scored:
+        # the env truncates, and scores, on the wrapper's last step itself.
+        limits = [n for n in (self._max_episode_steps, _enclosing_time_limit()) if n is not None]
+        self.episodes.limit = min([self.episodes.T, *limits])
         prompt = _checked_options(options, SINGLE_OPTIONS).get("prompt")
         self.episodes.start([0], self.np_random, None if prompt is None else [prompt])
         self._needs_reset = False
@@ -157,6 +195,10 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         total, infos = self.episodes.finish(ended, reasons)
         terminated = reasons[0] == "stop"
         return self.episodes.obs(0), float(total[0]), terminated, not terminated, infos[0]
+
+    def action_masks(self) -> np.ndarray:
+        """(vocab,) bool: the tokens the agent may choose (``allowed_tokens``, never pad)."""
+        return self.episodes.allowed.copy()
 
     def render(self) -> str | None:
         if self.render_mode == "ansi":
@@ -192,7 +234,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
     Other arguments: as :class:`TextGenEnv`.
     """
 
-    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(
         self,
@@ -206,9 +248,14 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         stop: Sequence[str] | str | None = None,
         prompt_overflow: str = "truncate",
         prompt_order: str = "random",
+        allowed_tokens: Sequence[str | int] | str | None = None,
+        pad_token: str | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.SAME_STEP,
         render_mode: str | None = None,
+        max_episode_steps: int | None = None,
     ):
+        if render_mode not in (None, "ansi"):
+            raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
         if not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ConfigError(f"num_envs must be a positive integer, not {num_envs!r}.")
         try:
@@ -223,8 +270,10 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         self.num_envs = int(num_envs)
         self.episodes = Episodes(
             self.num_envs, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
-            prompt_overflow, prompt_order,
+            prompt_overflow, prompt_order, allowed_tokens, pad_token,
         )  # fmt: skip
+        if _check_steps(max_episode_steps) is not None:  # make_vec passes a registered TimeLimit here
+            self.episodes.limit = min(self.episodes.T, max_episode_steps)
         self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
         self.single_observation_space = self.episodes.observation_space
         self.single_action_space = self.episodes.action_space
@@ -308,6 +357,17 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
                 for i, info in zip(ended, episode_infos):
                     infos = self._add_info(infos, info, i)
         return self.episodes.batch_obs(), rewards, terminated, truncated, infos
+
+    def action_masks(self) -> np.ndarray:
+        """(num_envs, vocab) bool: the tokens each sub-env's agent may choose (``allowed_tokens``, never pad);
+        sb3-contrib's ``MaskablePPO`` reads it through :class:`textgym.sb3.TextGymVecEnv`."""
+        return np.broadcast_to(self.episodes.allowed, (self.num_envs, self.episodes.vocab_size)).copy()
+
+    def render(self) -> tuple[str, ...] | None:
+        """``render_mode="ansi"``: each sub-env's text so far (prompt and completion)."""
+        if self.render_mode == "ansi":
+            return tuple(self.episodes.text(i) for i in range(self.num_envs))
+        return None
 
     @property
     def active(self) -> np.ndarray:
