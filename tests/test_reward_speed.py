@@ -1,0 +1,122 @@
+"""The fast paths of the model-based rewards give the scores of their definitions.
+
+``fluency``, ``rm_score`` and ``similarity`` sort samples by length, run a shared prefix once, and (for
+``fluency``) run the LM head on the positions that are read only. Each test here writes the slow definition
+out, one sample at a time with no padding, and compares. No timings: those are in docs/performance.md.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from textgym import Sample, load_tokenizer, make_reward
+from textgym.scoring import (
+    chat_prompt,
+    length_sorted_batches,
+    lm_head_split,
+    resolve_bf16,
+    shared_prefix_length,
+)
+
+
+def s(completion, prompt="p", finish_reason="stop", **meta):
+    return Sample(prompt, completion, (), (), finish_reason, meta)
+
+
+SAMPLES = [
+    s("Hello there, how are you?", prompt="Tell me about the sea."),
+    s("Fine.", prompt="Tell me about cats."),
+    s("word word word word word word", prompt="Tell me about the sea.", finish_reason="length"),
+    s("", prompt="Hi", finish_reason="length"),  # nothing generated: scored on EOS alone
+    s("The sea is large, deep and blue, and it is full of fish and whales.", prompt="Tell me about the sea."),
+    s("Yes.", prompt="Is water wet? Answer in one word, please."),
+    s("No, not at all", prompt="Tell me about cats.", finish_reason="length"),  # no EOS
+]
+
+
+def slow_fluency(reward, samples):
+    """The definition: the whole prompt + completion alone through the model, a log-softmax over the full
+    vocabulary at every position, the mean over the completion's tokens (EOS included if it ended on it)."""
+    tok, out = reward.tokenizer, []
+    for x in samples:
+        prompt = (
+            tok.encode(chat_prompt(tok, x.prompt), add_special_tokens=False)
+            if reward.chat
+            else tok.encode(x.prompt)
+        )
+        completion = tok.encode(x.completion, add_special_tokens=False)
+        if x.finish_reason == "stop" or not completion:
+            completion.append(tok.eos_token_id)
+        ids = torch.tensor([prompt + completion])  # (1, W)
+        with torch.inference_mode():
+            logp = torch.log_softmax(reward.model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # (W-1, V)
+        token_logp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)  # (W-1,) log p(token t+1)
+        out.append(token_logp[len(prompt) - 1 :].mean().item())
+    return out
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_fluency_equals_the_full_log_softmax_formula(tiny, chat, batch_size):
+    reward = make_reward("fluency", model="tiny-random-llama", chat_template=chat, batch_size=batch_size)
+    assert reward.split is not None  # the LM head runs apart, on the read positions only
+    for order in (SAMPLES, sorted(SAMPLES, key=lambda x: len(x.completion)), SAMPLES[::-1]):
+        np.testing.assert_allclose(reward(order), slow_fluency(reward, order), rtol=0, atol=1e-5)
+
+
+def test_fluency_of_one_prompts_group_shares_the_whole_prompt(tiny):
+    group = [s(c, prompt="Tell me about the sea.") for c in ("Blue.", "It is wide and deep.", "Salty water")]
+    group.append(s("", prompt="Tell me about the sea.", finish_reason="length"))
+    for chat in (True, False):
+        reward = make_reward("fluency", model="tiny-random-llama", chat_template=chat)
+        np.testing.assert_allclose(reward(group), slow_fluency(reward, group), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def scaled_logits_model(tmp_path_factory):
+    """A tiny Granite model: it divides the logits by ``logits_scaling`` after the LM head."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    config = GraniteConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, logits_scaling=4.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("granite")
+    GraniteForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_fluency_on_a_model_that_changes_logits_after_the_head_uses_its_own_forward(scaled_logits_model):
+    reward = make_reward("fluency", model=scaled_logits_model, batch_size=3)
+    assert reward.split is None  # head(trunk(x)) is not this model's logits
+    assert lm_head_split(make_reward("fluency", model="tiny-random-llama").model) is not None
+    np.testing.assert_allclose(reward(SAMPLES), slow_fluency(reward, SAMPLES), rtol=0, atol=1e-5)
+
+
+def test_fluency_bf16_is_opt_in_on_the_cpu_and_close(tiny):
+    fp32 = make_reward("fluency", model="tiny-random-llama")
+    bf16 = make_reward("fluency", model="tiny-random-llama", bf16=True)
+    assert not fp32.bf16 and bf16.bf16
+    a, b = np.array(fp32(SAMPLES)), np.array(bf16(SAMPLES))
+    assert not np.array_equal(a, b)  # autocast did run in bf16
+    np.testing.assert_allclose(a, b, rtol=0, atol=0.05)
+
+
+def test_bf16_default_and_bad_values():
+    assert resolve_bf16(None, "cpu") is False
+    assert resolve_bf16(None, "cuda") is True and resolve_bf16(None, "cuda:1") is True
+    assert resolve_bf16(True, "cpu") is True and resolve_bf16(False, "cuda") is False
+    with pytest.raises(ValueError, match="bf16 must be true, false or left unset"):
+        resolve_bf16("yes", "cpu")
+
+
+def test_length_sorted_batches_and_shared_prefix():
+    assert list(length_sorted_batches([3, 9, 1, 9, 5], 2)) == [[1, 3], [4, 0], [2]]
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3], [1, 2, 5, 6]], 10) == 2
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], 3) == 3  # the limit keeps a token per row
+    assert shared_prefix_length([[7, 1], [8, 1]], 5) == 0
+    assert shared_prefix_length([[1, 2]], -1) == 0
