@@ -120,3 +120,63 @@ def test_length_sorted_batches_and_shared_prefix():
     assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], 3) == 3  # the limit keeps a token per row
     assert shared_prefix_length([[7, 1], [8, 1]], 5) == 0
     assert shared_prefix_length([[1, 2]], -1) == 0
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("rm")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def slow_rm_score(reward, samples):
+    """Each text alone (no padding, no shared prefix) through the sequence-classification model."""
+    out = []
+    for x in samples:
+        enc = reward.tokenizer(
+            reward.format(x), truncation=True, max_length=reward.max_length, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            out.append(reward.model(**enc).logits[0, reward.label].item())
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"batch_size": 2},
+        {"chat_template": False, "template": "Q: {prompt}\nA: {completion}"},
+        # the pad token ends every text: the model scores the token before it, with or without a prefix
+        {"chat_template": False, "template": "{prompt} {completion}<|endoftext|>"},
+        {"max_length": 12},
+    ],
+)
+def test_rm_score_is_the_score_of_each_text_alone(reward_model_dir, kwargs):
+    reward = make_reward("rm_score", model=reward_model_dir, **kwargs)
+    assert reward.causal
+    np.testing.assert_allclose(reward(SAMPLES), slow_rm_score(reward, SAMPLES), rtol=0, atol=1e-5)
+    probability = make_reward("rm_score", model=reward_model_dir, output="probability", **kwargs)
+    np.testing.assert_allclose(
+        probability(SAMPLES), torch.tensor(slow_rm_score(reward, SAMPLES)).sigmoid(), rtol=0, atol=1e-6
+    )
+
+
+def test_similarity_embeds_each_text_as_it_would_alone():
+    samples = [s(x.completion, reference="A cat is sitting on a mat.") for x in SAMPLES]
+    reward = make_reward("similarity", batch_size=3)
+    texts = [x.completion for x in samples] + ["A cat is sitting on a mat."]
+    batched = reward.embed(texts)
+    alone = torch.cat([reward.embed([t]) for t in texts])
+    torch.testing.assert_close(batched, alone, rtol=0, atol=1e-6)
+    expected = (alone[:-1] * alone[-1]).sum(-1)
+    np.testing.assert_allclose(reward(samples), expected, rtol=0, atol=1e-6)

@@ -6,14 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
-
-T = TypeVar("T")
-
-
-def batched(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+from typing import Any
 
 
 def length_sorted_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
