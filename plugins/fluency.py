@@ -36,6 +36,8 @@ class Fluency:
         batch_size, max_length: batching and truncation (the prompt is cut from the left).
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
+        share_prefix: run the token prefix that a batch's prompts share once, through the KV cache (the
+            scores do not change; turn it off for a model whose cache cannot be repeated across rows).
 
     The forward costs only what the score reads: samples are sorted by length so each batch is tight, the
     prompts' shared prefix (the chat template's system prompt) runs once per batch, and the LM head runs
@@ -54,6 +56,7 @@ class Fluency:
         max_length: int = 512,
         device: str = "auto",
         bf16: bool | None = None,
+        share_prefix: bool = True,
     ):
         check_positive(n=n, batch_size=batch_size, max_length=max_length)
         if repetition_penalty < 0:
@@ -64,6 +67,7 @@ class Fluency:
         self.model, self.tokenizer = load_model(model)
         self.model.to(self.device)
         self.bf16 = resolve_bf16(bf16, self.device)
+        self.share_prefix = share_prefix
         self.split = lm_head_split(self.model)  # (trunk, head), or None: the model's own forward
         self.chat = uses_chat_template(self.tokenizer, chat_template)
         self.repetition_penalty, self.n = repetition_penalty, n
@@ -96,7 +100,7 @@ class Fluency:
         # The prefix that all prompts share runs once. Every row keeps its last prompt token at least: its
         # output predicts the first completion token.
         L = 0
-        if len(pairs) > 1:  # one row gains nothing from a prefix run apart
+        if self.share_prefix and len(pairs) > 1:  # one row gains nothing from a prefix run apart
             L = shared_prefix_length([p for p, _ in pairs], min(len(p) for p, _ in pairs) - 1)
         rows = [p[L:] + c for p, c in pairs]
         B, W = len(rows), max(map(len, rows))

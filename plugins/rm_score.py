@@ -34,6 +34,9 @@ class RMScore:
             so the completion is always scored whole.
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
+        share_prefix: for a causal reward model, run the token prefix that a batch's texts share once,
+            through the KV cache (the scores do not change; turn it off for a model whose cache cannot be
+            repeated across rows).
 
     Texts are sorted by length so each batch pads little, and for causal (decoder) reward models the
     token prefix that a batch's texts share (the chat template's system prompt) runs once.
@@ -52,6 +55,7 @@ class RMScore:
         max_length: int = 512,
         device: str = "auto",
         bf16: bool | None = None,
+        share_prefix: bool = True,
     ):
         check_positive(batch_size=batch_size, max_length=max_length)
         if output not in ("logit", "probability"):
@@ -74,7 +78,8 @@ class RMScore:
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.bf16 = resolve_bf16(bf16, self.device)
-        self.causal = cache_argument(self.model) is not None  # encoders (BERT, DeBERTa) take no KV cache
+        # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
+        self.share_prefix = share_prefix and cache_argument(self.model) is not None
         self.label = self._label_index(label)
         self.output, self.template = output, template
         self.chat = uses_chat_template(self.tokenizer, chat_template)
@@ -141,7 +146,7 @@ class RMScore:
     def _shared_prefix(self, ids: list[list[int]]) -> list[int]:
         """The leading tokens that all rows share, for a causal model. Sequence-classification models score
         the last token that is not the pad token, so each row keeps that token after the prefix."""
-        if not self.causal or len(ids) < 2:  # one row gains nothing from a prefix run apart
+        if not self.share_prefix or len(ids) < 2:  # one row gains nothing from a prefix run apart
             return []
         pad = self.model.config.pad_token_id
         last = [max((i for i, t in enumerate(row) if t != pad), default=0) for row in ids]

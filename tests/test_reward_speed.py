@@ -68,8 +68,11 @@ def test_fluency_of_one_prompts_group_shares_the_whole_prompt(tiny):
     group = [s(c, prompt="Tell me about the sea.") for c in ("Blue.", "It is wide and deep.", "Salty water")]
     group.append(s("", prompt="Tell me about the sea.", finish_reason="length"))
     for chat in (True, False):
-        reward = make_reward("fluency", model="tiny-random-llama", chat_template=chat)
-        np.testing.assert_allclose(reward(group), slow_fluency(reward, group), rtol=0, atol=1e-5)
+        for share_prefix in (True, False):
+            reward = make_reward(
+                "fluency", model="tiny-random-llama", chat_template=chat, share_prefix=share_prefix
+            )
+            np.testing.assert_allclose(reward(group), slow_fluency(reward, group), rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +166,7 @@ def slow_rm_score(reward, samples):
 )
 def test_rm_score_is_the_score_of_each_text_alone(reward_model_dir, kwargs):
     reward = make_reward("rm_score", model=reward_model_dir, **kwargs)
-    assert reward.causal
+    assert reward.share_prefix  # a causal model: the chat template's system prompt runs once
     np.testing.assert_allclose(reward(SAMPLES), slow_rm_score(reward, SAMPLES), rtol=0, atol=1e-5)
     probability = make_reward("rm_score", model=reward_model_dir, output="probability", **kwargs)
     np.testing.assert_allclose(
