@@ -94,25 +94,32 @@ class Fluency:
                 out[i] = score
         return out
 
-    def _mean_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    def _layout(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[int, Any, Any, Any]:
+        """``(L, ids, mask, predicts)`` for one batch: the length L of the prefix that all prompts share
+        (it runs once), then each row's remaining tokens, right-padded (B, W), and which columns' outputs
+        predict a completion token (B, W-1)."""
         import torch
 
-        # The prefix that all prompts share runs once. Every row keeps its last prompt token at least: its
-        # output predicts the first completion token.
+        # Every row keeps its last prompt token at least: its output predicts the first completion token.
         L = 0
         if self.share_prefix and len(pairs) > 1:  # one row gains nothing from a prefix run apart
             L = shared_prefix_length([p for p, _ in pairs], min(len(p) for p, _ in pairs) - 1)
         rows = [p[L:] + c for p, c in pairs]
         B, W = len(rows), max(map(len, rows))
-        ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)  # right-padded
+        ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         predicts = torch.zeros(B, W - 1, dtype=torch.bool)  # column t's output predicts completion token t+1
         for r, ((p, _), row) in enumerate(zip(pairs, rows)):
             ids[r, : len(row)] = torch.tensor(row)
             mask[r, : len(row)] = 1
             predicts[r, max(len(p) - L - 1, 0) : len(row) - 1] = True
-        ids, mask, predicts = ids.to(self.device), mask.to(self.device), predicts.to(self.device)
-        targets = ids[:, 1:][predicts]  # (N,) the completion tokens, row by row
+        return L, ids.to(self.device), mask.to(self.device), predicts.to(self.device)
+
+    def _mean_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+        import torch
+
+        L, ids, mask, predicts = self._layout(pairs)
+        (B, W), targets = ids.shape, ids[:, 1:][predicts]  # targets (N,): the completion tokens, row by row
         trunk = self.split[0] if self.split else self.model
         with torch.inference_mode(), autocast(self.device, self.bf16):
             kwargs: dict[str, Any] = {"attention_mask": mask}
@@ -123,11 +130,12 @@ class Fluency:
             if self.split:
                 hidden = trunk(input_ids=ids, **kwargs).last_hidden_state[:, :-1][predicts]  # (N, H)
                 head = self.split[1]
-                logps = [
-                    token_logprobs(head(h), t)
-                    for h, t in zip(hidden.split(HEAD_CHUNK), targets.split(HEAD_CHUNK))
-                ]
-                token_logp = torch.cat(logps)  # (N,)
+                token_logp = torch.cat(
+                    [
+                        token_logprobs(head(h), t)
+                        for h, t in zip(hidden.split(HEAD_CHUNK), targets.split(HEAD_CHUNK))
+                    ]
+                )  # (N,)
             else:
                 # Columns before the earliest predicting one need no logits; logits_to_keep (where the model
                 # has it) keeps the last W - first, which covers every row's completion.
