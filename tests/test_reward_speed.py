@@ -5,6 +5,8 @@
 out, one sample at a time with no padding, and compares. No timings: those are in docs/performance.md.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -183,3 +185,32 @@ def test_similarity_embeds_each_text_as_it_would_alone():
     torch.testing.assert_close(batched, alone, rtol=0, atol=1e-6)
     expected = (alone[:-1] * alone[-1]).sum(-1)
     np.testing.assert_allclose(reward(samples), expected, rtol=0, atol=1e-6)
+
+
+def test_the_benchmark_baselines_are_the_former_formulas(tiny, reward_model_dir):
+    from benchmarks.reward_throughput import fluency_before, make_samples, rm_score_before, similarity_before
+
+    samples = make_samples(6)
+    fluency = make_reward("fluency", model="tiny-random-llama", batch_size=4)
+    np.testing.assert_allclose(fluency_before(fluency, samples), fluency(samples), rtol=0, atol=1e-5)
+    rm = make_reward("rm_score", model=reward_model_dir, batch_size=4)
+    np.testing.assert_allclose(rm_score_before(rm, samples), rm(samples), rtol=0, atol=1e-5)
+    similarity = make_reward("similarity", batch_size=4)
+    np.testing.assert_allclose(similarity_before(similarity, samples), similarity(samples), rtol=0, atol=1e-6)
+
+
+def test_the_report_states_the_fluency_ratio_and_the_target(tmp_path, monkeypatch):
+    from benchmarks.report import write_report
+
+    row = {"reward": "fluency", "batch": 64, "samples_per_s": 40.0, "ms_per_batch": 1600.0}
+    row.update(samples_per_s_before=10.0, samples_per_s_no_prefix=20.0, samples_per_s_bf16=80.0)
+    row.update(
+        speedup=4.0, speedup_bf16=8.0, max_score_difference_before=2e-6, max_score_difference_bf16=0.02
+    )
+    result = {"args": {"batch": 64, "repeats": 3}, "rows": [row]}
+    (tmp_path / "reward_throughput.json").write_text(json.dumps(result))
+    monkeypatch.setenv("TEXTGYM_BENCH_RESULTS", str(tmp_path))
+    report = write_report(quick=True).read_text()
+    assert "| fluency | 10.0 | 20.0 | 40.0 | 80.0 | **4.00x** | 8.00x | 2.0e-06, 2.0e-02 |" in report
+    assert "4.0x the former throughput with the same scores" in report
+    assert "at least 10x at batch 64 with the same scores: missed in fp32" in report
