@@ -109,6 +109,32 @@ def similarity_before(reward: Any, samples: Sequence[Sample]) -> list[float]:
     return (torch.cat(chunks) * references).sum(-1).tolist()
 
 
+def fluency_work(reward: Any, samples: Sequence[Sample]) -> dict[str, float]:
+    """What a ``fluency`` call computes, before and now: row-tokens through the trunk, positions through the
+    LM head, and the matmul GFLOPs they add up to (2 per weight per token; attention scores left out)."""
+    from textgym.scoring import length_sorted_batches
+
+    pairs = [reward._ids(s) for s in samples]
+    before = sum(len(b) * max(len(p) + len(c) for p, c in b) for b in batches(pairs, reward.batch_size))
+    trunk = head = 0
+    for rows in length_sorted_batches([len(p) + len(c) for p, c in pairs], reward.batch_size):
+        prefix, ids, _, predicts = reward._layout([pairs[i] for i in rows])
+        trunk += ids.numel() + prefix  # the prefix runs once, as one row
+        head += int(predicts.sum())
+    model = reward.model
+    head_params = model.get_output_embeddings().weight.numel()
+    trunk_params = sum(p.numel() for n, p in model.base_model.named_parameters() if "embed" not in n)
+    work = {
+        "trunk_tokens_before": before,
+        "head_positions_before": before,
+        "trunk_tokens": trunk,
+        "head_positions": head,
+        "gflop_before": 2 * before * (trunk_params + head_params) / 1e9,
+        "gflop": 2 * (trunk * trunk_params + head * head_params) / 1e9,
+    }
+    return work
+
+
 BEFORE: dict[str, Callable[[Any, Sequence[Sample]], list[float]]] = {
     "fluency": fluency_before,
     "rm_score": rm_score_before,
@@ -175,6 +201,8 @@ def main() -> None:
             row["speedup"] = times["before"] / times["default"]  # same precision (fp32 on the CPU)
             row["speedup_bf16"] = times["before"] / times["bf16"]
         row.update({f"max_score_difference_{side}": d for side, d in checks.items()})
+        if name == "fluency":
+            row["work"] = fluency_work(reward, samples)
         rows.append(row)
         print(rows[-1], flush=True)
     write_result("reward_throughput", {"args": vars(args), "rows": rows})
