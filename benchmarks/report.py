@@ -91,7 +91,8 @@ def reward_section(w: dict) -> list[str]:
         f"Batch {a['batch']}: the shipped chat prompts, cycled, each with a different completion of 20-25 "
         f"tokens; median of {a['repeats']} calls after a warm-up. `fluency` (SmolLM2-135M-Instruct) and "
         "`rm_score` (a sequence-classification head on the same SmolLM2) run a 135M model, `similarity` runs "
-        "MiniLM, all on the CPU in fp32 unless the column says bf16.",
+        "MiniLM, all on the CPU in fp32 unless the column says bf16, with "
+        f"{w['machine']['torch_threads']} torch thread{'s' if w['machine']['torch_threads'] != 1 else ''}.",
         "",
         "| reward | samples/s | ms per batch |",
         "|---|---|---|",

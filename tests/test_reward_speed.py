@@ -209,12 +209,13 @@ def test_the_report_states_the_fluency_ratio_and_the_target(tmp_path, monkeypatc
     )
     row["work"] = {"trunk_tokens_before": 400, "head_positions_before": 400, "trunk_tokens": 200}
     row["work"].update(head_positions=100, gflop_before=300.0, gflop=100.0)
-    result = {"args": {"batch": 64, "repeats": 3}, "rows": [row]}
+    result = {"machine": {"torch_threads": 1}, "args": {"batch": 64, "repeats": 3}, "rows": [row]}
     (tmp_path / "reward_throughput.json").write_text(json.dumps(result))
     monkeypatch.setenv("TEXTGYM_BENCH_RESULTS", str(tmp_path))
     report = write_report(quick=True).read_text()
     assert "| fluency | 10.0 | 20.0 | 40.0 | 80.0 | **4.00x** | 8.00x | 2.0e-06, 2.0e-02 |" in report
     assert "4.0x the former throughput with the same scores" in report
+    assert "in fp32 unless the column says bf16, with 1 torch thread." in report
     assert "at least 10x at batch 64 with the same scores: missed in fp32" in report
     assert (
         "the LM head over 100 positions (before: 400), 100 GFLOP of matmuls against 300: 3.00x less" in report
