@@ -55,8 +55,8 @@ a group method scores several completions of one prompt) runs once, the head run
 that predict a completion token, and log p = logit - logsumexp. `rm_score` sorts and shares the prefix
 the same way (its score head is already tiny); `similarity` (MiniLM, bidirectional, so no prefix to share)
 sorts and embeds each distinct text once. In fp32 the trunk's matmuls over the tokens that remain are
-the floor: the speed-up cannot pass the ratio of the work, which depends on how much the prompts share
-(nothing shared: see the *no shared prefix* column). Past that, bf16 is the lever (this CPU has
+the floor, so the speed-up stays near the ratio of the work above, and that ratio depends on how much the
+prompts share (nothing shared: the *no shared prefix* column). Past that, bf16 is the lever (this CPU has
 avx512_bf16); it is on by default on GPUs only, because it moves the scores.
 """
 
@@ -92,7 +92,13 @@ def reward_section(w: dict) -> list[str]:
         f"tokens; median of {a['repeats']} calls after a warm-up. `fluency` (SmolLM2-135M-Instruct) and "
         "`rm_score` (a sequence-classification head on the same SmolLM2) run a 135M model, `similarity` runs "
         "MiniLM, all on the CPU in fp32 unless the column says bf16, with "
-        f"{w['machine']['torch_threads']} torch thread{'s' if w['machine']['torch_threads'] != 1 else ''}.",
+        f"{w['machine']['torch_threads']} torch thread{'s' if w['machine']['torch_threads'] != 1 else ''}"
+        + (
+            f" (5-minute load average {w['load_average_5min']['before']:.1f} when the run began and "
+            f"{w['load_average_5min']['after']:.1f} when it ended, on {w['machine']['cpu_count']} cores)."
+            if "load_average_5min" in w
+            else "."
+        ),
         "",
         "| reward | samples/s | ms per batch |",
         "|---|---|---|",

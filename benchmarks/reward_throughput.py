@@ -10,6 +10,7 @@ within each repetition, so the ratio holds under the machine's noise.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,6 +176,7 @@ def main() -> None:
         "rm_score": {"model": args.rm_model},
     }
     rows = []
+    load_before = os.getloadavg()[1]  # other work on the machine: the figures are only as quiet as it was
     for name, kwargs in plugins.items():
         reward = make_reward(name, **kwargs)
         sides: dict[str, Callable[[], Any]] = {"default": lambda r=reward: r(samples)}
@@ -205,7 +207,8 @@ def main() -> None:
             row["work"] = fluency_work(reward, samples)
         rows.append(row)
         print(rows[-1], flush=True)
-    write_result("reward_throughput", {"args": vars(args), "rows": rows})
+    load = {"before": load_before, "after": os.getloadavg()[1]}  # 5-minute load averages
+    write_result("reward_throughput", {"args": vars(args), "load_average_5min": load, "rows": rows})
 
 
 if __name__ == "__main__":
