@@ -33,7 +33,7 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     breakdown = {k: v for k, v in agent.history[-1].items() if k.startswith("time/")}
     print(json.dumps({"iteration_s": times[1:], "peak_rss_mb": peak_rss_mb(), "breakdown": breakdown,
-                      "tokens": [h["env/response_length"] * args.batch for h in agent.history[1:]]}))  # fmt: skip
+                      "tokens": [h["completions/mean_length"] * args.batch for h in agent.history[1:]]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,3 +23,17 @@ def test_quick_benchmarks_run_and_write_results_and_a_report(tmp_path):
     assert [row["num_envs"] for row in env["rows"]] == [1, 8]
     report = (tmp_path / "performance.md").read_text()
     assert "## Rollout through the env against `model.generate`" in report and "## The env alone" in report
+
+
+def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", "tiny-random-llama",
+         "--batches", "8", "--new-tokens", "4", "--repeats", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    check = json.loads(out.read_text())
+    assert [row["batch"] for row in check["rollout"]] == [8] and check["rollout"][0]["ratio"] > 0
+    assert {row["agent"] for row in check["agents"]} == {"lmppo", "grpo", "grpo-beta0", "rloo"}
+    assert all(row["peak_memory_mb"] > 0 and row["iteration_s"] > 0 for row in check["agents"])

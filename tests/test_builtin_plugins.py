@@ -47,6 +47,30 @@ def test_match_modes_and_references():
         make_reward("match", mode="contains", partial=True)
 
 
+def test_math_verifies_answers_against_references_and_skips_prompts_without_one():
+    samples = [
+        s("The answer is -8.", reference="-8"),  # the shipped arithmetic prompts' form
+        s("-7", reference="-8"),
+        s("0.5", reference=r"\frac{1}{2}"),
+        s(r"So it is $\boxed{\frac12}$.", reference="0.5"),
+        s("12"),  # no reference: not applicable
+        s("12", reference=""),
+    ]
+    assert make_reward("math")(samples) == [1.0, 0.0, 1.0, 1.0, None, None]
+    assert make_reward("math", reference_key="answer")([s("3", answer="3")]) == [1.0]
+    with pytest.raises(PluginArgumentError, match="timeout must be a whole number of seconds"):
+        make_reward("math", timeout=0.5)
+
+
+def test_math_runs_off_the_main_thread_without_signal_timeouts():
+    # math-verify's default timeouts use signal.alarm, which raises ValueError off the main thread
+    from concurrent.futures import ThreadPoolExecutor
+
+    reward = make_reward("math")
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(reward, [s("29", reference="29")]).result() == [1.0]
+
+
 def test_safety_penalises_offensive_text():
     samples = [s("Have a lovely day, friend."), s("You are a stupid idiot, shut up.")]
     clean, offensive = make_reward("safety")(samples)

@@ -114,13 +114,25 @@ def test_actions_outside_the_vocabulary_are_invalid(action):
 
 
 def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
-    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3)
-    with pytest.warns(UserWarning, match="has 8 tokens; keeping its last 3"):
-        obs, _ = env.reset(seed=0)
+    # every prompt of the source is checked when the env is made: one warning (or error) up front
+    with pytest.warns(UserWarning, match="1 of 2 prompts have more than max_prompt_tokens=3 tokens; keeping"):
+        env = char_env(prompts=["abcdefgh", "ab"], max_prompt_tokens=3)
+    obs, _ = env.reset(options={"prompt": 0})
     assert CHARS.decode(obs["input_ids"][:3]) == "fgh"
-    env = char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+    with pytest.warns(UserWarning, match="has 9 tokens; keeping its last 3"):  # a text given at reset
+        env.reset(options={"prompt": "abcdefghh"})
     with pytest.raises(PromptError, match="8 tokens, more than max_prompt_tokens=3"):
-        env.reset(seed=0)
+        char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+
+
+def test_prompts_the_tokenizer_cannot_encode_are_refused_when_the_env_is_made():
+    with pytest.raises(PromptError, match=r"prompt 1 \('abz'\) cannot be tokenized: character 'z' is not in"):
+        char_env(prompts=["abc", "abz"])
+
+
+def test_absurd_sizes_are_refused_before_allocating():
+    with pytest.raises(ConfigError, match=r"would need .* GiB for observations; lower them"):
+        TextGenVectorEnv(num_envs=100_000, model=CHARS, prompts=["ab"], max_new_tokens=10_000)
 
 
 def test_bad_constructor_arguments_are_clear_errors():
@@ -219,3 +231,114 @@ def test_vector_env_rejects_bad_actions():
         env.step(np.array([2, 99]))
     with pytest.raises(InvalidAction, match="must be 2 integer token ids"):
         env.step(np.array([2]))
+
+
+def vector_char_env(n=6, **kwargs):
+    defaults = dict(
+        model=CHARS, prompts=["abc", "de", "fgh", "hh"], max_new_tokens=3, max_prompt_tokens=3,
+        rewards=RewardStack([(FunctionReward("len", length_reward), 1)]), autoreset_mode="Disabled",
+    )  # fmt: skip
+    return TextGenVectorEnv(num_envs=n, **{**defaults, **kwargs})
+
+
+def prompts_of(infos, n):
+    return [infos["prompt"][i] for i in range(n)]
+
+
+def test_reset_with_one_prompt_per_sub_env_by_index_or_text():
+    env = vector_char_env(3)
+    _, infos = env.reset(options={"prompts": [2, "ed", 0]})
+    assert prompts_of(infos, 3) == ["fgh", "ed", "abc"]
+    _, infos = env.reset(options={"prompts": [1, 1], "reset_mask": np.array([True, False, True])})
+    assert infos["prompt"][0] == infos["prompt"][2] == "de" and not infos["_prompt"][1]
+
+
+@pytest.mark.parametrize("order", ["random", "sequential"])
+def test_group_size_gives_consecutive_sub_envs_the_same_prompt(order):
+    env = vector_char_env(6, prompt_order=order)
+    _, infos = env.reset(seed=3, options={"group_size": 3})
+    prompts = prompts_of(infos, 6)
+    assert prompts[0] == prompts[1] == prompts[2] and prompts[3] == prompts[4] == prompts[5]
+    if order == "sequential":
+        assert prompts == ["abc"] * 3 + ["de"] * 3
+        _, infos = env.reset(options={"group_size": 2})
+        assert prompts_of(infos, 6) == ["fgh", "fgh", "hh", "hh", "abc", "abc"]
+
+
+def test_public_accessors_describe_the_episodes():
+    env = vector_char_env(2, max_new_tokens=5, max_prompt_tokens=4)
+    assert (env.max_prompt_tokens, env.max_new_tokens) == (4, 5)
+    assert (env.pad_token_id, env.eos_token_id, env.num_prompts) == (0, 1, 4)
+    assert env.encode_prompt(0).tolist() == [2, 3, 4] and env.encode_prompt("ba").tolist() == [3, 2]
+    env.reset(seed=0)
+    for _ in range(5):
+        env.step(np.array([2, 2]))
+    assert env.reward_seconds > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("abc", "reset options must be a dict"),
+        (
+            {"promt": 0},
+            "unknown reset option 'promt'; valid options: reset_mask, prompt, prompts, group_size",
+        ),
+        ({"prompt": 0, "group_size": 2}, "exclude each other"),
+        ({"prompts": "abc"}, "must be a list of 4 prompts"),
+        ({"prompts": [0, 1]}, "must be a list of 4 prompts"),
+        ({"prompts": [0, 1, 2, 99]}, r"prompt index in \[0, 4\) or a non-empty text, not 99"),
+        ({"prompt": True}, "not True"),
+        ({"group_size": 3}, "divides the 4 sub-envs"),
+        ({"group_size": 0}, "positive integer"),
+        ({"reset_mask": [1, 0, 1, 0]}, "reset_mask must be a bool array of shape"),
+    ],
+)
+def test_bad_reset_options_are_clear_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        vector_char_env(4).reset(options=options)
+
+
+def test_single_env_rejects_unknown_reset_options():
+    with pytest.raises(ConfigError, match="valid options: prompt"):
+        char_env().reset(options={"prompts": [0]})
+
+
+@pytest.mark.parametrize("how", ["make", "wrapper", "argument"])
+def test_an_episode_cut_by_a_time_limit_is_still_scored(how):
+    kwargs = dict(
+        model=CHARS,
+        prompts=["abc"],
+        max_new_tokens=10,
+        rewards=RewardStack([(FunctionReward("len", length_reward), 1)]),
+    )
+    if how == "make":
+        env = gymnasium.make("textgym/TextGen-v0", max_episode_steps=3, disable_env_checker=True, **kwargs)
+    elif how == "wrapper":
+        env = gymnasium.wrappers.TimeLimit(TextGenEnv(**kwargs), max_episode_steps=3)
+    else:
+        env = TextGenEnv(max_episode_steps=3, **kwargs)
+    env.reset(seed=0)
+    for _ in range(2):
+        assert env.step(2)[1:4] == (0.0, False, False)
+    _, reward, terminated, truncated, info = env.step(2)
+    assert (reward, terminated, truncated) == (3.0, False, True)
+    assert info["reward_components"] == {"len": 3.0} and info["finish_reason"] == "length"
+
+
+def test_make_vec_passes_max_episode_steps_to_the_vector_env():
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=2, max_episode_steps=2, autoreset_mode="Disabled")
+    env.reset(seed=0)
+    env.step(np.array([2, 2]))
+    _, _, _, truncated, infos = env.step(np.array([2, 2]))
+    assert truncated.all() and "reward_components" in infos
+
+
+def test_the_vector_env_renders_text_and_declares_render_fps():
+    env = vector_char_env(2, render_mode="ansi")
+    env.reset(options={"prompts": [0, 1]})
+    env.step(np.array([2, 3]))
+    assert env.render() == ("abca", "deb")
+    assert env.metadata["render_fps"] and TextGenEnv.metadata["render_fps"]
+    with pytest.raises(ConfigError, match="render_mode must be None or 'ansi'"):
+        vector_char_env(2, render_mode="human")

@@ -12,7 +12,16 @@ from textgym import plugin_manager
 from textgym.cli import main
 from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
 
-BUILTIN_REWARDS = {"rm_score", "fluency", "safety", "length_penalty", "sentiment", "similarity", "match"}
+BUILTIN_REWARDS = {
+    "rm_score",
+    "fluency",
+    "safety",
+    "length_penalty",
+    "sentiment",
+    "similarity",
+    "match",
+    "math",
+}
 
 
 def test_builtins_register_through_the_hooks():

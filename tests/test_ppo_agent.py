@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from lm_helpers import char_llama, iterations, make_env
 from stable_baselines3.common.callbacks import (
     BaseCallback,
     CheckpointCallback,
@@ -10,42 +11,19 @@ from stable_baselines3.common.callbacks import (
     StopTrainingOnRewardThreshold,
 )
 from stable_baselines3.common.evaluation import evaluate_policy
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from textgym import FunctionReward, RewardStack, TextGenVectorEnv
+from textgym import TextGenVectorEnv
+from textgym.agents.base import COMMON_STATS
 from textgym.agents.ppo import LMPPO, LMPPOConfig
 from textgym.agents.ppo_core import logprobs_from_logits
 from textgym.errors import ConfigError
-from textgym.models import CharTokenizer
 from textgym.sb3 import TextGymVecEnv
 
-CHARS = CharTokenizer("abcdefgh")
 FAST = dict(learning_rate=3e-3, kl_coef=0.0, verbose=0)
 
 
-def share_of_a(samples):
-    """Toy reward: the share of generated tokens that are "a" (a random policy gets ~0.1)."""
-    return [s.completion.count("a") / max(len(s.completion_ids), 1) for s in samples]
-
-
-def char_llama():
-    config = LlamaConfig(
-        vocab_size=len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
-
-
-def make_env(n=16, autoreset_mode="Disabled"):
-    return TextGenVectorEnv(
-        num_envs=n, model=CHARS, prompts="copy", max_new_tokens=6, max_prompt_tokens=3,
-        rewards=RewardStack([(FunctionReward("share_of_a", share_of_a), 1.0)]), autoreset_mode=autoreset_mode,
-    )  # fmt: skip
-
-
 def scores_of(agent):
-    return [h["objective/scores"] for h in agent.history]
+    return [h["reward"] for h in agent.history]
 
 
 def test_seeded_ppo_raises_a_toy_reward_and_is_reproducible_bit_for_bit():
@@ -61,11 +39,11 @@ def test_ratio_is_one_before_the_first_update_and_values_start_at_zero():
     agent = LMPPO(char_llama(), make_env(), temperature=0.7, seed=0, verbose=0)
     b = agent.collect_rollouts()
     with torch.no_grad():
-        logits, _ = agent._forward(agent.policy, b.tensors, hidden=False)
-    new = logprobs_from_logits(logits, b["response_ids"], 0.7) * b["response_mask"]
-    ratio = (new - b["logprobs"]).exp()[b["response_mask"].bool()]
+        logits, _ = agent.forward(agent.policy, b)
+    new = logprobs_from_logits(logits, b.response_ids, 0.7) * b.response_mask
+    ratio = (new - b.logprobs).exp()[b.response_mask.bool()]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
-    assert (b["values"] == 0).all()
+    assert (b.values == 0).all()
 
 
 def test_micro_batches_accumulate_to_the_same_update():
@@ -76,12 +54,6 @@ def test_micro_batches_accumulate_to_the_same_update():
 
     for whole, parts in zip(update(None), update(3)):
         torch.testing.assert_close(whole, parts, atol=1e-6, rtol=1e-5)
-
-
-def iterations(agent, n):
-    for _ in range(n):  # learn(1) runs exactly one iteration
-        agent.learn(1, reset_num_timesteps=False)
-    return agent
 
 
 def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bit(tmp_path):
@@ -146,7 +118,7 @@ def test_sb3_callbacks_are_called_and_checkpoint_and_eval_callbacks_work(tmp_pat
     assert len(steps) == 3 and recorder.events[1:4] == ["rollout_start", "rollout_end", steps[0]]
     assert steps[-1][1] == agent.num_timesteps
     checkpoints = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
-    assert checkpoints == [f"lmppo_{agent.history[1]['timesteps']}_steps.zip"]
+    assert checkpoints == [f"lmppo_{agent.history[1]['timesteps']}_steps"]  # a directory, not a .zip
     assert LMPPO.load(tmp_path / "ckpts" / checkpoints[0]).iteration == 2
     assert (tmp_path / "eval" / "evaluations.npz").is_file()
 
@@ -174,10 +146,10 @@ def test_logger_writes_trl_stat_names_and_reward_components(tmp_path):
     agent = LMPPO(char_llama(), make_env(), seed=0, tensorboard_log=str(tmp_path), **{**FAST, "verbose": 0})
     agent.learn(16 * 6 * 2, tb_log_name="run")
     header = (tmp_path / "run_1" / "progress.csv").read_text().splitlines()[0].split(",")
-    for name in ("objective/kl", "objective/entropy", "objective/scores", "policy/approxkl_avg",
-                 "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/var_explained", "val/ratio",
-                 "reward/share_of_a", "env/response_length", "env/eos_rate", "time/tokens_per_s",
-                 "time/rollout", "time/reference", "time/reward", "time/update"):  # fmt: skip
+    for name in (*(k for k in COMMON_STATS if k not in ("iteration", "timesteps")), "rewards/share_of_a/mean",
+                 "rewards/share_of_a/std", "objective/kl", "objective/entropy", "objective/scores",
+                 "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
+                 "val/var_explained", "val/ratio"):  # fmt: skip
         assert name in header, name
 
 
@@ -193,9 +165,9 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
     assert agent.ref_policy is None
     b = agent.collect_rollouts()
     with torch.no_grad():
-        logits, _ = agent._forward(base, b.tensors, hidden=False)
+        logits, _ = agent.forward(base, b)
     torch.testing.assert_close(
-        agent.reference_logprobs(b.tensors), logprobs_from_logits(logits, b["response_ids"])
+        agent.reference_logprobs(b), logprobs_from_logits(logits, b.response_ids) * b.response_mask
     )
     trainable = sum(p.numel() for p in agent.params)
     assert trainable < sum(p.numel() for p in base.parameters()) / 5
@@ -205,22 +177,21 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
 
 
 def test_bad_hyperparameters_and_envs_are_clear_errors():
-    with pytest.raises(ConfigError, match="temperature must be > 0 for PPO, not 0"):
+    with pytest.raises(ConfigError, match="temperature must be > 0 for training, not 0"):
         LMPPOConfig(temperature=0)
     with pytest.raises(ConfigError, match="n_minibatches must be a positive integer, not 0"):
         LMPPOConfig(n_minibatches=0)
     with pytest.raises(ConfigError, match="kl_estimator must be 'k1' or 'k3', not 'k2'"):
         LMPPOConfig(kl_estimator="k2")
-    with pytest.raises(TypeError, match="learnin_rate"):
-        LMPPOConfig(learnin_rate=1e-3)
+    with pytest.raises(ConfigError, match="no hyperparameter 'learnin_rate'. Did you mean 'learning_rate'"):
+        LMPPO(char_llama(), learnin_rate=1e-3)
     with pytest.raises(ConfigError, match="autoreset_mode='Disabled'"):
         LMPPO(char_llama(), make_env(2, autoreset_mode="SameStep"))
 
 
 def test_score_shaping_order():
     agent = LMPPO(char_llama(), None, missing_eos_penalty=1.0, score_scale=2.0, score_clip=1.5, verbose=0)
-    episodes = [{"finish_reason": "length"}, {"finish_reason": "stop"}]
-    shaped = agent._shape_scores(torch.tensor([0.5, 0.5]), episodes)
+    shaped = agent.shape_scores(torch.tensor([0.5, 0.5]), truncated=torch.tensor([True, False]))
     assert shaped.tolist() == [-1.0, 1.0]  # (0.5 - 1) * 2 = -1; 0.5 * 2 = 1, under the clip
     assert json.dumps(agent.config.__dict__)  # the config is JSON-serialisable for checkpoints
 

@@ -14,6 +14,11 @@ def const(value):
     return lambda samples: [value] * len(samples)
 
 
+def fixed(name, values):
+    """A reward named ``name`` that returns ``values`` whatever the samples."""
+    return FunctionReward(name, lambda samples: values if isinstance(values, np.ndarray) else list(values))
+
+
 def test_stack_total_is_weighted_sum_and_components_are_raw():
     a = FunctionReward("a", lambda ss: [len(s.completion) for s in ss])
     b = FunctionReward("b", const(2.0))
@@ -95,3 +100,32 @@ def test_bad_weight_and_missing_name_are_errors():
         RewardStack([(FunctionReward("a", const(1.0)), float("nan"))])
     with pytest.raises(ConfigError, match="has no 'name'"):
         build_reward_stack([{"weight": 1.0}])
+
+
+def test_none_means_not_applicable():
+    total, components = RewardStack([(fixed("a", [1.0, None, 2.0]), 1.0)]).score(SAMPLES)
+    np.testing.assert_array_equal(total, [1.0, 0.0, 2.0])
+    np.testing.assert_array_equal(components["a"], [1.0, np.nan, 2.0])
+
+
+def test_numpy_arrays_bools_and_ints_are_scores():
+    stack = RewardStack(
+        [(fixed("arr", np.array([1, 2, 3])), 1.0), (fixed("flags", [True, False, np.int64(2)]), 1.0)]
+    )
+    np.testing.assert_allclose(stack.score(SAMPLES)[0], [2, 2, 5])
+
+
+@pytest.mark.parametrize(
+    ("values", "shown"),
+    [
+        (["1.0", "0.0", "1.0"], "the string '1.0' for sample 0"),
+        ([1.0, "True", 0.0], "the string 'True' for sample 1"),
+        (np.array(["0.5", "1", "1"]), "the string '0.5' for sample 0"),
+        ([1.0, 0.0, [1.0]], "list [1.0] for sample 2"),
+    ],
+)
+def test_a_reward_returning_strings_is_rejected_not_coerced(values, shown):
+    stack = RewardStack([(fixed("stringly", values), 1.0)])
+    with pytest.raises(RewardError, match="reward plugin 'stringly' returned") as err:
+        stack.score(SAMPLES)
+    assert shown in str(err.value) and "one float per sample" in str(err.value)

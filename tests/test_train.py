@@ -55,7 +55,7 @@ def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
     assert (
         int(metrics[-1]["timesteps"]) >= 64
         and "objective/kl" in metrics[0]
-        and "reward/sentiment" in metrics[0]
+        and "rewards/sentiment/mean" in metrics[0]
     )
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 * len(metrics) and set(samples[0]) >= {
@@ -83,7 +83,7 @@ def test_resume_continues_counters_and_history(config, tmp_path):
     metrics = rows(run_dir / "metrics.csv")
     assert metrics[: len(first)] == first and len(metrics) > len(first)
     assert [int(r["iteration"]) for r in metrics] == list(range(1, len(metrics) + 1))
-    with pytest.raises(ConfigError, match="already holds a run; resume it with --resume"):
+    with pytest.raises(ConfigError, match="already holds a run; continue it with `textgym train --resume"):
         run(config, [f"run.output_dir='{run_dir}'"])
 
 
@@ -119,7 +119,10 @@ def test_sb3_ppo_trains_the_copy_env_through_the_same_command(tmp_path, capsys):
     config.write_text("")
     assert main([args[0], str(config), *args[1:]]) == 0
     run_dir = tmp_path / "sb3"
-    assert (run_dir / "checkpoint.zip").is_file() and (run_dir / "reward_kl.png").is_file()
+    assert is_complete(run_dir / "checkpoint") and (run_dir / "checkpoint" / "model.zip").is_file()
+    assert {"reward_kl.png", "samples_before.jsonl", "samples_after.jsonl", "samples.jsonl"} <= {
+        p.name for p in run_dir.iterdir()
+    }
     assert len(rows(run_dir / "metrics.csv")) == 2  # 8 envs x 128 steps = 1024 per rollout
     assert main(["train", "--resume", str(run_dir), "--set", "run.total_timesteps=4096"]) == 0
     assert len(rows(run_dir / "metrics.csv")) == 4
@@ -154,4 +157,6 @@ def test_demo_config_trains_the_embedded_model(tmp_path):
     )  # fmt: skip
     metrics = rows(run_dir / "metrics.csv")
     assert len(metrics) >= 2 and all(float(m["val/ratio"]) > 0 for m in metrics)
-    assert {"reward/sentiment", "reward/fluency", "reward/safety", "reward/length_penalty"} <= set(metrics[0])
+    assert {f"rewards/{n}/mean" for n in ("sentiment", "fluency", "safety", "length_penalty")} <= set(
+        metrics[0]
+    )

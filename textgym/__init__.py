@@ -17,12 +17,15 @@ from textgym.rewards import (
 
 __version__ = "0.1.0"
 
-from textgym import plugin_manager
+from textgym import errors, plugin_manager
 from textgym.envs import TextGenEnv, TextGenVectorEnv
 from textgym.models import load_model, load_tokenizer
 from textgym.prompts import Prompt, load_prompts
 
-plugin_manager.load_plugins()
+try:
+    plugin_manager.load_plugins()
+except errors.TextgymError:
+    pass  # a broken plugin: every lookup raises the error, which the CLI prints as one line
 
 __all__ = [
     "FunctionReward",

@@ -1,3 +1,9 @@
-from textgym.cli import main
+import sys
+
+try:
+    from textgym.cli import main
+except KeyboardInterrupt:  # Ctrl-C while Python imports textgym
+    print("\ntextgym: aborted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 raise SystemExit(main())

@@ -25,7 +25,9 @@ import numpy as np
 from textgym import plugin_manager
 from textgym.config import apply_override, read_toml, validate
 from textgym.errors import ConfigError
-from textgym.rewards import RewardStack, check_reward_specs, make_reward
+from textgym.formatting import applicable_mean
+from textgym.reward_functions import resolve_fn_paths
+from textgym.rewards import RewardStack, build_reward, check_reward_specs, make_reward
 from textgym.scoring import corpus_distinct_n
 
 BUILTIN_METRICS = {"kl": "lower", "length": None, "distinct_2": "higher", "eos_rate": "higher"}
@@ -45,9 +47,9 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     """Parse and validate a designs file (or dict). Every reward and metric name is checked here, before
     any training starts."""
     if isinstance(path, Mapping):
-        raw, source = copy.deepcopy(dict(path)), "the designs"
+        raw, source, base_dir = copy.deepcopy(dict(path)), "the designs", Path.cwd()
     else:
-        raw, source = read_toml(path, "designs file"), str(path)
+        raw, source, base_dir = read_toml(path, "designs file"), str(path), Path(path).resolve().parent
     for override in overrides:
         apply_override(raw, override)
     bench = {**BENCH_DEFAULTS, **raw.pop("bench", {})}
@@ -70,16 +72,20 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
             )
         if not design.get("rewards"):
             raise ConfigError(f"{source}: design {design['name']!r} has no rewards.")
+        # `fn` files resolve against the designs file, and are stored absolute so training agrees
+        design["rewards"] = resolve_fn_paths(design["rewards"], base_dir)
         check_reward_specs(design["rewards"], where=f"design {design['name']!r}")
     if set(metrics) - {"rewards", "builtin"}:
         raise ConfigError(
             f"{source}: [metrics] takes 'rewards' and 'builtin', not {sorted(set(metrics) - {'rewards', 'builtin'})}."
         )
-    metric_rewards = metrics.get("rewards", [])
+    metric_rewards = [resolve_fn_paths(m, base_dir) for m in metrics.get("rewards", [])]
     check_reward_specs(
-        [{k: v for k, v in m.items() if k != "label"} for m in metric_rewards], where="[metrics] rewards"
+        [{k: v for k, v in m.items() if k != "label"} for m in metric_rewards],
+        where="[metrics] rewards",
+        allow_all_metrics=True,
     )
-    labels = [m.get("label", m.get("name")) for m in metric_rewards]
+    labels = [m.get("label", m.get("name", str(m.get("fn")).rpartition(":")[2])) for m in metric_rewards]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"{source}: metric names {labels} repeat; give the metrics distinct `label`s.")
     builtin = metrics.get("builtin", list(BUILTIN_METRICS))
@@ -169,9 +175,8 @@ def metric_stack(specs: Sequence[Mapping[str, Any]]) -> RewardStack:
     """The metric rewards as a stack of weight-0 rewards, each named by its ``label`` (default: its name)."""
     rewards = []
     for spec in specs:
-        args = {k: v for k, v in spec.items() if k not in ("name", "weight", "label")}
-        reward = make_reward(spec["name"], **args)
-        reward.name = spec.get("label", spec["name"])
+        reward, _ = build_reward({k: v for k, v in spec.items() if k not in ("weight", "label")})
+        reward.name = spec.get("label", reward.name)
         rewards.append((reward, 0.0))
     if not rewards:  # the env needs a stack; nothing of it is reported
         rewards.append((make_reward("length_penalty", target=1), 0.0))
@@ -196,13 +201,15 @@ def evaluate(run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     kwargs.update(rewards=stack, prompt_order="sequential")
     if spec["bench"]["eval_prompts"] is not None:
         kwargs["prompts"] = spec["bench"]["eval_prompts"]
-    if getattr(agent_class, "native_vector_env", False):
+    from textgym.train import is_lm_agent
+
+    if is_lm_agent(agent_class):
         kwargs.setdefault("model", config["agent"]["policy"])  # the policy's tokenizer, as in training
         episodes, kls = _evaluate_native(agent_class, run_dir, config, kwargs, n)
     else:
         episodes, kls = _evaluate_sb3(agent_class, run_dir, config, kwargs, n)
     metrics = {
-        name: float(np.mean([e["reward_components"][name] for e in episodes]))
+        name: applicable_mean([e["reward_components"][name] for e in episodes])
         for name in (stack.names if spec["metric_rewards"] else [])
     }
     builtin = spec["builtin"]
@@ -226,6 +233,7 @@ def _evaluate_native(
     import gymnasium
     import torch
 
+    from textgym.agents.base import RolloutBatch
     from textgym.sampling import rollout
 
     num_envs = min(n, config["env"]["num_envs"])
@@ -241,16 +249,8 @@ def _evaluate_native(
     kls: list[float] = []
     for round_ in range(math.ceil(n / num_envs)):
         r = rollout(agent.policy, env, temperature=agent.config.temperature, seed=EVAL_SEED + round_)
-        batch = {
-            "query_ids": r.query_ids,
-            "query_mask": r.query_mask,
-            "response_ids": r.response_ids,
-            "response_mask": r.response_mask,
-        }
         with torch.no_grad():
-            ref = agent.reference_logprobs(batch).cpu()
-        mask = r.response_mask.float()
-        kls.extend(((r.logprobs - ref) * mask).sum(1).tolist())
+            kls.extend(agent.sequence_kl(RolloutBatch.from_rollout(r)).tolist())
         for row, info in enumerate(r.infos):
             info["tokens"] = r.response_ids[row][r.response_mask[row].bool()].tolist()
             episodes.append(info)
@@ -265,7 +265,9 @@ def _evaluate_sb3(
     env = make_vec_env(
         config["env"]["id"], n_envs=min(n, config["env"]["num_envs"]), seed=EVAL_SEED, **kwargs
     )
-    agent = agent_class.load(run_dir / "checkpoint.zip", env)
+    from textgym.train import load_sb3_run
+
+    agent = load_sb3_run(run_dir, env)
     obs, episodes = env.reset(), []
     while len(episodes) < n:
         obs, _, dones, infos = env.step(agent.predict(obs, deterministic=False)[0])
@@ -286,7 +288,7 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    from textgym.train import CHECKPOINT
+    from textgym.rundir import RunDir
     from textgym.train import run as train
 
     spec = load_designs(designs, overrides)
@@ -302,14 +304,15 @@ def run(
                 log = io.StringIO()
                 with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                     try:
-                        started = (run_dir / CHECKPOINT).exists() or (run_dir / f"{CHECKPOINT}.zip").exists()
-                        if started and (run_dir / "config.toml").is_file():
+                        if (run_dir / "config.toml").is_file():
                             train(resume=run_dir)
                         else:
                             train(config=_run_config(spec, design, seed, run_dir))
-                    finally:
-                        run_dir.mkdir(parents=True, exist_ok=True)
-                        with (run_dir / "train.log").open("a", encoding="utf-8") as f:
+                    finally:  # a start that failed left no run directory: its log goes next to it
+                        where = (
+                            run_dir / "train.log" if RunDir(run_dir).is_run() else run_dir.with_suffix(".log")
+                        )
+                        with where.open("a", encoding="utf-8") as f:
                             f.write(log.getvalue())
                 result = {"design": design["name"], "seed": seed, **evaluate(run_dir, spec)}
                 tmp = run_dir / f".{EVAL_FILE}.tmp"

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from textgym.composition import describe_stack
+
 
 def _fmt(row: Mapping[str, Any]) -> str:
     if math.isnan(row["ci_low"]):
@@ -43,12 +45,7 @@ def write_report(
         "",
     ]
     for design in spec["designs"]:
-        rewards = ", ".join(
-            f"{r['name']} x{r.get('weight', 1.0):g}"
-            + "".join(f" {k}={v}" for k, v in r.items() if k not in ("name", "weight"))
-            for r in design["rewards"]
-        )
-        lines.append(f"- **{design['name']}**: {rewards}")
+        lines.append(f"- **{design['name']}**: {describe_stack(design['rewards'])}")
     lines += [
         "",
         "## Results",
@@ -115,7 +112,7 @@ def plot_all(
         for seed in spec["bench"]["seeds"]:
             with (out / "runs" / f"{design}-seed{seed}" / "metrics.csv").open() as f:
                 rows = list(csv.DictReader(f))
-            key = "objective/scores" if "objective/scores" in rows[0] else "reward"
+            key = "reward"
             curves.append([(float(r["timesteps"]), float(r[key])) for r in rows])
         n = min(len(c) for c in curves)
         x = np.mean([[p[0] for p in c[:n]] for c in curves], axis=0)

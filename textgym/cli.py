@@ -66,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        _quiet_libraries()
         from textgym import plugin_manager
 
         for path in args.plugin:
@@ -84,6 +85,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TextgymError as exc:
         print(f"textgym: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
+        return 130
+
+
+def _quiet_libraries() -> None:
+    """textgym draws its own progress bars; transformers' per-file bars (loading and saving shards at every
+    checkpoint) would drown them."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -122,6 +140,10 @@ def _sample(args: argparse.Namespace) -> int:
 
     if args.num < 1 or args.batch_size < 1:
         raise ConfigError(f"--num and --batch-size must be positive, not {args.num} and {args.batch_size}.")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = off), not {args.top_k}.")
     batch = min(args.batch_size, args.num)
     env = TextGenVectorEnv(
         num_envs=batch,
@@ -134,7 +156,15 @@ def _sample(args: argparse.Namespace) -> int:
         prompt_order="sequential",
         autoreset_mode="Disabled",
     )
+    if args.top_k > env.single_action_space.n:
+        raise ConfigError(
+            f"--top-k {args.top_k} is larger than the vocabulary ({env.single_action_space.n} tokens)."
+        )
     model, _ = load_model(args.model)
+    if model is None:
+        raise ConfigError(
+            f"--model {args.model!r} is a tokenizer without weights; sample with a model, e.g. a zoo LM."
+        )
     rows: list[dict[str, Any]] = []
     from tqdm.auto import tqdm
 
@@ -160,34 +190,12 @@ def _sample(args: argparse.Namespace) -> int:
         env.close()
         if output:
             output.close()
+    from textgym.formatting import format_table
+
     print(format_table(rows))
     if args.output:
         print(f"wrote {len(rows)} rows to {args.output}")
     return 0
-
-
-def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
-    """A plain-text table: prompt, completion, each reward component, total (and their means)."""
-
-    def cut(text: str, width: int) -> str:
-        text = " ".join(text.split())
-        return f"{text if len(text) <= width else text[: width - 1] + '…':<{width}}"
-
-    names = list(rows[0]["reward_components"]) if rows else []
-    header = [cut("prompt", prompt_width), cut("completion", completion_width)]
-    header += [f"{n[:14]:>14}" for n in names] + [f"{'total':>8}"]
-    rule = "-" * len("  ".join(header))
-    lines = ["  ".join(header), rule]
-    for row in rows:
-        cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
-        cells += [f"{row['reward_components'][n]:>14.3f}" for n in names] + [f"{row['reward']:>8.3f}"]
-        lines.append("  ".join(cells))
-    if rows:
-        means = [sum(r["reward_components"][n] for r in rows) / len(rows) for n in names]
-        cells = [cut("mean", prompt_width), cut("", completion_width)]
-        cells += [f"{m:>14.3f}" for m in means] + [f"{sum(r['reward'] for r in rows) / len(rows):>8.3f}"]
-        lines += [rule, "  ".join(cells)]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,20 +43,69 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "checkpoint_every": 5,
         "sample_prompts": 4,
         "plugins": [],
+        "allow_env_import": False,
+        "report_to": [],
+        "processes": 1,
     },
     "env": {"id": "textgym/TextGen-v0", "num_envs": 8},
     "agent": {"name": "lmppo", "policy": None},
 }
-POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts")
+POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts", "processes")
+MAX_NUM_ENVS = 65_536
+MAX_EPISODE_BYTES = 2**31  # observation arrays of all sub-envs (int64 ids + int8 mask): refuse beyond 2 GiB
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The config of ``path`` (or the defaults), with ``overrides`` (``"section.key=value"``, values
     parsed as TOML) applied, validated, and with defaults filled in."""
     config = read_toml(path, "config file") if path is not None else {}
-    for override in overrides:
+    if path is not None:  # paths in a file mean the same from any working directory
+        config = resolve_paths(config, Path(path).resolve().parent)
+    for override in overrides:  # paths given on the command line are relative to the working directory
         apply_override(config, override)
     return validate(config, source=str(path) if path else "the config")
+
+
+def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """A copy of ``config`` with the relative paths it names made absolute against ``base_dir`` (the config
+    file's directory): ``run.plugins``, and any string in ``[env]``, ``[agent]`` or a reward spec that is not a
+    registered name and names an existing file or directory next to the config (prompt files, policy
+    directories, reward-model directories, ``fn = "file.py:func"``). ``run.output_dir`` stays relative to the
+    working directory, where runs are written."""
+    from textgym.reward_functions import resolve_fn_paths
+
+    config = copy.deepcopy(config)
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            candidate = base_dir / value
+            if candidate.exists() and not _is_registered_name(value):
+                return str(candidate.resolve())
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        if isinstance(value, dict):
+            return {k: (v if k in ("name", "id") else resolve(v)) for k, v in value.items()}
+        return value
+
+    run = config.get("run")
+    if isinstance(run, dict) and isinstance(run.get("plugins"), list):
+        run["plugins"] = [str((base_dir / p).resolve()) if isinstance(p, str) else p for p in run["plugins"]]
+    for section in ("env", "agent"):
+        if isinstance(config.get(section), dict):
+            config[section] = resolve(config[section])
+    env = config.get("env")
+    if isinstance(env, dict) and "rewards" in env:
+        env["rewards"] = resolve_fn_paths(env["rewards"], base_dir)
+    return config
+
+
+def _is_registered_name(value: str) -> bool:
+    from textgym import plugin_manager
+
+    return any(
+        value in plugin_manager.registry(hook)
+        for hook in ("register_models", "register_prompt_sources", "register_rewards", "register_agents")
+    )
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
@@ -70,17 +120,30 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def apply_override(config: dict[str, Any], override: str) -> None:
+    """Apply ``section.key=value`` (or ``section.table.key=value``, e.g. ``agent.grpo.beta=0.04``) to ``config``;
+    the value is parsed as TOML, a bare word as a string."""
     key, sep, value = override.partition("=")
-    section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not name:
+    key = key.strip()
+    if not sep or "." not in key or not all(key.split(".")):
         raise ConfigError(
             f"--set {override!r} must look like section.key=value, e.g. agent.learning_rate=3e-5."
         )
     try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
+        parsed = tomllib.loads(f"{key} = {value}")
     except tomllib.TOMLDecodeError:
-        parsed = value  # a bare word: a string
-    config.setdefault(section, {})[name] = parsed
+        try:
+            parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--set {override!r}: {key!r} is not a valid key ({exc}).") from None
+    _merge(config, parsed)
+
+
+def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
+    for k, v in values.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str, Any]:
@@ -103,12 +166,42 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{source}: unknown key run.{bad}.{hint} Keys: {', '.join(DEFAULTS['run'])}.")
     for key in POSITIVE_INTS:
-        if not isinstance(run[key], int) or isinstance(run[key], bool) or run[key] < 1:
+        if not _is_int(run[key]) or run[key] < 1:
             raise ConfigError(f"{source}: run.{key} must be a positive integer, not {run[key]!r}.")
-    if not isinstance(resolved["env"]["num_envs"], int) or resolved["env"]["num_envs"] < 1:
+    if not _is_int(run["seed"]) or run["seed"] < 0:
+        raise ConfigError(f"{source}: run.seed must be a non-negative integer, not {run['seed']!r}.")
+    if run["output_dir"] is not None and not isinstance(run["output_dir"], str):
+        raise ConfigError(f"{source}: run.output_dir must be a path (a string), not {run['output_dir']!r}.")
+    if not isinstance(run["report_to"], list) or not set(run["report_to"]) <= {"tensorboard"}:
         raise ConfigError(
-            f"{source}: env.num_envs must be a positive integer, not {resolved['env']['num_envs']!r}."
+            f"{source}: run.report_to must be a list of 'tensorboard', not {run['report_to']!r}."
         )
-    if not isinstance(run["plugins"], list):
+    if not isinstance(run["allow_env_import"], bool):
+        raise ConfigError(
+            f"{source}: run.allow_env_import must be true or false, not {run['allow_env_import']!r}."
+        )
+    env = resolved["env"]
+    if not _is_int(env["num_envs"]) or not 1 <= env["num_envs"] <= MAX_NUM_ENVS:
+        raise ConfigError(
+            f"{source}: env.num_envs must be an integer in [1, {MAX_NUM_ENVS}], not {env['num_envs']!r}."
+        )
+    if not isinstance(env["id"], str) or not env["id"]:
+        raise ConfigError(f"{source}: env.id must be a registered env id (a string), not {env['id']!r}.")
+    for key in ("max_new_tokens", "max_prompt_tokens"):
+        if key in env and (not _is_int(env[key]) or env[key] < 1):
+            raise ConfigError(f"{source}: env.{key} must be a positive integer, not {env[key]!r}.")
+    length = env.get("max_new_tokens", 32) + env.get("max_prompt_tokens", 96)
+    if env["num_envs"] * length * 9 > MAX_EPISODE_BYTES:
+        raise ConfigError(
+            f"{source}: env.num_envs={env['num_envs']} x (max_prompt_tokens + max_new_tokens = {length}) tokens "
+            f"would need {env['num_envs'] * length * 9 / 2**30:.1f} GiB for observations alone; lower them."
+        )
+    if not isinstance(run["plugins"], list) or not all(isinstance(p, str) for p in run["plugins"]):
         raise ConfigError(f"{source}: run.plugins must be a list of plugin files, not {run['plugins']!r}.")
+    if not isinstance(resolved["agent"]["name"], str):
+        raise ConfigError(f"{source}: agent.name must be an agent name, not {resolved['agent']['name']!r}.")
     return resolved
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # TOML's true is not 1

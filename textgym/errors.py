@@ -54,3 +54,7 @@ class ModelError(TextgymError):
 
 class ConfigError(TextgymError, ValueError):
     """A configuration value is invalid."""
+
+
+class TrainingError(TextgymError):
+    """Training cannot go on safely: an absurd reward, non-finite weights, a diverged update."""

@@ -50,14 +50,18 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    from textgym.rundir import crash_point
+
     try:
         build(tmp)
+        crash_point("checkpoint-build")
         (tmp / _COMPLETE).write_text("ok\n")
         if target.exists():  # an old version, an incomplete leftover, or a concurrent build's result
             if not replace and is_complete(target):
                 return target
             old = tmp.with_name(tmp.name + ".old")
             os.rename(target, old)
+            crash_point("checkpoint-swap")  # the state RunDir.recover_checkpoint repairs
             os.rename(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -283,11 +287,28 @@ def load_tokenizer(model: Any = EMBEDDED) -> Any:
     return load_model(model)[1]
 
 
+def with_pad_token(tokenizer: Any, pad_token: str) -> Any:
+    """A copy of ``tokenizer`` whose pad token is ``pad_token``, an existing token of its vocabulary (for
+    models whose tokenizer pads with EOS; adding a new token would need new embeddings)."""
+    import copy
+
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if pad_token not in vocab:
+        raise ModelError(
+            f"pad_token {pad_token!r} is not a token of {type(tokenizer).__name__}'s vocabulary; choose an existing "
+            f"token that the model never needs to generate (e.g. its unk or an unused special token)."
+        )
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = pad_token
+    return tokenizer
+
+
 def check_pad_token(tokenizer: Any) -> None:
     """Raise :class:`ModelError` unless the tokenizer has a pad token distinct from EOS."""
     pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
     fix = (
-        "Set a pad token that is not EOS, e.g. `tokenizer.pad_token = tokenizer.unk_token`, or add one with "
+        "Give the env a pad token that is not EOS (`pad_token=...`, an unused token of the vocabulary), set "
+        "`tokenizer.pad_token = tokenizer.unk_token`, or add one with "
         "`tokenizer.add_special_tokens({'pad_token': '<pad>'})` and `model.resize_token_embeddings(len(tokenizer))`."
     )
     if pad is None:

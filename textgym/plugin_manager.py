@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ DEFAULT_PLUGINS = (
     "textgym.plugins.sentiment",
     "textgym.plugins.similarity",
     "textgym.plugins.match",
+    "textgym.plugins.math",
     "textgym.prompts",
     "textgym.models",
     "textgym.envs.builtin",
@@ -159,20 +161,44 @@ def load_plugin_file(path: str | os.PathLike) -> str:
     if spec is None or spec.loader is None:
         raise PluginError(f"plugin file {name!r} cannot be imported as a Python module.")
     module = importlib.util.module_from_spec(spec)
+    if str(file.parent) not in sys.path:  # the file may import modules that sit next to it, as a script can
+        sys.path.append(str(file.parent))
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    for hook in KINDS:
+        function = getattr(module, hook, None)
+        if callable(function) and not hasattr(function, "textgym_impl"):
+            raise PluginError(
+                f"plugin file {name!r} defines {hook}() without @textgym.hookimpl, so textgym would never call it: "
+                f"put @textgym.hookimpl on the line above `def {hook}`."
+            )
     register_plugin(module, name=name, source=f"file {name}")
     return name
 
 
+_load_error: Exception | None = None
+
+
 def load_plugins() -> None:
-    """Load built-ins, entry points and ``TEXTGYM_PLUGINS`` files, once."""
-    global _loaded
+    """Load built-ins, entry points and ``TEXTGYM_PLUGINS`` files, once. A plugin that fails to load is an
+    error here and on every later lookup (``import textgym`` itself does not fail, so the CLI can say why in
+    one line)."""
+    global _loaded, _load_error
+    if _load_error is not None:
+        raise _load_error
     if _loaded:
         return
     _loaded = True
+    try:
+        _load_all()
+    except Exception as exc:
+        _load_error = exc
+        raise
+
+
+def _load_all() -> None:
     for module_name in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(module_name), name=module_name)
         _sources[module_name] = "built-in"
@@ -192,7 +218,12 @@ def load_plugins() -> None:
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
-        load_plugin_file(path)
+        try:
+            load_plugin_file(path)
+        except PluginError as exc:
+            raise PluginError(
+                f"{exc} (it is named in {PLUGINS_VAR}: fix it or remove it from there)"
+            ) from exc
     _changed()
 
 
@@ -252,8 +283,21 @@ def _register_gym_envs() -> None:
     for entry in envs:
         if entry.name in _gym_registered:
             continue
+        try:
+            gymnasium.envs.registration.parse_env_id(entry.name)
+        except gymnasium.error.Error as exc:
+            raise PluginError(
+                f"plugin {entry.plugin!r} registered env id {entry.name!r}, which Gymnasium cannot parse ({exc}); "
+                f"env ids look like 'myproject/MyTask-v0'."
+            ) from None
         extra = dict(entry.extra)
         vector_entry_point = extra.pop("vector_entry_point", None)
+        for point in (entry.value, vector_entry_point):
+            if point is not None and not callable(point) and (not isinstance(point, str) or ":" not in point):
+                raise PluginError(
+                    f"plugin {entry.plugin!r} registered env {entry.name!r} with entry point {point!r}; give a "
+                    f"class or a 'module:Class' string."
+                )
         gymnasium.register(
             id=entry.name, entry_point=entry.value, vector_entry_point=vector_entry_point, kwargs=extra
         )

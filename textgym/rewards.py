@@ -1,9 +1,16 @@
-"""Samples, the Reward protocol, and the weighted stack of reward plugins."""
+"""Samples, the Reward protocol, and the weighted stack of reward plugins: its specs, its validation of every
+plugin's output, and its total.
+
+How the stack combines its components (schedules, ``normalize_then_sum``, gates) lives in
+:mod:`textgym.composition`, plain functions as rewards in :mod:`textgym.reward_functions`; docs/rewards.md is
+the user's guide.
+"""
 
 from __future__ import annotations
 
 import inspect
 import math
+import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +18,18 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from textgym import composition
+from textgym.composition import Gate, Weight
 from textgym.errors import ConfigError, PluginArgumentError, RewardError
+from textgym.reward_functions import (
+    TRL_COLUMNS,
+    FunctionReward,
+    as_reward,
+    fixed_signature,
+    function_reward,
+    is_trl_style,
+    load_function,
+)
 
 FinishReason = Literal["stop", "length"]
 
@@ -39,63 +57,88 @@ class Sample:
 
 @runtime_checkable
 class Reward(Protocol):
-    """Anything with a ``name`` that scores a batch of samples, one float each. May also have ``close()``."""
+    """Anything with a ``name`` that scores a batch of samples: one float, or ``None`` where the reward does
+    not apply, per sample. May also have ``close()``."""
 
     name: str
 
-    def __call__(self, samples: Sequence[Sample]) -> Sequence[float]: ...
-
-
-class FunctionReward:
-    """A reward made from a plain batched function ``fn(samples, **kwargs) -> list[float]``."""
-
-    def __init__(self, name: str, fn: Callable[..., Sequence[float]], **kwargs: Any):
-        self.name, self.fn, self.kwargs = name, fn, kwargs
-
-    def __call__(self, samples: Sequence[Sample]) -> Sequence[float]:
-        return self.fn(samples, **self.kwargs)
-
-    def __repr__(self) -> str:
-        return f"FunctionReward({self.name!r}, {self.fn.__qualname__}, **{self.kwargs!r})"
+    def __call__(self, samples: Sequence[Sample]) -> Sequence[float | None]: ...
 
 
 class RewardStack:
-    """A weighted sum of rewards that validates every plugin's output.
+    """Weighted reward components that validate every plugin's output and combine into one total.
 
     ``RewardStack([(reward, weight), ...]).score(samples)`` returns ``(total, components)``: ``total`` is a
-    float array (one per sample), ``components`` maps each reward's name to its raw (unweighted) scores.
-    A weight of 0 keeps a reward as a logged metric that does not change the total.
+    float array (one per sample, the training signal), ``components`` maps each component's name to its raw
+    (unweighted) scores, NaN where the reward returned ``None`` (not applicable).
+
+    Args:
+        rewards: ``(reward, weight)`` pairs. A reward is a :class:`Reward` or a plain function; a weight is a
+            number (0 = logged metric only) or a :class:`~textgym.composition.WeightSchedule` (or its table).
+        aggregate: ``"sum"`` (the weighted sum of applicable scores) or ``"normalize_then_sum"`` (each
+            component standardised over the samples scored together first).
+        gates: :class:`~textgym.composition.Gate` objects or tables; applied to the total in order.
     """
 
-    def __init__(self, rewards: Sequence[tuple[Reward, float]]):
-        self.rewards: list[tuple[Reward, float]] = []
-        self.names: list[str] = []
+    def __init__(
+        self,
+        rewards: Sequence[tuple[Reward | Callable, Weight | Mapping[str, Any]]],
+        aggregate: str = "sum",
+        gates: Sequence[Gate | Mapping[str, Any]] = (),
+    ):
+        self.rewards: list[tuple[Reward, Weight]] = []
         for reward, weight in rewards:
-            if not callable(reward) or not hasattr(reward, "name"):
-                raise ConfigError(f"{reward!r} is not a reward: it needs a `name` and `__call__(samples)`.")
-            if not isinstance(weight, (int, float)) or not math.isfinite(weight):
-                raise ConfigError(f"weight {weight!r} of reward {reward.name!r} must be a finite number.")
-            name, n = reward.name, 2
-            while name in self.names:  # the same plugin twice with other arguments
-                name, n = f"{reward.name}_{n}", n + 1
-            self.names.append(name)
-            self.rewards.append((reward, float(weight)))
+            reward = as_reward(reward)
+            self.rewards.append((reward, composition.parse_weight(weight, f"reward {reward.name!r}")))
+        self.names: list[str] = composition.unique_names([r.name for r, _ in self.rewards])
+        self.aggregate = composition.check_aggregate(aggregate, "RewardStack")
+        self.gates: tuple[Gate, ...] = tuple(Gate.from_spec(g, self.names, "RewardStack") for g in gates)
+        self.progress = 0.0
+
+    def set_progress(self, p: float) -> None:
+        """Set training progress ``p`` in [0, 1] (0 at the start): scheduled weights follow it. Training code
+        calls this once per iteration, e.g. with ``num_timesteps / total_timesteps``."""
+        self.progress = composition.check_progress(p)
+
+    def weights_at(self, p: float) -> dict[str, float]:
+        """Each component's weight at progress ``p`` (for logging and for TRL's ``reward_weights``)."""
+        p = composition.check_progress(p)
+        return {name: composition.weight_at(w, p) for name, (_, w) in zip(self.names, self.rewards)}
 
     @property
     def weights(self) -> dict[str, float]:
-        return {name: weight for name, (_, weight) in zip(self.names, self.rewards)}
+        """Each component's weight at the current progress."""
+        return self.weights_at(self.progress)
+
+    @property
+    def is_metrics_only(self) -> bool:
+        """True when no component has a non-zero weight at any point of the run: nothing to train on."""
+        return all(composition.is_metric_weight(w) for _, w in self.rewards)
+
+    def score_component(self, name: str, samples: Sequence[Sample]) -> np.ndarray:
+        """One component's raw scores, validated (NaN = not applicable)."""
+        return _validated(name, self.rewards[self.names.index(name)][0], samples)
 
     def score(self, samples: Sequence[Sample]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        total = np.zeros(len(samples), dtype=np.float64)
-        components: dict[str, np.ndarray] = {}
-        if not samples:
-            return total, {name: total.copy() for name in self.names}
-        for name, (reward, weight) in zip(self.names, self.rewards):
-            scores = _validated(name, reward, samples)
-            components[name] = scores
-            if weight:
-                total += weight * scores
-        return total, components
+        if not samples or not self.names:
+            empty = np.zeros(len(samples), dtype=np.float64)
+            return empty, {name: empty.copy() for name in self.names}
+        components = {name: _validated(name, r, samples) for name, (r, _) in zip(self.names, self.rewards)}
+        return self.combine(components), components
+
+    def combine(self, components: Mapping[str, Sequence[float]]) -> np.ndarray:
+        """The totals from raw component scores (NaN = not applicable): aggregate at the current progress,
+        then the gates. ``score`` calls it on one batch; training code may call it on the components of a
+        whole rollout (e.g. ``normalize_then_sum`` over all of a prompt's completions)."""
+        missing = [name for name in self.names if name not in components]
+        if missing:
+            raise RewardError(f"components {missing} are missing; this stack has {self.names}.")
+        scores = np.column_stack([np.asarray(components[n], dtype=np.float64) for n in self.names])  # (N, K)
+        weights = np.array(list(self.weights.values()))  # (K,)
+        total = composition.AGGREGATORS[self.aggregate](scores, weights)
+        for gate in self.gates:
+            total = gate.apply(total, scores[:, self.names.index(gate.component)])
+        return total
 
     def close(self) -> None:
         for reward, _ in self.rewards:
@@ -104,42 +147,137 @@ class RewardStack:
                 close()
 
     def __repr__(self) -> str:
-        return "RewardStack(" + ", ".join(f"{n}×{w:g}" for n, w in self.weights.items()) + ")"
+        parts = [
+            f"{n}×{w:g}" if isinstance(w, float) else f"{n}×[{w}]"
+            for n, (_, w) in zip(self.names, self.rewards)
+        ]
+        if self.aggregate != "sum":
+            parts.append(f"aggregate={self.aggregate!r}")
+        parts += [f"gate: {gate}" for gate in self.gates]
+        return "RewardStack(" + ", ".join(parts) + ")"
+
+
+class TimeoutReward:
+    """A reward whose calls must return within ``seconds`` (spec key ``timeout``): a plugin that hangs (a
+    remote judge, a deadlock) stops training with its name instead of stalling it forever. The call runs in a
+    daemon thread, which is abandoned on timeout."""
+
+    def __init__(self, reward: Reward, seconds: float):
+        self.reward, self.seconds = reward, seconds
+        self.name = reward.name
+
+    def __call__(self, samples: Sequence[Sample]) -> Any:
+        import threading
+
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["out"] = self.reward(samples)
+            except BaseException as exc:  # handed to the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"reward-{self.name}", daemon=True)
+        thread.start()
+        thread.join(self.seconds)
+        if thread.is_alive():
+            raise RewardError(
+                f"reward {self.name!r} did not return within its timeout of {self.seconds:g} s for a batch of "
+                f"{len(samples)} samples; fix the plugin or raise its timeout."
+            )
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+
+    def close(self) -> None:
+        close = getattr(self.reward, "close", None)
+        if callable(close):
+            close()
+
+
+def _label(name: str, reward: Reward) -> str:
+    source = getattr(reward, "source", None)
+    return f"reward function {name!r} ({source})" if source else f"reward plugin {name!r}"
 
 
 def _validated(name: str, reward: Reward, samples: Sequence[Sample]) -> np.ndarray:
+    """The plugin's scores as a float array, NaN for ``None`` (not applicable). Anything else that is not a
+    finite number is an error naming the plugin: strings are rejected, not converted."""
+    label = _label(name, reward)
     try:
         out = reward(samples)
+    except RewardError:
+        raise
     except Exception as exc:
-        raise RewardError(f"reward plugin {name!r} raised {type(exc).__name__}: {exc}") from exc
-    try:
-        scores = np.asarray(out, dtype=np.float64)
-        if scores.ndim != 1:
-            raise ValueError
-    except (TypeError, ValueError):
+        raise RewardError(f"{label} raised {type(exc).__name__}: {exc}") from exc
+    if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
+        array = np.asarray(out)
+        if array.ndim == 1 and array.dtype.kind in "biuf":  # a numeric array: no per-item checks needed
+            return _checked(label, array.astype(np.float64), samples)
+        if array.ndim == 1 and array.dtype.kind == "O":
+            out = array.tolist()
+        elif array.ndim == 1 and array.dtype.kind in "USa":
+            out = array.tolist()  # reported as strings below
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
         raise RewardError(
-            f"reward plugin {name!r} returned {type(out).__name__} {str(out)[:80]!r}; "
-            f"it must return one float per sample."
-        ) from None
+            f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return one float per sample."
+        )
+    if len(out) != len(samples):
+        raise RewardError(
+            f"{label} returned {len(out)} scores for {len(samples)} samples; it must return exactly one score "
+            f"per sample."
+        )
+    scores = np.empty(len(out), dtype=np.float64)
+    for i, value in enumerate(out):
+        if value is None:
+            scores[i] = math.nan
+            continue
+        try:
+            if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+                raise TypeError
+            scores[i] = float(value)
+        except (TypeError, ValueError):
+            what = "the string" if isinstance(value, (str, bytes)) else type(value).__name__
+            shown = repr(str(value)) if isinstance(value, str) else repr(value)  # np.str_('1') -> '1'
+            raise RewardError(
+                f"{label} returned {what} {shown} for sample {i} (completion {samples[i].completion[:60]!r}); "
+                f"it must return one float per sample (a number, or None where it does not apply). Strings "
+                f"are not converted: return float(...) from the plugin."
+            ) from None
+        if not math.isfinite(scores[i]):
+            _raise_not_finite(label, scores[i], i, samples)
+    return scores
+
+
+def _checked(label: str, scores: np.ndarray, samples: Sequence[Sample]) -> np.ndarray:
     if len(scores) != len(samples):
         raise RewardError(
-            f"reward plugin {name!r} returned {len(scores)} scores for {len(samples)} samples; "
-            f"it must return exactly one score per sample."
+            f"{label} returned {len(scores)} scores for {len(samples)} samples; it must return exactly one "
+            f"score per sample."
         )
     bad = ~np.isfinite(scores)
     if bad.any():
         i = int(np.argmax(bad))
-        raise RewardError(
-            f"reward plugin {name!r} returned {scores[i]} for sample {i} "
-            f"(completion {samples[i].completion[:60]!r}); scores must be finite."
-        )
+        _raise_not_finite(label, scores[i], i, samples)
     return scores
 
 
-def check_arguments(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
-    """Raise :class:`PluginArgumentError` if ``factory`` does not take every key of ``kwargs``."""
+def _raise_not_finite(label: str, value: float, i: int, samples: Sequence[Sample]) -> None:
+    raise RewardError(
+        f"{label} returned {value} for sample {i} (completion {samples[i].completion[:60]!r}); scores must be "
+        f"finite (return None for a sample the reward does not apply to)."
+    )
+
+
+def check_arguments(
+    kind: str, name: str, factory: Callable[..., Any] | inspect.Signature, kwargs: Mapping[str, Any]
+) -> None:
+    """Raise :class:`PluginArgumentError` if ``factory`` (or a signature) does not take every key of
+    ``kwargs``."""
     try:
-        params = inspect.signature(factory).parameters
+        params = (
+            factory if isinstance(factory, inspect.Signature) else inspect.signature(factory)
+        ).parameters
     except (TypeError, ValueError):
         return
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -174,54 +312,146 @@ def make_reward(name: str, **kwargs: Any) -> Reward:
     return reward
 
 
-RewardSpec = Mapping[str, Any] | str | tuple[Any, float] | Reward
+RewardSpec = Mapping[str, Any] | str | tuple[Any, float] | Reward | Callable[..., Any]
+BaseDir = str | os.PathLike | None
 
 
-def check_reward_specs(specs: Sequence[RewardSpec], where: str = "rewards") -> None:
-    """Check names and argument names of reward specs without building them (no models are loaded)."""
+@dataclass
+class _Component:
+    """A component spec, checked but not built: its name, its weight, and how to build it."""
+
+    name: str
+    weight: Weight
+    build: Callable[[], Reward]
+
+
+def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
+    """Check one component spec (names, arguments, weight, ``fn`` target) without building it."""
     from textgym import plugin_manager
 
-    for spec in specs:
-        if isinstance(spec, str):
-            spec = parse_reward_spec(spec)
-        if not isinstance(spec, Mapping) or "name" not in spec:
-            raise ConfigError(f"{where}: {spec!r} is not a reward spec (a table with a 'name').")
-        args = {k: v for k, v in spec.items() if k not in ("name", "weight")}
-        factory = plugin_manager.get("register_rewards", spec["name"]).value
-        check_arguments("reward", spec["name"], factory, args)
+    if isinstance(spec, str):
+        spec = parse_reward_spec(spec)
+    if isinstance(spec, Mapping) and "timeout" in spec:
+        args = dict(spec)
+        seconds = args.pop("timeout")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ConfigError(f"{where}: timeout must be a number of seconds > 0, not {seconds!r}.")
+        inner = _component(args, base_dir, where)
+        return _Component(inner.name, inner.weight, lambda: TimeoutReward(inner.build(), float(seconds)))
+    if isinstance(spec, Mapping):
+        args = dict(spec)
+        if "fn" in args:
+            ref, display = args.pop("fn"), args.pop("name", None)
+            fn = load_function(ref, base_dir, where)
+            name = display or getattr(fn, "__name__", str(ref))
+            weight = composition.parse_weight(args.pop("weight", 1.0), f"{where}: reward {name!r}")
+            _check_fixed_arguments(fn, name, args)
+            return _Component(name, weight, lambda: function_reward(fn, name, str(ref), **args))
+        if "name" not in args:
+            raise ConfigError(
+                f"{where}: reward spec {dict(spec)!r} has no 'name' (a registered reward) or 'fn' (a function, "
+                f"'path/to/file.py:func' or 'module:func')."
+            )
+        name = args.pop("name")
+        weight = composition.parse_weight(args.pop("weight", 1.0), f"{where}: reward {name!r}")
+        check_arguments("reward", name, plugin_manager.get("register_rewards", name).value, args)
+        return _Component(name, weight, lambda: make_reward(name, **args))
+    if isinstance(spec, tuple) and len(spec) == 2:
+        reward = as_reward(spec[0])
+        weight = composition.parse_weight(spec[1], f"{where}: reward {reward.name!r}")
+        return _Component(reward.name, weight, lambda: reward)
+    if callable(spec):
+        reward = as_reward(spec)
+        return _Component(reward.name, 1.0, lambda: reward)
+    raise ConfigError(
+        f"{where}: {spec!r} is not a reward spec: give a table with a 'name' or an 'fn', a spec string, "
+        f"(reward, weight), or a function."
+    )
 
 
-def build_reward_stack(specs: RewardStack | Sequence[RewardSpec] | None) -> RewardStack:
-    """A :class:`RewardStack` from specs: ``{"name": ..., "weight": ..., **args}``, ``"name"``,
-    ``"name weight=0.5 target=32"``, ``(reward, weight)`` or a reward object (weight 1)."""
+def _check_fixed_arguments(fn: Callable, name: str, args: Mapping[str, Any]) -> None:
+    if is_trl_style(fn):
+        reserved = sorted(set(args) & set(TRL_COLUMNS))
+        if reserved:
+            raise PluginArgumentError(
+                f"reward function {name!r}: {', '.join(map(repr, reserved))} is filled in by textgym on every "
+                f"call; remove it from the spec."
+            )
+    signature = fixed_signature(fn)
+    if signature is not None:
+        check_arguments("reward function", name, signature, args)
+
+
+def _components(
+    specs: Any, base_dir: BaseDir, where: str, allow_all_metrics: bool
+) -> tuple[dict[str, Any], list[_Component], list[str]]:
+    table = composition.stack_table(specs, where)
+    components = [_component(spec, base_dir, where) for spec in table["components"]]
+    names = composition.unique_names([c.name for c in components])
+    for gate in table["gates"]:
+        Gate.from_spec(gate, names, where)
+    if not components and not allow_all_metrics:
+        raise ConfigError(f"{where}: the reward stack has no components; give at least one reward.")
+    if not allow_all_metrics and all(composition.is_metric_weight(c.weight) for c in components):
+        raise ConfigError(
+            f"{where}: every component ({', '.join(names) or 'none'}) has weight 0, so the total is always 0 "
+            f"and there is nothing to train on. Give at least one component a non-zero weight (weight 0 "
+            f"keeps a reward as a logged metric); a stack of metrics only is built with "
+            f"allow_all_metrics=True."
+        )
+    return table, components, names
+
+
+def check_reward_specs(
+    specs: Any, where: str = "rewards", base_dir: BaseDir = None, *, allow_all_metrics: bool = False
+) -> None:
+    """Check a stack spec without building it (no models are loaded): reward names and arguments, ``fn``
+    targets (their files are imported), weights and schedules, aggregate, gates, and that something is
+    trained on unless ``allow_all_metrics``. ``base_dir`` resolves relative ``fn`` paths (default: the
+    current directory)."""
+    _components(specs, base_dir, where, allow_all_metrics)
+
+
+def build_reward_stack(
+    specs: RewardStack | Any = None, base_dir: BaseDir = None, *, allow_all_metrics: bool = False
+) -> RewardStack:
+    """A :class:`RewardStack` from a spec: a list of component specs, or a table
+    ``{"aggregate": ..., "components": [...], "gates": [...]}``.
+
+    A component spec is ``{"name": ..., "weight": ..., **args}`` (a registered reward),
+    ``{"fn": "path/to/file.py:func" or "module:func", "weight": ..., "name": ..., **fixed_kwargs}``,
+    ``"name weight=0.5 target=32"``, ``(reward, weight)``, a reward object or a plain function (weight 1).
+    A weight is a number or a schedule table ``{"start": 1.0, "end": 0.2, "from": 0.2, "to": 0.8}``.
+
+    Args:
+        specs: the spec; a :class:`RewardStack` is returned as it is; None gives a default length reward.
+        base_dir: where relative ``fn`` file paths resolve (default: the current directory).
+        allow_all_metrics: allow a stack whose weights are all 0 (an error otherwise: nothing to train on).
+    """
     if isinstance(specs, RewardStack):
         return specs
     if specs is None:
         specs = [{"name": "length_penalty", "target": 32}]
-    if isinstance(specs, (str, Mapping)):
-        specs = [specs]
-    rewards: list[tuple[Reward, float]] = []
-    for spec in specs:
-        if isinstance(spec, str):
-            spec = parse_reward_spec(spec)
-        if isinstance(spec, Mapping):
-            args = dict(spec)
-            if "name" not in args:
-                raise ConfigError(f"reward spec {dict(spec)!r} has no 'name'.")
-            name, weight = args.pop("name"), args.pop("weight", 1.0)
-            rewards.append((make_reward(name, **args), weight))
-        elif isinstance(spec, tuple) and len(spec) == 2:
-            rewards.append((spec[0], spec[1]))
-        else:
-            rewards.append((spec, 1.0))
-    return RewardStack(rewards)
+    table, components, _ = _components(specs, base_dir, "rewards", allow_all_metrics)
+    return RewardStack([(c.build(), c.weight) for c in components], table["aggregate"], table["gates"])
+
+
+def build_reward(spec: RewardSpec, base_dir: BaseDir = None, where: str = "rewards") -> tuple[Reward, Weight]:
+    """One component, built: ``(reward, weight)``."""
+    component = _component(spec, base_dir, where)
+    return component.build(), component.weight
 
 
 def parse_reward_spec(text: str) -> dict[str, Any]:
-    """``"length_penalty weight=0.2 target=32 unit='words'"`` -> a spec dict (values parsed as TOML)."""
-    name, *pairs = text.split()
-    spec: dict[str, Any] = {"name": name}
-    for pair in pairs:
+    """``"length_penalty weight=0.2 target=32 unit='words'"`` -> a spec dict (values parsed as TOML).
+
+    A spec without a leading name, such as ``"fn=my_rewards.py:brevity weight=0.5"``, is all key=value pairs.
+    """
+    words = _split_spec(text)
+    spec: dict[str, Any] = {}
+    if words and "=" not in words[0]:
+        spec["name"] = words.pop(0)
+    for pair in words:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ConfigError(f"reward spec {text!r}: {pair!r} is not key=value.")
@@ -230,6 +460,30 @@ def parse_reward_spec(text: str) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             spec[key] = value  # a bare word: take it as a string
     return spec
+
+
+def _split_spec(text: str) -> list[str]:
+    """Split on whitespace outside quotes and brackets, keeping both, so values stay TOML:
+    ``keyword_bonus keywords=['thank you', "please"]`` -> ``["keyword_bonus", "keywords=['thank you', \"please\"]"]``."""
+    words, current, quote, depth = [], "", None, 0
+    for char in text:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char.isspace() and depth == 0:
+            if current:
+                words.append(current)
+            current = ""
+            continue
+        current += char
+    if quote or depth:
+        raise ConfigError(f"reward spec {text!r} has an unclosed quote or bracket.")
+    return [*words, current] if current else words
 
 
 def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[..., Sequence[float]]]:
@@ -244,7 +498,8 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
             return [bonus * sum(c.isupper() for c in s.completion) / max(len(s.completion), 1)
                     for s in samples]
 
-    Extra keyword arguments of the function become the reward's arguments in a spec.
+    Extra keyword arguments of the function become the reward's arguments in a spec. A function with TRL's
+    signature (``prompts, completions, **kwargs``) works too.
     """
 
     def decorator(fn: Callable[..., Sequence[float]]) -> Callable[..., Sequence[float]]:
@@ -254,10 +509,7 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
         def factory(**kwargs: Any) -> FunctionReward:
             return FunctionReward(name, fn, **kwargs)
 
-        params = list(inspect.signature(fn).parameters.values())[1:]
-        factory.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [p.replace(kind=p.KEYWORD_ONLY) for p in params]
-        )
+        factory.__signature__ = fixed_signature(fn)  # type: ignore[attr-defined]
 
         class _Plugin:
             @staticmethod
@@ -266,9 +518,12 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
                 register(name, factory)
 
         file = inspect.getsourcefile(fn) or fn.__module__
-        plugin_manager.register_plugin(
-            _Plugin(), name=f"{file}::{fn.__name__}", source=f"@textgym.reward in {file}"
-        )
+        plugin_name = f"{file}::{fn.__name__}"
+        if plugin_manager.pm.has_plugin(
+            plugin_name
+        ):  # the same file imported again (as a plugin and a module)
+            plugin_manager.unregister_plugin(plugin_name)
+        plugin_manager.register_plugin(_Plugin(), name=plugin_name, source=f"@textgym.reward in {file}")
         return fn
 
     return decorator

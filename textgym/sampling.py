@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from textgym.envs import TextGenVectorEnv
+from textgym.errors import TrainingError
 
 
 @dataclass
@@ -54,13 +55,13 @@ def rollout(
     generator = torch.Generator(device="cpu")
     generator.manual_seed(0 if seed is None else seed)
     obs, _ = env.reset(seed=seed, options=options)
-    P, T, n = env.episodes.P, env.episodes.T, env.num_envs
+    P, T, n = env.max_prompt_tokens, env.max_new_tokens, env.num_envs
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
     query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
     start = int(query_mask.any(0).long().argmax())  # columns that are padding in every prompt are skipped
     mask = query_mask[:, start:].to(device)  # (N, P'), grows by one column per step
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P')
-    response_ids = torch.full((n, T), env.episodes.pad_id, dtype=torch.long)
+    response_ids = torch.full((n, T), env.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(n, T, dtype=torch.long)
     logprobs = torch.zeros(n, T)
     hidden: list[Any] = []
@@ -93,8 +94,13 @@ def rollout(
                 if top_k:
                     kth = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
-                tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-            tokens = torch.where(active, tokens, env.episodes.pad_id)
+                try:
+                    tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+                except RuntimeError as exc:  # NaN or inf logits: the model's weights have diverged
+                    raise TrainingError(
+                        f"the model's next-token distribution is not finite ({exc}); its weights have diverged."
+                    ) from None
+            tokens = torch.where(active, tokens, env.pad_token_id)
             response_ids[:, t] = tokens
             response_mask[:, t] = active.long()
             # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step
@@ -108,8 +114,8 @@ def rollout(
                     "completion": step_infos["completion"][i],
                     "finish_reason": step_infos["finish_reason"][i],
                     "num_tokens": int(step_infos["num_tokens"][i]),
-                    "reward_components": {
-                        k: float(v[i])
+                    "reward_components": {  # not applicable (NaN) becomes None: null in JSON files
+                        k: None if np.isnan(v[i]) else float(v[i])
                         for k, v in step_infos["reward_components"].items()
                         if not k.startswith("_")
                     },

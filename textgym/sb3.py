@@ -6,6 +6,7 @@ the vector env's batched reward scoring kept (one reward call per step for all e
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,8 +22,12 @@ class TextGymVecEnv(VecEnv):
     """SB3 ``VecEnv`` over a ``TextGenVectorEnv`` in ``"SameStep"`` autoreset mode.
 
     Episode ends follow SB3's conventions: ``infos[i]["terminal_observation"]`` holds the last observation,
-    ``infos[i]["TimeLimit.truncated"]`` marks episodes cut at ``max_new_tokens``, and the info of an ended
-    episode also carries ``reward_components``, ``completion`` and ``finish_reason``.
+    ``infos[i]["TimeLimit.truncated"]`` marks episodes cut at ``max_new_tokens``, ``infos[i]["episode"]``
+    holds the episode's return, length and duration as ``Monitor`` writes them (so ``evaluate_policy`` and
+    ``EvalCallback`` read true episode returns without a Monitor wrapper, and say so), and the info of an
+    ended episode also carries ``reward_components``, ``completion`` and ``finish_reason``.
+    ``action_masks()`` serves sb3-contrib's ``MaskablePPO``: tokens outside the env's ``allowed_tokens``
+    (and pad) are masked.
     """
 
     def __init__(self, env: TextGenVectorEnv):
@@ -31,6 +36,7 @@ class TextGymVecEnv(VecEnv):
         self.env = env
         super().__init__(env.num_envs, env.single_observation_space, env.single_action_space)
         self._actions: np.ndarray | None = None
+        self._started = np.full(env.num_envs, time.perf_counter())
 
     def reset(self) -> dict[str, np.ndarray]:
         seed = self._seeds[0] if self._seeds else None
@@ -58,6 +64,13 @@ class TextGymVecEnv(VecEnv):
             }
             infos[i]["terminal_observation"] = vinfo["final_obs"][i]
             infos[i]["TimeLimit.truncated"] = bool(truncated[i])
+            now = time.perf_counter()
+            infos[i]["episode"] = {
+                "r": float(rewards[i]),
+                "l": int(final["num_tokens"][i]),
+                "t": now - self._started[i],
+            }
+            self._started[i] = now
         return obs, rewards.astype(np.float32), dones, infos
 
     def close(self) -> None:
@@ -73,10 +86,20 @@ class TextGymVecEnv(VecEnv):
         self, method_name: str, *args: Any, indices: VecEnvIndices = None, **kwargs: Any
     ) -> list[Any]:
         result = getattr(self.env, method_name)(*args, **kwargs)
-        return [result] * len(self._get_indices(indices))
+        rows = list(self._get_indices(indices))
+        if isinstance(result, np.ndarray) and result.shape[:1] == (self.num_envs,):  # one row per sub-env
+            return [result[i] for i in rows]
+        return [result] * len(rows)
 
     def env_is_wrapped(self, wrapper_class: type, indices: VecEnvIndices = None) -> list[bool]:
-        return [False] * len(self._get_indices(indices))
+        from stable_baselines3.common.monitor import Monitor
+
+        # The episode infos are Monitor's (see the class docstring): true returns, whatever wraps this env.
+        return [wrapper_class is Monitor] * len(self._get_indices(indices))
+
+    def action_masks(self) -> np.ndarray:
+        """(n_envs, vocab) bool: the tokens an agent may choose (sb3-contrib's MaskablePPO calls this)."""
+        return self.env.action_masks()
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         return [None] * self.num_envs

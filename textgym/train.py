@@ -1,15 +1,16 @@
-"""``textgym train``: one training run of a registered agent, with a run directory a researcher can read.
+"""``textgym train``: one training run of an agent, with a run directory a researcher can read and a crash
+cannot corrupt.
 
-The run directory holds ``config.toml`` (resolved), ``metrics.csv`` (one row per iteration),
-``samples.jsonl`` (every episode, with its iteration), ``samples_before.jsonl`` / ``samples_after.jsonl``
-(the same prompts before and after training), ``reward_kl.png`` and ``checkpoint/`` (written atomically
-every ``run.checkpoint_every`` iterations and at the end). Ctrl-C stops after the current iteration and
-writes the checkpoint; ``textgym train --resume RUN_DIR`` continues from it.
+The run directory holds ``config.toml`` (resolved: absolute paths, the chosen agent), ``metrics.csv`` (one row
+per iteration), ``samples.jsonl`` (every episode, with its iteration), ``samples_before.jsonl`` /
+``samples_after.jsonl`` (the same prompts before and after training), ``reward_kl.png`` and ``checkpoint/``
+(written atomically every ``run.checkpoint_every`` iterations and at the end). Ctrl-C or SIGTERM stops after
+the current iteration and writes the checkpoint; a second one aborts at once, keeping the last checkpoint.
+``textgym train --resume RUN_DIR`` continues from the last complete checkpoint (see :mod:`textgym.rundir`).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -21,54 +22,41 @@ from typing import Any
 import numpy as np
 
 from textgym import plugin_manager
+from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.config import load_config, validate
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, TrainingError
+from textgym.rundir import CHECKPOINT, RunDir, crash_point, write_atomic
 
-CHECKPOINT = "checkpoint"
+__all__ = ["CHECKPOINT", "is_lm_agent", "run"]
 
 
 class StopFlag:
-    """First Ctrl-C: finish the current iteration, save, exit. Second Ctrl-C: abort at once."""
+    """First Ctrl-C or SIGTERM: finish the current iteration, save, exit. A second one: abort at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.stop = False
 
     def __enter__(self) -> StopFlag:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.stop:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for s in self.SIGNALS:
+                signal.signal(s, signal.default_int_handler)
             raise KeyboardInterrupt
         self.stop = True
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(
-            "\ntextgym: stopping after this iteration and saving a checkpoint (Ctrl-C again to abort)",
+            f"\ntextgym: {name}: stopping after this iteration and saving a checkpoint (again to abort)",
             flush=True,
         )
 
     def __exit__(self, *exc: Any) -> None:
-        signal.signal(signal.SIGINT, self._previous)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_metrics(path: Path, history: Sequence[dict[str, Any]]) -> None:
-    columns = list(dict.fromkeys(key for row in history for key in row))
-    lines: list[str] = []
-
-    class Sink:
-        def write(self, text: str) -> None:
-            lines.append(text)
-
-    writer = csv.DictWriter(Sink(), fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(history)
-    _write_atomic(path, "".join(lines))
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def plot(path: Path, history: Sequence[dict[str, Any]], score_key: str, kl_key: str | None) -> None:
@@ -78,8 +66,9 @@ def plot(path: Path, history: Sequence[dict[str, Any]], score_key: str, kl_key: 
     import matplotlib.pyplot as plt
 
     steps = [row["timesteps"] for row in history]
+    has_kl = kl_key is not None and any(np.isfinite(row.get(kl_key, np.nan)) for row in history)
     panels = [(score_key, "reward (mean episode score)")] + (
-        [(kl_key, "KL to the reference")] if kl_key else []
+        [(kl_key, "KL to the reference")] if has_kl else []
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
@@ -99,39 +88,200 @@ def run(
     agent_name: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> Path:
-    """Train as configured (a TOML file, or an already-parsed ``config`` dict); returns the run directory."""
-    if config is not None:  # a new run from a parsed config (textgym bench)
-        config = validate(config)
-        run_dir = Path(config["run"]["output_dir"] or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / CHECKPOINT).exists():
-            raise ConfigError(f"{run_dir} already holds a run; resume it with --resume {run_dir}.")
-    elif resume is not None:
+    """Train as configured (a TOML file, or an already-parsed ``config`` dict); returns the run directory.
+
+    Everything is validated before the run directory is touched; a start that fails leaves no directory.
+    """
+    if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")
         config = load_config(run_dir / "config.toml", overrides)
+        if config["run"]["plugins"]:
+            print(
+                f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
+            )
     else:
-        config = load_config(config_path, overrides)
+        if config is not None:  # a new run from a parsed config (textgym bench)
+            config = validate(config)
+        else:
+            config = load_config(config_path, overrides)
         if agent_name:
             config["agent"]["name"] = agent_name
         stem = Path(config_path).stem if config_path else "run"
         run_dir = Path(config["run"]["output_dir"] or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / CHECKPOINT).exists():
-            raise ConfigError(
-                f"{run_dir} already holds a run; resume it with --resume {run_dir}, or choose run.output_dir."
-            )
     for path in config["run"]["plugins"]:
         plugin_manager.load_plugin_file(path)
-    agent_class = plugin_manager.load_agent(config["agent"]["name"])
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_env_id(config["env"]["id"], config["run"]["allow_env_import"])
+    agent_class, policy, hyperparameters = resolve_agent(config["agent"])
+    if not is_lm_agent(agent_class):
+        _check_sb3_rewards(config)
+    world = world_size()
+    _check_processes(config, world, resume is not None, agent_class, hyperparameters)
+    if "tensorboard" in config["run"]["report_to"]:  # one TensorBoard run per run directory, resumes included
+        from textgym.agents.base import require_tensorboard
+
+        require_tensorboard("run.report_to = ['tensorboard']")
+        hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     config["run"]["output_dir"] = str(run_dir)
-    if resume is None:
+    if world == 1 and config["run"]["processes"] > 1:
+        return _launch(config, run_dir, resume is not None)
+    rd = RunDir(run_dir)
+    resuming, created = resume is not None, False
+    main = rank() == 0
+    if world > 1:
+        _init_process_group()
+
+    def prepare() -> bool:
+        """The run directory, on the main process: created (or recovered, on resume) and locked."""
+        nonlocal created
+        if resuming:
+            if not rd.is_run():
+                raise ConfigError(f"{run_dir} was not written by textgym train (no .textgym-run marker).")
+            rd.lock()
+            if rd.recover_checkpoint() is None:
+                if not os.environ.get(LAUNCHED_VAR):
+                    print(
+                        f"textgym: {run_dir} has no complete checkpoint yet: starting the run from the beginning"
+                    )
+                rd.clear_progress()
+                return False
+            return True
+        created = rd.create()
+        rd.lock()
         import tomli_w
 
-        _write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(validate(config))))
-    if getattr(agent_class, "native_vector_env", False):
-        return _run_native(agent_class, config, run_dir, resume is not None)
-    return _run_sb3(agent_class, config, run_dir, resume is not None)
+        write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(config)))
+        return False
+
+    resuming = _on_main(prepare) if world > 1 else prepare()
+    trainer = _run_native if is_lm_agent(agent_class) else _run_sb3
+    try:
+        return trainer(agent_class, policy, hyperparameters, config, rd, resuming)
+    except BaseException:
+        if main and resume is None and created and not (run_dir / "metrics.csv").exists():
+            rd.remove()  # a start that failed before the first iteration leaves nothing behind
+        raise
+    finally:
+        rd.unlock()
+
+
+# -- several processes ---------------------------------------------------------------------------------
+LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
+
+
+def world_size() -> int:
+    """Processes training this run (torchrun's and accelerate's WORLD_SIZE; 1 without them)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def _init_process_group() -> None:
+    """Start the process group before the agent exists (the run directory is prepared on the main process
+    while the others wait); the agent's Accelerator then joins it."""
+    import torch
+    from accelerate import PartialState
+
+    PartialState(cpu=not torch.cuda.is_available())
+
+
+def _on_main(fn: Any) -> Any:
+    """``fn()`` on the main process; its result (or its error, as a one-line error) on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    payload: list[Any] = [None]
+    if rank() == 0:
+        try:
+            payload = [("ok", fn())]
+        except (ConfigError, OSError) as exc:
+            payload = [("error", f"{exc}")]
+    broadcast_object_list(payload)
+    status, value = payload[0]
+    if status == "error":
+        raise ConfigError(value if rank() == 0 else f"the main process could not start the run: {value}")
+    return value
+
+
+def _check_processes(
+    config: dict[str, Any], world: int, resuming: bool, agent_class: Any, hp: dict[str, Any]
+) -> None:
+    run, env = config["run"], config["env"]
+    if world > 1:
+        if resuming and run["processes"] != world:
+            raise ConfigError(
+                f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
+                f"(torchrun --nproc_per_node {run['processes']}), not {world}: the seeds and the batch split depend on it."
+            )
+        if not is_lm_agent(agent_class):
+            raise ConfigError("Stable-Baselines3 agents train in one process; run them without torchrun.")
+        run["processes"] = world
+    if env["num_envs"] % run["processes"]:
+        raise ConfigError(
+            f"env.num_envs={env['num_envs']} does not split evenly over {run['processes']} processes: make it a "
+            f"multiple of {run['processes']}."
+        )
+    group = hp.get("num_generations") or getattr(
+        getattr(agent_class, "config_class", None), "num_generations", 1
+    )
+    if is_lm_agent(agent_class) and group and (env["num_envs"] // run["processes"]) % group:
+        raise ConfigError(
+            f"each of the {run['processes']} processes gets {env['num_envs'] // run['processes']} episodes, not a "
+            f"multiple of num_generations={group}: make env.num_envs a multiple of {run['processes'] * group}."
+        )
+
+
+def _launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
+    """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
+    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs)."""
+    import subprocess
+    import sys
+
+    n = config["run"]["processes"]
+    rd = RunDir(run_dir)
+    if not resuming:
+        rd.create()
+        import tomli_w
+
+        write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(config)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
+    print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
+    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"})
+    if result.returncode != 0:
+        raise TrainingError(
+            f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
+        )
+    return run_dir
+
+
+def check_env_id(env_id: str, allow_import: bool) -> None:
+    """Only registered env ids: Gymnasium imports the module of a ``"module:Env-v0"`` id, which would run
+    code the user never named as a plugin (``run.allow_env_import = true`` opts in)."""
+    import gymnasium
+
+    if ":" in env_id and not allow_import:
+        raise ConfigError(
+            f"env.id {env_id!r} would import module {env_id.split(':')[0]!r}: textgym only makes registered envs. "
+            f"Register the env through a plugin (run.plugins), or set run.allow_env_import = true to allow it."
+        )
+    if ":" not in env_id and env_id not in gymnasium.registry:
+        from textgym.errors import UnknownNameError
+
+        raise UnknownNameError(
+            "env", env_id, [k for k in gymnasium.registry if k.startswith("textgym/") or "/" in k]
+        )
+
+
+def _check_sb3_rewards(config: dict[str, Any]) -> None:
+    rewards = config["env"].get("rewards")
+    if isinstance(rewards, dict) and rewards.get("aggregate", "sum") != "sum":
+        raise ConfigError(
+            "aggregate = 'normalize_then_sum' standardises rewards over a batch of episodes; Stable-Baselines3 "
+            "agents score episodes step by step (a batch is whatever ends on one step): use 'sum', or an LM agent."
+        )
 
 
 def _drop_none(value: Any) -> Any:  # TOML has no null
@@ -148,89 +298,140 @@ def _env_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _make_native_env(config: dict[str, Any], num_envs: int, **extra: Any) -> Any:
+def make_env(config: dict[str, Any], num_envs: int, **extra: Any) -> Any:
+    """The run's ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``, for LM agents and sampling)."""
     import gymnasium
 
     kwargs = {**_env_kwargs(config), "autoreset_mode": "Disabled", **extra}
     try:
-        return gymnasium.make_vec(
+        env = gymnasium.make_vec(
             config["env"]["id"], num_envs=num_envs, vectorization_mode="vector_entry_point", **kwargs
         )
     except TypeError as exc:  # an argument the env does not take
         raise ConfigError(f"[env] {config['env']['id']}: {exc}") from exc
     except gymnasium.error.Error as exc:
         raise ConfigError(f"[env] id: {exc}") from exc
+    except (ImportError, AttributeError) as exc:  # a plugin registered an entry point that does not import
+        raise ConfigError(f"[env] {config['env']['id']} cannot be made: {type(exc).__name__}: {exc}") from exc
+    from textgym.envs import TextGenVectorEnv
+
+    if not isinstance(env, TextGenVectorEnv):
+        raise ConfigError(
+            f"[env] {config['env']['id']} made a {type(env).__name__}; textgym trains on envs whose vector entry "
+            f"point is a TextGenVectorEnv."
+        )
+    return env
 
 
-def _sample_table(agent: Any, config: dict[str, Any], path: Path) -> list[dict[str, Any]]:
-    """The first ``run.sample_prompts`` prompts, sampled with a fixed seed: the same before and after."""
-    from textgym.sampling import rollout
-
-    env = _make_native_env(config, config["run"]["sample_prompts"], prompt_order="sequential")
-    rows = rollout(agent.policy, env, temperature=agent.config.temperature, seed=config["run"]["seed"]).infos
-    _write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
-    return rows
+def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The first ``run.sample_prompts`` prompts with a fixed seed: the same before and after training."""
+    env = make_env(config, config["run"]["sample_prompts"], prompt_order="sequential")
+    return generate(env, config["run"]["seed"])
 
 
-def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
+def _report(rd: RunDir, name: str, rows: list[dict[str, Any]], title: str) -> None:
+    from textgym.formatting import format_table
+
+    rd.write_jsonl(name, rows)
+    print(f"{title}:\n" + format_table(rows))
+
+
+def _iteration_line(stats: dict[str, Any], tokens: int) -> str:
+    line = f"iter {stats['iteration']:4d}  tokens {tokens:7d}  reward {stats['reward']:7.3f}"
+    if "kl" in stats:
+        line += f"  kl {stats['kl']:7.3f}  len {stats['completions/mean_length']:5.1f}"
+        line += f"  eos {1 - stats['completions/clipped_ratio']:4.2f}  {stats['time/iteration']:6.1f} s"
+    return line
+
+
+def _run_native(
+    agent_class: Any,
+    policy: Any,
+    hyperparameters: dict[str, Any],
+    config: dict[str, Any],
+    rd: RunDir,
+    resuming: bool,
+) -> Path:
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
 
-    from textgym.cli import format_table
+    from textgym.sampling import rollout
 
-    run, agent_cfg = config["run"], config["agent"]
-    env = _make_native_env(config, config["env"]["num_envs"])
-    hyperparameters = {k: v for k, v in agent_cfg.items() if k not in ("name", "policy")}
-    hyperparameters.setdefault("seed", run["seed"])
-    hyperparameters.setdefault("verbose", 0)
+    run = config["run"]
+    env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
+    hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     if resuming:
-        agent = agent_class.load(run_dir / CHECKPOINT, env, **hyperparameters)
-        print(f"textgym: resuming {run_dir} at iteration {agent.iteration}, {agent.num_timesteps} tokens")
+        agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
     else:
-        if agent_cfg["policy"] is None:
-            raise ConfigError(
-                "agent.policy is required: a zoo name (e.g. smollm2-135m-instruct) or a model directory."
-            )
-        try:
-            agent = agent_class(agent_cfg["policy"], env, **hyperparameters)
-        except TypeError as exc:  # an unknown hyperparameter
-            raise ConfigError(f"[agent] {agent_cfg['name']}: {exc}") from exc
-    if not resuming:
-        before = _sample_table(agent, config, run_dir / "samples_before.jsonl")
-        print("before training:\n" + format_table(before))
+        agent = agent_class(policy, env, **hyperparameters)
+    dist = agent.dist  # with one process every collective below is a no-op
+
+    def resumed() -> None:
+        dropped = rd.truncate_samples(agent.iteration)
+        rd.write_metrics(agent.history)
+        print(
+            f"textgym: resuming {rd.path} at iteration {agent.iteration}, {agent.num_timesteps} tokens"
+            + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else "")
+        )
+
+    def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
+        return rollout(agent.rollout_model, sample_env, temperature=agent.config.temperature, seed=seed).infos
+
+    if resuming:
+        dist.on_main(resumed)
+    else:
+        dist.on_main(
+            lambda: _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
+        )
 
     class Recorder(BaseCallback):
         def _on_step(self) -> bool:
             model = self.model
-            stats = model.history[-1]
-            with (run_dir / "samples.jsonl").open("a", encoding="utf-8") as f:
-                for episode in model.last_episodes:
-                    f.write(json.dumps({"iteration": model.iteration, **episode}) + "\n")
-            write_metrics(run_dir / "metrics.csv", model.history)
-            tqdm.write(
-                f"iter {model.iteration:4d}  tokens {model.num_timesteps:7d}  score {stats['objective/scores']:7.3f}"
-                f"  kl {stats['objective/kl']:7.3f}  len {stats['env/response_length']:5.1f}"
-                f"  eos {stats['env/eos_rate']:4.2f}  {stats['time/iteration']:6.1f} s"
-            )
-            if model.iteration % run["checkpoint_every"] == 0 or flag.stop:
-                model.save(run_dir / CHECKPOINT)
-            return not flag.stop
+            stop = dist.any(flag.stop)  # every process stops after the same iteration
+
+            def record() -> None:
+                rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
+                rd.write_metrics(model.history)
+                crash_point("after-metrics")
+                tqdm.write(_iteration_line(model.history[-1], model.num_timesteps))
+                if model.iteration % run["checkpoint_every"] == 0 or stop:
+                    rd.write_checkpoint(model.save)
+
+            dist.on_main(record)
+            return not stop
 
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, progress_bar=True)
-    agent.save(run_dir / CHECKPOINT)
-    if agent.history:
-        plot(run_dir / "reward_kl.png", agent.history, "objective/scores", "objective/kl")
-    if flag.stop:
-        print(f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {run_dir}")
-        return run_dir
-    after = _sample_table(agent, config, run_dir / "samples_after.jsonl")
-    print("after training:\n" + format_table(after))
-    _print_trend(agent.history, "objective/scores")
-    print(f"textgym: run directory {run_dir}")
-    return run_dir
+            agent.learn(
+                remaining,
+                callback=Recorder(),
+                reset_num_timesteps=False,
+                progress_bar=True,
+                tb_log_name="run",
+            )
+    stopped = dist.any(flag.stop)
+    dist.on_main(lambda: rd.write_checkpoint(agent.save))
+    return dist.on_main(lambda: _finish(rd, agent.history, stopped, config, generate, has_kl=True)) or rd.path
+
+
+def _finish(
+    rd: RunDir,
+    history: list[dict[str, Any]],
+    stopped: bool,
+    config: dict[str, Any],
+    generate: Any,
+    has_kl: bool,
+) -> Path:
+    if history:
+        plot(rd.path / "reward_kl.png", history, "reward", "kl" if has_kl else None)
+    if stopped:
+        print(f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {rd.path}")
+        return rd.path
+    _report(rd, "samples_after.jsonl", _sample_table(generate, config), "after training")
+    _print_trend(history, "reward")
+    print(f"textgym: run directory {rd.path}")
+    return rd.path
 
 
 def _print_trend(history: Sequence[dict[str, Any]], key: str) -> None:
@@ -243,26 +444,50 @@ def _print_trend(history: Sequence[dict[str, Any]], key: str) -> None:
     )
 
 
-def _run_sb3(agent_class: Any, config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
-    """Agents with the SB3 contract on an SB3 VecEnv (e.g. SB3's PPO on the small-vocabulary envs)."""
+# -- Stable-Baselines3 agents ------------------------------------------------------------------------
+SB3_MODEL = "model.zip"
+
+
+def _run_sb3(
+    agent_class: Any,
+    policy: Any,
+    hyperparameters: dict[str, Any],
+    config: dict[str, Any],
+    rd: RunDir,
+    resuming: bool,
+) -> Path:
+    """Agents with the SB3 contract on an SB3 VecEnv (e.g. SB3's PPO on the small-vocabulary envs). The run
+    directory is the same as an LM agent's; metrics are ``reward`` per rollout (no KL: no reference)."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     from textgym.sb3 import make_vec_env
 
-    run, agent_cfg = config["run"], config["agent"]
+    run = config["run"]
     env_kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
     env = make_vec_env(config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs)
-    hyperparameters = {k: v for k, v in agent_cfg.items() if k not in ("name", "policy")}
-    hyperparameters.setdefault("seed", run["seed"])
-    path = run_dir / f"{CHECKPOINT}.zip"
+    hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
+    name = config["agent"]["name"]
+    try:
+        agent = agent_class(policy, env, **hyperparameters)
+    except (AssertionError, ValueError, TypeError) as exc:  # SB3 checks its hyperparameters with asserts
+        raise ConfigError(f"[agent] {name}: {exc or type(exc).__name__}") from exc
+    state = {"iteration": 0, "history": []}
     if resuming:
-        agent = agent_class.load(path, env, **hyperparameters)
-    else:
-        agent = agent_class(agent_cfg["policy"] or "MultiInputPolicy", env, **hyperparameters)
-    state_path = run_dir / "history.json"
-    history: list[dict[str, Any]] = (
-        json.loads(state_path.read_text()) if resuming and state_path.is_file() else []
-    )
+        agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
+        dropped = rd.truncate_samples(state["iteration"])
+        rd.write_metrics(state["history"])
+        print(f"textgym: resuming {rd.path} at iteration {state['iteration']}, {agent.num_timesteps} tokens"
+              + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else ""))  # fmt: skip
+    history = state["history"]
+
+    def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
+        return sb3_episodes(agent, sample_env, seed)
+
+    if not resuming:
+        _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
+
+    def save(path: Path) -> None:
+        save_sb3_checkpoint(agent, path, {"iteration": state["iteration"], "history": history})
 
     class Recorder(BaseCallback):
         def _on_rollout_start(self) -> None:
@@ -271,33 +496,98 @@ def _run_sb3(agent_class: Any, config: dict[str, Any], run_dir: Path, resuming: 
         def _on_step(self) -> bool:
             for info, reward in zip(self.locals["infos"], self.locals["rewards"]):
                 if "completion" in info:
-                    self.episodes.append({"completion": info["completion"], "reward": float(reward)})
+                    self.episodes.append(_sb3_row(info, float(reward)))
             return not flag.stop
 
         def _on_rollout_end(self) -> None:
             if not self.episodes:
                 return
-            history.append(
-                {
-                    "timesteps": self.num_timesteps,
-                    "reward": float(np.mean([e["reward"] for e in self.episodes])),
-                }
-            )
-            with (run_dir / "samples.jsonl").open("a", encoding="utf-8") as f:
-                f.writelines(json.dumps({"timesteps": self.num_timesteps, **e}) + "\n" for e in self.episodes)
-            write_metrics(run_dir / "metrics.csv", history)
-            _write_atomic(state_path, json.dumps(history))
-            print(f"tokens {self.num_timesteps:8d}  reward {history[-1]['reward']:7.3f}", flush=True)
+            state["iteration"] += 1
+            rewards = [e["reward"] for e in self.episodes]
+            history.append({"iteration": state["iteration"], "timesteps": self.num_timesteps,
+                            "reward": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
+                            "episodes": len(rewards)})  # fmt: skip
+            rd.append_samples({"iteration": state["iteration"], **e} for e in self.episodes)
+            rd.write_metrics(history)
+            crash_point("after-metrics")
+            print(_iteration_line(history[-1], self.num_timesteps), flush=True)
+            if state["iteration"] % run["checkpoint_every"] == 0 or flag.stop:
+                rd.write_checkpoint(save)
 
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False)
-    tmp = path.with_name(f".{path.name}")
-    agent.save(tmp)  # then renamed: an interrupted save never replaces a good checkpoint
-    os.replace(tmp, path)
-    if history:
-        plot(run_dir / "reward_kl.png", history, "reward", None)
-        _print_trend(history, "reward")
-    print(f"textgym: run directory {run_dir}")
-    return run_dir
+            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, tb_log_name="run")
+    rd.write_checkpoint(save)
+    return _finish(rd, history, flag.stop, config, generate, has_kl=False)
+
+
+def _sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
+    components = {k: None if np.isnan(v) else float(v) for k, v in info.get("reward_components", {}).items()}
+    return {"prompt": info.get("prompt", ""), "completion": info["completion"],
+            "finish_reason": info.get("finish_reason"), "reward_components": components, "reward": reward}  # fmt: skip
+
+
+def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
+    """One episode per sub-env of a ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``), actions from an
+    SB3-style ``agent.predict`` (sampled, not greedy): the sample tables of SB3 runs."""
+    import torch
+
+    torch.manual_seed(seed)
+    obs, _ = env.reset(seed=seed)
+    rows: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
+    while env.active.any():
+        actions, _ = agent.predict(obs, deterministic=False)
+        obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
+        for i in np.flatnonzero(terminated | truncated):
+            info = {k: v[i] for k, v in infos.items() if not k.startswith("_") and not isinstance(v, dict)}
+            info["reward_components"] = {
+                k: v[i] for k, v in infos["reward_components"].items() if not k.startswith("_")
+            }
+            rows[i] = _sb3_row(info, float(rewards[i]))
+    return rows
+
+
+def load_sb3_run(run_dir: Path, env: Any) -> Any:
+    """The SB3 agent of a finished run directory, on ``env`` (loaded as :func:`load_sb3_checkpoint` does)."""
+    config = load_config(Path(run_dir) / "config.toml")
+    agent_class, policy, hyperparameters = resolve_agent(config["agent"])
+    fresh = agent_class(policy, env, **{"seed": config["run"]["seed"], "verbose": 0, **hyperparameters})
+    return load_sb3_checkpoint(fresh, agent_class, Path(run_dir) / CHECKPOINT, env)[0]
+
+
+def save_sb3_checkpoint(agent: Any, path: Path, state: dict[str, Any]) -> None:
+    from textgym.models import atomic_build_dir
+
+    def build(out: Path) -> None:
+        agent.save(out / SB3_MODEL)
+        (out / "state.json").write_text(json.dumps({**state, "num_timesteps": agent.num_timesteps}, indent=2))
+
+    atomic_build_dir(path, build, replace=True)
+
+
+def load_sb3_checkpoint(fresh: Any, agent_class: Any, path: Path, env: Any) -> tuple[Any, dict[str, Any]]:
+    """Load an SB3 checkpoint without unpickling anything: every object SB3 stored pickled (schedules, spaces,
+    classes) is taken from ``fresh``, an agent built from the run's config, so a run directory received from
+    someone else cannot run code. Tensors are SB3's ``weights_only`` loads."""
+    import zipfile
+
+    model = path / SB3_MODEL
+    try:
+        with zipfile.ZipFile(model) as archive:
+            data = json.loads(archive.read("data"))
+        pickled = [k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v]
+        missing = [k for k in pickled if not hasattr(fresh, k)]
+        if missing:
+            raise ConfigError(
+                f"checkpoint {model} stores pickled objects textgym does not rebuild: {missing}."
+            )
+        agent = agent_class.load(model, env=env, custom_objects={k: getattr(fresh, k) for k in pickled})
+        state = json.loads((path / "state.json").read_text())
+    except ConfigError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as exc:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
+        ) from exc
+    return agent, state

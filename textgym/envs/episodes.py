@@ -12,10 +12,11 @@ from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
 from textgym.errors import ConfigError, PromptError
-from textgym.models import check_pad_token, load_tokenizer
+from textgym.models import check_pad_token, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.rewards import RewardSpec, RewardStack, Sample, build_reward_stack
 
+MAX_OBSERVATION_BYTES = 2**31
 DEFAULT_REWARDS: list[dict[str, Any]] = [
     {"name": "sentiment", "weight": 1.0},
     {"name": "length_penalty", "weight": 0.5, "target": 24},
@@ -40,6 +41,8 @@ class Episodes:
         stop: Sequence[str] | str | None = None,
         prompt_overflow: str = "truncate",
         prompt_order: str = "random",
+        allowed_tokens: Sequence[str | int] | str | None = None,
+        pad_token: str | None = None,
     ):
         for arg, value in (("max_new_tokens", max_new_tokens), ("max_prompt_tokens", max_prompt_tokens)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -49,6 +52,8 @@ class Episodes:
         if prompt_order not in ("random", "sequential"):
             raise ConfigError(f"prompt_order must be 'random' or 'sequential', not {prompt_order!r}.")
         self.tokenizer = load_tokenizer(model if model is not None else "smollm2-135m-instruct")
+        if pad_token is not None:
+            self.tokenizer = with_pad_token(self.tokenizer, pad_token)
         check_pad_token(self.tokenizer)
         self.prompts: list[Prompt] = load_prompts(prompts)
         self.n_source = len(self.prompts)  # texts passed in options["prompt"] go after these, never drawn
@@ -67,6 +72,12 @@ class Episodes:
         self.prompt_overflow, self.prompt_order = prompt_overflow, prompt_order
 
         self.n, self.P, self.T = n, int(max_prompt_tokens), int(max_new_tokens)
+        self.limit = self.T  # steps before truncation: max_new_tokens, or less under a TimeLimit
+        if n * (self.P + self.T) * 9 > MAX_OBSERVATION_BYTES:  # refuse before allocating
+            raise ConfigError(
+                f"{n} sub-envs x (max_prompt_tokens + max_new_tokens = {self.P + self.T}) tokens would need "
+                f"{n * (self.P + self.T) * 9 / 2**30:.1f} GiB for observations; lower them."
+            )
         self.vocab_size = len(self.tokenizer)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         L = self.P + self.T
@@ -86,9 +97,46 @@ class Episodes:
             }
         )
         self.action_space = spaces.Discrete(self.vocab_size)
+        self.allowed = self._allowed_mask(allowed_tokens)
+        self._overflowed = 0
+        if len(self.prompts) <= 10_000:  # a prompt the tokenizer cannot encode fails now, not mid-training
+            for index in range(len(self.prompts)):
+                self.encode_prompt(index, warn=False)
+            if self._overflowed:
+                warnings.warn(
+                    f"{self._overflowed} of {len(self.prompts)} prompts have more than max_prompt_tokens={self.P} "
+                    f"tokens; keeping the last {self.P} of each. Raise max_prompt_tokens to keep them whole.",
+                    stacklevel=3,
+                )
+
+    def _allowed_mask(self, allowed: Sequence[str | int] | str | None) -> np.ndarray:
+        """(V,) bool: every token but pad, or only ``allowed`` (token ids, token strings, or a string of
+        characters each encoded alone) and EOS."""
+        mask = np.zeros(self.vocab_size, dtype=bool)
+        if allowed is None:
+            mask[:] = True
+        else:
+            items = list(allowed)  # a string is its characters
+            for item in items:
+                if (
+                    isinstance(item, (int, np.integer))
+                    and not isinstance(item, bool)
+                    and 0 <= item < self.vocab_size
+                ):
+                    mask[int(item)] = True
+                    continue
+                ids = self.tokenizer.encode(item, add_special_tokens=False) if isinstance(item, str) else []
+                if len(ids) != 1:
+                    raise ConfigError(f"allowed_tokens: {item!r} is not one token of this vocabulary.")
+                mask[ids[0]] = True
+            if self.eos_id is not None:
+                mask[self.eos_id] = True
+        if self.pad_id != self.eos_id:
+            mask[self.pad_id] = False  # padding is never an action
+        return mask
 
     # -- prompts ---------------------------------------------------------------------------------------
-    def encode_prompt(self, index: int) -> np.ndarray:
+    def encode_prompt(self, index: int, warn: bool = True) -> np.ndarray:
         if index not in self._encoded:
             text = self.prompts[index].text
             if self.chat_template:
@@ -97,7 +145,12 @@ class Episodes:
                 )
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
-                ids = self.tokenizer.encode(text)
+                try:
+                    ids = self.tokenizer.encode(text)
+                except ValueError as exc:  # e.g. a character outside a character tokenizer's alphabet
+                    raise PromptError(
+                        f"prompt {index} ({self.prompts[index].text[:40]!r}) cannot be tokenized: {exc}"
+                    ) from None
             ids = np.asarray(ids, dtype=np.int64)
             if len(ids) > self.P:
                 where = f"prompt {index} ({self.prompts[index].text[:40]!r}...) has {len(ids)} tokens"
@@ -106,24 +159,36 @@ class Episodes:
                         f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
                         f"the prompt, or pass prompt_overflow='truncate' to keep its last {self.P} tokens."
                     )
-                warnings.warn(
-                    f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
-                    f"to keep it whole.",
-                    stacklevel=4,
-                )
+                if warn:
+                    warnings.warn(
+                        f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
+                        f"to keep it whole.",
+                        stacklevel=4,
+                    )
+                self._overflowed += 1
                 ids = ids[-self.P :]  # from the left: the end of a prompt is what the completion continues
             self._encoded[index] = ids
         return self._encoded[index]
 
-    def start(self, slots: Sequence[int] | np.ndarray, rng: np.random.Generator, prompt: Any = None) -> None:
-        """Begin new episodes in ``slots``: with ``prompt`` (an index or a text), else the next prompt."""
-        for slot in slots:
-            if prompt is not None:
-                index = self._prompt_option(prompt)
-            elif self.prompt_order == "sequential":
-                index, self._cursor = self._cursor, (self._cursor + 1) % self.n_source
-            else:
-                index = int(rng.integers(self.n_source))
+    def draw(self, k: int, rng: np.random.Generator) -> list[int]:
+        """The indices of the next ``k`` prompts, in ``prompt_order``."""
+        if self.prompt_order == "sequential":
+            indices = [(self._cursor + j) % self.n_source for j in range(k)]
+            self._cursor = (self._cursor + k) % self.n_source
+            return indices
+        return [int(rng.integers(self.n_source)) for _ in range(k)]
+
+    def start(
+        self,
+        slots: Sequence[int] | np.ndarray,
+        rng: np.random.Generator,
+        prompts: Sequence[Any] | None = None,
+    ) -> None:
+        """Begin new episodes in ``slots``: ``prompts[k]`` (a prompt index or a text) in ``slots[k]``, or the
+        next prompts of the source when ``prompts`` is None."""
+        slots = list(slots)
+        indices = self.draw(len(slots), rng) if prompts is None else [self.prompt_option(p) for p in prompts]
+        for slot, index in zip(slots, indices):
             ids = self.encode_prompt(index)
             self.input_ids[slot] = self.pad_id
             self.attention_mask[slot] = 0
@@ -131,8 +196,13 @@ class Episodes:
             self.attention_mask[slot, self.P - len(ids) : self.P] = 1
             self.prompt_index[slot], self.length[slot], self.active[slot] = index, 0, True
 
-    def _prompt_option(self, prompt: Any) -> int:
-        if isinstance(prompt, (int, np.integer)) and 0 <= prompt < self.n_source:
+    def prompt_option(self, prompt: Any) -> int:
+        """The prompt index for a ``reset`` option: an index into the source, or a text (added on first use)."""
+        if (
+            isinstance(prompt, (int, np.integer))
+            and not isinstance(prompt, bool)
+            and 0 <= prompt < self.n_source
+        ):
             return int(prompt)
         if isinstance(prompt, str) and prompt.strip():
             if prompt not in self._adhoc:
@@ -140,7 +210,7 @@ class Episodes:
                 self.prompts.append(Prompt(prompt))
             return self._adhoc[prompt]
         raise ConfigError(
-            f"options['prompt'] must be a prompt index in [0, {self.n_source}) or a text, not {prompt!r}."
+            f"a prompt option must be a prompt index in [0, {self.n_source}) or a non-empty text, not {prompt!r}."
         )
 
     # -- stepping --------------------------------------------------------------------------------------
@@ -162,7 +232,7 @@ class Episodes:
         stopped = tokens == self.eos_id
         if self.stop:
             stopped |= np.array([self._hit_stop(i) for i in rows], dtype=bool)
-        full = self.length[rows] >= self.T
+        full = self.length[rows] >= self.limit
         ended = stopped | full
         self.active[rows[ended]] = False
         return rows[ended], ["stop" if s else "length" for s in stopped[ended]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -17,9 +17,86 @@ from textgym.prompts import PromptsLike
 from textgym.rewards import RewardSpec, RewardStack
 
 Obs = dict[str, np.ndarray]
+SINGLE_OPTIONS = ("prompt",)
+VECTOR_OPTIONS = ("reset_mask", "prompt", "prompts", "group_size")
 
 
-class TextGenEnv(gym.Env[Obs, int]):
+def _checked_options(options: Any, valid: Sequence[str]) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"reset options must be a dict, not {type(options).__name__} {options!r}.")
+    unknown = sorted(set(options) - set(valid), key=str)
+    if unknown:
+        raise ConfigError(f"unknown reset option {unknown[0]!r}; valid options: {', '.join(valid)}.")
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _check_steps(value: Any) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+    ):
+        raise ConfigError(f"max_episode_steps must be a positive integer or None, not {value!r}.")
+    return None if value is None else int(value)
+
+
+def _enclosing_time_limit(depth: int = 12) -> int | None:
+    """The step limit of a ``gymnasium.wrappers.TimeLimit`` whose ``reset`` is calling this env's, if any.
+    Gymnasium adds that wrapper outside the env and never tells it the limit; looking up the call stack is
+    the one way to truncate (and so score) an episode on the wrapper's last step."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, gym.wrappers.TimeLimit):
+            return int(owner._max_episode_steps)
+        frame = frame.f_back
+    return None
+
+
+class _Accessors:
+    """What agents and tools may read about an env's episodes (nothing outside textgym/envs reads
+    ``env.episodes``)."""
+
+    episodes: Episodes
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Prompt positions in an observation (prompts are left-padded into them)."""
+        return self.episodes.P
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The response budget: an episode is truncated after this many tokens."""
+        return self.episodes.T
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.episodes.pad_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.episodes.eos_id
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the source (reset options index into them)."""
+        return self.episodes.n_source
+
+    @property
+    def reward_seconds(self) -> float:
+        """Seconds spent in the reward stack since the env was made (for agents' time breakdowns)."""
+        return self.episodes.reward_seconds
+
+    def encode_prompt(self, prompt: int | str) -> np.ndarray:
+        """The token ids an episode on ``prompt`` (an index or a text) starts from, template applied."""
+        return self.episodes.encode_prompt(self.episodes.prompt_option(prompt)).copy()
+
+
+class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     """Prompted text generation, one token per step.
 
     ## Description
@@ -51,13 +128,18 @@ class TextGenEnv(gym.Env[Obs, int]):
     - ``chat_template``: wrap each prompt as a user message (default: when the tokenizer has a template).
     - ``stop``: extra stop strings. ``prompt_overflow``: ``"truncate"`` (from the left, with a warning) or
       ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"``.
+    - ``allowed_tokens``: token ids, token strings or a string of characters the agent may choose (EOS is
+      always allowed, pad never); ``action_masks()`` returns them for action-masking agents (MaskablePPO).
+    - ``pad_token``: an existing token to pad with, for tokenizers whose pad is their EOS.
+    - ``max_episode_steps``: truncate (and score) after this many steps; a ``TimeLimit`` wrapper around the
+      env (``gymnasium.make(..., max_episode_steps=N)``) does the same.
     - ``reset(options={"prompt": index_or_text})`` starts an episode on a given prompt.
 
     ## Version History
     - v0: initial version.
     """
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(
         self,
@@ -70,14 +152,18 @@ class TextGenEnv(gym.Env[Obs, int]):
         stop: Sequence[str] | str | None = None,
         prompt_overflow: str = "truncate",
         prompt_order: str = "random",
+        allowed_tokens: Sequence[str | int] | str | None = None,
+        pad_token: str | None = None,
         render_mode: str | None = None,
+        max_episode_steps: int | None = None,
     ):
         if render_mode not in (None, "ansi"):
             raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
         self.render_mode = render_mode
+        self._max_episode_steps = _check_steps(max_episode_steps)
         self.episodes = Episodes(
             1, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
-            prompt_overflow, prompt_order,
+            prompt_overflow, prompt_order, allowed_tokens, pad_token,
         )  # fmt: skip
         self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
         self.observation_space = self.episodes.observation_space
@@ -86,8 +172,12 @@ class TextGenEnv(gym.Env[Obs, int]):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
         super().reset(seed=seed)
-        prompt = (options or {}).get("prompt")
-        self.episodes.start([0], self.np_random, prompt)
+        # An episode cut by a TimeLimit wrapper (gymnasium.make(..., max_episode_steps=N)) is still scored:
+        # the env truncates, and scores, on the wrapper's last step itself.
+        limits = [n for n in (self._max_episode_steps, _enclosing_time_limit()) if n is not None]
+        self.episodes.limit = min([self.episodes.T, *limits])
+        prompt = _checked_options(options, SINGLE_OPTIONS).get("prompt")
+        self.episodes.start([0], self.np_random, None if prompt is None else [prompt])
         self._needs_reset = False
         return self.episodes.obs(0), {"prompt": self.episodes.prompts[self.episodes.prompt_index[0]].text}
 
@@ -106,6 +196,10 @@ class TextGenEnv(gym.Env[Obs, int]):
         terminated = reasons[0] == "stop"
         return self.episodes.obs(0), float(total[0]), terminated, not terminated, infos[0]
 
+    def action_masks(self) -> np.ndarray:
+        """(vocab,) bool: the tokens the agent may choose (``allowed_tokens``, never pad)."""
+        return self.episodes.allowed.copy()
+
     def render(self) -> str | None:
         if self.render_mode == "ansi":
             return self.episodes.text(0)
@@ -115,7 +209,7 @@ class TextGenEnv(gym.Env[Obs, int]):
         self.reward_stack.close()
 
 
-class TextGenVectorEnv(VectorEnv):
+class TextGenVectorEnv(_Accessors, VectorEnv):
     """``num_envs`` :class:`TextGenEnv` episodes stepped together, with their rewards scored in batches.
 
     Every episode that ends on a step is scored in the same call to the reward stack.
@@ -127,10 +221,20 @@ class TextGenVectorEnv(VectorEnv):
       are ignored and they return reward 0. Agents that generate a whole batch before restarting
       (KV-cached rollouts) use this mode.
 
+    ``reset(options=...)`` takes at most one of:
+    - ``{"prompt": p}``: every sub-env being reset starts on prompt ``p`` (an index into the source or a text);
+    - ``{"prompts": [p0, p1, ...]}``: one prompt per sub-env being reset;
+    - ``{"group_size": G}``: the env draws one prompt per G sub-envs (in ``prompt_order``) and consecutive
+      groups of G sub-envs share it, e.g. ``[a, a, b, b]`` for G = 2: what group-relative agents (GRPO,
+      RLOO) ask for;
+    and, with any of them, ``{"reset_mask": mask}`` (a bool array) to reset only some sub-envs.
+    ``max_prompt_tokens``, ``max_new_tokens``, ``pad_token_id``, ``eos_token_id``, ``num_prompts`` and
+    ``reward_seconds`` are public read-only properties for agents.
+
     Other arguments: as :class:`TextGenEnv`.
     """
 
-    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(
         self,
@@ -144,9 +248,14 @@ class TextGenVectorEnv(VectorEnv):
         stop: Sequence[str] | str | None = None,
         prompt_overflow: str = "truncate",
         prompt_order: str = "random",
+        allowed_tokens: Sequence[str | int] | str | None = None,
+        pad_token: str | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.SAME_STEP,
         render_mode: str | None = None,
+        max_episode_steps: int | None = None,
     ):
+        if render_mode not in (None, "ansi"):
+            raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
         if not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ConfigError(f"num_envs must be a positive integer, not {num_envs!r}.")
         try:
@@ -161,8 +270,10 @@ class TextGenVectorEnv(VectorEnv):
         self.num_envs = int(num_envs)
         self.episodes = Episodes(
             self.num_envs, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
-            prompt_overflow, prompt_order,
+            prompt_overflow, prompt_order, allowed_tokens, pad_token,
         )  # fmt: skip
+        if _check_steps(max_episode_steps) is not None:  # make_vec passes a registered TimeLimit here
+            self.episodes.limit = min(self.episodes.T, max_episode_steps)
         self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
         self.single_observation_space = self.episodes.observation_space
         self.single_action_space = self.episodes.action_space
@@ -172,12 +283,16 @@ class TextGenVectorEnv(VectorEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
         super().reset(seed=seed)
-        options = options or {}
-        mask = options.get("reset_mask")
-        slots = np.arange(self.num_envs) if mask is None else np.flatnonzero(np.asarray(mask, dtype=bool))
-        if mask is not None and np.shape(mask) != (self.num_envs,):
-            raise ConfigError(f"reset_mask must have shape ({self.num_envs},), not {np.shape(mask)}.")
-        self.episodes.start(slots, self.np_random, options.get("prompt"))
+        options = _checked_options(options, VECTOR_OPTIONS)
+        slots = np.arange(self.num_envs)
+        if "reset_mask" in options:
+            mask = np.asarray(options["reset_mask"])
+            if mask.shape != (self.num_envs,) or mask.dtype != bool:
+                raise ConfigError(
+                    f"reset_mask must be a bool array of shape ({self.num_envs},), not {options['reset_mask']!r}."
+                )
+            slots = np.flatnonzero(mask)
+        self.episodes.start(slots, self.np_random, self._prompts_option(options, len(slots)))
         self._started = True
         infos: dict[str, Any] = {}
         for i in slots:
@@ -185,6 +300,32 @@ class TextGenVectorEnv(VectorEnv):
                 infos, {"prompt": self.episodes.prompts[self.episodes.prompt_index[i]].text}, i
             )
         return self.episodes.batch_obs(), infos
+
+    def _prompts_option(self, options: dict[str, Any], k: int) -> list[Any] | None:
+        """The prompt of each of the ``k`` sub-envs being reset, from the reset options (None: draw them)."""
+        given = [key for key in ("prompt", "prompts", "group_size") if key in options]
+        if len(given) > 1:
+            raise ConfigError(f"reset options {given} exclude each other: give one of them.")
+        if "prompt" in options:
+            return [options["prompt"]] * k
+        if "prompts" in options:
+            prompts = options["prompts"]
+            if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) != k:
+                raise ConfigError(
+                    f"options['prompts'] must be a list of {k} prompts (indices or texts), one per sub-env "
+                    f"being reset, not {prompts!r}."
+                )
+            return list(prompts)
+        if "group_size" in options:
+            g = options["group_size"]
+            if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or g < 1 or k % g:
+                raise ConfigError(
+                    f"options['group_size'] must be a positive integer that divides the {k} sub-envs being "
+                    f"reset, not {g!r}."
+                )
+            # Consecutive sub-envs share a prompt: [p0]*g + [p1]*g + ...
+            return [index for index in self.episodes.draw(k // int(g), self.np_random) for _ in range(g)]
+        return None
 
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict]:
         if not self._started:
@@ -216,6 +357,17 @@ class TextGenVectorEnv(VectorEnv):
                 for i, info in zip(ended, episode_infos):
                     infos = self._add_info(infos, info, i)
         return self.episodes.batch_obs(), rewards, terminated, truncated, infos
+
+    def action_masks(self) -> np.ndarray:
+        """(num_envs, vocab) bool: the tokens each sub-env's agent may choose (``allowed_tokens``, never pad);
+        sb3-contrib's ``MaskablePPO`` reads it through :class:`textgym.sb3.TextGymVecEnv`."""
+        return np.broadcast_to(self.episodes.allowed, (self.num_envs, self.episodes.vocab_size)).copy()
+
+    def render(self) -> tuple[str, ...] | None:
+        """``render_mode="ansi"``: each sub-env's text so far (prompt and completion)."""
+        if self.render_mode == "ansi":
+            return tuple(self.episodes.text(i) for i in range(self.num_envs))
+        return None
 
     @property
     def active(self) -> np.ndarray:

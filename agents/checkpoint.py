@@ -1,0 +1,119 @@
+"""Checkpoints of LM agents: one directory, written atomically, loaded without running pickled code.
+
+Layout: ``policy/`` (Hugging Face format; the adapter alone with LoRA, the base reloaded by name),
+``reference/`` (only when the policy was given as an object), ``<module>.pt`` per trainable module (e.g. the
+value head), ``optimizer.pt`` and ``state.json`` (agent name, config, counters, history, extra state).
+Tensors are loaded with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from textgym.agents.rollout_batch import RunningMoments
+from textgym.errors import ConfigError, TrainingError
+
+if TYPE_CHECKING:
+    from textgym.agents.base import LMAgent
+
+
+def checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint is a directory: SB3's ``CheckpointCallback`` passes ``name_<steps>_steps.zip``, which
+    becomes ``name_<steps>_steps``."""
+    path = Path(path)
+    return path.with_suffix("") if path.suffix == ".zip" else path
+
+
+def save_checkpoint(agent: LMAgent, path: Path) -> None:
+    from textgym.models import atomic_build_dir
+
+    try:
+        agent.check_health(collective=False)  # saving runs on the main process only
+    except TrainingError as exc:
+        raise TrainingError(
+            f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
+        ) from None
+    policy = agent.accelerator.unwrap_model(agent.policy)
+    if agent.policy_source is None and agent.config.lora is not None:
+        raise ConfigError(
+            "saving a LoRA policy needs the base model given by name or path, not as an object."
+        )
+
+    def build(out: Path) -> None:
+        policy.save_pretrained(out / "policy")
+        if agent.policy_source is None and agent.ref_policy is not None:
+            agent.ref_policy.save_pretrained(out / "reference")
+        for name, module in agent.modules.items():
+            torch.save(agent.accelerator.unwrap_model(module).state_dict(), out / f"{name}.pt")
+        torch.save(agent.optimizer.state_dict(), out / "optimizer.pt")
+        state = {
+            "agent": agent.name,
+            "config": asdict(agent.config),
+            "policy_source": agent.policy_source,
+            "num_timesteps": agent.num_timesteps,
+            "iteration": agent.iteration,
+            "skipped_steps": agent.skipped_steps,
+            "score_moments": asdict(agent.score_moments),
+            "extra": agent.extra_state(),
+            "history": agent.history,
+        }
+        (out / "state.json").write_text(json.dumps(state, indent=2))
+
+    atomic_build_dir(path, build, replace=True)
+
+
+def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
+    from transformers import AutoModelForCausalLM
+
+    from textgym.models import is_complete
+
+    if not is_complete(path):
+        raise ConfigError(
+            f"{str(path)!r} is not a complete {cls.__name__} checkpoint (no state.json written by save)."
+        )
+    try:
+        state = json.loads((path / "state.json").read_text())
+        saved_by = state.get("agent", "lmppo")
+        if saved_by != cls.name:
+            raise ConfigError(
+                f"{str(path)!r} is a checkpoint of agent {saved_by!r}, not {cls.name!r}: load it with that agent."
+            )
+        config = {**state["config"], **overrides}
+        source = state["policy_source"]
+        if config.get("lora") is not None:
+            from peft import PeftModel
+
+            base = cls._load_policy(source)
+            policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
+        else:
+            policy = AutoModelForCausalLM.from_pretrained(path / "policy")
+        agent = cls(policy, env, **config)
+        agent.policy_source = source
+        if agent.ref_policy is not None:
+            reference = (
+                cls._load_policy(source)
+                if source
+                else AutoModelForCausalLM.from_pretrained(path / "reference")
+            )
+            agent.ref_policy = reference.requires_grad_(False).eval().to(agent.device)
+        for name, module in agent.modules.items():
+            weights = torch.load(path / f"{name}.pt", weights_only=True)
+            agent.accelerator.unwrap_model(module).load_state_dict(weights)
+        agent.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
+        agent.skipped_steps = state.get("skipped_steps", 0)
+        agent.score_moments = RunningMoments(**state["score_moments"])
+        agent.history = state["history"]
+        agent.load_extra_state(state.get("extra", {}))
+    except (ConfigError, TrainingError):
+        raise
+    except Exception as exc:  # whatever a damaged file makes the loaders raise
+        raise ConfigError(
+            f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
+        ) from exc
+    return agent

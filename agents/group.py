@@ -1,0 +1,160 @@
+"""What the critic-free agents (GRPO, RLOO) share on top of :class:`~textgym.agents.base.LMAgent`: groups of
+``num_generations`` completions per prompt, a sequence-level advantage per completion, and an update of
+``num_iterations`` passes over the batch in ``steps_per_generation`` optimizer steps each.
+
+A subclass says how advantages come from the scores (:meth:`GroupAgent.advantages`) and what the loss of a
+micro-batch is (:meth:`GroupAgent.loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from textgym.agents.base import LMAgent
+from textgym.agents.lm_config import LMAgentConfig, check_positive_int
+from textgym.agents.rollout_batch import RolloutBatch
+from textgym.errors import ConfigError
+
+
+@dataclass
+class GroupConfig(LMAgentConfig):
+    num_generations: int = 8
+    """Completions per prompt (G): the group an advantage is relative to. num_envs must be a multiple."""
+    beta: float = 0.0
+    """KL coefficient (0: no reference model is loaded at all)."""
+    epsilon: float = 0.2
+    """Lower clipping bound of the importance ratio: 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clipping bound: 1 + epsilon_high (None: epsilon). Above epsilon = DAPO's clip-higher."""
+    num_iterations: int = 1
+    """Passes over each batch (mu in the GRPO paper); beyond 1 the importance ratio matters."""
+    steps_per_generation: int = 1
+    """Optimizer steps per pass: the batch is split into this many minibatches of whole sequences."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens (no EOS) out of the loss (DAPO)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_iterations", "steps_per_generation"):
+            check_positive_int(name, getattr(self, name))
+        g = self.num_generations
+        if isinstance(g, bool) or not isinstance(g, int) or g < 2:
+            raise ConfigError(
+                f"num_generations must be an integer >= 2 (a group needs a baseline from other completions of "
+                f"its prompt), not {g!r}."
+            )
+        if not isinstance(self.beta, (int, float)) or not 0 <= self.beta < math.inf:
+            raise ConfigError(f"beta must be a number >= 0, not {self.beta!r}.")
+        if not isinstance(self.epsilon, (int, float)) or not 0 < self.epsilon < 1:
+            raise ConfigError(f"epsilon must be in (0, 1), not {self.epsilon!r}.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if not isinstance(self.epsilon_high, (int, float)) or self.epsilon_high < self.epsilon:
+            raise ConfigError(
+                f"epsilon_high must be >= epsilon ({self.epsilon}) (clip-higher widens the upper bound), "
+                f"not {self.epsilon_high!r}."
+            )
+
+
+@dataclass
+class GroupBatch(RolloutBatch):
+    """A :class:`RolloutBatch` with one advantage per completion and the loss mask."""
+
+    advantages: torch.Tensor | None = None  # (N,)
+    loss_mask: torch.Tensor | None = None  # (N, T): response_mask, without truncated completions if asked
+
+
+class GroupAgent(LMAgent):
+    """Base of the group-relative agents; see the module docstring."""
+
+    config_class = GroupConfig
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.config.beta != 0
+
+    @property
+    def group_size(self) -> int:
+        return self.config.num_generations
+
+    def advantages(
+        self, scores: torch.Tensor, kl: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One advantage per completion (N,) from the scores and, with a reference, the KL per completion,
+        over the whole batch of every process (as TRL computes them on gathered rewards); and statistics."""
+        raise NotImplementedError
+
+    def loss(
+        self, mb: GroupBatch, logprobs: torch.Tensor, totals: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+        """The loss of micro-batch ``mb`` (its share of the optimizer step's, see ``totals``) and statistics
+        as (sum, count) pairs, averaged over the update."""
+        raise NotImplementedError
+
+    def collect_rollouts(self) -> GroupBatch:
+        batch, _ = self.generate()
+        return self.process(batch)
+
+    def process(self, batch: RolloutBatch) -> GroupBatch:
+        """Advantages and the loss mask for ``batch`` (this process's rows; statistics such as a batch std
+        are over every process's rows)."""
+        d = self.dist
+        kl = None
+        if batch.ref_logprobs is not None:
+            kl = d.gather(((batch.logprobs - batch.ref_logprobs) * batch.response_mask).sum(1))  # (N_all,) k1
+        advantages, stats = self.advantages(d.gather(batch.scores), kl)
+        n = len(batch)
+        advantages = advantages[d.rank * n : (d.rank + 1) * n]  # this process's rows
+        loss_mask = batch.response_mask.clone()
+        if self.config.mask_truncated_completions:
+            loss_mask[batch.truncated] = 0
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
+        b = GroupBatch(**fields, advantages=advantages, loss_mask=loss_mask)
+        b.stats.update(stats)
+        return b
+
+    def train(self, batch: GroupBatch) -> dict[str, float]:
+        c = self.config
+        n = len(batch)
+        mb_size = math.ceil(n / c.steps_per_generation)
+        micro = c.micro_batch_size or mb_size
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
+        sums: dict[str, list[float]] = {}
+
+        def add(name: str, total: float, count: float) -> None:
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+
+        for _ in range(c.num_iterations):
+            for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
+                self.optimizer.zero_grad()
+                micros = mb_inds.split(micro)
+                totals = {  # the optimizer step's totals over every process, for global normalisers
+                    "num_sequences": int(self.dist.sum(len(mb_inds))),
+                    "num_tokens": self.dist.sum(batch.loss_mask[mb_inds].sum()).float(),
+                    "num_micro_batches": len(micros),
+                    "max_completion_length": batch.response_ids.shape[1],
+                    "world": self.dist.world,
+                }
+                step_loss = 0.0
+                for k, micro_inds in enumerate(micros):
+                    mb = batch.select(micro_inds)
+                    with self.accumulating(last=k == len(micros) - 1):
+                        logprobs, entropy, _ = self.policy_logprobs(mb)
+                        loss, stats = self.loss(mb, logprobs, totals)
+                        self.backward(loss)
+                    step_loss += float(loss.detach())
+                    mask = mb.response_mask.to(entropy.device).float()
+                    add("entropy", float((entropy * mask).sum()), float(mask.sum()))
+                    for name, (total, count) in stats.items():
+                        add(name, total, count)
+                add("loss", step_loss, 1)
+                self.optimizer_step()
+        totals = {name: (float(self.dist.sum(t)), float(self.dist.sum(c))) for name, (t, c) in sums.items()}
+        return {name: t / c if c else math.nan for name, (t, c) in totals.items()}

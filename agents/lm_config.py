@@ -1,0 +1,83 @@
+"""The hyperparameters every LM agent has, and how an agent's config is built from user input."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from textgym.errors import ConfigError
+
+
+@dataclass
+class LMAgentConfig:
+    """Hyperparameters every LM agent has. Subclasses add theirs (a dataclass per agent)."""
+
+    learning_rate: float = 1e-5
+    """AdamW learning rate."""
+    lr_schedule: str = "constant"
+    """"constant", or "linear" (anneal to 0 over the learn() call's total_timesteps)."""
+    temperature: float = 1.0
+    """Sampling temperature; it divides the logits wherever log-probs are computed."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping."""
+    micro_batch_size: int | None = None
+    """Sequences per forward pass; gradients accumulate over the minibatch (None: the whole minibatch)."""
+    missing_eos_penalty: float | None = None
+    """Subtract this from the score of episodes that hit max_new_tokens without EOS."""
+    score_scale: float = 1.0
+    """Multiply the reward-stack total by this."""
+    score_norm: bool = False
+    """Normalise scores by their running mean and std."""
+    score_clip: float | None = None
+    """Clip (scaled, normalised) scores to [-score_clip, score_clip]."""
+    max_abs_score: float = 1e6
+    """A reward-stack total beyond ±this stops training with the plugin that produced it named (a reward
+    of 1e20 is finite but drives the losses to inf)."""
+    lora: dict[str, Any] | None = None
+    """peft LoraConfig arguments (e.g. {"r": 8}); the reference is then the adapter-disabled model."""
+    device: str = "auto"
+    """"auto" (the GPU when there is one), "cpu", "cuda", ..."""
+    bf16: bool | None = None
+    """bf16 autocast; None: on for GPUs, off on the CPU."""
+    seed: int = 0
+    """Seeds torch, numpy and the rollouts."""
+    verbose: int = 1
+    """0: silent; 1: log to stdout."""
+    tensorboard_log: str | None = None
+    """Folder for tensorboard (and CSV) logs."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            # log-probs divide by it; greedy rollouts have no importance ratio
+            raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")
+        if not isinstance(self.learning_rate, (int, float)) or not 0 < self.learning_rate < math.inf:
+            raise ConfigError(f"learning_rate must be a positive number, not {self.learning_rate!r}.")
+        if self.lr_schedule not in ("constant", "linear"):
+            raise ConfigError(f"lr_schedule must be 'constant' or 'linear', not {self.lr_schedule!r}.")
+        if self.micro_batch_size is not None:
+            check_positive_int("micro_batch_size", self.micro_batch_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, not {self.seed!r}.")
+        if not self.max_abs_score > 0:
+            raise ConfigError(f"max_abs_score must be > 0, not {self.max_abs_score!r}.")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
+
+
+def make_config(config_class: type, agent_name: str, hyperparameters: dict[str, Any]) -> Any:
+    """``config_class(**hyperparameters)``, with an unknown name reported with the closest valid ones."""
+    valid = [f.name for f in dataclasses.fields(config_class)]
+    for name in hyperparameters:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{agent_name} has no hyperparameter {name!r}.{hint} Valid: {', '.join(sorted(valid))}."
+            )
+    return config_class(**hyperparameters)

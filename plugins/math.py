@@ -1,0 +1,73 @@
+"""``math``: check a math answer against a reference with Hugging Face's ``math-verify`` (verifiable tasks)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from textgym import Sample, hookimpl
+
+
+class MathVerify:
+    """1.0 when the completion's answer equals the reference mathematically, 0.0 when it does not, and
+    ``None`` (not applicable) when the prompt has no reference or its reference does not parse.
+
+    ``math-verify`` extracts the answer from the completion (LaTeX such as ``\\boxed{\\frac{1}{2}}`` or a plain
+    expression such as ``-8``; the last one wins when there are several) and compares it with the reference
+    numerically and symbolically, so ``0.5``, ``1/2`` and ``\\frac12`` all match ``\\frac{1}{2}``.
+
+    Args:
+        reference_key: the metadata key holding the reference answer (default ``"reference"``, as in the
+            shipped ``arithmetic`` prompts).
+        timeout: seconds (whole) that parsing or comparing one answer may take; one that takes longer scores
+            0.0. math-verify enforces it with ``signal.alarm``, which works on the main thread only: on any
+            other thread (a reward server, a thread pool) textgym turns the timeout off rather than fail.
+            0 turns it off everywhere.
+    """
+
+    name = "math"
+
+    def __init__(self, reference_key: str = "reference", timeout: int = 5):
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
+            raise ValueError(f"timeout must be a whole number of seconds >= 0 (0 = off), not {timeout!r}.")
+        import math_verify
+
+        self.reference_key, self.timeout, self._mv = reference_key, timeout, math_verify
+
+    def _timeout(self) -> int | None:
+        # math-verify's timeouts install a SIGALRM handler, which Python allows on the main thread only;
+        # elsewhere it raises ValueError, so we pass None (math-verify's documented "no timeout").
+        if self.timeout and threading.current_thread() is threading.main_thread():
+            return self.timeout
+        return None
+
+    def score(self, completion: str, reference: str) -> float | None:
+        timeout = self._timeout()
+        gold = _parse_reference(reference, timeout)
+        if not gold:
+            return None
+        answer = self._mv.parse(completion, parsing_timeout=timeout)
+        return float(self._mv.verify(gold, answer, timeout_seconds=timeout))
+
+    def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
+        scores: list[float | None] = []
+        for s in samples:
+            reference = s.meta.get(self.reference_key)
+            missing = reference is None or not str(reference).strip()
+            scores.append(None if missing else self.score(s.completion, str(reference)))
+        return scores
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_reference(reference: str, timeout: int | None) -> Any:
+    """References repeat across samples (G completions per prompt, many epochs): parse each once."""
+    import math_verify
+
+    return math_verify.parse(reference, parsing_timeout=timeout)
+
+
+@hookimpl
+def register_rewards(register: Callable[..., None]) -> None:
+    register("math", MathVerify)

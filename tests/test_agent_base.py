@@ -1,0 +1,103 @@
+"""What LMAgent gives every LM agent: reward composition over the whole batch, schedules, guards."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from lm_helpers import CHARS, char_llama, iterations, make_env, share_of_a
+
+from textgym import FunctionReward, RewardStack, TextGenVectorEnv
+from textgym.agents.grpo import GRPO
+from textgym.agents.ppo import LMPPO
+from textgym.composition import WeightSchedule
+from textgym.errors import TrainingError
+from textgym.models import is_complete
+
+
+def env_with(stack, n=16, **kwargs):
+    return TextGenVectorEnv(
+        num_envs=n, model=CHARS, prompts="copy", max_new_tokens=6, max_prompt_tokens=3, rewards=stack,
+        autoreset_mode="Disabled", **kwargs,
+    )  # fmt: skip
+
+
+def length(samples):
+    return [float(len(s.completion)) for s in samples]
+
+
+def test_normalize_then_sum_standardises_over_the_whole_batch_not_per_step():
+    stack = RewardStack(
+        [(FunctionReward("a", share_of_a), 1.0), (FunctionReward("len", length), 1.0)],
+        aggregate="normalize_then_sum",
+    )
+    agent = LMPPO(char_llama(), env_with(stack), verbose=0)
+    batch = agent.collect_rollouts()
+    components = {
+        name: np.array([e["reward_components"][name] for e in batch.episodes], dtype=float)
+        for name in ("a", "len")
+    }
+    assert len({e["num_tokens"] for e in batch.episodes}) > 1  # episodes ended on different steps
+    expected = sum((v - v.mean()) / v.std() for v in components.values())
+    np.testing.assert_allclose(batch.raw_scores.numpy(), expected, atol=1e-5)
+    assert [e["reward"] for e in batch.episodes] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_weight_schedules_follow_training_progress():
+    schedule = WeightSchedule(start=1.0, end=0.0)
+    stack = RewardStack([(FunctionReward("a", share_of_a), schedule), (FunctionReward("len", length), 0.0)])
+    env = env_with(stack)
+    agent = GRPO(char_llama(), env, num_generations=4, verbose=0)
+    agent.learn(16 * 6 * 3)
+    assert 0.5 < stack.progress < 1.0  # set before the last iteration's rollout
+    assert stack.weights["a"] == pytest.approx(1.0 - stack.progress)
+
+
+def test_not_applicable_components_are_left_out_of_the_statistics():
+    def only_short(samples):
+        return [1.0 if len(s.completion) < 3 else None for s in samples]
+
+    stack = RewardStack([(FunctionReward("short", only_short), 1.0), (FunctionReward("a", share_of_a), 1.0)])
+    agent = LMPPO(char_llama(), env_with(stack), verbose=0)
+    batch = agent.collect_rollouts()
+    values = [e["reward_components"]["short"] for e in batch.episodes]
+    assert None in values and 1.0 in values
+    assert batch.stats["rewards/short/mean"] == 1.0 and batch.stats["rewards/short/std"] == 0.0
+
+
+def test_an_absurd_reward_stops_training_before_the_update_and_names_the_plugin():
+    def huge(samples):
+        return [1e20] * len(samples)
+
+    stack = RewardStack([(FunctionReward("a", share_of_a), 1.0), (FunctionReward("huge", huge), 1.0)])
+    agent = LMPPO(char_llama(), env_with(stack), verbose=0)
+    before = [p.detach().clone() for p in agent.params]
+    with pytest.raises(TrainingError, match=r"reward plugin 'huge' returned 1e\+20.*max_abs_score=1e\+06"):
+        agent.learn(1)
+    assert all(torch.equal(a, b) for a, b in zip(before, agent.params))
+
+
+@pytest.mark.parametrize("cls", [LMPPO, GRPO])
+def test_a_diverging_learning_rate_stops_training_and_never_checkpoints_broken_weights(cls, tmp_path):
+    kwargs = {"num_generations": 4} if cls is GRPO else {}
+    agent = iterations(cls(char_llama(), make_env(), learning_rate=1e-3, verbose=0, **kwargs), 1)
+    agent.save(tmp_path / "ckpt")
+    saved = (tmp_path / "ckpt" / "state.json").read_text()
+    for group in agent.optimizer.param_groups:
+        group["lr"] = 1e6
+    agent.config.learning_rate = 1e6
+    with pytest.raises(TrainingError, match=r"no longer finite after iteration \d+: the update diverged"):
+        for _ in range(5):
+            agent.learn(1, reset_num_timesteps=False)
+    with pytest.raises(TrainingError, match="No checkpoint was written"):
+        agent.save(tmp_path / "ckpt")
+    assert is_complete(tmp_path / "ckpt") and (tmp_path / "ckpt" / "state.json").read_text() == saved
+
+
+def test_non_finite_losses_skip_the_optimizer_step_and_are_counted():
+    agent = LMPPO(char_llama(), make_env(), verbose=0)
+    agent.optimizer.zero_grad()
+    assert not agent.backward(torch.tensor(math.nan, requires_grad=True))
+    before = [p.detach().clone() for p in agent.params]
+    assert not agent.optimizer_step()
+    assert agent.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, agent.params))

@@ -1,0 +1,280 @@
+"""textgym keeps the conventions of Gymnasium, Stable-Baselines3, TRL and the shell."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from itertools import chain
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+import pytest
+from lm_helpers import char_llama, make_env
+from stable_baselines3.common.callbacks import CheckpointCallback
+
+import textgym
+from textgym.agents.ppo import LMPPO
+from textgym.errors import ConfigError, PluginError
+from textgym.evaluate import EvalCallback, evaluate_policy
+from textgym.models import is_complete
+from textgym.rewards import parse_reward_spec
+from textgym.sb3 import make_vec_env
+from textgym.train import run
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def quick(*overrides, tmp):
+    return [f"run.output_dir='{tmp}'", "run.total_timesteps=256", "run.sample_prompts=2", *overrides]
+
+
+# -- swapping agents ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("config", "agent"), [("copy-sb3.toml", "a2c"), ("copy.toml", "sb3-ppo"), ("copy.toml", "grpo")]
+)
+def test_one_flag_swaps_the_agent_of_a_config(tmp_path, config, agent):
+    out = tmp_path / agent
+    run(EXAMPLES / config, quick("env.num_envs=16", tmp=out), agent_name=agent)
+    assert is_complete(out / "checkpoint")
+    assert {
+        "metrics.csv",
+        "samples.jsonl",
+        "samples_before.jsonl",
+        "samples_after.jsonl",
+        "reward_kl.png",
+    } <= {p.name for p in out.iterdir()}
+    assert textgym.config.load_config(out / "config.toml")["agent"]["name"] == agent
+
+
+def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"\[agent.a2c\] a2c: unknown hyperparameter 'n_step'. Did you mean 'n_steps'"
+    ):
+        run(EXAMPLES / "copy-sb3.toml", quick("agent.a2c.n_step=5", tmp=tmp_path / "x"), agent_name="a2c")
+    with pytest.raises(ConfigError, match=r"\[agent\] grpo: unknown hyperparameter 'kl_coef'.*own table"):
+        run(EXAMPLES / "copy.toml", quick("agent.kl_coef=0.1", tmp=tmp_path / "y"), agent_name="grpo")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_sb3_contrib_algorithms_are_named_directly(tmp_path):
+    pytest.importorskip("sb3_contrib")
+    out = tmp_path / "qrdqn"
+    run(EXAMPLES / "copy.toml", quick("agent.qrdqn={learning_starts=0}", tmp=out), agent_name="qrdqn")
+    assert is_complete(out / "checkpoint")
+
+
+PLUGIN_AGENT = """
+import textgym
+from textgym.agents.base import LMAgent
+
+
+class Reinforce(LMAgent):
+    name = "reinforce"
+
+    @property
+    def uses_reference(self):
+        return False
+
+    def train(self, batch):
+        self.optimizer.zero_grad()
+        logprobs, entropy, _ = self.policy_logprobs(batch)
+        mask = batch.response_mask.float()
+        loss = -((batch.scores - batch.scores.mean())[:, None] * logprobs * mask).sum() / mask.sum()
+        self.backward(loss)
+        self.optimizer_step()
+        return {"loss": float(loss.detach())}
+
+
+@textgym.hookimpl
+def register_agents(register):
+    register("reinforce", Reinforce)
+"""
+
+
+def test_a_third_party_lm_agent_gets_the_same_run_directory(tmp_path):
+    (tmp_path / "reinforce.py").write_text(PLUGIN_AGENT)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "textgym", "train", str(EXAMPLES / "copy.toml"), "--plugin", str(tmp_path / "reinforce.py"),
+         "--agent", "reinforce", *chain.from_iterable(["--set", o] for o in quick("env.num_envs=16", tmp=out))],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = (out / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert {"reward", "kl", "entropy", "completions/mean_length", "loss", "time/update"} <= set(header)
+    assert {"samples_before.jsonl", "samples_after.jsonl", "reward_kl.png"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["agent"] == "reinforce"
+
+
+# -- Stable-Baselines3 edges -------------------------------------------------------------------------
+def test_evaluate_policy_and_eval_callback_work_on_the_native_env_without_warnings(tmp_path):
+    agent = LMPPO(char_llama(), make_env(), verbose=0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mean, std = evaluate_policy(agent, agent.get_env(), n_eval_episodes=20)
+        assert 0 <= mean <= 1 and std >= 0
+        rewards, lengths = evaluate_policy(agent, n_eval_episodes=5, return_episode_rewards=True)
+        assert len(rewards) == len(lengths) == 5
+        evaluation = EvalCallback(make_env(8), n_eval_episodes=8, eval_freq=1, log_path=str(tmp_path),
+                                  best_model_save_path=str(tmp_path / "best"), verbose=0)  # fmt: skip
+        agent.learn(16 * 6 * 2, callback=evaluation)
+    assert np.load(tmp_path / "evaluations.npz")["results"].shape == (agent.iteration, 8)
+    assert is_complete(tmp_path / "best" / "best_model")
+
+
+def test_sb3_evaluate_policy_reads_true_returns_without_a_monitor_warning():
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate
+
+    env = make_vec_env("textgym/Copy-v0", n_envs=4, seed=0)
+    model = PPO("MultiInputPolicy", env, n_steps=16, batch_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rewards, lengths = sb3_evaluate(model, env, n_eval_episodes=8, return_episode_rewards=True)
+    assert all(1 <= n <= 4 for n in lengths) and all(0 <= r <= 1 for r in rewards)
+
+
+def test_checkpoint_callback_directories_are_not_named_zip(tmp_path):
+    agent = LMPPO(char_llama(), make_env(), verbose=0)
+    agent.learn(
+        16 * 6 * 2, callback=CheckpointCallback(save_freq=1, save_path=str(tmp_path), name_prefix="lmppo")
+    )
+    names = sorted((p.name for p in tmp_path.iterdir()), key=lambda n: int(n.split("_")[1]))
+    assert names and all(not n.endswith(".zip") and is_complete(tmp_path / n) for n in names)
+    assert LMPPO.load(tmp_path / f"{names[0]}.zip").iteration == 1  # SB3's name for it loads too
+
+
+def test_tensorboard_logs_continue_across_resume_and_missing_tensorboard_is_an_error(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    run(EXAMPLES / "copy.toml", quick("run.report_to=['tensorboard']", "env.num_envs=16", tmp=out))
+    run(None, ["run.total_timesteps=512"], resume=out)
+    assert [p.name for p in (out / "tensorboard").iterdir()] == ["run_1"]
+    assert len(list((out / "tensorboard" / "run_1").glob("events.out.tfevents.*"))) == 2
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match=r"pip install 'textgym\[tensorboard\]'"):
+        LMPPO(char_llama(), make_env(), tensorboard_log=str(tmp_path / "tb")).learn(1)
+
+
+def test_maskable_ppo_never_chooses_a_masked_token():
+    pytest.importorskip("sb3_contrib")
+    from sb3_contrib import MaskablePPO
+
+    env = make_vec_env("textgym/Copy-v0", n_envs=4, seed=0, allowed_tokens="abc")
+    assert env.action_masks().sum(1).tolist() == [4, 4, 4, 4]  # a, b, c and EOS
+    model = MaskablePPO("MultiInputPolicy", env, n_steps=32, batch_size=64, seed=0)
+    model.learn(128)
+    obs = env.reset()
+    for _ in range(12):
+        actions, _ = model.predict(obs, action_masks=env.action_masks())
+        assert set(actions.tolist()) <= {1, 2, 3, 4}
+        obs, *_ = env.step(actions)
+
+
+def test_a_pad_token_setting_for_tokenizers_that_pad_with_eos():
+    from textgym.models import CharTokenizer
+
+    class EosPads(CharTokenizer):
+        pad_token_id = 1  # the same as EOS
+
+        def get_vocab(self):
+            return {"<pad>": 0, "<eos>": 1}
+
+        @property
+        def pad_token(self):
+            return "<eos>"
+
+        @pad_token.setter
+        def pad_token(self, value):
+            self.pad_token_id = self.get_vocab()[value]
+
+    with pytest.raises(textgym.errors.ModelError, match="uses the same token"):
+        textgym.TextGenEnv(model=EosPads(), prompts=["ab"])
+    env = textgym.TextGenEnv(model=EosPads(), prompts=["ab"], pad_token="<pad>")
+    assert env.pad_token_id == 0 and env.eos_token_id == 1
+    with pytest.raises(textgym.errors.ModelError, match="is not a token of"):
+        textgym.TextGenEnv(model=EosPads(), prompts=["ab"], pad_token="<nope>")
+
+
+# -- paths and the command line ----------------------------------------------------------------------
+def test_paths_in_a_config_resolve_against_its_file_and_resume_works_from_anywhere(tmp_path):
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "words.txt").write_text("abc\nbad\n")
+    (project / "helper.py").write_text(
+        "def score(samples):\n    return [float('a' in s.completion) for s in samples]\n"
+    )
+    (project / "rewards.py").write_text(
+        "import textgym\nfrom helper import score\n\n@textgym.reward('has_a')\ndef has_a(samples):\n    return score(samples)\n"
+    )
+    (project / "run.toml").write_text(
+        '[run]\ntotal_timesteps = 64\nsample_prompts = 2\nplugins = ["rewards.py"]\n'
+        '[env]\nid = "textgym/Copy-v0"\nnum_envs = 8\nprompts = "data/words.txt"\nrewards = [{ name = "has_a" }]\n'
+        '[agent]\npolicy = "tiny-char-llama"\nn_epochs = 1\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "textgym", "train"]
+    first = subprocess.run([*cmd, str(project / "run.toml"), "--set", f"run.output_dir='{out}'"], cwd=elsewhere,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    saved = textgym.config.load_config(out / "config.toml")
+    assert saved["env"]["prompts"] == str(project / "data" / "words.txt")
+    assert saved["run"]["plugins"] == [str(project / "rewards.py")]
+    again = subprocess.run([*cmd, "--resume", str(out), "--set", "run.total_timesteps=128"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+
+
+def test_reward_specs_parse_with_quotes_and_brackets():
+    spec = parse_reward_spec("keyword_bonus keywords=['thank you', \"please\"] weight=0.5 note='a b'")
+    assert spec == {
+        "name": "keyword_bonus",
+        "keywords": ["thank you", "please"],
+        "weight": 0.5,
+        "note": "a b",
+    }
+    with pytest.raises(ConfigError, match="unclosed quote or bracket"):
+        parse_reward_spec("x keywords=['thank you'")
+
+
+def test_a_register_function_without_hookimpl_is_named(tmp_path):
+    (tmp_path / "forgot.py").write_text("def register_rewards(register):\n    register('x', object)\n")
+    with pytest.raises(PluginError, match=r"defines register_rewards\(\) without @textgym.hookimpl"):
+        textgym.plugin_manager.load_plugin_file(tmp_path / "forgot.py")
+
+
+def test_importing_a_reward_module_that_is_also_a_plugin_file_is_not_a_duplicate(tmp_path, monkeypatch):
+    (tmp_path / "twice_rewards.py").write_text(
+        "import textgym\n\n@textgym.reward('twice')\ndef twice(samples):\n    return [2.0] * len(samples)\n"
+    )
+    textgym.plugin_manager.load_plugin_file(tmp_path / "twice_rewards.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import twice_rewards  # noqa: F401  (a second import of the same file, under its module name)
+
+    assert textgym.build_reward_stack(["twice"]).score([textgym.Sample("p", "c")])[0].tolist() == [2.0]
+
+
+def test_a_trl_style_reward_function_works_without_a_wrapper():
+    def correct(prompts, completions, reference, **kwargs):
+        return [None if r is None else float(c.strip() == r) for c, r in zip(completions, reference)]
+
+    env = gymnasium.make(
+        "textgym/TextGen-v0", model="chars", chat_template=False, prompts=[{"prompt": "ab", "reference": "c"}],
+        rewards=[correct], max_new_tokens=1, max_prompt_tokens=2,
+    )  # fmt: skip
+    env.reset(seed=0)
+    _, reward, *_, info = env.step(4)  # "c"
+    assert reward == 1.0 and info["reward_components"] == {"correct": 1.0}
+
+
+def test_time_limit_scoring_through_the_registry():
+    env = gymnasium.make("textgym/Copy-v0", max_episode_steps=2)
+    env.reset(seed=0)
+    env.step(2)
+    *_, truncated, info = env.step(2)
+    assert truncated and "reward_components" in info and os.environ  # scored on the truncating step

@@ -1,0 +1,184 @@
+"""GRPO and RLOO: the contract every LM agent keeps, their own behaviour, and clear errors."""
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+from lm_helpers import char_llama, iterations, make_env
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
+from stable_baselines3.common.evaluation import evaluate_policy
+
+from textgym.agents.grpo import GRPO, GRPOConfig
+from textgym.agents.rloo import RLOO
+from textgym.errors import ConfigError
+from textgym.sb3 import TextGymVecEnv
+
+AGENTS = {
+    "grpo": (
+        GRPO,
+        dict(num_generations=4, beta=0.04, loss_type="dapo", num_iterations=2, steps_per_generation=2),
+    ),
+    "grpo-no-ref": (GRPO, dict(num_generations=4, beta=0.0, loss_type="grpo", scale_rewards="batch")),
+    "rloo": (RLOO, dict(num_generations=4, beta=0.05, num_iterations=2, normalize_advantages=True)),
+}
+FAST = dict(learning_rate=3e-3, verbose=0, seed=0)
+
+
+def agent_of(key, env=None, **extra):
+    cls, kwargs = AGENTS[key]
+    return cls(char_llama(), make_env() if env is None else env, **{**kwargs, **FAST, **extra})
+
+
+@pytest.mark.parametrize("key", AGENTS)
+def test_ratio_is_one_before_the_first_update(key):
+    agent = agent_of(key, temperature=0.7)
+    batch = agent.collect_rollouts()
+    with torch.no_grad():
+        logprobs, _, _ = agent.policy_logprobs(batch)
+    mask = batch.response_mask.bool()
+    ratio = (logprobs - batch.logprobs).exp()[mask]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("key", AGENTS)
+def test_each_prompt_gets_num_generations_consecutive_completions(key):
+    batch = agent_of(key).collect_rollouts()
+    prompts = [e["prompt"] for e in batch.episodes]
+    groups = [prompts[i : i + 4] for i in range(0, 16, 4)]
+    assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) > 1
+    assert batch.advantages.shape == (16,) and torch.isfinite(batch.advantages).all()
+
+
+@pytest.mark.parametrize("key", AGENTS)
+def test_save_load_gives_identical_greedy_actions_and_resume_is_bit_for_bit(key, tmp_path):
+    straight = iterations(agent_of(key), 4)
+    agent = iterations(agent_of(key), 2)
+    agent.save(tmp_path / "ckpt")
+    cls = AGENTS[key][0]
+    loaded = cls.load(tmp_path / "ckpt", make_env())
+    obs, _ = make_env(4).reset(seed=1)
+    np.testing.assert_array_equal(
+        agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
+    )
+    iterations(loaded, 2)
+    assert [h["reward"] for h in loaded.history] == [h["reward"] for h in straight.history]
+    assert [h["loss"] for h in loaded.history] == [h["loss"] for h in straight.history]
+    assert loaded.num_timesteps == straight.num_timesteps
+
+
+def test_loading_a_checkpoint_with_another_agent_is_a_clear_error(tmp_path):
+    iterations(agent_of("grpo"), 1).save(tmp_path / "grpo")
+    with pytest.raises(ConfigError, match="checkpoint of agent 'grpo', not 'rloo'"):
+        RLOO.load(tmp_path / "grpo", make_env())
+
+
+class Steps(BaseCallback):
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def _on_step(self):
+        self.steps.append(self.num_timesteps)
+        return len(self.steps) < 3
+
+
+@pytest.mark.parametrize("key", ["grpo", "rloo"])
+def test_sb3_callbacks_and_evaluate_policy_work(key, tmp_path):
+    agent = agent_of(key)
+    steps = Steps()
+    eval_env = TextGymVecEnv(make_env(4, autoreset_mode="SameStep"))
+    evaluation = EvalCallback(eval_env, n_eval_episodes=4, eval_freq=2, log_path=str(tmp_path), verbose=0)
+    agent.learn(100_000, callback=[steps, evaluation])
+    assert len(steps.steps) == 3 and steps.steps[-1] == agent.num_timesteps
+    assert (tmp_path / "evaluations.npz").is_file()
+    mean, std = evaluate_policy(agent, eval_env, n_eval_episodes=8)
+    assert 0.0 <= mean <= 1.0 and std >= 0.0
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (GRPO, dict(learning_rate=1e-3, num_generations=8, steps_per_generation=4, num_iterations=2)),
+        (
+            RLOO,
+            dict(
+                learning_rate=1e-3,
+                num_generations=8,
+                steps_per_generation=4,
+                num_iterations=2,
+                beta=0.01,
+                normalize_advantages=True,
+            ),
+        ),
+    ],
+)
+def test_each_agent_learns_the_copy_task_well_beyond_a_random_policy(cls, kwargs):
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=64, autoreset_mode="Disabled", prompts="copy-train")
+    agent = cls("tiny-char-llama", env, seed=0, verbose=0, **kwargs).learn(64 * 4 * 24)
+    rewards = [h["reward"] for h in agent.history]
+    assert rewards[0] < 0.15  # a random policy: ~0.12
+    assert np.mean(rewards[-4:]) > 0.3, rewards
+
+
+def test_beta_zero_loads_no_reference_model_at_all():
+    agent = agent_of("grpo-no-ref")
+    assert agent.ref_policy is None and not agent.uses_reference
+    batch = agent.collect_rollouts()
+    assert batch.ref_logprobs is None and np.isnan(batch.stats["kl"])
+    with_reference = agent_of("grpo")
+    assert (
+        with_reference.ref_policy is not None
+        and batch.stats.keys() == with_reference.collect_rollouts().stats.keys()
+    )
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_gradient():
+    # max_new_tokens=2 with a policy that rarely says EOS: most completions are truncated
+    agent = agent_of("grpo", env=make_env(max_new_tokens=2), mask_truncated_completions=True, beta=0.0)
+    batch = agent.collect_rollouts()
+    assert batch.truncated.any()
+    assert batch.loss_mask[batch.truncated].eq(0).all()
+    assert batch.loss_mask[~batch.truncated].equal(batch.response_mask[~batch.truncated])
+    # the loss's gradient with respect to a truncated completion's log-probs is zero
+    logprobs = batch.logprobs.clone().requires_grad_(True)
+    totals = {"num_sequences": 16, "num_tokens": batch.loss_mask.sum(), "num_micro_batches": 1,
+              "max_completion_length": 2, "world": 1}  # fmt: skip
+    loss, _ = agent.loss(batch, logprobs, totals)
+    loss.backward()
+    assert logprobs.grad[batch.truncated].eq(0).all()
+
+
+def test_a_constant_reward_gives_zero_advantages_and_a_finite_update():
+    agent = agent_of("grpo", env=make_env(reward=lambda samples: [1.0] * len(samples)))
+    batch = agent.collect_rollouts()
+    assert batch.advantages.eq(0).all() and batch.stats["frac_reward_zero_std"] == 1.0
+    assert all(np.isfinite(v) for v in agent.train(batch).values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_generations=1), "num_generations must be an integer >= 2"),
+        (dict(loss_type="ppo"), "loss_type must be one of grpo, dr_grpo, dapo, bnpo, not 'ppo'"),
+        (dict(scale_rewards="std"), "scale_rewards must be one of group, batch, none, not 'std'"),
+        (dict(beta=-0.1), "beta must be a number >= 0"),
+        (dict(epsilon=0.2, epsilon_high=0.1), r"epsilon_high must be >= epsilon \(0.2\)"),
+        (dict(num_iterations=0), "num_iterations must be a positive integer"),
+        (dict(temperature=0), "temperature must be > 0"),
+        (dict(learning_rate=-1), "learning_rate must be a positive number"),
+    ],
+)
+def test_bad_hyperparameters_are_clear_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        GRPOConfig(**kwargs)
+
+
+def test_a_batch_that_does_not_split_into_groups_is_refused():
+    with pytest.raises(ConfigError, match=r"num_envs=6\) must be a multiple of num_generations=4"):
+        agent_of("grpo", env=make_env(6))
+
+
+def test_an_env_with_another_tokenizer_is_refused():
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, autoreset_mode="Disabled")  # characters
+    with pytest.raises(ConfigError, match="does not match the policy"):
+        GRPO("tiny-random-llama", env, num_generations=2)

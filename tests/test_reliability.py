@@ -1,0 +1,376 @@
+"""What a run survives: kills at any moment, signals, absurd rewards, diverging updates, full disks, corrupt
+checkpoints, hostile config values, and directories textgym does not own."""
+
+import base64
+import csv
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from textgym.cli import main
+from textgym.models import is_complete
+from textgym.rundir import RunDir
+from textgym.train import run
+
+COPY = """
+[run]
+total_timesteps = 160
+checkpoint_every = 1
+sample_prompts = 2
+
+[env]
+id = "textgym/Copy-v0"
+num_envs = 8
+
+[agent]
+name = "lmppo"
+policy = "tiny-char-llama"
+n_epochs = 1
+learning_rate = 1e-3
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "copy.toml"
+    path.write_text(COPY)
+    return path
+
+
+def rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def samples(run_dir):
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def textgym(*args, env=None, **kwargs):
+    """``python -m textgym ...`` in a subprocess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "textgym", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300, **kwargs)  # fmt: skip
+
+
+def assert_consistent(run_dir, num_envs=8):
+    """Each iteration appears once in metrics.csv and num_envs times in samples.jsonl, up to the checkpoint."""
+    state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+    iterations = [int(r["iteration"]) for r in rows(run_dir / "metrics.csv")]
+    assert iterations == list(range(1, state["iteration"] + 1))
+    per_iteration = [s["iteration"] for s in samples(run_dir)]
+    assert sorted(per_iteration) == [i for i in iterations for _ in range(num_envs)]
+    assert not list(run_dir.glob(".checkpoint.*")), "stale temporaries"
+    return state["iteration"]
+
+
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "after-metrics:2",  # between iterations: metrics and samples of iteration 2 written, its checkpoint not
+        "checkpoint-build:2",  # during the second checkpoint's write
+        "checkpoint-swap:1",  # between the two renames of the first checkpoint swap (the second checkpoint)
+        "checkpoint-swap:2",
+    ],
+)
+def test_kill_9_at_any_moment_then_resume_continues_from_the_last_complete_checkpoint(
+    config, tmp_path, moment
+):
+    out = tmp_path / "run"
+    killed = textgym("train", config, "--set", f"run.output_dir='{out}'", env={"TEXTGYM_CRASH_AT": moment})
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    if moment.startswith("checkpoint-swap"):
+        assert not (out / "checkpoint").exists()  # cut between the renames
+    resumed = textgym("train", "--resume", out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    assert assert_consistent(out) >= 3
+
+
+def test_a_kill_before_the_first_checkpoint_restarts_cleanly(config, tmp_path):
+    out = tmp_path / "run"
+    killed = textgym(
+        "train", config, "--set", f"run.output_dir='{out}'", env={"TEXTGYM_CRASH_AT": "after-metrics:1"}
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert (out / "metrics.csv").is_file() and not (out / "checkpoint").exists()
+    resumed = textgym("train", "--resume", out)
+    assert resumed.returncode == 0 and "starting the run from the beginning" in resumed.stdout
+    assert_consistent(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_one_line(
+    config, tmp_path, sig
+):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'",
+           "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 120
+    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "stopping after this iteration" in output and "checkpoint saved" in output
+    assert is_complete(out / "checkpoint") and "Traceback" not in output
+    assert_consistent(out)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    before = len(rows(out / "metrics.csv"))
+    while len(rows(out / "metrics.csv")) == before and time.time() < deadline + 120:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    time.sleep(0.05)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in output, output
+    assert "textgym: aborted" in output
+    assert is_complete(out / "checkpoint")
+
+
+def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "textgym", "train", str(config), "--set",
+                             f"run.output_dir='{tmp_path / 'run'}'"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    time.sleep(1.5)  # importing torch and transformers
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in output, output
+
+
+PLUGIN = """
+import textgym
+
+seen = []
+
+
+@textgym.reward("explodes")
+def explodes(samples):  # 0 for the 2 samples before training and the 8 episodes of iteration 1, then 1e20
+    seen.extend(samples)
+    return [1e20 if len(seen) > 10 else 0.0] * len(samples)
+"""
+
+
+def test_a_huge_reward_stops_the_run_naming_the_plugin_and_the_checkpoint_stays_good(
+    config, tmp_path, capsys
+):
+    (tmp_path / "explode.py").write_text(PLUGIN)
+    out = tmp_path / "run"
+    code = main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", f"run.plugins=['{tmp_path / 'explode.py'}']",
+                 "--set", "env.rewards=[{name='explodes'}]"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "reward plugin 'explodes' returned 1e+20" in err and "max_abs_score" in err
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["iteration"] == 1  # written before the absurd reward; never after it
+
+
+def test_a_diverging_learning_rate_stops_the_run_and_never_checkpoints_broken_weights(
+    config, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    code = main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "agent.learning_rate=1e6",
+                 "--set", "agent.n_epochs=4"])  # fmt: skip
+    assert code == 2
+    assert "update diverged (learning_rate=1e+06" in capsys.readouterr().err
+    if (out / "checkpoint").exists():
+        from textgym.agents.ppo import LMPPO
+
+        assert LMPPO.load(out / "checkpoint").weights_are_finite()
+
+
+def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(config, tmp_path, capsys, monkeypatch):
+    import textgym.rundir
+
+    real = textgym.rundir.write_atomic
+    written = []
+
+    def fill_up(path, text):
+        if path.name == "metrics.csv":
+            written.append(path)
+            if len(written) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+
+    monkeypatch.setattr(textgym.rundir, "write_atomic", fill_up)
+    out = tmp_path / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
+    err = capsys.readouterr().err
+    assert "could not write metrics.csv" in err and "(the disk is full)" in err
+    assert "the last good checkpoint is" in err and "(iteration 2)" in err
+    assert is_complete(out / "checkpoint")
+
+
+def test_corrupt_or_partial_checkpoints_are_named(config, tmp_path, capsys):
+    out = tmp_path / "run"
+    run(config, [f"run.output_dir='{out}'", "run.total_timesteps=40"])
+    (out / "checkpoint" / "optimizer.pt").write_bytes(b"not a tensor file")
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 2
+    assert "is corrupt or incomplete" in capsys.readouterr().err
+    (out / "checkpoint" / "state.json").write_text("{")
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 2
+    assert "is corrupt or incomplete" in capsys.readouterr().err
+
+
+def test_a_run_directory_is_locked_while_in_use(config, tmp_path, capsys):
+    out = tmp_path / "run"
+    run(config, [f"run.output_dir='{out}'", "run.total_timesteps=20"])
+    holder = RunDir(out)
+    holder.lock()
+    try:
+        assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=40"]) == 2
+        assert f"is in use by textgym process {os.getpid()}" in capsys.readouterr().err
+    finally:
+        holder.unlock()
+
+
+def test_textgym_never_writes_into_a_directory_it_does_not_own(config, tmp_path, capsys):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    assert main(["train", str(config), "--set", f"run.output_dir='{foreign}'"]) == 2
+    assert "holds files textgym did not write (thesis.tex)" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"]
+
+
+def test_a_failed_start_leaves_no_run_directory(config, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                str(config),
+                "--set",
+                f"run.output_dir='{out}'",
+                "--set",
+                "agent.policy='no-such-model'",
+            ]
+        )
+        == 2
+    )
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("env.id='os:system'", "would import module 'os'"),
+        ("env.id='textgym/Cpy-v0'", "unknown env 'textgym/Cpy-v0'. Did you mean 'textgym/Copy-v0'"),
+        ("run.seed=-1", "run.seed must be a non-negative integer, not -1"),
+        ("run.seed=1.5", "run.seed must be a non-negative integer, not 1.5"),
+        ("run.output_dir=3", "run.output_dir must be a path"),
+        ("agent.learning_rate=0", "learning_rate must be a positive number, not 0"),
+        ("env.num_envs=true", "env.num_envs must be an integer in"),
+        ("env.max_new_tokens=1000000000", "GiB for observations alone; lower them"),
+        ("env.num_envs=1000000", "env.num_envs must be an integer in"),
+        ("env.prompts=['ABC']", "cannot be tokenized: character 'A' is not in the alphabet"),
+        ("agent.n_epochs=0", "n_epochs must be a positive integer, not 0"),
+    ],
+)
+def test_bad_values_are_one_line_errors_before_training(config, tmp_path, capsys, override, message):
+    out = tmp_path / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_bad_sb3_hyperparameters_are_one_line_errors(tmp_path, capsys):
+    config = tmp_path / "sb3.toml"
+    config.write_text('[env]\nid = "textgym/Copy-v0"\n[agent]\nname = "sb3-ppo"\nbatch_size = 1\n')
+    assert main(["train", str(config), "--set", f"run.output_dir='{tmp_path / 'run'}'"]) == 2
+    assert "[agent] sb3-ppo:" in capsys.readouterr().err
+
+
+def test_undecodable_prompt_files_are_named(config, tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    assert main(["train", str(config), "--set", f"env.prompts='{tmp_path / 'latin1.txt'}'"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_bad_plugin_file_in_textgym_plugins_is_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_module\n")
+    result = textgym("plugins", env={"TEXTGYM_PLUGINS": str(tmp_path / "broken.py")})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        "broken.py' failed to import: ModuleNotFoundError" in result.stderr
+        and "TEXTGYM_PLUGINS" in result.stderr
+    )
+
+
+def test_a_plugin_registering_a_malformed_env_is_named(tmp_path):
+    (tmp_path / "envs.py").write_text(
+        "import textgym\n\n@textgym.hookimpl\ndef register_envs(register):\n"
+        "    register('not an id!', 'textgym.envs:TextGenEnv')\n"
+    )
+    result = textgym("plugins", "--plugin", tmp_path / "envs.py")
+    assert result.returncode == 2 and "registered env id 'not an id!'" in result.stderr
+
+
+def test_an_unimportable_env_entry_point_is_one_line(tmp_path, config):
+    (tmp_path / "envs.py").write_text(
+        "import textgym\n\n@textgym.hookimpl\ndef register_envs(register):\n"
+        "    register('mine/Gone-v0', 'textgym.envs:TextGenEnv', vector_entry_point='no_such_module:Env')\n"
+    )
+    result = textgym("train", config, "--plugin", tmp_path / "envs.py", "--set", "env.id='mine/Gone-v0'",
+                     "--set", f"run.output_dir='{tmp_path / 'run'}'")  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "mine/Gone-v0 cannot be made" in result.stderr
+
+
+def test_resume_announces_the_plugin_files_it_loads(config, tmp_path, capsys):
+    (tmp_path / "rewards.py").write_text("import textgym\n\n@textgym.reward('zero')\ndef zero(samples):\n"
+                                         "    return [0.0] * len(samples)\n")  # fmt: skip
+    out = tmp_path / "run"
+    run(
+        config,
+        [f"run.output_dir='{out}'", "run.total_timesteps=20", f"run.plugins=['{tmp_path / 'rewards.py'}']"],
+    )
+    capsys.readouterr()
+    run(None, ["run.total_timesteps=40"], resume=out)
+    assert f"loading the plugin files of {out}'s config: {tmp_path / 'rewards.py'}" in capsys.readouterr().out
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {Exploit.marker}",))
+
+
+def test_sb3_checkpoints_load_without_running_pickled_code(tmp_path):
+    import cloudpickle
+
+    config = tmp_path / "sb3.toml"
+    config.write_text('[run]\ntotal_timesteps = 256\n[env]\nid = "textgym/Copy-v0"\nnum_envs = 2\n'
+                      '[agent]\nname = "sb3-ppo"\nn_steps = 64\nbatch_size = 64\n')  # fmt: skip
+    out = tmp_path / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 0
+    model = out / "checkpoint" / "model.zip"
+    with zipfile.ZipFile(model) as archive:
+        files = {name: archive.read(name) for name in archive.namelist()}
+    data = json.loads(files["data"])
+    Exploit.marker = tmp_path / "pwned"
+    payload = base64.b64encode(cloudpickle.dumps(Exploit())).decode()
+    for key in ("lr_schedule", "clip_range", "policy_class"):
+        data[key][":serialized:"] = payload
+    files["data"] = json.dumps(data).encode()
+    with zipfile.ZipFile(model, "w") as archive:
+        for name, content in files.items():
+            archive.writestr(name, content)
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=512"]) == 0
+    assert not Path(Exploit.marker).exists()

@@ -1,0 +1,127 @@
+"""textgym stacks as TRL reward functions, called exactly as TRL's GRPOTrainer calls them (TRL itself is not
+installed): keyword arguments prompts, completions, completion_ids, every dataset column, trainer_state."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from textgym import FunctionReward, RewardStack, Sample, build_reward_stack
+from textgym.errors import ConfigError, RewardError
+from textgym.integrations.trl import reward_funcs, reward_weights, samples_from_trl, total_reward_func
+from textgym.reward_functions import trl_columns
+
+SAMPLES = [
+    Sample("What is 2 + 3?", "5", completion_ids=(20, 2), meta={"reference": "5", "topic": "sums"}),
+    Sample("What is 2 + 3?", "six", completion_ids=(31, 32, 2), meta={"reference": "5", "topic": "sums"}),
+    Sample("Say hi.", "Hi there, friend", completion_ids=(40, 41, 42, 43, 2), meta={"topic": "chat"}),
+]
+
+
+def correct(prompts, completions, completion_ids=None, reference=None, **kwargs):
+    return [None if ref is None else float(c == ref) for c, ref in zip(completions, reference)]
+
+
+def n_tokens(samples):
+    return [float(len(s.completion_ids)) for s in samples]
+
+
+def trl_call(func, samples, **extra):
+    """Call ``func`` the way TRL does: keywords only, dataset columns and trainer_state alongside."""
+    columns = trl_columns(samples)
+    return func(
+        prompts=columns.pop("prompts"),
+        completions=columns.pop("completions"),
+        completion_ids=columns.pop("completion_ids"),
+        trainer_state=SimpleNamespace(global_step=0, max_steps=10),
+        **columns,
+        **extra,
+    )
+
+
+def trl_sum(funcs, weights, samples):
+    """TRL's sum: rewards_per_func with None as NaN, times reward_weights, nansum over functions."""
+    per_func = np.array(
+        [[np.nan if v is None else v for v in trl_call(f, samples)] for f in funcs], dtype=float
+    )
+    return np.nansum(per_func.T * np.array(weights), axis=1)
+
+
+def test_one_function_per_component_named_after_it_with_none_passed_through():
+    stack = build_reward_stack([(correct, 2.0), "length_penalty weight=0.5 target=2", (n_tokens, 0.0)])
+    funcs = reward_funcs(stack)
+    assert [f.__name__ for f in funcs] == ["correct", "length_penalty", "n_tokens"]
+    assert reward_weights(stack) == [2.0, 0.5, 0.0]
+    assert trl_call(funcs[0], SAMPLES) == [1.0, 0.0, None]
+    assert trl_call(funcs[2], SAMPLES) == [2.0, 3.0, 5.0]
+
+
+def test_round_trip_stack_to_trl_functions_gives_the_same_totals():
+    stack = build_reward_stack(
+        [
+            (correct, 2.0),
+            {"name": "length_penalty", "weight": 0.5, "target": 2},
+            (n_tokens, 0.0),
+            {"name": "match", "weight": -1.0, "mode": "contains"},
+        ],
+    )
+    total, _ = stack.score(SAMPLES[:2])
+    # by hand: correct 1, 0; length_penalty (1 and 2 tokens of text vs target 2) -0.5, 0; match 1, 0
+    np.testing.assert_allclose(total, [2 * 1 + 0.5 * -0.5 - 1, 0.0])
+    np.testing.assert_allclose(trl_sum(reward_funcs(stack), reward_weights(stack), SAMPLES[:2]), total)
+    # and with a not-applicable row: match needs a reference, so only the reference-free components there
+    stack = build_reward_stack([(correct, 2.0), {"name": "length_penalty", "weight": 0.5, "target": 2}])
+    np.testing.assert_allclose(
+        trl_sum(reward_funcs(stack), reward_weights(stack), SAMPLES), stack.score(SAMPLES)[0]
+    )
+
+
+def test_metadata_columns_reach_plugins_and_none_values_are_missing_keys():
+    stack = build_reward_stack([{"name": "match"}])  # match reads meta["reference"]
+    (func,) = reward_funcs(stack)
+    scores = func(prompts=["q", "q"], completions=["5", "5"], reference=["5", "4"], trainer_state=object())
+    assert scores == [1.0, 0.0]
+    samples = samples_from_trl(["q"], ["c"], [[1, 2]], {"reference": [None], "topic": ["t"], "scalar": 3})
+    assert samples[0].meta == {"topic": "t"} and samples[0].completion_ids == (1, 2)
+
+
+def test_conversational_prompts_and_completions_become_text():
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    completion = [{"role": "assistant", "content": "5"}]
+    (sample,) = samples_from_trl([prompt], [completion])
+    assert (sample.prompt, sample.completion) == ("What is 2 + 3?", "5")
+
+
+def test_errors_name_the_component_and_the_bad_call():
+    stringly = FunctionReward("stringly", lambda samples: ["1.0"] * len(samples))
+    (func,) = reward_funcs(RewardStack([(stringly, 1.0)]))
+    with pytest.raises(RewardError, match="reward plugin 'stringly' returned the string '1.0'"):
+        func(prompts=["p"], completions=["c"])
+    with pytest.raises(ConfigError, match="got 2 prompts for 1 completions"):
+        func(prompts=["p", "q"], completions=["c"])
+
+
+def test_schedules_need_a_frozen_progress_for_trl_weights():
+    stack = build_reward_stack([(correct, {"start": 1.0, "end": 0.0}), (n_tokens, 0.1)])
+    with pytest.raises(ConfigError, match=r"components \['correct'\] have weight schedules"):
+        reward_weights(stack)
+    assert reward_weights(stack, p=0.25) == [0.75, 0.1]
+
+
+def test_gated_stacks_export_as_one_function_that_follows_trainer_state():
+    stack = build_reward_stack(
+        {
+            "components": [(n_tokens, {"start": 1.0, "end": 0.0}), (correct, 0.0)],
+            "gates": [{"component": "correct", "min": 1.0}],
+        }
+    )
+    with pytest.raises(ConfigError, match="use total_reward_func"):
+        reward_funcs(stack)
+    func = total_reward_func(stack)
+    assert func.__name__ == "textgym_total"
+    # trainer_state at step 0 of 10: weight 1; sample 1 fails the gate (correct = 0); sample 2 is not applicable
+    assert trl_call(func, SAMPLES) == [2.0, 0.0, 5.0]
+    columns = trl_columns(SAMPLES)
+    state = SimpleNamespace(global_step=5, max_steps=10)  # halfway: weight 0.5
+    assert func(trainer_state=state, **columns) == [1.0, 0.0, 2.5]
+    assert stack.progress == 0.5

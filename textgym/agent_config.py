@@ -1,0 +1,131 @@
+"""Which agent a config names, and the hyperparameters it gets, checked before anything loads.
+
+``[agent]`` holds ``name``, ``policy`` and hyperparameters shared by whatever agent is chosen; a table named
+after an agent (``[agent.lmppo]``, ``[agent.sb3-a2c]``) holds the hyperparameters of that agent alone and wins
+over the shared ones, so one file serves several agents (``textgym train CONFIG --agent NAME``).
+
+Agents are registered names (``textgym plugins`` lists them) or any Stable-Baselines3 algorithm named directly
+(``a2c``, ``dqn``, ``sb3-a2c``, ...; sb3-contrib's too when it is installed: ``recurrentppo``, ``qrdqn``,
+``maskableppo``, ``trpo``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+from typing import Any
+
+from textgym import plugin_manager
+from textgym.errors import ConfigError, UnknownNameError
+
+SB3_MODULES = ("stable_baselines3", "sb3_contrib")
+RESERVED = ("name", "policy")
+
+
+def is_lm_agent(agent_class: Any) -> bool:
+    """LM agents (subclasses of ``LMAgent``) step the native vector env; others get an SB3 VecEnv."""
+    from textgym.agents.base import LMAgent
+
+    return isinstance(agent_class, type) and issubclass(agent_class, LMAgent)
+
+
+def _key(name: str) -> str:
+    key = name.lower().replace("-", "").replace("_", "")
+    return key[3:] if key.startswith("sb3") else key
+
+
+def sb3_algorithm(name: str) -> type | None:
+    """The Stable-Baselines3 (or sb3-contrib) algorithm class called ``name`` (case, ``-``, ``_`` and an
+    ``sb3-`` prefix ignored), or None."""
+    from stable_baselines3.common.base_class import BaseAlgorithm
+
+    wanted = _key(name)
+    for module_name in SB3_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for attr in dir(module):
+            value = getattr(module, attr)
+            if _key(attr) == wanted and isinstance(value, type) and issubclass(value, BaseAlgorithm):
+                return value
+    return None
+
+
+def find_agent(name: str) -> Any:
+    """The agent class for a registered name or a Stable-Baselines3 algorithm's name."""
+    try:
+        return plugin_manager.load_agent(name)
+    except UnknownNameError:
+        algorithm = sb3_algorithm(name) if isinstance(name, str) else None
+        if algorithm is None:
+            raise
+        return algorithm
+
+
+def is_agent_name(name: str) -> bool:
+    return name in plugin_manager.registry("register_agents") or sb3_algorithm(name) is not None
+
+
+def hyperparameter_names(agent_class: Any) -> list[str] | None:
+    """The hyperparameters an agent takes: its config dataclass's fields (LM agents) or its constructor's
+    keyword arguments (SB3 algorithms); None when it takes any keyword."""
+    if is_lm_agent(agent_class):
+        return [f.name for f in dataclasses.fields(agent_class.config_class)]
+    try:
+        params = inspect.signature(agent_class.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return [
+        n
+        for n, p in params.items()
+        if n not in ("self", "policy", "env")
+        and not n.startswith("_")
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """``(agent_class, policy, hyperparameters)`` for the ``[agent]`` table of a validated config: shared keys,
+    then the chosen agent's own table; every hyperparameter checked against what the agent takes."""
+    name = agent["name"]
+    agent_class = find_agent(name)
+    tables = {
+        k: v for k, v in agent.items() if isinstance(v, dict) and k not in RESERVED and is_agent_name(k)
+    }
+    own = {}
+    for key, table in tables.items():
+        if key == name or find_agent(key) is agent_class:
+            own = dict(table)
+    shared = {k: v for k, v in agent.items() if k not in RESERVED and k not in tables}
+    policy = own.pop("policy", agent.get("policy"))
+    hyperparameters = {**shared, **own}
+    valid = hyperparameter_names(agent_class)
+    if valid is not None:
+        for key in hyperparameters:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                where = f"[agent.{name}]" if key in own else "[agent]"
+                raise ConfigError(
+                    f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}. "
+                    f"Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
+                    f"[agent.<other agent>]."
+                )
+    if "learning_rate" in hyperparameters:
+        lr = hyperparameters["learning_rate"]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ConfigError(f"[agent] learning_rate must be a positive number, not {lr!r}.")
+    if not is_lm_agent(agent_class):
+        aliases = getattr(agent_class, "policy_aliases", {})
+        if not isinstance(policy, str) or policy not in aliases:
+            policy = "MultiInputPolicy"  # the LM policy name (if any) only picks the env's tokenizer
+    elif policy is None:
+        raise ConfigError(
+            "agent.policy is required: a zoo name (e.g. smollm2-135m-instruct) or a model directory."
+        )
+    return agent_class, policy, hyperparameters

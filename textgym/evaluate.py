@@ -1,0 +1,141 @@
+"""Evaluate any agent on a textgym env, as Stable-Baselines3's ``evaluate_policy`` and ``EvalCallback`` do,
+on the native :class:`~textgym.envs.TextGenVectorEnv` (the env an LM agent trains on, ``agent.get_env()``)
+as well as on an SB3 ``VecEnv``.
+
+LM agents are evaluated with their KV-cached rollout (``deterministic=True`` is greedy decoding); other
+agents step the env with ``predict``. Episode returns are the reward stack's totals.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from stable_baselines3.common.callbacks import BaseCallback
+
+from textgym.envs import TextGenVectorEnv
+
+
+def evaluate_policy(
+    model: Any,
+    env: Any = None,
+    n_eval_episodes: int = 10,
+    deterministic: bool = True,
+    return_episode_rewards: bool = False,
+    seed: int = 0,
+) -> tuple[float, float] | tuple[list[float], list[int]]:
+    """Mean and std of the return over ``n_eval_episodes`` (or the returns and lengths), like SB3's
+    ``evaluate_policy``. ``env`` defaults to ``model.get_env()``; a ``TextGenVectorEnv`` in either autoreset
+    mode or an SB3 ``VecEnv`` (then SB3's own function runs)."""
+    env = env if env is not None else model.get_env()
+    if not isinstance(env, TextGenVectorEnv):
+        from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate
+
+        return sb3_evaluate(
+            model, env, n_eval_episodes, deterministic, return_episode_rewards=return_episode_rewards
+        )
+    rewards: list[float] = []
+    lengths: list[int] = []
+    round_ = 0
+    while len(rewards) < n_eval_episodes:
+        for episode in _episodes(model, env, deterministic, seed + round_):
+            rewards.append(float(episode["reward"]))
+            lengths.append(int(episode["num_tokens"]))
+        round_ += 1
+    rewards, lengths = rewards[:n_eval_episodes], lengths[:n_eval_episodes]
+    if return_episode_rewards:
+        return rewards, lengths
+    return float(np.mean(rewards)), float(np.std(rewards))
+
+
+def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int) -> list[dict[str, Any]]:
+    """One episode per sub-env."""
+    from textgym.agent_config import is_lm_agent
+
+    if is_lm_agent(type(model)) and env.autoreset_mode.value == "Disabled":
+        from textgym.sampling import rollout
+
+        temperature = 0.0 if deterministic else model.config.temperature
+        return rollout(model.policy, env, temperature=temperature, seed=seed).infos
+    obs, _ = env.reset(seed=seed)
+    done = np.zeros(env.num_envs, dtype=bool)
+    episodes: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
+    while not done.all():
+        actions, _ = model.predict(obs, deterministic=deterministic)
+        obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
+        ended = (terminated | truncated) & ~done
+        final = infos.get("final_info", infos)  # SameStep mode: the ended episode's info moved here
+        for i in np.flatnonzero(ended):
+            episodes[i] = {"reward": float(rewards[i]), "num_tokens": int(final["num_tokens"][i])}
+        done |= ended
+    return episodes
+
+
+class EvalCallback(BaseCallback):
+    """SB3's ``EvalCallback`` for textgym envs: every ``eval_freq`` callback steps (iterations, for LM
+    agents), evaluate on ``eval_env`` (a ``TextGenVectorEnv`` or an SB3 ``VecEnv``), log ``eval/mean_reward``
+    and ``eval/mean_ep_length``, append to ``log_path/evaluations.npz`` (SB3's format), save the best model
+    to ``best_model_save_path/best_model`` and call ``callback_on_new_best`` on a new best."""
+
+    def __init__(
+        self,
+        eval_env: Any,
+        callback_on_new_best: BaseCallback | None = None,
+        n_eval_episodes: int = 5,
+        eval_freq: int = 1,
+        log_path: str | None = None,
+        best_model_save_path: str | None = None,
+        deterministic: bool = True,
+        verbose: int = 1,
+    ):
+        super().__init__(verbose)
+        self.eval_env, self.callback_on_new_best = eval_env, callback_on_new_best
+        self.n_eval_episodes, self.eval_freq, self.deterministic = n_eval_episodes, eval_freq, deterministic
+        self.log_path = os.path.join(log_path, "evaluations") if log_path else None
+        self.best_model_save_path = best_model_save_path
+        self.best_mean_reward, self.last_mean_reward = -np.inf, -np.inf
+        self.evaluations_timesteps: list[int] = []
+        self.evaluations_results: list[list[float]] = []
+        self.evaluations_length: list[list[int]] = []
+
+    def _init_callback(self) -> None:
+        if self.callback_on_new_best is not None:
+            self.callback_on_new_best.init_callback(self.model)
+        for folder in (self.best_model_save_path, self.log_path and os.path.dirname(self.log_path)):
+            if folder:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+
+    def _on_step(self) -> bool:
+        if self.eval_freq <= 0 or self.n_calls % self.eval_freq:
+            return True
+        rewards, lengths = evaluate_policy(
+            self.model, self.eval_env, self.n_eval_episodes, self.deterministic, return_episode_rewards=True,
+            seed=self.n_calls,
+        )  # fmt: skip
+        if self.log_path:
+            self.evaluations_timesteps.append(self.num_timesteps)
+            self.evaluations_results.append(list(rewards))
+            self.evaluations_length.append(list(lengths))
+            np.savez(
+                self.log_path,
+                timesteps=self.evaluations_timesteps,
+                results=self.evaluations_results,
+                ep_lengths=self.evaluations_length,
+            )
+        mean = float(np.mean(rewards))
+        self.last_mean_reward = mean
+        self.logger.record("eval/mean_reward", mean)
+        self.logger.record("eval/mean_ep_length", float(np.mean(lengths)))
+        if self.verbose:
+            print(
+                f"Eval num_timesteps={self.num_timesteps}, episode_reward={mean:.3f} +/- {np.std(rewards):.3f}"
+            )
+        if mean > self.best_mean_reward:
+            self.best_mean_reward = mean
+            if self.best_model_save_path:
+                self.model.save(os.path.join(self.best_model_save_path, "best_model"))
+            if self.callback_on_new_best is not None:
+                return self.callback_on_new_best.on_step()
+        return True

@@ -1,0 +1,42 @@
+"""Plain-text tables of episodes and the statistics they need (used by the CLI, training and the bench)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
+    """A plain-text table: prompt, completion, each reward component, total (and their means)."""
+
+    def cut(text: str, width: int) -> str:
+        text = " ".join(text.split())
+        return f"{text if len(text) <= width else text[: width - 1] + '…':<{width}}"
+
+    names = list(rows[0]["reward_components"]) if rows else []
+    header = [cut("prompt", prompt_width), cut("completion", completion_width)]
+    header += [f"{n[:14]:>14}" for n in names] + [f"{'total':>8}"]
+    rule = "-" * len("  ".join(header))
+    lines = ["  ".join(header), rule]
+    for row in rows:
+        cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
+        cells += [_cell(row["reward_components"][n]) for n in names] + [f"{row['reward']:>8.3f}"]
+        lines.append("  ".join(cells))
+    if rows:
+        means = [applicable_mean([r["reward_components"][n] for r in rows]) for n in names]
+        cells = [cut("mean", prompt_width), cut("", completion_width)]
+        cells += [_cell(m) for m in means] + [f"{sum(r['reward'] for r in rows) / len(rows):>8.3f}"]
+        lines += [rule, "  ".join(cells)]
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    """A component's score; "n/a" where it did not apply (None, or NaN for a mean over nothing)."""
+    return f"{'n/a':>14}" if value is None or math.isnan(value) else f"{value:>14.3f}"
+
+
+def applicable_mean(values: Sequence[float | None]) -> float:
+    """The mean of the values that apply (not None, not NaN); NaN when none does."""
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan

@@ -1,0 +1,147 @@
+"""A textgym reward stack as TRL reward functions, for ``GRPOTrainer(reward_funcs=..., args=GRPOConfig(...))``.
+
+TRL calls each reward function as ``f(prompts=..., completions=..., completion_ids=..., **columns)``: lists
+with one item per completion, every other dataset column as a keyword list, and ``trainer_state``. Each
+returns ``list[float | None]``; TRL multiplies by ``GRPOConfig.reward_weights`` and sums, leaving out
+``None``. TRL is not imported here.
+
+Example::
+
+    from trl import GRPOConfig, GRPOTrainer
+    from textgym import build_reward_stack
+    from textgym.integrations.trl import reward_funcs, reward_weights
+
+    stack = build_reward_stack([{"name": "math"}, {"name": "length_penalty", "weight": 0.1, "target": 64}])
+    trainer = GRPOTrainer(model=..., train_dataset=...,
+                          reward_funcs=reward_funcs(stack), args=GRPOConfig(reward_weights=reward_weights(stack)))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from textgym.errors import ConfigError
+from textgym.rewards import BaseDir, RewardStack, Sample, build_reward_stack
+
+TRLRewardFunc = Callable[..., list[float | None]]
+NOT_COLUMNS = ("trainer_state",)  # keywords TRL passes that are not dataset columns
+
+
+def reward_funcs(stack_or_specs: RewardStack | Any, base_dir: BaseDir = None) -> list[TRLRewardFunc]:
+    """One TRL reward function per component, in order; each ``__name__`` is the component's name (TRL logs
+    ``rewards/<name>/mean``). They return the raw (unweighted) scores, ``None`` where the reward does not
+    apply; pass :func:`reward_weights` as ``GRPOConfig.reward_weights``.
+
+    A stack with gates cannot be split this way (TRL sums the functions and has no gates): export it whole
+    with :func:`total_reward_func`. ``aggregate="normalize_then_sum"`` corresponds to
+    ``GRPOConfig(multi_objective_aggregation="normalize_then_sum")``, which standardises per prompt group.
+
+    Build the stack once (``build_reward_stack``) and pass it to both functions: passing specs to each
+    builds the rewards twice.
+    """
+    stack = build_reward_stack(stack_or_specs, base_dir)
+    if stack.gates:
+        raise ConfigError(
+            f"this stack has gates ({'; '.join(map(str, stack.gates))}), which TRL's summed reward functions "
+            f"cannot express; use total_reward_func(stack) to export the whole stack as one function."
+        )
+    return [_component_func(stack, name) for name in stack.names]
+
+
+def reward_weights(
+    stack_or_specs: RewardStack | Any, p: float | None = None, base_dir: BaseDir = None
+) -> list[float]:
+    """The weights of :func:`reward_funcs`' functions, in order, for ``GRPOConfig(reward_weights=...)``.
+
+    TRL's weights are constant for the whole run. A stack with a weight schedule needs ``p`` (the training
+    progress in [0, 1] at which to freeze it); :func:`total_reward_func` follows the schedule instead.
+    """
+    stack = build_reward_stack(stack_or_specs, base_dir)
+    if p is None:
+        scheduled = [n for n in stack.names if stack.weights_at(0.0)[n] != stack.weights_at(1.0)[n]]
+        if scheduled:
+            raise ConfigError(
+                f"components {scheduled} have weight schedules, but TRL's reward_weights are constant. Pass p "
+                f"(0..1) to freeze the schedules there, or use total_reward_func(stack), which follows them."
+            )
+        p = stack.progress
+    return list(stack.weights_at(p).values())
+
+
+def total_reward_func(stack_or_specs: RewardStack | Any, base_dir: BaseDir = None) -> TRLRewardFunc:
+    """The whole stack as one TRL reward function named ``textgym_total``: aggregation, weight schedules and
+    gates as textgym computes them (give it weight 1). With TRL's ``trainer_state``, schedules follow
+    ``global_step / max_steps``."""
+    stack = build_reward_stack(stack_or_specs, base_dir)
+
+    def textgym_total(
+        prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
+    ) -> list[float | None]:
+        state = kwargs.get("trainer_state")
+        if getattr(state, "max_steps", 0):
+            stack.set_progress(min(1.0, state.global_step / state.max_steps))
+        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs))
+        return [float(v) for v in total]
+
+    return textgym_total
+
+
+def _component_func(stack: RewardStack, name: str) -> TRLRewardFunc:
+    def func(
+        prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
+    ) -> list[float | None]:
+        scores = stack.score_component(name, samples_from_trl(prompts, completions, completion_ids, kwargs))
+        return [None if math.isnan(v) else float(v) for v in scores]
+
+    func.__name__ = func.__qualname__ = name
+    func.__doc__ = f"textgym reward component {name!r} with TRL's reward-function signature."
+    return func
+
+
+def samples_from_trl(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    columns: Mapping[str, Any] | None = None,
+) -> list[Sample]:
+    """textgym samples from TRL's arguments. Prompts and completions may be plain text or, for
+    conversational data, lists of ``{"role", "content"}`` messages (the prompt's last user message and the
+    completion's contents are used). A keyword that is a list with one value per completion becomes
+    metadata (``None`` values are left out, as a missing key); a ``finish_reason`` column sets the samples'
+    finish reasons (TRL has none, so the default is ``"stop"``)."""
+    n = len(completions)
+    if len(prompts) != n:
+        raise ConfigError(
+            f"got {len(prompts)} prompts for {n} completions; TRL passes one prompt per completion."
+        )
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ConfigError(f"got {len(completion_ids)} completion_ids for {n} completions.")
+    columns = {
+        key: list(values)
+        for key, values in (columns or {}).items()
+        if key not in NOT_COLUMNS and isinstance(values, (list, tuple)) and len(values) == n
+    }
+    finish = columns.pop("finish_reason", ["stop"] * n)
+    return [
+        Sample(
+            prompt=_text(prompts[i], prompt=True),
+            completion=_text(completions[i]),
+            completion_ids=tuple(int(t) for t in completion_ids[i]) if completion_ids is not None else (),
+            finish_reason=finish[i] if finish[i] in ("stop", "length") else "stop",
+            meta={key: values[i] for key, values in columns.items() if values[i] is not None},
+        )
+        for i in range(n)
+    ]
+
+
+def _text(value: Any, prompt: bool = False) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and all(isinstance(m, Mapping) and "content" in m for m in value):
+        if prompt:
+            users = [m for m in value if m.get("role") == "user"] or list(value)
+            return str(users[-1]["content"]) if users else ""
+        return "".join(str(m["content"]) for m in value)
+    raise ConfigError(f"{value!r} is neither text nor a list of chat messages with 'content'.")

@@ -1,0 +1,211 @@
+"""Plain Python functions as rewards: textgym's ``fn(samples, **kwargs)`` or TRL's reward-function signature
+``fn(prompts, completions, completion_ids=None, **kwargs)``, given directly or named in a spec as
+``fn = "path/to/file.py:func"`` or ``"module:func"``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from textgym.errors import ConfigError
+
+if TYPE_CHECKING:
+    from textgym.rewards import Reward, Sample
+
+# The columns TRL passes to a reward function besides the dataset's own (TRL's GRPOTrainer._calculate_rewards).
+TRL_COLUMNS = ("prompts", "completions", "completion_ids")
+
+
+class FunctionReward:
+    """A reward made from a plain function: textgym's ``fn(samples, **kwargs)``, or TRL's reward-function
+    signature ``fn(prompts, completions, completion_ids=None, **kwargs)`` (recognised by a parameter named
+    ``prompts`` or ``completions``), which receives lists and each metadata key as a keyword column (see
+    :func:`trl_columns`). ``kwargs`` are fixed arguments passed on every call.
+    """
+
+    source: str | None = None  # where the function came from, for error messages ("file.py:func")
+
+    def __init__(self, name: str, fn: Callable[..., Sequence[float | None]], **kwargs: Any):
+        self.name, self.fn, self.kwargs = name, fn, kwargs
+        self.trl_style = is_trl_style(fn)
+        if self.trl_style:
+            params = inspect.signature(fn).parameters
+            self._accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            self._accepted = set(params)
+
+    def __call__(self, samples: Sequence[Sample]) -> Sequence[float | None]:
+        if not self.trl_style:
+            return self.fn(samples, **self.kwargs)
+        arguments = {**trl_columns(samples), **self.kwargs}
+        if not self._accepts_any:
+            arguments = {k: v for k, v in arguments.items() if k in self._accepted}
+        return self.fn(**arguments)
+
+    def __repr__(self) -> str:
+        fn = getattr(self.fn, "__qualname__", repr(self.fn))
+        return f"FunctionReward({self.name!r}, {fn}, **{self.kwargs!r})"
+
+
+def function_reward(
+    fn: Callable, name: str | None = None, source: str | None = None, **kwargs: Any
+) -> FunctionReward:
+    """``fn`` as a reward named ``name`` (default its ``__name__``); errors will name ``source``."""
+    reward = FunctionReward(name or getattr(fn, "__name__", type(fn).__name__), fn, **kwargs)
+    reward.source = (
+        source or f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    )
+    return reward
+
+
+def as_reward(obj: Any) -> Reward:
+    """A reward object as it is; a plain callable (no ``name``) wrapped and named from ``__name__``."""
+    if callable(obj) and not hasattr(obj, "name"):
+        return function_reward(obj)
+    if not callable(obj) or not isinstance(getattr(obj, "name", None), str):
+        raise ConfigError(
+            f"{obj!r} is not a reward: give a function fn(samples) or fn(prompts, completions, **kwargs), "
+            f"or an object with a `name` and `__call__(samples)`."
+        )
+    return obj
+
+
+# -- loading functions named in specs -------------------------------------------------------------
+def _is_file_target(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def load_function(ref: Any, base_dir: str | os.PathLike | None = None, where: str = "rewards") -> Callable:
+    """The function named by ``"path/to/file.py:func"`` or ``"module:func"``.
+
+    A relative file path resolves against ``base_dir`` (default: the current directory). The file is loaded
+    like a ``--plugin`` file, once per process, so a file that also defines ``@textgym.reward`` functions or
+    hooks is not imported twice.
+    """
+    form = "'path/to/file.py:function' or 'module:function'"
+    if not isinstance(ref, str):
+        raise ConfigError(f"{where}: fn = {ref!r} must be a string, {form}.")
+    target, _, attribute = ref.rpartition(":")
+    if not target or not attribute:
+        raise ConfigError(f"{where}: fn = {ref!r} must look like {form}.")
+    if _is_file_target(target):
+        module, what = _load_file(ref, target, base_dir, where), f"file {target!r}"
+    else:
+        what = f"module {target!r}"
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ConfigError(
+                f"{where}: fn = {ref!r}: cannot import module {target!r} ({exc}). Name a module this Python "
+                f"can import, or a .py file ('path/to/file.py:{attribute}')."
+            ) from None
+        except Exception as exc:
+            raise ConfigError(
+                f"{where}: fn = {ref!r}: module {target!r} failed to import: {type(exc).__name__}: {exc}"
+            ) from exc
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            defined = sorted(
+                name
+                for name, value in vars(module).items()
+                if inspect.isfunction(value)
+                and value.__module__ == module.__name__
+                and not name.startswith("_")
+            )
+            raise ConfigError(
+                f"{where}: fn = {ref!r}: {what} has no {attribute!r}. Functions defined there: "
+                f"{', '.join(defined) or '(none)'}."
+            )
+        obj = getattr(obj, part)
+    if inspect.isclass(obj) or not callable(obj):
+        raise ConfigError(
+            f"{where}: fn = {ref!r} is {'a class' if inspect.isclass(obj) else type(obj).__name__}, not a "
+            f"function. Point fn at a function fn(samples) or fn(prompts, completions, **kwargs); a reward "
+            f"class is registered as a plugin instead (docs/plugins.md)."
+        )
+    return obj
+
+
+def _load_file(ref: str, target: str, base_dir: str | os.PathLike | None, where: str) -> Any:
+    from textgym import plugin_manager
+    from textgym.errors import PluginError
+
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    path = Path(target).expanduser()
+    file = (path if path.is_absolute() else base / path).resolve()
+    if not file.is_file() or file.suffix != ".py":
+        raise ConfigError(
+            f"{where}: fn = {ref!r}: file {str(file)!r} does not exist or is not a .py file "
+            f"(relative paths resolve against {str(base.resolve())!r})."
+        )
+    try:
+        name = plugin_manager.load_plugin_file(file)
+    except PluginError as exc:
+        raise ConfigError(f"{where}: fn = {ref!r}: {exc}") from exc
+    return plugin_manager.pm.get_plugin(name)
+
+
+def resolve_fn_paths(specs: Any, base_dir: str | os.PathLike) -> Any:
+    """A copy of a stack spec with every relative ``fn`` file path made absolute against ``base_dir``, so
+    the spec means the same from any working directory."""
+
+    def component(spec: Any) -> Any:
+        if isinstance(spec, Mapping) and isinstance(spec.get("fn"), str):
+            target, sep, attribute = spec["fn"].rpartition(":")
+            if sep and _is_file_target(target) and not Path(target).expanduser().is_absolute():
+                return {**spec, "fn": f"{(Path(base_dir) / target).resolve()}:{attribute}"}
+        return spec
+
+    if isinstance(specs, Mapping) and isinstance(specs.get("components"), list):
+        return {**specs, "components": [component(c) for c in specs["components"]]}
+    if isinstance(specs, list):
+        return [component(c) for c in specs]
+    return component(specs)
+
+
+def is_trl_style(fn: Callable) -> bool:
+    """True for a function with TRL's reward-function signature: it names ``prompts`` or ``completions``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "prompts" in params or "completions" in params
+
+
+def fixed_signature(fn: Callable) -> inspect.Signature | None:
+    """The arguments a spec may fix for ``fn`` (all keyword-only): after ``samples`` for textgym's
+    ``fn(samples, ...)``, all but TRL's own columns for a TRL-style function. None if it has no signature."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if is_trl_style(fn):
+        params = [p for p in params if p.name not in TRL_COLUMNS]
+    else:
+        params = params[1:]
+    return inspect.Signature(
+        [
+            p if p.kind is p.VAR_KEYWORD else p.replace(kind=p.KEYWORD_ONLY)
+            for p in params
+            if p.kind is not p.VAR_POSITIONAL
+        ]
+    )
+
+
+def trl_columns(samples: Sequence[Sample]) -> dict[str, list[Any]]:
+    """What TRL passes a reward function, built from textgym samples: ``prompts`` and ``completions`` as
+    plain text (TRL's form for non-conversational data), ``completion_ids`` as lists of ints, and every
+    metadata key of any sample as a column (one value per sample, None where a sample lacks the key)."""
+    columns: dict[str, list[Any]] = {
+        "prompts": [s.prompt for s in samples],
+        "completions": [s.completion for s in samples],
+        "completion_ids": [list(s.completion_ids) for s in samples],
+    }
+    for key in dict.fromkeys(k for s in samples for k in s.meta):
+        if key not in TRL_COLUMNS:
+            columns[key] = [s.meta.get(key) for s in samples]
+    return columns

@@ -1,0 +1,235 @@
+"""A run directory that survives what users and machines do to it.
+
+- It is textgym's own: a marker file says so, and a directory holding anything else is never used.
+- One process at a time: a lock file (``fcntl.flock``, released by the OS when the process dies).
+- Every file is written atomically (a temporary sibling, then a rename), the checkpoint as a directory by
+  :func:`textgym.models.atomic_build_dir`. A kill between the two renames of a checkpoint swap leaves the
+  new and the previous checkpoint as complete temporaries: :meth:`RunDir.recover_checkpoint` restores the
+  newest complete one and removes stale temporaries.
+- On resume, ``samples.jsonl`` is cut back to the checkpoint's iteration (``metrics.csv`` is rewritten from
+  the checkpoint's history), so no iteration appears twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import errno
+import json
+import os
+import shutil
+import signal
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from textgym.errors import ConfigError, TrainingError
+
+MARKER = ".textgym-run"
+LOCK = ".lock"
+CHECKPOINT = "checkpoint"
+CRASH_VAR = "TEXTGYM_CRASH_AT"  # crash-consistency tests kill the process at a named point
+
+
+_crash_counts: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Kill this process with SIGKILL when ``$TEXTGYM_CRASH_AT`` is ``name`` or ``name:N`` (the N-th time
+    this point is reached): the crash-consistency tests use it to cut a run at exact moments."""
+    wanted = os.environ.get(CRASH_VAR)
+    if not wanted or wanted.partition(":")[0] != name:
+        return
+    _crash_counts[name] = _crash_counts.get(name, 0) + 1
+    if _crash_counts[name] == int(wanted.partition(":")[2] or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def metrics_csv(history: Sequence[dict[str, Any]]) -> str:
+    columns = list(dict.fromkeys(key for row in history for key in row))
+    lines: list[str] = []
+
+    class Sink:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+    writer = csv.DictWriter(Sink(), fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(history)
+    return "".join(lines)
+
+
+class RunDir:
+    """The files of one training run (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / CHECKPOINT
+
+    def is_run(self) -> bool:
+        return (self.path / MARKER).is_file()
+
+    # -- creating and locking ------------------------------------------------------------------------
+    def create(self) -> bool:
+        """Make a new run directory. Refuses a directory that holds a run or anything textgym did not
+        write. Returns whether the directory itself was created (an existing empty one is reused)."""
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"run.output_dir {str(self.path)!r} is a file, not a directory.")
+        existing = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+        if existing:
+            if self.is_run():
+                raise ConfigError(
+                    f"{self.path} already holds a run; continue it with `textgym train --resume {self.path}`, "
+                    f"or choose another run.output_dir."
+                )
+            shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+            raise ConfigError(
+                f"run.output_dir {str(self.path)!r} holds files textgym did not write ({shown}); choose another "
+                f"run.output_dir (textgym never writes into a directory it does not own)."
+            )
+        created = not self.path.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / MARKER).write_text("a textgym run directory\n")
+        return created
+
+    def lock(self) -> None:
+        import fcntl
+
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(
+                f"run directory {self.path} is in use by textgym process {holder}: two runs on one directory would "
+                f"overwrite each other. Wait for it to finish, or stop it."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
+
+    def remove(self) -> None:
+        """Remove a run directory whose start failed (only textgym's own files are in it)."""
+        self.unlock()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def recover_checkpoint(self) -> Path | None:
+        """The last complete checkpoint, restored from a temporary if a swap was cut by a kill; stale
+        temporaries are removed. None when there is no complete checkpoint."""
+        from textgym.models import is_complete
+
+        temporaries = [p for p in self.path.glob(f".{CHECKPOINT}.*") if p.is_dir()]
+        if not is_complete(self.checkpoint):
+            complete = [p for p in temporaries if is_complete(p)]
+            if complete:
+                newest = max(complete, key=_progress)
+                if self.checkpoint.exists():
+                    shutil.rmtree(self.checkpoint)
+                os.rename(newest, self.checkpoint)
+                temporaries.remove(newest)
+                print(
+                    f"textgym: restored the checkpoint from {newest.name} (a checkpoint swap was interrupted)"
+                )
+        for p in temporaries:
+            shutil.rmtree(p, ignore_errors=True)
+        return self.checkpoint if is_complete(self.checkpoint) else None
+
+    def write_checkpoint(self, save: Any) -> None:
+        """``save(path)`` into the checkpoint, with disk errors reported as one line naming the last good one."""
+        try:
+            save(self.checkpoint)
+        except OSError as exc:
+            raise self.disk_error("the checkpoint", exc) from None
+
+    def disk_error(self, what: str, exc: OSError) -> TrainingError:
+        from textgym.models import is_complete
+
+        reason = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            reason += " (the disk is full)"
+        elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            reason += " (the directory is not writable)"
+        if is_complete(self.checkpoint):
+            state = json.loads((self.checkpoint / "state.json").read_text())
+            last = f"the last good checkpoint is {self.checkpoint} (iteration {state.get('iteration', '?')})"
+        else:
+            last = "there is no checkpoint yet"
+        return TrainingError(
+            f"could not write {what} in {self.path}: {reason}; {last}. Free space or fix permissions, then --resume."
+        )
+
+    # -- metrics and samples ---------------------------------------------------------------------------
+    def write_metrics(self, history: Sequence[dict[str, Any]]) -> None:
+        try:
+            write_atomic(self.path / "metrics.csv", metrics_csv(history))
+        except OSError as exc:
+            raise self.disk_error("metrics.csv", exc) from None
+
+    def append_samples(self, rows: Iterable[dict[str, Any]]) -> None:
+        try:
+            with (self.path / "samples.jsonl").open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        except OSError as exc:
+            raise self.disk_error("samples.jsonl", exc) from None
+
+    def write_jsonl(self, name: str, rows: Iterable[dict[str, Any]]) -> None:
+        try:
+            write_atomic(self.path / name, "".join(json.dumps(row) + "\n" for row in rows))
+        except OSError as exc:
+            raise self.disk_error(name, exc) from None
+
+    def truncate_samples(self, iteration: int) -> int:
+        """Drop sample rows written after ``iteration`` (by a run killed after its last checkpoint).
+        Returns how many were dropped."""
+        path = self.path / "samples.jsonl"
+        if not path.is_file():
+            return 0
+        kept, dropped = [], 0
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                dropped += 1
+                continue
+            if row.get("iteration", 0) <= iteration:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            write_atomic(path, "".join(kept))
+        return dropped
+
+    def clear_progress(self) -> None:
+        """Forget a run that never reached its first checkpoint (it restarts from the beginning)."""
+        for name in (
+            "metrics.csv",
+            "samples.jsonl",
+            "samples_before.jsonl",
+            "samples_after.jsonl",
+            "reward_kl.png",
+        ):
+            (self.path / name).unlink(missing_ok=True)
+
+
+def _progress(checkpoint: Path) -> tuple[int, float]:
+    try:
+        state = json.loads((checkpoint / "state.json").read_text())
+        return int(state.get("num_timesteps", 0)), checkpoint.stat().st_mtime
+    except (OSError, ValueError):
+        return -1, checkpoint.stat().st_mtime
