@@ -136,7 +136,7 @@ def main() -> None:
         module("env_overhead", *(["--envs", "1", "8", "--steps", "40", "--repeats", "1"] if q else []))
     if "rewards" in args.only:
         quick = ["--batch", "8", "--repeats", "1"] if q else []
-        module("reward_throughput", "--rm-model", str(reward_model()), *quick)
+        module("reward_throughput", "--rm-model", str(reward_model()), "--baseline", *quick)
     if "rollout" in args.only:
         module(
             "rollout_vs_generate",

@@ -6,14 +6,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from textgym import Sample, hookimpl
+from textgym.sampling import logits_to_keep
 from textgym.scoring import (
-    batched,
+    autocast,
     chat_prompt,
     check_positive,
     distinct_n,
+    length_sorted_batches,
+    lm_head_split,
+    prefix_cache,
+    resolve_bf16,
     resolve_device,
+    shared_prefix_length,
     uses_chat_template,
 )
+
+HEAD_CHUNK = 2048  # positions per LM-head call: bounds the (N, V) logits at 2048 x V floats
 
 
 class Fluency:
@@ -26,6 +34,14 @@ class Fluency:
             assistant's reply to the prompt.
         repetition_penalty: weight of the distinct-n penalty (0 = off). n: the n of distinct-n.
         batch_size, max_length: batching and truncation (the prompt is cut from the left).
+        device: ``"auto"`` (the GPU when there is one) or a torch device.
+        bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
+        share_prefix: run the token prefix that a batch's prompts share once, through the KV cache (the
+            scores do not change; turn it off for a model whose cache cannot be repeated across rows).
+
+    The forward costs only what the score reads: samples are sorted by length so each batch is tight, the
+    prompts' shared prefix (the chat template's system prompt) runs once per batch, and the LM head runs
+    on the positions that predict a completion token only, with log p = logit - logsumexp(logits).
     """
 
     name = "fluency"
@@ -39,6 +55,8 @@ class Fluency:
         batch_size: int = 16,
         max_length: int = 512,
         device: str = "auto",
+        bf16: bool | None = None,
+        share_prefix: bool = True,
     ):
         check_positive(n=n, batch_size=batch_size, max_length=max_length)
         if repetition_penalty < 0:
@@ -48,6 +66,9 @@ class Fluency:
         self.device = resolve_device(device)
         self.model, self.tokenizer = load_model(model)
         self.model.to(self.device)
+        self.bf16 = resolve_bf16(bf16, self.device)
+        self.share_prefix = share_prefix
+        self.split = lm_head_split(self.model)  # (trunk, head), or None: the model's own forward
         self.chat = uses_chat_template(self.tokenizer, chat_template)
         self.repetition_penalty, self.n = repetition_penalty, n
         self.batch_size, self.max_length = batch_size, max_length
@@ -65,26 +86,66 @@ class Fluency:
         return prompt[-(self.max_length - len(completion)) :], completion
 
     def logprobs(self, samples: Sequence[Sample]) -> list[float]:
+        """Mean log-prob of each completion given its prompt (EOS included when it ended on it)."""
+        pairs = [self._ids(s) for s in samples]
+        out = [0.0] * len(pairs)
+        for rows in length_sorted_batches([len(p) + len(c) for p, c in pairs], self.batch_size):
+            for i, score in zip(rows, self._mean_logprobs([pairs[i] for i in rows])):
+                out[i] = score
+        return out
+
+    def _layout(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[int, Any, Any, Any]:
+        """``(L, ids, mask, predicts)`` for one batch: the length L of the prefix that all prompts share
+        (it runs once), then each row's remaining tokens, right-padded (B, W), and which columns' outputs
+        predict a completion token (B, W-1)."""
         import torch
 
-        out: list[float] = []
-        for batch in batched(samples, self.batch_size):
-            pairs = [self._ids(s) for s in batch]
-            width = max(len(p) + len(c) for p, c in pairs)
-            ids = torch.full((len(pairs), width), self.tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            target = torch.zeros_like(ids, dtype=torch.bool)  # positions of completion tokens
-            for row, (p, c) in enumerate(pairs):
-                ids[row, : len(p) + len(c)] = torch.tensor(p + c)
-                mask[row, : len(p) + len(c)] = 1
-                target[row, len(p) : len(p) + len(c)] = True
-            with torch.inference_mode():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, W-1, V): predicts token t+1
-            token_logp = logp.gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1).cpu()  # (B, W-1)
-            t = target[:, 1:]
-            out.extend(((token_logp * t).sum(1) / t.sum(1)).tolist())
-        return out
+        # Every row keeps its last prompt token at least: its output predicts the first completion token.
+        L = 0
+        if self.share_prefix and len(pairs) > 1:  # one row gains nothing from a prefix run apart
+            L = shared_prefix_length([p for p, _ in pairs], min(len(p) for p, _ in pairs) - 1)
+        rows = [p[L:] + c for p, c in pairs]
+        B, W = len(rows), max(map(len, rows))
+        ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        predicts = torch.zeros(B, W - 1, dtype=torch.bool)  # column t's output predicts completion token t+1
+        for r, ((p, _), row) in enumerate(zip(pairs, rows)):
+            ids[r, : len(row)] = torch.tensor(row)
+            mask[r, : len(row)] = 1
+            predicts[r, max(len(p) - L - 1, 0) : len(row) - 1] = True
+        return L, ids.to(self.device), mask.to(self.device), predicts.to(self.device)
+
+    def _mean_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+        import torch
+
+        L, ids, mask, predicts = self._layout(pairs)
+        (B, W), targets = ids.shape, ids[:, 1:][predicts]  # targets (N,): the completion tokens, row by row
+        trunk = self.split[0] if self.split else self.model
+        with torch.inference_mode(), autocast(self.device, self.bf16):
+            kwargs: dict[str, Any] = {"attention_mask": mask}
+            if L:
+                prefix = torch.tensor([pairs[0][0][:L]], device=self.device)  # (1, L)
+                key, cache = prefix_cache(trunk, prefix, B)
+                kwargs = {"attention_mask": torch.cat([mask.new_ones(B, L), mask], 1), key: cache}
+            if self.split:
+                hidden = trunk(input_ids=ids, **kwargs).last_hidden_state[:, :-1][predicts]  # (N, H)
+                head = self.split[1]
+                token_logp = torch.cat(
+                    [
+                        token_logprobs(head(h), t)
+                        for h, t in zip(hidden.split(HEAD_CHUNK), targets.split(HEAD_CHUNK))
+                    ]
+                )  # (N,)
+            else:
+                # Columns before the earliest predicting one need no logits; logits_to_keep (where the model
+                # has it) keeps the last W - first, which covers every row's completion.
+                first = int(predicts.any(0).long().argmax())
+                keep = logits_to_keep(self.model, W - first)
+                logits = self.model(input_ids=ids, **kwargs, **keep).logits[:, -(W - first) : -1]
+                token_logp = token_logprobs(logits[predicts[:, first:]], targets)
+        per_row = torch.zeros(B, W - 1, device=self.device)
+        per_row[predicts] = token_logp
+        return (per_row.sum(1) / predicts.sum(1)).tolist()
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         scores = self.logprobs(samples)
@@ -94,6 +155,14 @@ class Fluency:
                 for score, s in zip(scores, samples)
             ]
         return scores
+
+
+def token_logprobs(logits: Any, tokens: Any) -> Any:
+    """log p(token) = logit - logsumexp(logits) from (N, V) logits: no (N, V) log-softmax tensor."""
+    import torch
+
+    logits = logits.float()
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)  # (N,)
 
 
 @hookimpl

@@ -7,7 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from textgym import Sample, hookimpl
-from textgym.scoring import batched, check_positive, resolve_device, uses_chat_template
+from textgym.scoring import (
+    autocast,
+    cache_argument,
+    check_positive,
+    length_sorted_batches,
+    prefix_cache,
+    resolve_bf16,
+    resolve_device,
+    shared_prefix_length,
+    uses_chat_template,
+)
 
 
 class RMScore:
@@ -22,6 +32,14 @@ class RMScore:
         template: format string with ``{prompt}`` and ``{completion}`` (default: the two concatenated).
         batch_size, max_length: batching; texts longer than ``max_length`` tokens are cut from the left,
             so the completion is always scored whole.
+        device: ``"auto"`` (the GPU when there is one) or a torch device.
+        bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
+        share_prefix: for a causal reward model, run the token prefix that a batch's texts share once,
+            through the KV cache (the scores do not change; turn it off for a model whose cache cannot be
+            repeated across rows).
+
+    Texts are sorted by length so each batch pads little, and for causal (decoder) reward models the
+    token prefix that a batch's texts share (the chat template's system prompt) runs once.
     """
 
     name = "rm_score"
@@ -36,6 +54,8 @@ class RMScore:
         batch_size: int = 16,
         max_length: int = 512,
         device: str = "auto",
+        bf16: bool | None = None,
+        share_prefix: bool = True,
     ):
         check_positive(batch_size=batch_size, max_length=max_length)
         if output not in ("logit", "probability"):
@@ -57,6 +77,9 @@ class RMScore:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.bf16 = resolve_bf16(bf16, self.device)
+        # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
+        self.share_prefix = share_prefix and cache_argument(self.model) is not None
         self.label = self._label_index(label)
         self.output, self.template = output, template
         self.chat = uses_chat_template(self.tokenizer, chat_template)
@@ -87,25 +110,47 @@ class RMScore:
         return self.template.format(prompt=s.prompt, completion=s.completion)
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        encodings = self.tokenizer(
+            [self.format(s) for s in samples], truncation=True, max_length=self.max_length
+        )
+        rows = [{key: values[i] for key, values in encodings.items()} for i in range(len(samples))]
+        scores = [0.0] * len(rows)
+        lengths = [len(row["input_ids"]) for row in rows]
+        for batch in length_sorted_batches(lengths, self.batch_size):
+            for i, score in zip(batch, self._scores([rows[i] for i in batch])):
+                scores[i] = score
+        return scores
+
+    def _scores(self, rows: list[dict[str, list[int]]]) -> list[float]:
         import torch
 
-        scores: list[float] = []
-        for batch in batched(samples, self.batch_size):
-            enc = self.tokenizer(
-                [self.format(s) for s in batch],
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-                return_tensors="pt",
-            ).to(self.device)
-            with torch.inference_mode():
-                logits = self.model(**enc).logits.float()  # (B, num_labels)
-            if self.output == "probability":
-                probs = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
-                scores.extend(probs[:, self.label].tolist())
-            else:
-                scores.extend(logits[:, self.label].tolist())
-        return scores
+        prefix = self._shared_prefix([row["input_ids"] for row in rows])
+        L = len(prefix)
+        batch = self.tokenizer.pad([{k: v[L:] for k, v in row.items()} for row in rows], return_tensors="pt")
+        batch = batch.to(self.device)  # right-padded
+        with torch.inference_mode(), autocast(self.device, self.bf16):
+            if L:
+                key, cache = prefix_cache(self.model, torch.tensor([prefix], device=self.device), len(rows))
+                mask = batch["attention_mask"]
+                batch = {
+                    **batch,
+                    "attention_mask": torch.cat([mask.new_ones(len(rows), L), mask], 1),
+                    key: cache,
+                }
+            logits = self.model(**batch).logits.float()  # (B, num_labels)
+        if self.output == "probability":
+            probs = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
+            return probs[:, self.label].tolist()
+        return logits[:, self.label].tolist()
+
+    def _shared_prefix(self, ids: list[list[int]]) -> list[int]:
+        """The leading tokens that all rows share, for a causal model. Sequence-classification models score
+        the last token that is not the pad token, so each row keeps that token after the prefix."""
+        if not self.share_prefix or len(ids) < 2:  # one row gains nothing from a prefix run apart
+            return []
+        pad = self.model.config.pad_token_id
+        last = [max((i for i, t in enumerate(row) if t != pad), default=0) for row in ids]
+        return ids[0][: shared_prefix_length(ids, min(last))]
 
 
 @hookimpl

@@ -7,7 +7,7 @@ from typing import Any
 
 from textgym import Sample, hookimpl
 from textgym.errors import RewardError
-from textgym.scoring import batched, check_positive, resolve_device
+from textgym.scoring import autocast, check_positive, length_sorted_batches, resolve_bf16, resolve_device
 
 
 def minilm_dir() -> str:
@@ -22,6 +22,8 @@ def minilm_dir() -> str:
 class Similarity:
     """Cosine similarity in [-1, 1] between the completion and ``target`` (a fixed text), or the prompt
     metadata's ``reference_key`` when no target is given. Embeddings: mean-pooled, L2-normalised MiniLM.
+    Each distinct text is embedded once per call, in batches of similar lengths; references are cached.
+    ``bf16``: bf16 autocast; unset: on for GPUs, off on the CPU.
     """
 
     name = "similarity"
@@ -34,12 +36,14 @@ class Similarity:
         batch_size: int = 64,
         max_length: int = 256,
         device: str = "auto",
+        bf16: bool | None = None,
     ):
         check_positive(batch_size=batch_size, max_length=max_length)
         from transformers import AutoModel, AutoTokenizer
 
         path = model or minilm_dir()
         self.device = resolve_device(device)
+        self.bf16 = resolve_bf16(bf16, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path).to(self.device).eval()
         self.target, self.reference_key = target, reference_key
@@ -47,19 +51,23 @@ class Similarity:
         self._cache: dict[str, Any] = {}
 
     def embed(self, texts: Sequence[str]) -> Any:
+        """(len(texts), H) unit vectors; each distinct text runs through the model once."""
         import torch
 
-        chunks = []
-        for batch in batched(list(texts), self.batch_size):
-            enc = self.tokenizer(
-                list(batch), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-            ).to(self.device)
-            with torch.inference_mode():
-                hidden = self.model(**enc).last_hidden_state  # (B, T, H)
+        unique = list(dict.fromkeys(texts))
+        encodings = self.tokenizer(unique, truncation=True, max_length=self.max_length)
+        rows = [{key: values[i] for key, values in encodings.items()} for i in range(len(unique))]
+        vectors: list[Any] = [None] * len(unique)
+        for batch in length_sorted_batches([len(row["input_ids"]) for row in rows], self.batch_size):
+            enc = self.tokenizer.pad([rows[i] for i in batch], return_tensors="pt").to(self.device)
+            with torch.inference_mode(), autocast(self.device, self.bf16):
+                hidden = self.model(**enc).last_hidden_state.float()  # (B, T, H)
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, H)
-            chunks.append(torch.nn.functional.normalize(pooled.float(), dim=-1).cpu())
-        return torch.cat(chunks)
+            for i, vector in zip(batch, torch.nn.functional.normalize(pooled, dim=-1).cpu()):
+                vectors[i] = vector
+        index = {text: i for i, text in enumerate(unique)}
+        return torch.stack([vectors[index[text]] for text in texts])
 
     def _references(self, samples: Sequence[Sample]) -> list[str]:
         if self.target is not None:

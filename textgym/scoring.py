@@ -1,16 +1,21 @@
-"""Helpers shared by the model-based reward plugins: batching, devices, prompt/completion formatting."""
+"""Helpers shared by the model-based reward plugins: batching, devices, precision, prompt/completion
+formatting, and the pieces of a fast causal-LM forward (shared prefixes, the LM head on chosen positions)."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 
-def batched(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+def length_sorted_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
+    """Indices of the items, longest first, in batches of ``size``: each batch pads to nearly its own
+    longest item instead of the call's. The caller writes each result back at its index, so the order of
+    the scores is the order of the samples."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+    for start in range(0, len(order), size):
+        yield order[start : start + size]
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -19,6 +24,24 @@ def resolve_device(device: str = "auto") -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def resolve_bf16(bf16: bool | None, device: str) -> bool:
+    """bf16 autocast: ``bf16`` when given, else on for GPUs and off on the CPU, where fp32 keeps the scores
+    of earlier runs (bf16 moves a mean log-prob by about 0.01)."""
+    if bf16 is None:
+        return device.startswith("cuda")
+    if bf16 not in (True, False):
+        raise ValueError(f"bf16 must be true, false or left unset (auto), not {bf16!r}.")
+    return bool(bf16)
+
+
+def autocast(device: str, bf16: bool) -> contextlib.AbstractContextManager[Any]:
+    import torch
+
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
 def check_positive(**values: Any) -> None:
@@ -61,3 +84,62 @@ def corpus_distinct_n(sequences: Sequence[Sequence[Any]], n: int) -> float:
     Give token ids (the model's units, which also works for character-level tasks) or words."""
     grams = [g for seq in sequences for g in ngrams(list(seq), n)]
     return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def shared_prefix_length(rows: Sequence[Sequence[int]], limit: int) -> int:
+    """Length of the token prefix that every row starts with, at most ``limit``. Chat templates put the
+    same system prompt before every prompt, and group methods score several completions of one prompt:
+    a model forward computes that prefix once (:func:`prefix_cache`) instead of once per row."""
+    if not rows:
+        return 0
+    first = rows[0]
+    n = min([limit, *map(len, rows)])
+    for row in rows[1:]:
+        i = 0
+        while i < n and row[i] == first[i]:
+            i += 1
+        n = i
+    return max(n, 0)
+
+
+def cache_argument(model: Any) -> str | None:
+    """The keyword under which ``model.forward`` takes a KV cache (``cache`` in transformers 5,
+    ``past_key_values`` before), or None when it takes none (encoders such as BERT)."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def prefix_cache(trunk: Any, prefix: Any, rows: int) -> tuple[str, Any]:
+    """Run the causal ``trunk`` over ``prefix`` (1, L) once and return ``(keyword, cache)``: its KV cache
+    repeated for ``rows`` rows, to pass to the next forward under ``keyword``. That forward continues at
+    position L and needs an attention mask of L + its own width columns."""
+    out = trunk(input_ids=prefix, use_cache=True)
+    # transformers 5 names the cache `cache`, older versions `past_key_values`; the model takes it back
+    # under the name it returned it.
+    key = "cache" if "cache" in out else "past_key_values"
+    cache = out[key]
+    cache.batch_repeat_interleave(rows)
+    return key, cache
+
+
+def lm_head_split(model: Any) -> tuple[Any, Any] | None:
+    """``(trunk, head)`` of a causal LM when ``head(trunk(x).last_hidden_state)`` gives the model's own
+    logits, so the head (49k outputs for SmolLM2, a fifth of its FLOPs) can run on the positions that are
+    read only. Checked on a few tokens, because some models scale or soft-cap the logits after the head
+    (Gemma 2, Cohere, Granite); for those, and models without a separate head, None."""
+    import torch
+
+    trunk, head = getattr(model, "base_model", model), model.get_output_embeddings()
+    if trunk is model or head is None:
+        return None
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 9, device=device)[None] % model.config.get_text_config().vocab_size  # (1, 8)
+    with torch.inference_mode():
+        expected = model(input_ids=ids).logits.float()  # (1, 8, V)
+        try:
+            got = head(trunk(input_ids=ids).last_hidden_state).float()
+        except (TypeError, AttributeError):
+            return None
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+        return None
+    return trunk, head
