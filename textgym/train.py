@@ -221,9 +221,11 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
 
+    from textgym.diagnostics import training_callbacks
     from textgym.formatting import format_table
 
     run, agent_cfg = config["run"], config["agent"]
+    diagnostics = training_callbacks(config, run_dir)  # [eval], checked before anything loads
     env = _make_native_env(config, config["env"]["num_envs"])
     hyperparameters = {k: v for k, v in agent_cfg.items() if k not in ("name", "policy")}
     hyperparameters.setdefault("seed", run["seed"])
@@ -264,7 +266,9 @@ def _run_native(agent_class: Any, config: dict[str, Any], run_dir: Path, resumin
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, progress_bar=True)
+            agent.learn(
+                remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, progress_bar=True
+            )
     agent.save(run_dir / CHECKPOINT)
     if agent.history:
         plot(run_dir / "reward_kl.png", agent.history, "reward", "kl")
@@ -292,9 +296,11 @@ def _run_sb3(agent_class: Any, config: dict[str, Any], run_dir: Path, resuming: 
     """Agents with the SB3 contract on an SB3 VecEnv (e.g. SB3's PPO on the small-vocabulary envs)."""
     from stable_baselines3.common.callbacks import BaseCallback
 
+    from textgym.diagnostics import training_callbacks
     from textgym.sb3 import make_vec_env
 
     run, agent_cfg = config["run"], config["agent"]
+    diagnostics = training_callbacks(config, run_dir)  # [eval], checked before anything loads
     env_kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
     env = make_vec_env(config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs)
     hyperparameters = {k: v for k, v in agent_cfg.items() if k not in ("name", "policy")}
@@ -337,7 +343,7 @@ def _run_sb3(agent_class: Any, config: dict[str, Any], run_dir: Path, resuming: 
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False)
+            agent.learn(remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False)
     tmp = path.with_name(f".{path.name}")
     agent.save(tmp)  # then renamed: an interrupted save never replaces a good checkpoint
     os.replace(tmp, path)
