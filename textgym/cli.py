@@ -64,6 +64,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("designs", type=Path, help="the designs file (TOML; see docs/bench.md)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a value")
 
+    p = commands.add_parser(
+        "train-rm", parents=[plugin_args], help="train a reward model on preference pairs (for rm_score)"
+    )
+    p.add_argument(
+        "pairs", type=Path, help="JSONL rows with prompt, chosen and rejected (see docs/reward-models.md)"
+    )
+    p.add_argument("--output", type=Path, required=True, metavar="DIR", help="the model directory to write")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="the LM to start from: zoo name or directory"
+    )
+    p.add_argument(
+        "--lora", metavar="'{r = 8}'", help="train a LoRA adapter (peft LoraConfig arguments as TOML)"
+    )
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--learning-rate", type=float, help="default 1e-5, or 1e-4 with --lora")
+    p.add_argument("--batch-size", type=int, default=8, help="pairs per step")
+    p.add_argument("--eval-fraction", type=float, default=0.1, help="share of pairs held out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-length", type=int, default=512, help="tokens per text (rm_score's default is 512)")
+
+    p = commands.add_parser(
+        "label-pairs",
+        parents=[plugin_args],
+        help="make preference pairs: two samples per prompt, ranked by a gold stack",
+    )
+    p.add_argument("--prompts", required=True, help="prompt-source name or prompt file")
+    p.add_argument(
+        "--policy", default="smollm2-135m-instruct", help="the model that samples: zoo name or directory"
+    )
+    p.add_argument(
+        "--rewards", nargs="+", required=True, metavar="SPEC",
+        help="the gold stack: reward specs as `sample --reward` takes them, or .toml files with a `rewards` list",
+    )  # fmt: skip
+    p.add_argument("--output", type=Path, required=True, metavar="PAIRS.jsonl")
+    p.add_argument("--num-prompts", type=int, help="prompts to sample (default: all; more cycles the source)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--label-noise", type=float, default=0.0, help="share of labels flipped, in [0, 0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts sampled together (two episodes each)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
+
     args = parser.parse_args(argv)
     try:
         from textgym import plugin_manager
@@ -74,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plugins(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "train-rm":
+            return _train_rm(args)
+        if args.command == "label-pairs":
+            return _label_pairs(args)
         if args.command == "bench":
             from textgym.bench import run as bench
 
@@ -95,6 +143,36 @@ def _train(args: argparse.Namespace) -> int:
             "give a config file to start a run, or --resume RUN_DIR to continue one (not both)."
         )
     run(args.config, args.set, resume=args.resume, agent_name=args.agent)
+    return 0
+
+
+def _train_rm(args: argparse.Namespace) -> int:
+    from textgym.reward_model import train_reward_model
+
+    report = train_reward_model(
+        args.pairs, args.output, model=args.model, lora=args.lora, epochs=args.epochs,
+        learning_rate=args.learning_rate, batch_size=args.batch_size, eval_fraction=args.eval_fraction,
+        seed=args.seed, max_length=args.max_length,
+    )  # fmt: skip
+    print(report.summary())
+    return 0
+
+
+def _label_pairs(args: argparse.Namespace) -> int:
+    from textgym.pairs import label_pairs
+
+    try:
+        stats = label_pairs(
+            args.prompts, args.policy, args.rewards, args.output, num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+            temperature=args.temperature, top_k=args.top_k, label_noise=args.label_noise, seed=args.seed,
+            batch_size=args.batch_size, chat_template=args.chat_template,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        kept = sum(1 for _ in args.output.open()) if args.output.is_file() else 0
+        print(f"textgym: interrupted; the {kept} pairs written so far are in {args.output}", file=sys.stderr)
+        return 130
+    print(stats.summary())
     return 0
 
 

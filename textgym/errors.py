@@ -58,3 +58,7 @@ class ConfigError(TextgymError, ValueError):
 
 class TrainingError(TextgymError):
     """Training cannot go on safely: an absurd reward, non-finite weights, a diverged update."""
+
+
+class PairsError(TextgymError, ValueError):
+    """A preference-pairs file is missing or unreadable, or one of its rows is unusable."""

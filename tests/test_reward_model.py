@@ -1,0 +1,306 @@
+"""textgym train-rm and textgym label-pairs: reward models from preference pairs, pairs from a gold stack."""
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import reward_plugin
+from textgym import Sample, make_reward
+from textgym.cli import main
+from textgym.errors import ConfigError, ModelError, PairsError, UnknownNameError
+from textgym.models import is_complete
+from textgym.pairs import label_pairs, read_pairs
+from textgym.reward_model import REPORT, format_text, train_reward_model
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sun",
+    "rain",
+    "tree",
+    "river",
+    "house",
+    "blue",
+    "green",
+    "quick",
+    "slow",
+    "small",
+    "big",
+    "red",
+    "old",
+    "new",
+]
+
+
+def marker_pairs(n, seed=0):
+    """A separable preference: the chosen completion says "banana" somewhere, the rejected one never does."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = rng.choices(WORDS, k=6)
+        words.insert(rng.randrange(7), "banana")
+        rows.append(
+            {
+                "prompt": f"Tell me about thing {i % 5}.",
+                "chosen": " ".join(words),
+                "rejected": " ".join(rng.choices(WORDS, k=6)),
+                "note": "extra keys are ignored",
+            }
+        )
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def rm_score_margins(directory, pairs):
+    """r(chosen) - r(rejected) of each pair under the rm_score reward loading ``directory`` as users do."""
+    rm = make_reward("rm_score", model=str(directory), batch_size=4)
+    chosen = rm([Sample(p["prompt"], p["chosen"], (), (), "stop", {}) for p in pairs])
+    rejected = rm([Sample(p["prompt"], p["rejected"], (), (), "stop", {}) for p in pairs])
+    return [c - r for c, r in zip(chosen, rejected)]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A reward model trained on the marker preference (tiny model, seconds), its pairs and report."""
+    tmp = tmp_path_factory.mktemp("toy")
+    rows = marker_pairs(64)
+    pairs = write_jsonl(tmp / "pairs.jsonl", rows)
+    report = train_reward_model(
+        pairs, tmp / "rm", model="tiny-random-llama", epochs=4, learning_rate=1e-3, eval_fraction=0.25
+    )
+    return tmp / "rm", rows, report
+
+
+def test_train_rm_learns_a_separable_preference(toy):
+    out, _, report = toy
+    assert report.eval_pairs == 16 and report.train_pairs == 48
+    assert report.after.accuracy >= 0.9
+    assert report.after.loss < report.before.loss / 2
+    assert report.after.mean_margin > report.before.mean_margin + 1
+    assert report.train_loss[-1] < report.train_loss[0]
+    saved = json.loads((out / REPORT).read_text())
+    assert saved["after"] == {"accuracy": report.after.accuracy, "mean_margin": report.after.mean_margin,
+                              "loss": report.after.loss}  # fmt: skip
+    assert saved["settings"]["chat_template"] is True and saved["eval_lines"] == report.eval_lines
+
+
+def test_the_saved_directory_scores_in_rm_score_as_the_trainer_did(toy, tokenizer):
+    from transformers import AutoConfig
+
+    out, rows, report = toy
+    assert is_complete(out)
+    config = AutoConfig.from_pretrained(out)
+    assert config.num_labels == 1
+    assert config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id  # <|endoftext|>, not EOS
+    held_out = [rows[line - 1] for line in report.eval_lines]
+    margins = rm_score_margins(out, held_out)
+    assert sum(m > 0 for m in margins) / len(margins) == report.after.accuracy >= 0.9
+    assert sum(margins) / len(margins) == pytest.approx(report.after.mean_margin, abs=1e-4)
+
+
+def test_the_trainer_formats_texts_as_rm_score_does(toy):
+    out, rows, _ = toy
+    rm = make_reward("rm_score", model=str(out))
+    sample = Sample(rows[0]["prompt"], rows[0]["chosen"], (), (), "stop", {})
+    assert format_text(rm.tokenizer, True, sample.prompt, sample.completion) == rm.format(sample)
+    plain = make_reward("rm_score", model=str(out), chat_template=False)
+    assert format_text(rm.tokenizer, False, sample.prompt, sample.completion) == plain.format(sample)
+
+
+def test_lora_is_merged_into_a_plain_directory_that_rm_score_loads(tmp_path):
+    rows = marker_pairs(32, seed=1)
+    report = train_reward_model(
+        rows, tmp_path / "rm", model="tiny-random-llama", lora="{r = 4, lora_alpha = 8}", epochs=2,
+        learning_rate=3e-3, eval_fraction=0.25,
+    )  # fmt: skip
+    assert report.settings["lora"] == {"r": 4, "lora_alpha": 8}
+    assert report.after.loss < report.before.loss
+    assert not (tmp_path / "rm" / "adapter_config.json").exists()
+    held_out = [rows[line - 1] for line in report.eval_lines]
+    margins = rm_score_margins(tmp_path / "rm", held_out)  # merged weights and the trained head
+    assert sum(margins) / len(margins) == pytest.approx(report.after.mean_margin, abs=1e-4)
+
+
+def char_count(samples):
+    return [float(len(s.completion)) for s in samples]
+
+
+def test_label_pairs_ranks_by_the_gold_stack_and_flips_the_asked_share(register, tmp_path, capsys):
+    register(reward_plugin("chars", char_count), "chars-plugin")
+    gold = tmp_path / "gold.toml"
+    gold.write_text('rewards = [{ name = "chars", weight = 0.5 }]\n')
+    prompts = ["Say hello.", "Name a colour.", "Count to three."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "pairs.jsonl"
+    argv = ["label-pairs", "--prompts", str(tmp_path / "prompts.txt"), "--policy", "tiny-random-llama",
+            "--rewards", str(gold), "--output", str(out), "--num-prompts", "20", "--batch-size", "8",
+            "--max-new-tokens", "6", "--label-noise", "0.25", "--seed", "3"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    summary = capsys.readouterr().out
+    ties = int(re.search(r"(\d+) ties skipped", summary).group(1))
+    assert len(rows) + ties == 20 and len(rows) >= 15  # 20 prompts in batches of 8, 8, 4
+    assert f"wrote {len(rows)} pairs" in summary
+    cycled = iter(prompts[i % 3] for i in range(20))  # the source starts over; ties leave gaps
+    assert all(any(r["prompt"] == p for p in cycled) for r in rows)
+    flipped = [r for r in rows if r["flipped"]]
+    assert len(flipped) == round(0.25 * len(rows)) > 0
+    for r in rows:
+        assert r["chosen"] != r["rejected"]
+        assert r["chosen_score"] == 0.5 * len(r["chosen"]) and r["rejected_score"] == 0.5 * len(r["rejected"])
+        assert r["margin"] == r["chosen_score"] - r["rejected_score"]
+        assert (r["margin"] < 0) == r["flipped"]  # noise swaps the labels, never the scores
+    assert main(argv) == 0  # seeded: the same file again
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+
+def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
+    register(reward_plugin("chars", char_count), "chars-plugin")
+    out = tmp_path / "pairs.jsonl"
+    stats = label_pairs(
+        "chat", "tiny-random-llama", ["chars"], out, num_prompts=24, max_new_tokens=6, batch_size=12
+    )
+    assert stats.pairs + stats.ties == 24 and stats.flipped == 0
+    assert len(read_pairs(out)) == stats.pairs  # label-pairs' extra keys are ignored
+    argv = ["train-rm", str(out), "--output", str(tmp_path / "rm"), "--model", "tiny-random-llama",
+            "--eval-fraction", "0.25", "--learning-rate", "1e-3"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "accuracy" in printed and f"rm_score model='{tmp_path / 'rm'}'" in printed
+    assert (tmp_path / "rm" / REPORT).is_file()
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"prompt": "p", "chosen": "a", "rejected": "b"}', '{"prompt": "p", "chosen": "a"}'],
+         r"line 2: the row has no 'rejected' \(it has 'prompt', 'chosen'\)"),
+        (['{"prompt": "p", "chosen": "a", "rejected": "b"}', "", '{"prompt": "p", "chosen": "x", "rejected": "x"}'],
+         r"line 3: chosen and rejected are the same text \('x'\)"),
+        (['{"prompt": "p", "chosen": "a", "rejected": 3}'], r"line 1: 'rejected' must be a string, not 3"),
+        (['{"prompt": "p", "chosen": "a", "rejected": "b"', ], r"line 1: not valid JSON"),
+        (["[1, 2]"], r"line 1: expected an object with prompt, chosen and rejected"),
+        ([""], r"has no pairs"),
+    ],
+)  # fmt: skip
+def test_bad_pairs_files_name_the_line(tmp_path, lines, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PairsError, match=message):
+        train_reward_model(path, tmp_path / "rm", model="tiny-random-llama")
+
+
+def test_a_missing_pairs_file_is_one_line_on_the_cli(tmp_path, capsys):
+    assert main(["train-rm", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "rm")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "textgym: error: pairs file" in err and "nope.jsonl" in err and "does not exist" in err
+
+
+def test_too_few_pairs_for_the_held_out_split(tmp_path):
+    with pytest.raises(
+        PairsError, match=r"4 pair\(s\) at eval_fraction 0.1 leave 0 held-out .* at least 5 pairs"
+    ):
+        train_reward_model(marker_pairs(4), tmp_path / "rm", model="tiny-random-llama")
+    with pytest.raises(PairsError, match="leave 2 held-out and 0 training"):
+        train_reward_model(marker_pairs(2), tmp_path / "rm", eval_fraction=0.9)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"epochs": 0}, r"epochs \(--epochs\) must be an integer >= 1, not 0"),
+        ({"learning_rate": 0.0}, r"learning_rate \(--learning-rate\) must be > 0, not 0.0"),
+        ({"learning_rate": -1e-5}, r"must be > 0, not -1e-05"),
+        ({"batch_size": 0}, r"batch_size \(--batch-size\) must be an integer >= 1"),
+        ({"eval_fraction": 1.0}, r"eval_fraction \(--eval-fraction\) must be between 0 and 1"),
+        ({"lora": "{r = }"}, r"--lora '\{r = \}' is not a TOML inline table"),
+        ({"lora": "8"}, r"must be a TOML inline table"),
+    ],
+)
+def test_bad_training_settings(tmp_path, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        train_reward_model(marker_pairs(20), tmp_path / "rm", model="tiny-random-llama", **settings)
+
+
+def test_unknown_or_unusable_models(tmp_path):
+    pairs = marker_pairs(20)
+    with pytest.raises(
+        UnknownNameError, match=r"unknown model 'tiny-random-lama'. Did you mean 'tiny-random-llama'"
+    ):
+        train_reward_model(pairs, tmp_path / "rm", model="tiny-random-lama")
+    with pytest.raises(ModelError, match=r"model directory '\./no/such/dir' does not exist"):
+        train_reward_model(pairs, tmp_path / "rm", model="./no/such/dir")
+    with pytest.raises(ModelError, match="'tiny-char-llama' has no Hugging Face model and tokenizer to save"):
+        train_reward_model(pairs, tmp_path / "rm", model="tiny-char-llama")
+    with pytest.raises(ConfigError, match="--lora .*'rank'"):
+        train_reward_model(pairs, tmp_path / "rm", model="tiny-random-llama", lora={"rank": 8})
+
+
+def test_train_rm_never_replaces_a_directory_it_did_not_write(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="exists and is not a train-rm output"):
+        train_reward_model(marker_pairs(20), tmp_path / "mine", model="tiny-random-llama")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"label_noise": 0.5}, r"label_noise must be in \[0, 0.5\), not 0.5"),
+        ({"label_noise": -0.1}, r"label_noise must be in \[0, 0.5\), not -0.1"),
+        ({"temperature": 0.0}, r"temperature must be > 0, not 0.0: greedy decoding"),
+        ({"num_prompts": 0}, r"num_prompts must be a positive integer"),
+        ({"rewards": []}, r"give the gold reward stack"),
+    ],
+)
+def test_bad_label_pairs_settings(tmp_path, settings, message):
+    kwargs = {"rewards": ["length_penalty target=4"], **settings}
+    rewards = kwargs.pop("rewards")
+    with pytest.raises(ConfigError, match=message):
+        label_pairs("chat", "tiny-random-llama", rewards, tmp_path / "pairs.jsonl", **kwargs)
+    assert not (tmp_path / "pairs.jsonl").exists()
+
+
+def test_a_rewards_file_without_a_rewards_list(tmp_path):
+    (tmp_path / "gold.toml").write_text('[env]\nrewards = [{ name = "sentiment" }]\n')
+    with pytest.raises(ConfigError, match="needs a top-level list"):
+        label_pairs("chat", "tiny-random-llama", [str(tmp_path / "gold.toml")], tmp_path / "p.jsonl")
+
+
+# -- the docs --------------------------------------------------------------------------------------------
+
+DOC = Path(__file__).parents[1] / "docs" / "reward-models.md"
+
+
+def test_every_command_in_the_docs_parses(monkeypatch):
+    """Each ``textgym ...`` line of docs/reward-models.md is accepted by the CLI as written (the commands
+    themselves were run to measure the figures shown there)."""
+    import shlex
+
+    import textgym.cli
+
+    ran = []
+    monkeypatch.setattr(textgym.cli, "_train_rm", lambda args: ran.append(args) or 0)
+    monkeypatch.setattr(textgym.cli, "_label_pairs", lambda args: ran.append(args) or 0)
+    monkeypatch.setattr(textgym.cli, "_sample", lambda args: ran.append(args) or 0)
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
+    commands = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    commands = [c for c in commands if c.startswith("textgym ")]
+    assert len(commands) >= 4
+    for command in commands:
+        assert main(shlex.split(command, comments=True)[1:]) == 0, command
+    assert len(ran) == len(commands)

@@ -1,0 +1,305 @@
+"""Preference pairs: the JSONL format ``textgym train-rm`` reads, and ``textgym label-pairs``, which makes
+such pairs from a policy's samples and a gold reward stack.
+
+One pair per line: ``{"prompt": ..., "chosen": ..., "rejected": ...}`` (strings; other keys are ignored).
+``label-pairs`` also writes ``chosen_score``, ``rejected_score``, ``margin`` (chosen minus rejected, under
+the gold stack) and ``flipped`` (true where label noise swapped the two, so the margin is negative).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from textgym.errors import ConfigError, PairsError
+
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference: ``chosen`` is the better completion of ``prompt``, ``rejected`` the worse."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    line: int  # where it came from: the 1-based line of the file (or position in a list)
+
+
+PairsLike = str | os.PathLike | Sequence[Mapping[str, Any] | Pair]
+
+
+def read_pairs(source: PairsLike) -> list[Pair]:
+    """Read and check preference pairs from a JSONL file or a list of dicts.
+
+    Raises:
+        PairsError: the file does not exist or is empty, or a row is not a JSON object with string
+            ``prompt``, ``chosen`` and ``rejected`` that differ (the message names the line).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise PairsError(
+                f"pairs file {str(source)!r} does not exist. Write JSONL rows with prompt, chosen and "
+                f"rejected, or make them with `textgym label-pairs`."
+            )
+        where = str(source)
+        records: list[tuple[int, Any]] = []
+        for n, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not text.strip():
+                continue
+            try:
+                records.append((n, json.loads(text)))
+            except json.JSONDecodeError as exc:
+                raise PairsError(f"{where}, line {n}: not valid JSON ({exc.msg}).") from None
+    else:
+        where = "the pairs list"
+        records = list(enumerate(source, start=1))
+    pairs = [_to_pair(record, where, n) for n, record in records]
+    if not pairs:
+        raise PairsError(f"{where} has no pairs: give JSONL rows with prompt, chosen and rejected.")
+    return pairs
+
+
+def _to_pair(record: Any, where: str, line: int) -> Pair:
+    if isinstance(record, Pair):
+        record = {"prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected}
+    if not isinstance(record, Mapping):
+        raise PairsError(
+            f"{where}, line {line}: expected an object with prompt, chosen and rejected, not {record!r}."
+        )
+    missing = [key for key in FIELDS if key not in record]
+    if missing:
+        raise PairsError(
+            f"{where}, line {line}: the row has no {' or '.join(map(repr, missing))} "
+            f"(it has {', '.join(map(repr, record)) or 'no keys'}). Every row needs prompt, chosen and rejected."
+        )
+    for key in FIELDS:
+        if not isinstance(record[key], str):
+            raise PairsError(f"{where}, line {line}: {key!r} must be a string, not {record[key]!r}.")
+    if record["chosen"] == record["rejected"]:
+        text = record["chosen"] if len(record["chosen"]) <= 40 else record["chosen"][:39] + "…"
+        raise PairsError(
+            f"{where}, line {line}: chosen and rejected are the same text ({text!r}), which teaches no "
+            f"preference. Remove the row (label-pairs skips such ties)."
+        )
+    return Pair(record["prompt"], record["chosen"], record["rejected"], line)
+
+
+def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """A seeded split into (train, held-out); the held-out part is ``round(eval_fraction * n)`` pairs.
+
+    Raises:
+        PairsError: either part would be empty.
+    """
+    import numpy as np
+
+    n = len(pairs)
+    n_eval = math.floor(eval_fraction * n + 0.5)
+    if n_eval < 1 or n_eval >= n:
+        need = max(2, math.ceil(0.5 / eval_fraction), math.ceil(0.5 / (1 - eval_fraction)))
+        raise PairsError(
+            f"{n} pair(s) at eval_fraction {eval_fraction} leave {n_eval} held-out and {n - n_eval} training "
+            f"pair(s); both need at least one. Give at least {need} pairs, or change --eval-fraction."
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    held_out = sorted(order[:n_eval].tolist())
+    chosen = set(held_out)
+    return [p for i, p in enumerate(pairs) if i not in chosen], [pairs[i] for i in held_out]
+
+
+def check_label_settings(
+    num_prompts: int | None, max_new_tokens: int, temperature: float, label_noise: float, batch_size: int
+) -> None:
+    """Raise :class:`ConfigError` for a value ``label_pairs`` cannot work with."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
+    if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
+        raise ConfigError(
+            f"num_prompts must be a positive integer (or omitted for all), not {num_prompts!r}."
+        )
+    if not temperature > 0:
+        raise ConfigError(
+            f"temperature must be > 0, not {temperature!r}: greedy decoding would give both completions of a "
+            f"prompt the same text."
+        )
+    if not 0 <= label_noise < 0.5:
+        raise ConfigError(
+            f"label_noise must be in [0, 0.5), not {label_noise!r}: it is the share of labels flipped, and at "
+            f"0.5 or more the labels say more about the noise than the gold reward."
+        )
+
+
+@dataclass(frozen=True)
+class LabelStats:
+    """What :func:`label_pairs` did."""
+
+    output: str
+    prompts: int  # prompts sampled, two completions each
+    pairs: int  # rows written
+    ties: int  # prompts skipped: both completions had the same gold score, or the same text
+    flipped: int  # rows whose labels label noise swapped (marked "flipped": true)
+    seconds: float
+
+    def summary(self) -> str:
+        return (
+            f"wrote {self.pairs} pairs to {self.output} from {self.prompts} prompts in {self.seconds:.0f} s "
+            f"({self.ties} ties skipped, {self.flipped} labels flipped)"
+        )
+
+
+def gold_specs(rewards: Any) -> list[Any]:
+    """Reward specs from a list of specs (``"name key=value"`` strings or dicts) in which any ``.toml`` path
+    stands for that file's top-level ``rewards`` list."""
+    from textgym.config import read_toml
+
+    items = [rewards] if isinstance(rewards, (str, os.PathLike, Mapping)) else list(rewards or [])
+    specs: list[Any] = []
+    for item in items:
+        if isinstance(item, (str, os.PathLike)) and str(item).endswith(".toml"):
+            table = read_toml(item, "rewards file")
+            if not isinstance(table.get("rewards"), list) or not table["rewards"]:
+                raise ConfigError(
+                    f"rewards file {str(item)!r} needs a top-level list, e.g. "
+                    f'rewards = [{{ name = "sentiment" }}, {{ name = "length_penalty", weight = 0.5, target = 24 }}].'
+                )
+            specs.extend(table["rewards"])
+        else:
+            specs.append(item)
+    if not specs:
+        raise ConfigError("give the gold reward stack: at least one reward spec or a rewards .toml file.")
+    return specs
+
+
+def label_pairs(
+    prompts: Any,
+    policy: str | os.PathLike,
+    rewards: Any,
+    output: str | os.PathLike,
+    *,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 32,
+    max_prompt_tokens: int = 96,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    label_noise: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    chat_template: bool | None = None,
+    progress: bool | None = None,
+) -> LabelStats:
+    """Sample two completions per prompt with ``policy``, label them with a gold reward stack, write pairs.
+
+    The completion with the higher gold total is ``chosen``. Ties (equal totals or equal texts) are skipped
+    and counted. Label noise flips ``round(label_noise * pairs)`` labels, picked at random (seeded) within
+    each batch while the running count is kept at the target, so a prefix of the file (an interrupted run)
+    has the same noise rate. Rows are written and flushed after each batch.
+
+    Args:
+        prompts: a prompt source: registered name, file, or list (see :func:`textgym.load_prompts`).
+        policy: the model that samples: a zoo name or a model directory.
+        rewards: the gold stack: reward specs (``"sentiment"``, ``"length_penalty weight=0.5 target=24"``,
+            dicts), or ``.toml`` files with a top-level ``rewards`` list.
+        output: the JSONL file to write (replaced).
+        num_prompts: how many prompts (default: all); past the end of the source it starts over, so a
+            prompt then gets several pairs.
+        max_new_tokens, max_prompt_tokens, temperature, top_k, chat_template: as ``textgym sample``.
+        label_noise: the share of labels flipped, in [0, 0.5).
+        seed: seeds the sampling (batch ``b`` uses ``seed + b``) and the label noise.
+        batch_size: prompts sampled together (two episodes each).
+        progress: show a progress bar (default: when writing to a terminal).
+    """
+    import time
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from textgym.envs import TextGenVectorEnv
+    from textgym.models import load_model
+    from textgym.prompts import load_prompts
+    from textgym.rewards import check_reward_specs
+    from textgym.sampling import sample_episodes
+    from textgym.scoring import resolve_device
+
+    check_label_settings(num_prompts, max_new_tokens, temperature, label_noise, batch_size)
+    specs = gold_specs(rewards)
+    check_reward_specs(specs, where="gold rewards")
+    source = load_prompts(prompts)
+    total = num_prompts or len(source)
+    per_batch = min(batch_size, total)
+    start_time = time.perf_counter()
+    env = TextGenVectorEnv(
+        num_envs=2 * per_batch,
+        model=policy,
+        prompts=source,
+        rewards=specs,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        chat_template=chat_template,
+        autoreset_mode="Disabled",
+    )
+    model, _ = load_model(policy)
+    model.to(resolve_device("auto"))
+    noise_rng = np.random.default_rng(seed)
+    written = ties = flipped = 0
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with (
+            output.open("w", encoding="utf-8") as out,
+            tqdm(total=total, desc="label-pairs", unit="prompt", disable=_disable(progress)) as bar,
+        ):
+            for batch, first in enumerate(range(0, total, per_batch)):
+                indices = [i % len(source) for i in range(first, min(first + per_batch, total))]
+                # Each prompt goes to two neighbouring sub-envs; a short last batch resets only its own.
+                options: dict[str, Any] = {"prompts": [i for i in indices for _ in range(2)]}
+                if 2 * len(indices) < env.num_envs:
+                    options["reset_mask"] = np.arange(env.num_envs) < 2 * len(indices)
+                episodes = sample_episodes(
+                    model, env, temperature=temperature, top_k=top_k, seed=seed + batch, options=options
+                )
+                ranked = []  # (better, worse) episode of each prompt under the gold stack
+                for a, b in zip(episodes[0 : 2 * len(indices) : 2], episodes[1 : 2 * len(indices) : 2]):
+                    if a["reward"] == b["reward"] or a["completion"] == b["completion"]:
+                        ties += 1
+                    else:
+                        ranked.append((a, b) if a["reward"] > b["reward"] else (b, a))
+                # Keep the running number of flips at round(label_noise * pairs so far).
+                target = math.floor(label_noise * (written + len(ranked)) + 0.5)
+                flips = set(noise_rng.choice(len(ranked), size=target - flipped, replace=False).tolist())
+                flipped = target
+                rows = [
+                    _row(worse, better, flipped=True) if k in flips else _row(better, worse)
+                    for k, (better, worse) in enumerate(ranked)
+                ]
+                out.writelines(json.dumps(row) + "\n" for row in rows)
+                out.flush()
+                written += len(rows)
+                bar.update(len(indices))
+                bar.set_postfix(pairs=written, ties=ties, flipped=flipped)
+    finally:
+        env.close()
+    return LabelStats(str(output), total, written, ties, flipped, time.perf_counter() - start_time)
+
+
+def _row(chosen: Mapping[str, Any], rejected: Mapping[str, Any], flipped: bool = False) -> dict[str, Any]:
+    return {
+        "prompt": chosen["prompt"],
+        "chosen": chosen["completion"],
+        "rejected": rejected["completion"],
+        "chosen_score": chosen["reward"],
+        "rejected_score": rejected["reward"],
+        "margin": chosen["reward"] - rejected["reward"],
+        "flipped": flipped,
+    }
+
+
+def _disable(progress: bool | None) -> bool | None:
+    """tqdm's ``disable``: None (the default) shows the bar only on a terminal."""
+    return None if progress is None else not progress
