@@ -216,3 +216,64 @@ def test_the_config_hash_follows_code_files(tmp_path):
     assert plan(load_designs(d), tmp_path / "bench")[0].config_hash == first
     fn.write_text("def brevity(samples):\n    return [0.5 for s in samples]\n")
     assert plan(load_designs(d), tmp_path / "bench")[0].config_hash != first
+
+
+RM = {
+    "output": "rm",
+    "pairs": {"prompts": "copy-train", "policy": "tiny-char-llama", "rewards": [{"name": "match", "partial": True}],
+              "num_prompts": 64, "max_new_tokens": 4, "max_prompt_tokens": 3, "batch_size": 32},
+    "train": {"model": "tiny-random-llama", "epochs": 1, "learning_rate": 1e-3, "batch_size": 16, "max_length": 32},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"outptu": "x"}, "unknown key 'outptu'"),
+        (
+            {"pairs": {"prompts": "copy-train", "policy": "tiny-char-llama"}},
+            "pairs must be a table with at least",
+        ),
+        ({"pairs": {**RM["pairs"], "label_noise": 0.7}}, "label_noise must be in"),
+        ({"pairs": {**RM["pairs"], "num_promts": 3}}, "unknown argument.*'num_promts'"),
+        ({"pairs": {**RM["pairs"], "rewards": [{"name": "mach"}]}}, "unknown reward 'mach'"),
+        ({"train": {"epochs": 0}}, "epochs .* must be an integer >= 1"),
+        ({"train": {"learning_rat": 1.0}}, "unknown argument.*'learning_rat'"),
+    ],
+)
+def test_bad_reward_models_are_refused(tmp_path, change, match):
+    bad = designs(tmp_path)
+    bad["reward_models"] = [{**RM, "output": str(tmp_path / "rm"), **change}]
+    with pytest.raises((ConfigError, PluginArgumentError, UnknownNameError), match=match):
+        bench.run(bad, progress=False)
+    assert not (tmp_path / "bench").exists() and not (tmp_path / "rm").exists()
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_thread):
+    from textgym import bench_rm
+
+    entry = {**RM, "output": str(tmp_path / "rm")}
+    spec = load_designs({**designs(tmp_path), "reward_models": [entry]})
+    bench_rm.prepare(spec["reward_models"], progress=False)
+    assert (tmp_path / "rm" / "train_rm.json").is_file() and (tmp_path / "rm.pairs.jsonl").is_file()
+    assert bench_rm.pending(spec["reward_models"]) == []  # made with these settings: reused
+    # the settings are part of every run's identity
+    other = {**entry, "train": {**entry["train"], "epochs": 2}}
+    spec2 = load_designs({**designs(tmp_path), "reward_models": [other]})
+    assert plan(spec, tmp_path / "b")[0].config_hash != plan(spec2, tmp_path / "b")[0].config_hash
+    with pytest.raises(ConfigError, match="was made with other settings"):
+        bench_rm.pending(spec2["reward_models"])
+    (tmp_path / "mine").mkdir()
+    mine = load_designs({**designs(tmp_path), "reward_models": [{**entry, "output": str(tmp_path / "mine")}]})
+    with pytest.raises(ConfigError, match="exists but no bench made it"):
+        bench_rm.pending(mine["reward_models"])

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from textgym import bench_rm
 from textgym.bench_config import BENCH_DEFAULTS, load_designs
 from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError
@@ -47,6 +48,7 @@ class Job:
     run_dir: Path
     run_id: str  # run_dir relative to the bench's runs/ folder
     config: dict[str, Any]
+    identity: dict[str, Any]  # what its training depends on (see identity())
     config_hash: str  # the training: config and code files, without the held-out evaluation settings
     eval_hash: str  # the final evaluation's settings
     curves_hash: str  # the settings of the held-out curves measured during training ([eval])
@@ -72,6 +74,7 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
 
     jobs = []
     evaluation = {**eval_settings(spec), "samples": spec["bench"]["samples_in_report"]}
+    reward_models = {e["output"]: e["digest"] for e in spec.get("reward_models", [])}
     for agent in spec["agents"]:
         for design in spec["designs"]:
             for seed in spec["bench"]["seeds"]:
@@ -86,25 +89,27 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                 if agent["lm"] and spec["bench"]["eval_every"]:  # held-out curves during training
                     config["eval"] = eval_settings(spec)
                 config = validate(config, f"run {run_id}")
-                hashes = config_hash(config), _digest(evaluation), _digest(config.get("eval"))
-                jobs.append(Job(agent, design, seed, run_dir, run_id, config, *hashes))
+                ident = identity(config, reward_models)
+                hashes = _digest(ident), _digest(evaluation), _digest(config.get("eval"))
+                jobs.append(Job(agent, design, seed, run_dir, run_id, config, ident, *hashes))
     return jobs
 
 
-def config_hash(config: Mapping[str, Any]) -> str:
-    """A digest of a run's resolved config (its output directory and held-out evaluation settings left
-    out) and of the code files it names (plugin files, ``fn`` reward files): equal digests mean the same
-    training."""
-    return _digest(identity(config))
+def config_hash(config: Mapping[str, Any], reward_models: Mapping[str, str] | None = None) -> str:
+    """A digest of :func:`identity`: equal digests mean the same training."""
+    return _digest(identity(config, reward_models))
 
 
-def identity(config: Mapping[str, Any]) -> dict[str, Any]:
+def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a run's training depends on: its config without ``run.output_dir`` and ``[eval]`` (evaluations
-    never change training), plus each code file's digest."""
+    never change training), each code file's digest (plugin files, ``fn`` reward files), and the settings
+    digest of each proxy reward model the bench trains (``[[reward_models]]``)."""
     ident = {k: copy.deepcopy(v) for k, v in config.items() if k != "eval"}
     ident["run"] = {k: v for k, v in ident["run"].items() if k != "output_dir"}
     files = list(ident["run"].get("plugins", [])) + _fn_files(ident["env"].get("rewards"))
     ident["code"] = {f: _file_digest(f) for f in sorted(set(files))}
+    if reward_models:
+        ident["reward_models"] = dict(reward_models)
     return ident
 
 
@@ -161,7 +166,7 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
                 f"{job.run_dir} exists, but {out / INDEX_FILE} has no record of this bench starting it"
             )
         elif record.get("config_hash") != job.config_hash:
-            changes = _changes(record.get("config", {}), identity(job.config))
+            changes = _changes(record.get("config", {}), job.identity)
             problems.append(
                 f"{job.run_id} was trained with another config ({'; '.join(changes[:4]) or 'code files'})"
             )
@@ -188,7 +193,7 @@ def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             out += _changes(a, b, f"{prefix}{key}.")
         elif jsonable(a) != jsonable(b):
-            what = "file changed" if prefix == "code." else f"{_short(a)} -> {_short(b)}"
+            what = "changed" if prefix in ("code.", "reward_models.") else f"{_short(a)} -> {_short(b)}"
             out.append(f"{prefix}{key}: {what}")
     return out
 
@@ -204,7 +209,7 @@ def _record(out: Path, job: Job) -> None:
     index.setdefault("runs", {})[job.run_id] = {
         "config_hash": job.config_hash,
         "curves_hash": job.curves_hash,
-        "config": identity(job.config),
+        "config": job.identity,
     }
     _write_json(path, index)
 
@@ -293,19 +298,41 @@ def run(
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}")
     jobs = plan(spec, out)
     todo = actions(jobs, out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
-        for job in jobs:
-            bar.set_postfix(run=job.run_id)
-            if todo[job.run_id] == "train":
-                _record(out, job)
-                _train(job)
-            if todo[job.run_id] != "reuse":
-                with _logged(job.run_dir / "train.log"):
-                    result = evaluate(job, spec)
-                _write_json(job.run_dir / EVAL_FILE, result)  # written last: its presence means "finished"
-            bar.update(1)
-    from textgym.bench_results import write_outputs
+    bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
+    with _threads(spec["bench"]["threads"]):
+        bench_rm.prepare(spec["reward_models"], progress=progress)
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+        with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
+            for job in jobs:
+                bar.set_postfix(run=job.run_id)
+                if todo[job.run_id] == "train":
+                    _record(out, job)
+                    _train(job)
+                if todo[job.run_id] != "reuse":
+                    with _logged(job.run_dir / "train.log"):
+                        result = evaluate(job, spec)
+                    _write_json(
+                        job.run_dir / EVAL_FILE, result
+                    )  # written last: its presence means "finished"
+                bar.update(1)
+        from textgym.bench_results import write_outputs
 
-    write_outputs(out, spec, jobs)
+        write_outputs(out, spec, jobs)
     return out
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the bench (None: torch's default). Small models run fastest on one: their
+    ops are too small to split, and on a busy machine extra threads mostly wait for each other."""
+    import torch
+
+    if n is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

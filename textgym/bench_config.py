@@ -1,11 +1,12 @@
 """The designs file of ``textgym bench``, parsed and checked before anything trains.
 
 ```toml
-[bench]                 # output_dir, seeds, eval_prompts, eval_episodes, eval_every, samples_in_report
+[bench]                 # output_dir, seeds, eval_prompts, eval_episodes, eval_every, samples_in_report, threads
 [run]  [env]  [agent]   # as textgym train takes them, shared by every run ([env] has no rewards)
 [[agents]]              # optional: agents compared side by side (name, label, hyperparameters)
 [[designs]]             # one per reward design: name, rewards
 [metrics]               # rewards (held-out "gold" metrics, each with a label) and builtin metrics
+[[reward_models]]       # optional: proxy reward models trained before the runs (textgym.bench_rm)
 ```
 
 Everything a run could fail on later is checked here: names (rewards, metrics, agents, hyperparameters),
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym import plugin_manager
+from textgym.bench_rm import check_reward_models
 from textgym.config import apply_override, read_toml, validate
 from textgym.errors import ConfigError
 from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
@@ -36,8 +38,9 @@ BENCH_DEFAULTS: dict[str, Any] = {
     "eval_episodes": 32,
     "eval_every": 10,
     "samples_in_report": 3,
+    "threads": None,
 }
-SECTIONS = ("bench", "run", "env", "agent", "agents", "designs", "metrics")
+SECTIONS = ("bench", "run", "env", "agent", "agents", "designs", "metrics", "reward_models")
 DESIGN_KEYS = ("name", "rewards")
 # A design or agent name is one directory name on every filesystem: no separators, no "." or "..", nothing
 # a shell or Windows would mangle, and no two names that differ only in case or Unicode normal form.
@@ -79,6 +82,7 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     builtin = check_builtin(
         metrics.get("builtin", ["kl", "length", "distinct_2", "eos_rate"]), f"{source}: [metrics] builtin"
     )
+    reward_models = check_reward_models(raw.pop("reward_models", None), source)
     agents_raw = raw.pop("agents", None)
     if isinstance(raw.get("env"), Mapping) and "rewards" in raw["env"]:
         raise ConfigError(f"{source}: rewards belong to the [[designs]], not to [env].")
@@ -92,6 +96,7 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
         "designs": designs,
         "metric_rewards": metric_rewards,
         "builtin": builtin,
+        "reward_models": reward_models,
     }
 
 
@@ -129,6 +134,9 @@ def _bench_settings(given: Any, source: str) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             what = "a positive integer" if least else "a non-negative integer"
             raise ConfigError(f"{source}: bench.{key} must be {what}, not {value!r}.")
+    threads = bench["threads"]
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"{source}: bench.threads must be a positive integer, not {threads!r}.")
     if bench["eval_prompts"] is not None and not isinstance(bench["eval_prompts"], (str, list)):
         raise ConfigError(
             f"{source}: bench.eval_prompts must be a prompt source (a registered name or a file) or a list of "
