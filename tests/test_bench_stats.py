@@ -147,3 +147,14 @@ def test_flags_are_grouped_over_seeds():
     grouped = group_flags({0: [flag], 1: [], 2: [dict(flag, message="other")]})
     assert len(grouped) == 1 and grouped[0]["seeds"] == [0, 2] and grouped[0]["of"] == 3
     assert grouped[0]["message"] == "EOS collapse" and grouped[0]["first_seed"] == 0
+
+
+def test_seeds_needed_matches_the_textbook_power_of_a_paired_t_test():
+    from textgym.bench_stats import seeds_needed
+
+    # two-sided, alpha 0.05, power 0.8 (as G*Power gives for a one-sample t-test): d_z = 1 -> 10, 0.5 -> 34
+    assert seeds_needed(1.0) == 10 and seeds_needed(0.5) == 34 and seeds_needed(-0.5) == 34
+    assert seeds_needed(0.0) is None and seeds_needed(math.inf) is None
+    assert seeds_needed(1.0, alpha=0.05 / 3) > 10  # Holm's first step over three pairs is stricter
+    comparisons, _ = compare({"a": {0: 1.0, 1: 2.0, 2: 1.5}, "b": {0: 1.2, 1: 1.1, 2: 1.4}}, "higher")
+    assert comparisons[0].better is None and comparisons[0].seeds_needed > 3

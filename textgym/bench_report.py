@@ -77,8 +77,15 @@ def verdict(c: Mapping[str, Any]) -> str:
     if c["n"] < 2:
         return f"not tested (n = {c['n']} shared seeds)"
     if c["better"] is None:
-        return "not significant"
+        return "not significant" + needed_text(c)
     return f"**{c['better']}** better"
+
+
+def needed_text(c: Mapping[str, Any]) -> str:
+    n = c.get("seeds_needed")
+    if n is None:
+        return ""
+    return f" (~{n} seeds for 80% power at this effect)" if n > c["n"] else ""
 
 
 def flag_lines(results: BenchResults) -> list[str]:

@@ -101,6 +101,24 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return adjusted
 
 
+def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int = 10_000) -> int | None:
+    """Seeds a two-sided paired t-test at level ``alpha`` needs to detect an effect of size ``d_z`` with
+    probability ``power`` (the noncentral t distribution). None for no effect, or beyond ``most``. The d_z
+    observed on a few seeds is a rough estimate: read the answer as an order of magnitude."""
+    from scipy import stats
+
+    if not math.isfinite(d_z) or d_z == 0:
+        return None
+    n = 2
+    while n <= most:
+        df, shift = n - 1, abs(d_z) * math.sqrt(n)
+        critical = stats.t.ppf(1 - alpha / 2, df)
+        if stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) >= power:
+            return n
+        n = n + 1 if n < 64 else int(n * 1.1)
+    return None
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One pair of groups on one metric: ``a`` against ``b``, and which is better if significant."""
@@ -110,6 +128,7 @@ class Comparison:
     test: Paired
     p_holm: float
     better: str | None  # the significantly better group, None when the difference is not significant
+    seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z
 
 
 def compare(
@@ -128,7 +147,10 @@ def compare(
         if direction and not math.isnan(p) and p < alpha and test.diff != 0:
             a_higher = test.diff > 0
             better = a if a_higher == (direction == "higher") else b
-        comparisons.append(Comparison(a, b, test, p, better))
+        needed = None
+        if better is None and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
+            needed = seeds_needed(test.d_z, alpha / max(len(tests), 1))
+        comparisons.append(Comparison(a, b, test, p, better, needed))
     ranks: dict[str, int | None] = {}
     for name in names:
         has_value = any(_finite(v) for v in groups[name].values())

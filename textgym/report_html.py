@@ -17,6 +17,7 @@ from textgym.bench_report import (
     fmt,
     fmt_cell,
     metric_note,
+    needed_text,
     ranking,
     ranking_text,
     setup_text,
@@ -143,7 +144,7 @@ def _rankings(results: BenchResults, scope: str, within: str) -> list[str]:
             if c["n"] < 2:
                 verdict = f"not tested (n = {c['n']})"
             elif c["better"] is None:
-                verdict = "not significant"
+                verdict = "not significant" + needed_text(c)
             else:
                 verdict = f'<span class="better">{e(c["better"])}</span> better'
             pairs.append(
