@@ -182,7 +182,9 @@ def overoptimization(results: BenchResults) -> Any:
                     ax.plot(
                         mean_x, mean_y, color=color, ls=style, lw=2.2, label=_label(results, agent, design)
                     )
-        ax.set_title("proxy: reward (each design's own total)" if metric == REWARD else f"gold: {metric}")
+        ax.set_title(
+            "reward (each design's own total: the proxy)" if metric == REWARD else f"metric: {metric}"
+        )
         ax.set_xlabel("sqrt(KL to the reference), sqrt(nats)")
         ax.grid(alpha=0.3)
     if axes:
