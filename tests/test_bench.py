@@ -1,17 +1,20 @@
+"""textgym bench end to end on the Copy task with tiny-char-llama (a few seconds per run)."""
+
 import csv
 import json
 import math
+import shutil
 
 import pytest
 
 from textgym import bench
-from textgym.bench import load_designs, mean_ci, summarize
-from textgym.cli import main
-from textgym.errors import UnknownNameError
+from textgym.bench_stats import mean_ci
+from textgym.errors import ConfigError
 
 DESIGNS = {
-    "bench": {"seeds": [0, 1], "eval_prompts": "copy-heldout", "eval_episodes": 16, "samples_in_report": 2},
-    "run": {"total_timesteps": 100, "sample_prompts": 2, "checkpoint_every": 100},
+    "bench": {"seeds": [0, 1], "eval_prompts": "copy-heldout", "eval_episodes": 16, "samples_in_report": 2,
+              "eval_every": 2},
+    "run": {"total_timesteps": 150, "sample_prompts": 2, "checkpoint_every": 100},
     "env": {"id": "textgym/Copy-v0", "num_envs": 16, "prompts": "copy-train"},
     "agent": {"name": "lmppo", "policy": "tiny-char-llama", "learning_rate": 1e-3},
     "designs": [
@@ -19,128 +22,177 @@ DESIGNS = {
         {"name": "partial", "rewards": [{"name": "match", "partial": True}]},
     ],
     "metrics": {
-        "rewards": [{"name": "match", "label": "exact_copy"}, {"name": "length_penalty", "target": 3}],
+        "rewards": [{"name": "match", "label": "exact_copy", "range": [0, 1]}, {"name": "length_penalty", "target": 3}],
         "builtin": ["kl", "length", "distinct_2", "eos_rate"],
     },
-}
+}  # fmt: skip
+METRICS = ["reward", "exact_copy", "length_penalty", "kl", "length", "distinct_2", "eos_rate"]
 
 
-def designs(tmp_path, **bench_overrides):
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model runs fastest on one thread (two threads on a busy 2-core machine take twice as long)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def designs(out, **bench_overrides):
     d = json.loads(json.dumps(DESIGNS))
-    d["bench"].update(output_dir=str(tmp_path / "bench"), **bench_overrides)
+    d["bench"].update(output_dir=str(out), **bench_overrides)
     return d
 
 
-def test_confidence_interval_matches_a_hand_computation():
-    mean, low, high = mean_ci([1.0, 2.0, 3.0])
-    # sd = 1, t(0.975, df=2) = 4.302653, half-width = 4.302653 / sqrt(3) = 2.484138
-    assert (
-        mean == 2.0
-        and low == pytest.approx(2 - 2.484138, abs=1e-6)
-        and high == pytest.approx(2 + 2.484138, abs=1e-6)
-    )
-    assert mean_ci([5.0])[0] == 5.0 and math.isnan(mean_ci([5.0])[1])
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished bench (2 designs x 2 seeds), shared by the tests that only read it or copy it."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    bench.run(designs(out), progress=False)
+    return out
 
 
-def test_ranking_per_direction_with_ties():
-    results = [
-        {"design": d, "seed": s, "metric": m, "value": v}
-        for d, s, m, v in [("a", 0, "r", 1.0), ("b", 0, "r", 2.0), ("c", 0, "r", 2.0),
-                           ("a", 0, "kl", 3.0), ("b", 0, "kl", 1.0), ("c", 0, "kl", 2.0),
-                           ("a", 0, "length", 9.0), ("b", 0, "length", 1.0), ("c", 0, "length", 5.0)]
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the runs trained and evaluated."""
+    import textgym.train
+
+    calls = {"trained": [], "evaluated": []}
+    real_train, real_evaluate = textgym.train.run, bench.evaluate
+
+    def train(*args, **kwargs):
+        calls["trained"].append(str(kwargs.get("resume") or kwargs["config"]["run"]["output_dir"]))
+        return real_train(*args, **kwargs)
+
+    def evaluate(job, spec):
+        calls["evaluated"].append(job.run_id)
+        return real_evaluate(job, spec)
+
+    monkeypatch.setattr(textgym.train, "run", train)
+    monkeypatch.setattr(bench, "evaluate", evaluate)
+    return calls
+
+
+def test_bench_writes_every_output_and_the_csv_matches_the_jsonl(finished):
+    names = {p.name for p in finished.iterdir()}
+    assert names >= {"results.jsonl", "summary.csv", "comparisons.csv", "report.md", "report.html", "bench.json",
+                     "training_curves.png", "eval_curves.png", "overoptimization.png", "metric_bars.png", "runs"}  # fmt: skip
+    assert sorted(p.name for p in (finished / "runs").iterdir()) == [
+        "exact-seed0", "exact-seed1", "partial-seed0", "partial-seed1"
     ]  # fmt: skip
-    ranks = {
-        (r["design"], r["metric"]): r["rank"]
-        for r in summarize(results, {"r": "higher", "kl": "lower", "length": None})
-    }
-    assert (ranks["b", "r"], ranks["c", "r"], ranks["a", "r"]) == (1, 1, 3)
-    assert (ranks["b", "kl"], ranks["c", "kl"], ranks["a", "kl"]) == (1, 2, 3)
-    assert ranks["a", "length"] is None
-
-
-def test_bench_writes_every_output_and_the_csv_matches_the_jsonl(tmp_path):
-    out = bench.run(designs(tmp_path), progress=False)
-    names = {p.name for p in out.iterdir()}
-    assert names >= {
-        "results.jsonl",
-        "summary.csv",
-        "report.md",
-        "training_curves.png",
-        "metrics_vs_kl.png",
-        "metric_bars.png",
-        "runs",
-    }
-    runs = sorted(p.name for p in (out / "runs").iterdir())
-    assert runs == ["exact-seed0", "exact-seed1", "partial-seed0", "partial-seed1"]
-    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    metrics = ["exact_copy", "length_penalty", "kl", "length", "distinct_2", "eos_rate"]
-    assert len(results) == 4 * len(metrics) and {r["metric"] for r in results} == set(metrics)
-    with (out / "summary.csv").open() as f:
+    results = [json.loads(line) for line in (finished / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 4 * len(METRICS) and {r["metric"] for r in results} == set(METRICS)
+    with (finished / "summary.csv").open() as f:
         summary = list(csv.DictReader(f))
-    assert len(summary) == 2 * len(metrics)
+    assert len(summary) == 2 * len(METRICS)
+    bounds = {
+        "exact_copy": (0, 1),
+        "kl": (0, math.inf),
+        "length": (0, 4),
+        "distinct_2": (0, 1),
+        "eos_rate": (0, 1),
+    }
     for row in summary:
-        values = [
-            r["value"] for r in results if r["design"] == row["design"] and r["metric"] == row["metric"]
-        ]
-        mean, low, high = mean_ci(values)
+        values = [r["value"] for r in results if (r["design"], r["metric"]) == (row["design"], row["metric"])]
+        mean, low, high = mean_ci(values, bounds=bounds.get(row["metric"], (-math.inf, math.inf)))
         assert float(row["mean"]) == pytest.approx(mean) and int(row["n"]) == 2
         assert float(row["ci_low"]) == pytest.approx(low) and float(row["ci_high"]) == pytest.approx(high)
-    report = (out / "report.md").read_text()
-    assert "## Rankings" in report and "**kl** (lower is better)" in report and "### partial" in report
+        if row["metric"] in ("eos_rate", "distinct_2", "exact_copy"):
+            assert 0 <= float(row["ci_low"]) <= float(row["ci_high"]) <= 1  # clipped to the range
+    report = (finished / "report.md").read_text()
+    assert "Rankings:" in report and "**kl** (lower is better)" in report and "### partial" in report
+    assert "Paired comparisons:" in report and "| exact_copy | exact − partial |" in report
+    assert "length (tokens, EOS incl.)" in report
     kl = [r["value"] for r in results if r["metric"] == "kl"]
     assert all(math.isfinite(v) for v in kl)
 
 
-def test_a_killed_bench_resumes_without_redoing_finished_runs(tmp_path, monkeypatch):
-    import textgym.train
+def test_runs_keep_held_out_curves_from_before_training_to_the_end(finished):
+    run = finished / "runs" / "partial-seed0"
+    with (run / "eval.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    iterations = [int(r["iteration"]) for r in rows]
+    assert iterations[0] == 0 and iterations[1] == 2 and iterations == sorted(iterations)
+    assert float(rows[0]["kl"]) == pytest.approx(0.0, abs=1e-4)  # before training: the reference itself
+    final = json.loads((run / "eval.json").read_text())
+    for key in METRICS:  # the last curve point is the final evaluation: same prompts, same sampling seed
+        assert float(rows[-1][key]) == pytest.approx(final["metrics"][key], rel=1e-4, abs=1e-5)
+    assert set(final["components"]["match"]) == {"weight", "mean", "std", "share"}
 
-    trained, evaluated = [], []
-    real_train, real_evaluate = textgym.train.run, bench.evaluate
 
-    def counting_train(*args, **kwargs):
-        trained.append(kwargs.get("resume") or kwargs["config"]["run"]["output_dir"])
-        return real_train(*args, **kwargs)
+def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(finished, counted):
+    before = {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")}
+    bench.run(designs(finished), progress=False)
+    assert counted == {"trained": [], "evaluated": []}
+    assert {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")} == before
+    with pytest.raises(
+        ConfigError, match=r"trained with another config \(agent.learning_rate: 0.001 -> 0.5\)"
+    ):
+        bench.run(designs(finished), ["agent.learning_rate=0.5"], progress=False)
+    assert counted["trained"] == []
 
-    def killed_on_third(run_dir, spec):
-        evaluated.append(run_dir.name)
-        if len(evaluated) == 3:
+
+def test_changed_evaluation_settings_evaluate_again_without_training(finished, counted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    bench.run(designs(out, eval_episodes=8), progress=False)
+    assert counted["trained"] == [] and len(counted["evaluated"]) == 4
+    assert all(len(json.loads(p.read_text())["samples"]) == 2 for p in out.glob("runs/*/eval.json"))
+    report = (out / "report.md").read_text()
+    assert "held-out curves of 4 runs are not shown" in report  # measured with the old settings
+    assert not (out / "eval_curves.png").exists() or "eval_curves" not in report
+
+
+def test_a_killed_bench_resumes_without_redoing_finished_runs(tmp_path, counted, monkeypatch):
+    d = designs(tmp_path / "out", eval_every=0)
+    d["designs"] = d["designs"][:1]
+    real_evaluate, calls = bench.evaluate, []
+
+    def killed_on_second(job, spec):
+        calls.append(job.run_id)
+        if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_evaluate(run_dir, spec)
+        return real_evaluate(job, spec)
 
-    monkeypatch.setattr(textgym.train, "run", counting_train)
-    monkeypatch.setattr(bench, "evaluate", killed_on_third)
+    monkeypatch.setattr(bench, "evaluate", killed_on_second)
     with pytest.raises(KeyboardInterrupt):
-        bench.run(designs(tmp_path), progress=False)
-    assert len(trained) == 3
-    finished = {
-        p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "bench" / "runs").glob("*/eval.json")
-    }
-    assert sorted(finished) == ["exact-seed0", "exact-seed1"]
+        bench.run(d, progress=False)
+    assert len(counted["trained"]) == 2
+    finished = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "out" / "runs").glob("*/eval.json")}
+    assert sorted(finished) == ["exact-seed0"]
 
-    trained.clear()
+    counted["trained"].clear()
     monkeypatch.setattr(bench, "evaluate", real_evaluate)
-    bench.run(designs(tmp_path), progress=False)
-    assert [str(t).rsplit("/", 1)[-1] for t in trained] == ["partial-seed0", "partial-seed1"]
-    assert trained[0] == tmp_path / "bench" / "runs" / "partial-seed0"  # resumed from its checkpoint
-    for name, mtime in finished.items():
-        assert (tmp_path / "bench" / "runs" / name / "eval.json").stat().st_mtime_ns == mtime
+    bench.run(d, progress=False)
+    assert counted["trained"] == [
+        str(tmp_path / "out" / "runs" / "exact-seed1")
+    ]  # resumed from its checkpoint
+    assert (tmp_path / "out" / "runs" / "exact-seed0" / "eval.json").stat().st_mtime_ns == finished[
+        "exact-seed0"
+    ]
 
 
-def test_unknown_reward_or_metric_names_fail_before_any_training(tmp_path, capsys):
-    bad = designs(tmp_path)
-    bad["designs"][1]["rewards"] = [{"name": "parital_match"}]
-    with pytest.raises(UnknownNameError, match="unknown reward 'parital_match'"):
-        bench.run(bad, progress=False)
-    bad = designs(tmp_path)
-    bad["metrics"]["builtin"] = ["kl", "perplexity"]
-    with pytest.raises(UnknownNameError, match="unknown metric 'perplexity'"):
-        bench.run(bad, progress=False)
-    bad = designs(tmp_path)
-    bad["metrics"]["rewards"] = [{"name": "fluency", "modle": "x"}]
-    with pytest.raises(Exception, match="'modle'"):
-        load_designs(bad)
-    assert not (tmp_path / "bench").exists()
-    path = tmp_path / "d.toml"
-    path.write_text('[[designs]]\nname = "a"\nrewards = [{ name = "sentimnt" }]\n')
-    assert main(["bench", str(path)]) == 2
-    assert "Did you mean 'sentiment'" in capsys.readouterr().err
+def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):
+    d = designs(tmp_path / "out", eval_every=1)
+    d["designs"] = d["designs"][1:]
+    d["agents"] = [
+        {"name": "grpo", "num_generations": 4},
+        {"name": "sb3-ppo", "policy": "MultiInputPolicy", "n_steps": 8, "batch_size": 32, "n_epochs": 1},
+    ]
+    out = bench.run(d, progress=False)
+    assert sorted(str(p.relative_to(out / "runs")) for p in out.glob("runs/*/*-seed*")) == [
+        "grpo/partial-seed0", "grpo/partial-seed1", "sb3-ppo/partial-seed0", "sb3-ppo/partial-seed1"
+    ]  # fmt: skip
+    sb3 = json.loads((out / "runs" / "sb3-ppo" / "partial-seed0" / "eval.json").read_text())
+    assert sb3["metrics"]["kl"] is None and isinstance(sb3["samples"][0]["num_tokens"], int)
+    assert (out / "runs" / "grpo" / "partial-seed0" / "eval.csv").is_file()
+    report = (out / "report.md").read_text()
+    assert "## Designs under agent `grpo`" in report and "## Agents under design `partial`" in report
+    assert "| reward | grpo − sb3-ppo |" in report  # agents compared on the design's own reward
+    with (out / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["agent"] for r in rows} == {"grpo", "sb3-ppo"} and all(
+        r["agent_rank"] for r in rows if r["metric"] == "reward"
+    )

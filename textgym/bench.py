@@ -1,348 +1,336 @@
-"""``textgym bench``: train every reward design for every seed, evaluate all on the same held-out prompts,
-and report means with 95% confidence intervals, rankings, samples and plots.
+"""``textgym bench``: train every reward design with every agent for every seed, evaluate all runs on the
+same held-out prompts, and report means with confidence intervals, paired comparisons, significance-aware
+rankings, flags, samples and plots (``report.md`` and a self-contained ``report.html``).
 
-The designs file is TOML: ``[bench]`` settings, the shared ``[run]``, ``[env]`` and ``[agent]`` tables of
-``textgym train``, one ``[[designs]]`` table per reward design (``name``, ``rewards``), and ``[metrics]``:
-``rewards`` (reward specs scored on the held-out completions, including "gold" rewards that no design
-trains on) and ``builtin`` (``kl``, ``length``, ``distinct_2``, ``eos_rate``). See docs/bench.md.
+The designs file is described in :mod:`textgym.bench_config` and docs/bench.md. Each run is a ``textgym
+train`` run directory under ``runs/`` (``runs/<design>-seed<seed>``, or ``runs/<agent>/<design>-seed<seed>``
+with an ``[[agents]]`` list). A bench never reports results it did not compute: ``bench.json`` records the
+resolved config each run was started with (and a digest of the plugin and reward-function files it uses),
+and every ``eval.json`` the config and evaluation settings it was computed for. A finished run is reused
+only when both still match; a run whose training config changed is refused, naming what changed; a run whose
+evaluation settings changed is evaluated again from its checkpoint, and its held-out curves (measured
+during training with the old settings) are left out of the report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import csv
+import hashlib
 import io
 import json
-import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from textgym import plugin_manager
-from textgym.config import apply_override, read_toml, validate
+from textgym import bench_rm
+from textgym.bench_config import BENCH_DEFAULTS, load_designs
+from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError
-from textgym.formatting import applicable_mean
-from textgym.reward_functions import resolve_fn_paths
-from textgym.rewards import RewardStack, build_reward, check_reward_specs, make_reward
-from textgym.scoring import corpus_distinct_n
+from textgym.evaluation import BUILTIN_METRICS, jsonable
 
-BUILTIN_METRICS = {"kl": "lower", "length": None, "distinct_2": "higher", "eos_rate": "higher"}
-BENCH_DEFAULTS: dict[str, Any] = {
-    "output_dir": None,
-    "seeds": [0, 1],
-    "eval_prompts": None,
-    "eval_episodes": 32,
-    "samples_in_report": 3,
-}
+__all__ = ["BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "evaluate", "load_designs", "mean_ci", "plan", "run"]
+
 EVAL_FILE = "eval.json"
+INDEX_FILE = "bench.json"
 EVAL_SEED = 1234  # every run is evaluated on the same prompts with the same sampling seed
 
 
-# -- the designs file ------------------------------------------------------------------------------
-def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Parse and validate a designs file (or dict). Every reward and metric name is checked here, before
-    any training starts."""
-    if isinstance(path, Mapping):
-        raw, source, base_dir = copy.deepcopy(dict(path)), "the designs", Path.cwd()
-    else:
-        raw, source, base_dir = read_toml(path, "designs file"), str(path), Path(path).resolve().parent
-    for override in overrides:
-        apply_override(raw, override)
-    bench = {**BENCH_DEFAULTS, **raw.pop("bench", {})}
-    unknown = set(bench) - set(BENCH_DEFAULTS)
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown key bench.{sorted(unknown)[0]}. Keys: {', '.join(BENCH_DEFAULTS)}."
-        )
-    designs = raw.pop("designs", None)
-    metrics = raw.pop("metrics", {})
-    if not designs or not isinstance(designs, list):
-        raise ConfigError(f"{source}: give at least one [[designs]] table with a name and rewards.")
-    names = [d.get("name") for d in designs]
-    if any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
-        raise ConfigError(f"{source}: every design needs a unique, non-empty name (got {names}).")
-    for design in designs:
-        if set(design) - {"name", "rewards"}:
-            raise ConfigError(
-                f"{source}: design {design['name']!r} has unknown keys {sorted(set(design) - {'name', 'rewards'})}."
-            )
-        if not design.get("rewards"):
-            raise ConfigError(f"{source}: design {design['name']!r} has no rewards.")
-        # `fn` files resolve against the designs file, and are stored absolute so training agrees
-        design["rewards"] = resolve_fn_paths(design["rewards"], base_dir)
-        check_reward_specs(design["rewards"], where=f"design {design['name']!r}")
-    if set(metrics) - {"rewards", "builtin"}:
-        raise ConfigError(
-            f"{source}: [metrics] takes 'rewards' and 'builtin', not {sorted(set(metrics) - {'rewards', 'builtin'})}."
-        )
-    metric_rewards = [resolve_fn_paths(m, base_dir) for m in metrics.get("rewards", [])]
-    check_reward_specs(
-        [{k: v for k, v in m.items() if k != "label"} for m in metric_rewards],
-        where="[metrics] rewards",
-        allow_all_metrics=True,
-    )
-    labels = [m.get("label", m.get("name", str(m.get("fn")).rpartition(":")[2])) for m in metric_rewards]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"{source}: metric names {labels} repeat; give the metrics distinct `label`s.")
-    builtin = metrics.get("builtin", list(BUILTIN_METRICS))
-    for name in builtin:
-        if name not in BUILTIN_METRICS:
-            from textgym.errors import UnknownNameError
+@dataclass
+class Job:
+    """One run of the bench: an agent, a design and a seed, with the config it trains with."""
 
-            raise UnknownNameError("metric", name, BUILTIN_METRICS)
-    if (
-        not isinstance(bench["seeds"], list)
-        or not bench["seeds"]
-        or not all(isinstance(s, int) for s in bench["seeds"])
-    ):
-        raise ConfigError(
-            f"{source}: bench.seeds must be a non-empty list of integers, not {bench['seeds']!r}."
-        )
-    if "rewards" in raw.get("env", {}):
-        raise ConfigError(f"{source}: rewards belong to the designs, not to [env].")
-    base = validate(raw, source)  # [run], [env], [agent] as textgym train takes them
-    plugin_manager.load_agent(base["agent"]["name"])  # an unknown agent fails now, too
+    agent: dict[str, Any]  # label, table, lm
+    design: dict[str, Any]  # name, rewards
+    seed: int
+    run_dir: Path
+    run_id: str  # run_dir relative to the bench's runs/ folder
+    config: dict[str, Any]
+    identity: dict[str, Any]  # what its training depends on (see identity())
+    config_hash: str  # the training: config and code files, without the held-out evaluation settings
+    eval_hash: str  # the final evaluation's settings
+    curves_hash: str  # the settings of the held-out curves measured during training ([eval])
+
+
+# -- the plan ------------------------------------------------------------------------------------------
+def eval_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[eval]`` settings of the bench's evaluations (the same for every run)."""
+    bench = spec["bench"]
     return {
-        "bench": bench,
-        "base": base,
-        "designs": designs,
-        "metric_rewards": metric_rewards,
-        "builtin": builtin,
+        "every": max(1, bench["eval_every"]),
+        "prompts": bench["eval_prompts"],
+        "episodes": bench["eval_episodes"],
+        "rewards": spec["metric_rewards"],
+        "builtin": spec["builtin"],
+        "seed": EVAL_SEED,
     }
 
 
-# -- statistics ------------------------------------------------------------------------------------
-def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """Mean and the two-sided Student-t confidence interval of the mean (NaN bounds for one value)."""
-    from scipy import stats
+def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
+    """Every (agent, design, seed) run with its config and hashes, agents outermost."""
+    from textgym.config import validate
 
-    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
-    if len(x) == 0:
-        return math.nan, math.nan, math.nan
-    mean = float(x.mean())
-    if len(x) < 2:
-        return mean, math.nan, math.nan
-    half = float(stats.t.ppf((1 + confidence) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return mean, mean - half, mean + half
+    jobs = []
+    evaluation = {**eval_settings(spec), "samples": spec["bench"]["samples_in_report"]}
+    reward_models = {e["output"]: e["digest"] for e in spec.get("reward_models", [])}
+    for agent in spec["agents"]:
+        for design in spec["designs"]:
+            for seed in spec["bench"]["seeds"]:
+                run_id = f"{design['name']}-seed{seed}"
+                if spec["agent_axis"]:
+                    run_id = f"{agent['label']}/{run_id}"
+                run_dir = out / "runs" / run_id
+                config = copy.deepcopy(spec["base"])
+                config["agent"] = copy.deepcopy(agent["table"])
+                config["run"].update(output_dir=str(run_dir), seed=seed)
+                config["env"]["rewards"] = copy.deepcopy(design["rewards"])
+                if agent["lm"] and spec["bench"]["eval_every"]:  # held-out curves during training
+                    config["eval"] = eval_settings(spec)
+                config = validate(config, f"run {run_id}")
+                ident = identity(config, reward_models)
+                hashes = _digest(ident), _digest(evaluation), _digest(config.get("eval"))
+                jobs.append(Job(agent, design, seed, run_dir, run_id, config, ident, *hashes))
+    return jobs
 
 
-def metric_directions(metric_names: Sequence[str], builtin: Sequence[str]) -> dict[str, str | None]:
-    """Which way is better: rewards higher, KL lower, length unranked."""
-    return {**{name: "higher" for name in metric_names}, **{name: BUILTIN_METRICS[name] for name in builtin}}
+def config_hash(config: Mapping[str, Any], reward_models: Mapping[str, str] | None = None) -> str:
+    """A digest of :func:`identity`: equal digests mean the same training."""
+    return _digest(identity(config, reward_models))
 
 
-def summarize(
-    results: Sequence[dict[str, Any]], directions: Mapping[str, str | None]
-) -> list[dict[str, Any]]:
-    """One row per (design, metric): n, mean, 95% CI, and the rank among designs (1 = best)."""
-    rows = []
-    designs = list(dict.fromkeys(r["design"] for r in results))
-    for metric, direction in directions.items():
-        stats = {}
-        for design in designs:
-            values = [r["value"] for r in results if r["design"] == design and r["metric"] == metric]
-            if values:
-                stats[design] = (len(values), *mean_ci(values))
-        order = sorted(
-            (d for d in stats if not math.isnan(stats[d][1])),
-            key=lambda d: stats[d][1],
-            reverse=direction == "higher",
-        )
-        for design, (n, mean, low, high) in stats.items():
-            rank = None
-            if direction and design in order:  # competition ranking: ties share the better rank
-                better = [stats[d][1] > mean if direction == "higher" else stats[d][1] < mean for d in order]
-                rank = 1 + sum(better)
-            rows.append(
-                {
-                    "design": design,
-                    "metric": metric,
-                    "n": n,
-                    "mean": mean,
-                    "ci_low": low,
-                    "ci_high": high,
-                    "rank": rank,
-                }
+def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What a run's training depends on: its config without ``run.output_dir`` and ``[eval]`` (evaluations
+    never change training), each code file's digest (plugin files, ``fn`` reward files), and the settings
+    digest of each proxy reward model the bench trains (``[[reward_models]]``)."""
+    ident = {k: copy.deepcopy(v) for k, v in config.items() if k != "eval"}
+    ident["run"] = {k: v for k, v in ident["run"].items() if k != "output_dir"}
+    files = list(ident["run"].get("plugins", [])) + _fn_files(ident["env"].get("rewards"))
+    ident["code"] = {f: _file_digest(f) for f in sorted(set(files))}
+    if reward_models:
+        ident["reward_models"] = dict(reward_models)
+    return ident
+
+
+def _fn_files(specs: Any) -> list[str]:
+    if isinstance(specs, Mapping):
+        specs = specs.get("components", [specs])
+    files = []
+    for spec in specs or []:
+        if isinstance(spec, Mapping) and isinstance(spec.get("fn"), str):
+            target = spec["fn"].rpartition(":")[0]
+            if target.endswith(".py"):
+                files.append(target)
+    return files
+
+
+def _file_digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "missing"
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(jsonable(value), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# -- what is already there -----------------------------------------------------------------------------
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(jsonable(value), indent=2, allow_nan=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
+    """What each run needs: ``"train"``, ``"evaluate"`` (trained with this config, evaluated with other
+    settings) or ``"reuse"``. Raises :class:`ConfigError`, before anything trains, for runs this bench did
+    not start or that were trained with another config."""
+    index = (_read_json(out / INDEX_FILE) or {}).get("runs", {})
+    todo, problems = {}, []
+    for job in jobs:
+        record = index.get(job.run_id)
+        if not job.run_dir.exists():
+            todo[job.run_id] = "train"
+        elif record is None:
+            problems.append(
+                f"{job.run_dir} exists, but {out / INDEX_FILE} has no record of this bench starting it"
             )
-    return rows
+        elif record.get("config_hash") != job.config_hash:
+            changes = _changes(record.get("config", {}), job.identity)
+            problems.append(
+                f"{job.run_id} was trained with another config ({'; '.join(changes[:4]) or 'code files'})"
+            )
+        else:
+            done = _read_json(job.run_dir / EVAL_FILE)
+            if done and done.get("config_hash") == job.config_hash:
+                todo[job.run_id] = "reuse" if done.get("eval_hash") == job.eval_hash else "evaluate"
+            else:
+                todo[job.run_id] = "train"  # interrupted: resumes from its checkpoint
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError(
+            f"{out} already holds runs this bench cannot reuse: {'; '.join(problems[:3])}{more}. A bench never "
+            f"reports results it did not compute: give this bench its own bench.output_dir, or move those run "
+            f"directories away to train them again."
+        )
+    return todo
 
 
-def metric_stack(specs: Sequence[Mapping[str, Any]]) -> RewardStack:
-    """The metric rewards as a stack of weight-0 rewards, each named by its ``label`` (default: its name)."""
-    rewards = []
-    for spec in specs:
-        reward, _ = build_reward({k: v for k, v in spec.items() if k not in ("weight", "label")})
-        reward.name = spec.get("label", reward.name)
-        rewards.append((reward, 0.0))
-    if not rewards:  # the env needs a stack; nothing of it is reported
-        rewards.append((make_reward("length_penalty", target=1), 0.0))
-    return RewardStack(rewards)
+def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += _changes(a, b, f"{prefix}{key}.")
+        elif jsonable(a) != jsonable(b):
+            what = "changed" if prefix in ("code.", "reward_models.") else f"{_short(a)} -> {_short(b)}"
+            out.append(f"{prefix}{key}: {what}")
+    return out
 
 
-# -- one run ---------------------------------------------------------------------------------------
-def _run_config(spec: dict[str, Any], design: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
-    config = copy.deepcopy(spec["base"])
-    config["run"].update(output_dir=str(run_dir), seed=seed)
-    config["env"]["rewards"] = design["rewards"]
-    return config
+def _short(value: Any) -> str:
+    text = json.dumps(jsonable(value), default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
-def evaluate(run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """Score a trained run on the held-out prompts: every metric, and a few samples."""
-    config = spec["base"]
-    agent_class = plugin_manager.load_agent(config["agent"]["name"])
-    stack = metric_stack(spec["metric_rewards"])
-    n = spec["bench"]["eval_episodes"]
-    kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
-    kwargs.update(rewards=stack, prompt_order="sequential")
-    if spec["bench"]["eval_prompts"] is not None:
-        kwargs["prompts"] = spec["bench"]["eval_prompts"]
-    from textgym.train import is_lm_agent
-
-    if is_lm_agent(agent_class):
-        kwargs.setdefault("model", config["agent"]["policy"])  # the policy's tokenizer, as in training
-        episodes, kls = _evaluate_native(agent_class, run_dir, config, kwargs, n)
-    else:
-        episodes, kls = _evaluate_sb3(agent_class, run_dir, config, kwargs, n)
-    metrics = {
-        name: applicable_mean([e["reward_components"][name] for e in episodes])
-        for name in (stack.names if spec["metric_rewards"] else [])
+def _record(out: Path, job: Job) -> None:
+    path = out / INDEX_FILE
+    index = _read_json(path) or {}
+    index.setdefault("runs", {})[job.run_id] = {
+        "config_hash": job.config_hash,
+        "curves_hash": job.curves_hash,
+        "config": job.identity,
     }
-    builtin = spec["builtin"]
-    if "kl" in builtin:
-        metrics["kl"] = float(np.mean(kls)) if kls else math.nan
-    if "length" in builtin:
-        metrics["length"] = float(np.mean([e["num_tokens"] for e in episodes]))
-    if "distinct_2" in builtin:
-        metrics["distinct_2"] = corpus_distinct_n([e["tokens"] for e in episodes], 2)
-    if "eos_rate" in builtin:
-        metrics["eos_rate"] = float(np.mean([e["finish_reason"] == "stop" for e in episodes]))
-    samples = [
-        {k: v for k, v in e.items() if k != "tokens"} for e in episodes[: spec["bench"]["samples_in_report"]]
-    ]
-    return {"metrics": metrics, "samples": samples}
+    _write_json(path, index)
 
 
-def _evaluate_native(
-    agent_class: Any, run_dir: Path, config: dict[str, Any], kwargs: dict[str, Any], n: int
-) -> tuple[list[dict[str, Any]], list[float]]:
-    import gymnasium
-    import torch
+# -- one run -------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _logged(path: Path) -> Iterator[None]:
+    """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
+    start that failed leaves no run directory (``textgym train`` removes it): its log goes next to it."""
+    from textgym.rundir import RunDir
 
-    from textgym.agents.base import RolloutBatch
-    from textgym.sampling import rollout
-
-    num_envs = min(n, config["env"]["num_envs"])
-    env = gymnasium.make_vec(
-        config["env"]["id"],
-        num_envs=num_envs,
-        vectorization_mode="vector_entry_point",
-        autoreset_mode="Disabled",
-        **kwargs,
-    )
-    agent = agent_class.load(run_dir / "checkpoint", env)
-    episodes: list[dict[str, Any]] = []
-    kls: list[float] = []
-    for round_ in range(math.ceil(n / num_envs)):
-        r = rollout(agent.policy, env, temperature=agent.config.temperature, seed=EVAL_SEED + round_)
-        with torch.no_grad():
-            kls.extend(agent.sequence_kl(RolloutBatch.from_rollout(r)).tolist())
-        for row, info in enumerate(r.infos):
-            info["tokens"] = r.response_ids[row][r.response_mask[row].bool()].tolist()
-            episodes.append(info)
-    return episodes[:n], kls[:n]
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        run_dir = path.parent
+        where = path if RunDir(run_dir).is_run() else run_dir.with_suffix(".log")
+        with where.open("a", encoding="utf-8") as f:
+            f.write(log.getvalue())
 
 
-def _evaluate_sb3(
-    agent_class: Any, run_dir: Path, config: dict[str, Any], kwargs: dict[str, Any], n: int
-) -> tuple[list[dict[str, Any]], list[float]]:
-    from textgym.sb3 import make_vec_env
+def _train(job: Job) -> None:
+    from textgym import train as training
+    from textgym.rundir import RunDir
 
-    env = make_vec_env(
-        config["env"]["id"], n_envs=min(n, config["env"]["num_envs"]), seed=EVAL_SEED, **kwargs
-    )
-    from textgym.train import load_sb3_run
-
-    agent = load_sb3_run(run_dir, env)
-    obs, episodes = env.reset(), []
-    while len(episodes) < n:
-        obs, _, dones, infos = env.step(agent.predict(obs, deterministic=False)[0])
-        for i in np.flatnonzero(dones):
-            infos[i]["tokens"] = env.env.tokenizer.encode(infos[i]["completion"])
-            episodes.append(infos[i])
-    return episodes[:n], []
+    with _logged(job.run_dir / "train.log"):
+        if RunDir(job.run_dir).is_run():  # interrupted: resumed (from the start if it has no checkpoint)
+            training.run(resume=job.run_dir)
+        else:
+            training.run(config=copy.deepcopy(job.config))
 
 
-# -- the whole bench -------------------------------------------------------------------------------
+def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Score a trained run on the held-out prompts: every metric, component statistics and samples."""
+    from textgym import plugin_manager
+    from textgym.evaluation import Evaluator
+    from textgym.rewards import build_reward_stack
+    from textgym.train import CHECKPOINT, load_sb3_run
+
+    agent_class = plugin_manager.load_agent(job.config["agent"]["name"])
+    stack = build_reward_stack(job.config["env"]["rewards"])
+    stack.set_progress(1.0)  # scheduled weights as they ended training
+    evaluator = Evaluator(job.config, eval_settings(spec), stack, lm_agent=job.agent["lm"])
+    try:
+        if job.agent["lm"]:
+            agent = agent_class.load(job.run_dir / CHECKPOINT)
+        else:  # SB3: loaded without unpickling (the pickled objects come from a fresh agent)
+            from textgym.sb3 import make_vec_env
+
+            env_kwargs = {k: v for k, v in job.config["env"].items() if k not in ("id", "num_envs")}
+            agent = load_sb3_run(job.run_dir, make_vec_env(job.config["env"]["id"], n_envs=1, **env_kwargs))
+        result = evaluator(agent)
+    finally:
+        evaluator.close()
+        stack.close()
+    return {
+        "agent": job.agent["label"],
+        "design": job.design["name"],
+        "seed": job.seed,
+        "config_hash": job.config_hash,
+        "eval_hash": job.eval_hash,
+        "metrics": result.metrics,
+        "errors": result.errors,
+        "components": result.components,
+        "samples": result.episodes[: spec["bench"]["samples_in_report"]],
+    }
+
+
+# -- the whole bench -----------------------------------------------------------------------------------
 def run(
     designs: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), progress: bool = True
 ) -> Path:
-    """Train and evaluate every design for every seed; write results, summary, report and plots.
+    """Train and evaluate every agent x design x seed; write results, summary, comparisons, reports and
+    plots. Returns the output directory.
 
-    Finished runs (with an ``eval.json``) are not redone; a run that was interrupted in training resumes
-    from its checkpoint. Returns the output directory.
+    Everything is checked before the first run trains: the designs file, and every run already in the
+    output directory (see the module doc for when a run is reused, evaluated again or refused).
     """
     from tqdm.auto import tqdm
-
-    from textgym.rundir import RunDir
-    from textgym.train import run as train
 
     spec = load_designs(designs, overrides)
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}")
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    jobs = [(d, s) for d in spec["designs"] for s in spec["bench"]["seeds"]]
-    with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
-        for design, seed in jobs:
-            run_dir = out / "runs" / f"{design['name']}-seed{seed}"
-            bar.set_postfix(run=run_dir.name)
-            if not (run_dir / EVAL_FILE).is_file():
-                log = io.StringIO()
-                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                    try:
-                        if (run_dir / "config.toml").is_file():
-                            train(resume=run_dir)
-                        else:
-                            train(config=_run_config(spec, design, seed, run_dir))
-                    finally:  # a start that failed left no run directory: its log goes next to it
-                        where = (
-                            run_dir / "train.log" if RunDir(run_dir).is_run() else run_dir.with_suffix(".log")
-                        )
-                        with where.open("a", encoding="utf-8") as f:
-                            f.write(log.getvalue())
-                result = {"design": design["name"], "seed": seed, **evaluate(run_dir, spec)}
-                tmp = run_dir / f".{EVAL_FILE}.tmp"
-                tmp.write_text(json.dumps(result, indent=2))
-                os.replace(tmp, run_dir / EVAL_FILE)  # written last: its presence means "finished"
-            bar.update(1)
-    write_outputs(out, spec)
+    jobs = plan(spec, out)
+    todo = actions(jobs, out)
+    bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
+    with _threads(spec["bench"]["threads"]):
+        bench_rm.prepare(spec["reward_models"], progress=progress)
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+        with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
+            for job in jobs:
+                bar.set_postfix(run=job.run_id)
+                if todo[job.run_id] == "train":
+                    _record(out, job)
+                    _train(job)
+                if todo[job.run_id] != "reuse":
+                    with _logged(job.run_dir / "train.log"):
+                        result = evaluate(job, spec)
+                    _write_json(
+                        job.run_dir / EVAL_FILE, result
+                    )  # written last: its presence means "finished"
+                bar.update(1)
+        from textgym.bench_results import write_outputs
+
+        write_outputs(out, spec, jobs)
     return out
 
 
-def write_outputs(out: Path, spec: dict[str, Any]) -> None:
-    evals = []
-    for design in spec["designs"]:
-        for seed in spec["bench"]["seeds"]:
-            evals.append(json.loads((out / "runs" / f"{design['name']}-seed{seed}" / EVAL_FILE).read_text()))
-    results = [
-        {"design": e["design"], "seed": e["seed"], "metric": m, "value": v}
-        for e in evals
-        for m, v in e["metrics"].items()
-    ]
-    with (out / "results.jsonl").open("w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in results)
-    metric_names = [m for m in evals[0]["metrics"] if m not in BUILTIN_METRICS]
-    directions = metric_directions(metric_names, [m for m in spec["builtin"]])
-    summary = summarize(results, directions)
-    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=["design", "metric", "n", "mean", "ci_low", "ci_high", "rank"])
-        writer.writeheader()
-        writer.writerows(summary)
-    from textgym.bench_report import plot_all, write_report
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the bench (None: torch's default). Small models run fastest on one: their
+    ops are too small to split, and on a busy machine extra threads mostly wait for each other."""
+    import torch
 
-    write_report(out / "report.md", spec, summary, directions, evals)
-    plot_all(out, spec, summary, results)
+    if n is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -1,168 +1,236 @@
-"""The report and plots of ``textgym bench``."""
+"""``report.md`` of ``textgym bench``, and the wording both reports share (cells, rankings, verdicts)."""
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from textgym.bench_results import BenchResults
+from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
+from textgym.evaluation import BUILTIN_METRICS, REWARD
 
 
-def _fmt(row: Mapping[str, Any]) -> str:
+# -- shared wording ------------------------------------------------------------------------------------
+def fmt(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    text = f"{value:.{digits}f}"
+    return text.lstrip("-") if float(text) == 0 else text  # no "-0.000"
+
+
+def fmt_cell(row: Mapping[str, Any] | None) -> str:
+    """``mean [low, high]`` (the 95% interval, clipped to the metric's range)."""
+    if not row:
+        return ""
     if math.isnan(row["ci_low"]):
-        return f"{row['mean']:.3f}"
-    return f"{row['mean']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]"
+        return fmt(row["mean"])
+    return f"{fmt(row['mean'])} [{fmt(row['ci_low'])}, {fmt(row['ci_high'])}]"
 
 
-def write_report(
-    path: Path,
-    spec: Mapping[str, Any],
-    summary: Sequence[Mapping[str, Any]],
-    directions: Mapping[str, str | None],
-    evals: Sequence[Mapping[str, Any]],
-) -> None:
+def metric_note(results: BenchResults, metric: str, scope: str) -> str:
+    direction = results.direction(metric, scope)
+    if metric == REWARD and scope == "designs":
+        return "each design's own training total on the held-out prompts: not comparable between designs"
+    if direction is None:
+        return BUILTIN_METRICS[metric].doc + ": not ranked" if metric in BUILTIN_METRICS else "not ranked"
+    return f"{direction} is better"
+
+
+def ranking(
+    results: BenchResults, metric: str, scope: str, within: str
+) -> list[tuple[int | None, str, float]]:
+    """(rank, group, mean) in rank order, then mean order, for one metric within one agent or design."""
+    key = "rank" if scope == "designs" else "agent_rank"
+    if scope == "designs":
+        cells = [(results.cell(within, d, metric), d) for d in results.designs]
+    else:
+        cells = [(results.cell(a, within, metric), a) for a in results.agents]
+    direction = results.direction(metric, scope)
+    sign = -1 if direction == "higher" else 1
+    rows = [(c[key], name, c["mean"]) for c, name in cells if c and c[key] is not None]
+    return sorted(rows, key=lambda r: (r[0], sign * r[2] if not math.isnan(r[2]) else math.inf))
+
+
+def ranking_text(results: BenchResults, metric: str, scope: str, within: str) -> str:
+    rows = ranking(results, metric, scope, within)
+    text = ", ".join(f"{rank}. {name} ({fmt(mean)})" for rank, name, mean in rows)
+    ranks = [r for r, _, _ in rows]
+    if len(ranks) > 1 and len(set(ranks)) == 1:
+        text += " — no pair is significantly different"
+    elif len(set(ranks)) < len(ranks):
+        text += " — equal ranks are not significantly different"
+    return text
+
+
+def comparisons(results: BenchResults, scope: str, within: str, metric: str) -> list[Mapping[str, Any]]:
+    return [
+        c for c in results.comparisons if (c["scope"], c["within"], c["metric"]) == (scope, within, metric)
+    ]
+
+
+def verdict(c: Mapping[str, Any]) -> str:
+    if c["n"] < 2:
+        return f"not tested (n = {c['n']} shared seeds)"
+    if c["better"] is None:
+        return "not significant" + needed_text(c)
+    return f"**{c['better']}** better"
+
+
+def needed_text(c: Mapping[str, Any]) -> str:
+    n = c.get("seeds_needed")
+    if n is None:
+        return ""
+    return f" (~{n} seeds for 80% power at this effect)" if n > c["n"] else ""
+
+
+def flag_lines(results: BenchResults) -> list[str]:
+    lines = []
+    for (agent, design), flags in results.flags.items():
+        who = f"{design} ({agent})" if len(results.agents) > 1 else design
+        for f in flags:
+            seeds = f"{len(f['seeds'])} of {f['of']} seeds" if f["of"] > 1 else f"seed {f['first_seed']}"
+            lines.append(f"**{who}**: {f['message']} ({seeds}; shown: seed {f['first_seed']})")
+    return lines
+
+
+def setup_text(results: BenchResults) -> str:
+    spec = results.spec
     bench, base = spec["bench"], spec["base"]
-    designs = [d["name"] for d in spec["designs"]]
-    metrics = list(directions)
-    cell = {(r["design"], r["metric"]): r for r in summary}
-    lines = [
-        "# Reward-design benchmark",
-        "",
-        f"{len(designs)} designs x {len(bench['seeds'])} seeds (seeds {bench['seeds']}); agent "
-        f"`{base['agent']['name']}` on `{base['env']['id']}`, {base['run']['total_timesteps']} generated tokens per "
-        f"run; every run evaluated on the same {bench['eval_episodes']} held-out prompts "
-        f"(`{bench['eval_prompts'] or base['env'].get('prompts', 'the training prompts')}`).",
-        "",
-        "Each cell: mean over seeds [95% confidence interval, Student t]. Higher is better for reward metrics, "
-        "`distinct_2` and `eos_rate`; lower for `kl`; `length` (generated tokens) is not ranked.",
-        "",
-        "## Designs",
-        "",
-    ]
-    for design in spec["designs"]:
+    agents = ", ".join(f"`{a['label']}`" for a in spec["agents"])
+    return (
+        f"{len(results.designs)} designs x {len(results.agents)} agent{'s' if len(results.agents) > 1 else ''} "
+        f"({agents}) x {len(bench['seeds'])} seeds (seeds {bench['seeds']}) on `{base['env']['id']}`, "
+        f"{base['run']['total_timesteps']} generated tokens per run. Every run is evaluated on the same "
+        f"{bench['eval_episodes']} held-out episodes (`{bench['eval_prompts'] or base['env'].get('prompts', 'the training prompts')}`, "
+        f"same prompts and sampling seed)"
+        + (f", during training every {bench['eval_every']} iterations" if results.curves else "")
+        + "."
+        + (
+            f" The held-out curves of {len(results.stale_curves)} runs are not shown: they were measured during "
+            f"training with other evaluation settings (their final evaluations were recomputed)."
+            if results.stale_curves
+            else ""
+        )
+    )
+
+
+STATS_TEXT = (
+    f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range]. Comparisons are "
+    f"paired over shared seeds (same seed = same initial weights, first rollouts and held-out prompts): the "
+    f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
+    f"paired t-test's p-value, Holm-corrected over the pairs of each metric. A rank is 1 + the number of "
+    f"groups significantly better (p < {ALPHA}): equal ranks are not significantly different."
+)
+
+
+# -- report.md -----------------------------------------------------------------------------------------
+def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
+    lines = ["# Reward-design benchmark", "", setup_text(results), "", STATS_TEXT, "", "## Designs", ""]
+    for design in results.spec["designs"]:
         lines.append(f"- **{design['name']}**: {describe_stack(design['rewards'])}")
-    lines += [
-        "",
-        "## Results",
-        "",
-        "| design | " + " | ".join(metrics) + " |",
-        "|---" * (len(metrics) + 1) + "|",
+    lines += ["", "## Flags", ""]
+    flags = flag_lines(results)
+    lines += [f"- {line}" for line in flags] or [
+        "No flags: no run gamed its proxy or degenerated by these checks."
     ]
-    for design in designs:
-        row = [_fmt(cell[(design, m)]) if (design, m) in cell else "" for m in metrics]
-        lines.append(f"| {design} | " + " | ".join(row) + " |")
-    lines += ["", "## Rankings", ""]
-    for metric, direction in directions.items():
-        if not direction:
-            continue
-        ranked = sorted((r for r in summary if r["metric"] == metric and r["rank"]), key=lambda r: r["rank"])
-        order = ", ".join(f"{r['rank']}. {r['design']} ({r['mean']:.3f})" for r in ranked)
-        lines.append(f"- **{metric}** ({direction} is better): {order}")
-    seed = bench["seeds"][0]
-    lines += ["", f"## Samples (seed {seed}, the first held-out prompts)", ""]
-    for e in evals:
-        if e["seed"] != seed:
-            continue
-        lines += [
-            f"### {e['design']}",
-            "",
-            "| prompt | completion | finish | metric scores |",
-            "|---|---|---|---|",
-        ]
-        for s in e["samples"]:
-            completion = " ".join(s["completion"].split()).replace("|", "\\|")
-            prompt = " ".join(s["prompt"].split()).replace("|", "\\|")
-            lines.append(f"| {prompt[:60]} | {completion[:120]} | {s['finish_reason']} | "
-                         + ", ".join(f"{k} {v:.3f}" for k, v in s["reward_components"].items()) + " |")  # fmt: skip
-        lines.append("")
+    for agent in results.agents:
+        heading = f"## Designs under agent `{agent}`" if len(results.agents) > 1 else "## Results"
+        lines += ["", heading, "", *_table(results, [(agent, d, d) for d in results.designs], "design"), ""]
+        lines += _rankings_and_pairs(results, "designs", agent)
+    if len(results.agents) > 1:
+        for design in results.designs:
+            lines += ["", f"## Agents under design `{design}`", ""]
+            lines += [*_table(results, [(a, design, a) for a in results.agents], "agent"), ""]
+            lines += _rankings_and_pairs(results, "agents", design)
+    lines += ["", "## Plots", ""]
+    for name in ("training_curves", "eval_curves", "overoptimization", "metric_bars"):
+        if figures.get(name):
+            lines.append(f"![{name}]({Path(figures[name]).name})")
+    lines += _samples(results)
     lines += [
+        "",
         "## Files",
         "",
-        "`results.jsonl` (one row per run and metric), `summary.csv` (this table), `training_curves.png`, "
-        "`metrics_vs_kl.png`, `metric_bars.png`, and `runs/<design>-seed<seed>/` (each run's directory, as "
-        "`textgym train` writes it, plus `eval.json`).",
+        "`results.jsonl` (one row per run and metric), `summary.csv` (the tables), `comparisons.csv` (every "
+        "paired comparison), the plots, `report.html` (this report with the plots, each design's curves and "
+        "the samples side by side) and `runs/` (each run's `textgym train` directory with `eval.json` and, "
+        "for LM agents, `eval.csv`: the held-out curves).",
         "",
     ]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
-def plot_all(
-    out: Path,
-    spec: Mapping[str, Any],
-    summary: Sequence[Mapping[str, Any]],
-    results: Sequence[Mapping[str, Any]],
-) -> None:
-    import matplotlib
+def _table(results: BenchResults, groups: Sequence[tuple[str, str, str]], what: str) -> list[str]:
+    metrics = results.metrics
+    header = [_title(m) for m in metrics]
+    lines = [f"| {what} | " + " | ".join(header) + " |", "|---" * (len(metrics) + 1) + "|"]
+    for agent, design, label in groups:
+        lines.append(
+            f"| {label} | " + " | ".join(fmt_cell(results.cell(agent, design, m)) for m in metrics) + " |"
+        )
+    return lines
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    designs = [d["name"] for d in spec["designs"]]
-    colors = {d: f"C{i}" for i, d in enumerate(designs)}
+def _title(metric: str) -> str:
+    return "length (tokens, EOS incl.)" if metric == "length" else metric
 
-    # Training curves: the mean episode score per iteration, averaged over seeds.
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for design in designs:
-        curves = []
-        for seed in spec["bench"]["seeds"]:
-            with (out / "runs" / f"{design}-seed{seed}" / "metrics.csv").open() as f:
-                rows = list(csv.DictReader(f))
-            key = "reward"
-            curves.append([(float(r["timesteps"]), float(r[key])) for r in rows])
-        n = min(len(c) for c in curves)
-        x = np.mean([[p[0] for p in c[:n]] for c in curves], axis=0)
-        y = np.mean([[p[1] for p in c[:n]] for c in curves], axis=0)
-        ax.plot(x, y, label=design, color=colors[design])
-    ax.set_xlabel("generated tokens")
-    ax.set_ylabel("training score (the design's own reward)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "training_curves.png", dpi=100)
-    plt.close(fig)
 
-    metrics = list(dict.fromkeys(r["metric"] for r in summary))
-    by_run: dict[tuple[str, int], dict[str, float]] = {}
-    for r in results:
-        by_run.setdefault((r["design"], r["seed"]), {})[r["metric"]] = r["value"]
-    others = [m for m in metrics if m != "kl"]
-
-    # Each metric against the KL to the reference, one point per run.
-    fig, axes = plt.subplots(1, len(others), figsize=(4 * len(others), 3.5), squeeze=False)
-    has_kl = any(not math.isnan(v.get("kl", math.nan)) for v in by_run.values())
-    for ax, metric in zip(axes[0], others):
-        for (design, _), values in by_run.items():
-            if has_kl:
-                ax.scatter(values.get("kl", math.nan), values[metric], color=colors[design], label=design)
-        ax.set_title(metric)
-        ax.set_xlabel("KL to the reference" if has_kl else "KL not available for this agent")
-        ax.grid(alpha=0.3)
-    handles = {design: plt.Line2D([], [], marker="o", ls="", color=colors[design]) for design in designs}
-    fig.legend(handles.values(), handles.keys(), loc="upper right")
-    fig.tight_layout()
-    fig.savefig(out / "metrics_vs_kl.png", dpi=100)
-    plt.close(fig)
-
-    # Per-metric bars with 95% confidence intervals.
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.5), squeeze=False)
-    cell = {(r["design"], r["metric"]): r for r in summary}
-    for ax, metric in zip(axes[0], metrics):
-        means = [cell[(d, metric)]["mean"] for d in designs]
-        errors = [
-            0.0
-            if math.isnan(cell[(d, metric)]["ci_low"])
-            else cell[(d, metric)]["mean"] - cell[(d, metric)]["ci_low"]
-            for d in designs
+def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[str]:
+    lines = ["Rankings:", ""]
+    for metric in results.metrics:
+        note = metric_note(results, metric, scope)
+        if results.direction(metric, scope) is None or not ranking(results, metric, scope, within):
+            continue
+        lines.append(f"- **{metric}** ({note}): {ranking_text(results, metric, scope, within)}")
+    rows = []
+    for metric in results.metrics:
+        if results.direction(metric, scope) is None:
+            continue
+        for c in comparisons(results, scope, within, metric):
+            rows.append(
+                f"| {metric} | {c['a']} − {c['b']} | {fmt(c['diff'])} [{fmt(c['ci_low'])}, {fmt(c['ci_high'])}] | "
+                f"{fmt(c['d_z'], 2)} | {fmt(c['p_holm'])} | {c['n']} | {verdict(c)} |"
+            )
+    if rows:
+        lines += [
+            "",
+            "Paired comparisons:",
+            "",
+            "| metric | pair | difference [95% CI] | d_z | p (Holm) | seeds | verdict |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
         ]
-        ax.bar(range(len(designs)), means, yerr=errors, capsize=4, color=[colors[d] for d in designs])
-        ax.set_xticks(range(len(designs)), designs, rotation=30, ha="right")
-        ax.set_title(metric)
-        ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out / "metric_bars.png", dpi=100)
-    plt.close(fig)
+    return lines
+
+
+def _cell_text(text: str, width: int) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _samples(results: BenchResults) -> list[str]:
+    seed = results.spec["bench"]["seeds"][0]
+    lines = ["", f"## Samples (seed {seed}, the first held-out prompts)", ""]
+    for e in results.evals:
+        if e["seed"] != seed or not e["samples"]:
+            continue
+        who = f"{e['design']} ({e['agent']})" if len(results.agents) > 1 else e["design"]
+        lines += [
+            f"### {who}",
+            "",
+            "| prompt | completion | finish | reward | scores |",
+            "|---|---|---|---|---|",
+        ]
+        for s in e["samples"]:
+            scores = ", ".join(f"{k} {fmt(v)}" for k, v in s["components"].items())
+            lines.append(
+                f"| {_cell_text(s['prompt'], 60)} | {_cell_text(s['completion'], 120)} | {s['finish_reason']} | "
+                f"{fmt(s['reward'])} | {scores} |"
+            )
+        lines.append("")
+    return lines

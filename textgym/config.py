@@ -20,6 +20,11 @@ rewards = [{ name = "sentiment" }, { name = "length_penalty", weight = 0.5, targ
 name = "lmppo"
 policy = "smollm2-135m-instruct"
 learning_rate = 1e-5
+
+[eval]                       # optional: held-out evaluations during training (see textgym.diagnostics)
+every = 10
+prompts = "reviews"
+rewards = [{ name = "fluency" }]
 ```
 """
 
@@ -49,6 +54,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "env": {"id": "textgym/TextGen-v0", "num_envs": 8},
     "agent": {"name": "lmppo", "policy": None},
+    "eval": {},  # optional: held-out evaluations during training (textgym.diagnostics)
 }
 POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts", "processes")
 MAX_NUM_ENVS = 65_536
@@ -200,6 +206,12 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
         raise ConfigError(f"{source}: run.plugins must be a list of plugin files, not {run['plugins']!r}.")
     if not isinstance(resolved["agent"]["name"], str):
         raise ConfigError(f"{source}: agent.name must be an agent name, not {resolved['agent']['name']!r}.")
+    if "eval" in config:
+        from textgym.evaluation import check_eval_section
+
+        resolved["eval"] = check_eval_section(config["eval"], source)
+    else:
+        del resolved["eval"]
     return resolved
 
 

@@ -355,9 +355,11 @@ def _run_native(
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
 
+    from textgym.diagnostics import training_callbacks
     from textgym.sampling import rollout
 
     run = config["run"]
+    diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
     env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     if resuming:
@@ -405,7 +407,7 @@ def _run_native(
         if remaining > 0:
             agent.learn(
                 remaining,
-                callback=Recorder(),
+                callback=[Recorder(), *diagnostics],
                 reset_num_timesteps=False,
                 progress_bar=True,
                 tb_log_name="run",
@@ -460,9 +462,11 @@ def _run_sb3(
     directory is the same as an LM agent's; metrics are ``reward`` per rollout (no KL: no reference)."""
     from stable_baselines3.common.callbacks import BaseCallback
 
+    from textgym.diagnostics import training_callbacks
     from textgym.sb3 import make_vec_env
 
     run = config["run"]
+    diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
     env_kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
     env = make_vec_env(config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs)
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
@@ -517,7 +521,9 @@ def _run_sb3(
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
         if remaining > 0:
-            agent.learn(remaining, callback=Recorder(), reset_num_timesteps=False, tb_log_name="run")
+            agent.learn(
+                remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, tb_log_name="run"
+            )
     rd.write_checkpoint(save)
     return _finish(rd, history, flag.stop, config, generate, has_kl=False)
 

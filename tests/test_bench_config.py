@@ -1,0 +1,279 @@
+"""Bad designs files are refused before anything trains, with a message that names the bad value."""
+
+import json
+
+import pytest
+
+from textgym import bench
+from textgym.bench import actions, load_designs, plan
+from textgym.cli import main
+from textgym.errors import ConfigError, PluginArgumentError, UnknownNameError
+
+DESIGNS = {
+    "bench": {"seeds": [0, 1], "eval_prompts": "copy-heldout", "eval_episodes": 16},
+    "run": {"total_timesteps": 100, "sample_prompts": 2, "checkpoint_every": 100},
+    "env": {"id": "textgym/Copy-v0", "num_envs": 16, "prompts": "copy-train"},
+    "agent": {"name": "lmppo", "policy": "tiny-char-llama", "learning_rate": 1e-3},
+    "designs": [
+        {"name": "exact", "rewards": [{"name": "match"}]},
+        {"name": "partial", "rewards": [{"name": "match", "partial": True}]},
+    ],
+    "metrics": {"rewards": [{"name": "match", "label": "exact_copy"}], "builtin": ["kl", "eos_rate"]},
+}
+
+
+def designs(tmp_path, **bench_overrides):
+    d = json.loads(json.dumps(DESIGNS))
+    d["bench"].update(output_dir=str(tmp_path / "bench"), **bench_overrides)
+    return d
+
+
+def refused(tmp_path, d, match, error=ConfigError):
+    with pytest.raises(error, match=match):
+        bench.run(d, progress=False)
+    assert not (tmp_path / "bench").exists()  # refused before anything was written
+
+
+def test_unknown_reward_or_metric_names_fail_before_any_training(tmp_path, capsys):
+    bad = designs(tmp_path)
+    bad["designs"][1]["rewards"] = [{"name": "parital_match"}]
+    refused(tmp_path, bad, "unknown reward 'parital_match'", UnknownNameError)
+    bad = designs(tmp_path)
+    bad["metrics"]["builtin"] = ["kl", "perplexity"]
+    refused(tmp_path, bad, "unknown metric 'perplexity'", UnknownNameError)
+    bad = designs(tmp_path)
+    bad["metrics"]["rewards"] = [{"name": "fluency", "modle": "x"}]
+    refused(tmp_path, bad, "'modle'", PluginArgumentError)
+    path = tmp_path / "d.toml"
+    path.write_text('[[designs]]\nname = "a"\nrewards = [{ name = "sentimnt" }]\n')
+    assert main(["bench", str(path)]) == 2
+    assert "Did you mean 'sentiment'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name", ["a/b", "..", ".", "/tmp/x", "../up", "with space", "", "-dash", "tab\tname", "x" * 101, 3]
+)
+def test_design_names_that_are_not_safe_directory_names_are_refused(tmp_path, name):
+    bad = designs(tmp_path)
+    bad["designs"][0]["name"] = name
+    refused(tmp_path, bad, "not a safe directory name|non-empty name")
+
+
+@pytest.mark.parametrize(("first", "second", "why"), [("exact", "exact", "share the name"),
+                                                      ("Exact", "exact", "same directory"),
+                                                      ("café", "cafe", "not a safe directory name")])  # fmt: skip
+def test_designs_that_share_a_name_or_a_directory_are_refused(tmp_path, first, second, why):
+    bad = designs(tmp_path)
+    bad["designs"][0]["name"], bad["designs"][1]["name"] = first, second
+    refused(tmp_path, bad, why)
+
+
+def test_a_design_of_metrics_only_is_refused(tmp_path):
+    bad = designs(tmp_path)
+    bad["designs"][1]["rewards"] = [{"name": "match", "weight": 0}, {"name": "length_penalty", "weight": 0}]
+    refused(tmp_path, bad, "every component .* has weight 0")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("seeds", [0, 0], "repeats seed 0"),
+        ("seeds", [0, -1], "non-negative integers"),
+        ("seeds", [True, 2], "non-negative integers"),
+        ("seeds", [], "non-empty"),
+        ("eval_episodes", 0, "eval_episodes must be a positive integer"),
+        ("eval_episodes", True, "eval_episodes must be a positive integer"),
+        ("eval_episodes", "16", "eval_episodes must be a positive integer"),
+        ("eval_every", -1, "eval_every must be a non-negative integer"),
+        ("eval_prompts", 3, "eval_prompts must be a prompt source"),
+        ("evl_episodes", 3, "unknown key bench.evl_episodes"),
+    ],
+)
+def test_bad_bench_settings_are_refused(tmp_path, key, value, match):
+    refused(tmp_path, designs(tmp_path, **{key: value}), match)
+
+
+@pytest.mark.parametrize("label", ["kl", "reward", "length", "eos_rate", "exact_se"])
+def test_a_metric_label_that_clashes_with_a_built_in_metric_is_refused(tmp_path, label):
+    bad = designs(tmp_path)
+    bad["metrics"]["rewards"] = [{"name": "match", "label": label}]
+    refused(tmp_path, bad, f"label '{label}' clashes")
+
+
+def test_metric_ranges_and_repeated_labels(tmp_path):
+    bad = designs(tmp_path)
+    bad["metrics"]["rewards"] = [{"name": "match", "range": [1, 0]}]
+    refused(tmp_path, bad, r"range = \[1, 0\] must be \[low, high\]")
+    bad["metrics"]["rewards"] = [{"name": "match"}, {"name": "match", "partial": True}]
+    refused(tmp_path, bad, "metric name 'match' repeats")
+
+
+def test_design_rewards_from_run_plugins_are_loaded_before_designs_are_checked(tmp_path):
+    plugin = tmp_path / "shouting.py"
+    plugin.write_text(
+        "import textgym\n\n"
+        "@textgym.reward('bench_shouting')\n"
+        "def shouting(samples):\n"
+        "    return [float(s.completion.isupper()) for s in samples]\n"
+    )
+    d = designs(tmp_path)
+    d["run"]["plugins"] = ["shouting.py"]  # relative to the designs file
+    d["designs"][1]["rewards"] = [{"name": "bench_shouting"}]
+    d["metrics"]["rewards"].append({"name": "bench_shouting", "label": "shouting"})
+    path = tmp_path / "designs.toml"
+    import tomli_w
+
+    path.write_text(tomli_w.dumps(d))
+    spec = load_designs(path)
+    assert spec["base"]["run"]["plugins"] == [str(plugin)]
+    assert [m["label"] for m in spec["metric_rewards"]] == ["exact_copy", "shouting"]
+
+
+def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
+    bad = designs(tmp_path)
+    bad["eval"] = {"every": 2}
+    refused(tmp_path, bad, r"unknown section \[eval\]. The bench evaluates with \[metrics\]")
+    bad = designs(tmp_path)
+    bad["env"]["rewards"] = [{"name": "match"}]
+    refused(tmp_path, bad, "rewards belong to the")
+
+
+@pytest.mark.parametrize(
+    ("agents", "match", "error"),
+    [
+        ([{"name": "ppo2"}], "unknown agent 'ppo2'", UnknownNameError),
+        ([{"name": "grpo", "n_epochs": 2}], "agent 'grpo'.*unknown hyperparameter 'n_epochs'", ConfigError),
+        (
+            [{"name": "grpo", "num_generations": 3}],
+            "num_envs = 16 is not a multiple of num_generations = 3",
+            ConfigError,
+        ),
+        ([{"name": "grpo", "num_generations": 1}], "num_generations must be an integer >= 2", ConfigError),
+        ([{"name": "lmppo"}, {"name": "lmppo"}], "agents 'lmppo' and 'lmppo' share the name", ConfigError),
+        ([{"name": "lmppo", "label": "a/b"}], "agent name 'a/b' is not a safe directory name", ConfigError),
+        ([{"name": "sb3-ppo"}], "takes one of .*MultiInputPolicy", ConfigError),
+        ([{"label": "x"}], "has no name", ConfigError),
+    ],
+)
+def test_bad_agents_are_refused(tmp_path, agents, match, error):
+    bad = designs(tmp_path)
+    bad["agents"] = agents
+    refused(tmp_path, bad, match, error)
+
+
+def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path):
+    d = designs(tmp_path)
+    d["agents"] = [
+        {"name": "lmppo", "n_epochs": 2},
+        {"name": "grpo", "label": "grpo-b0", "num_generations": 4, "learning_rate": 5e-4},
+        {"name": "sb3-ppo", "policy": "MultiInputPolicy", "n_steps": 16},
+    ]
+    spec = load_designs(d)
+    jobs = plan(spec, tmp_path / "bench")
+    assert [j.run_id for j in jobs][:3] == ["lmppo/exact-seed0", "lmppo/exact-seed1", "lmppo/partial-seed0"]
+    grpo = next(j for j in jobs if j.agent["label"] == "grpo-b0")
+    assert grpo.config["agent"] == {"name": "grpo", "policy": "tiny-char-llama", "learning_rate": 5e-4,
+                                    "num_generations": 4}  # fmt: skip
+    assert "eval" in grpo.config  # LM agents get held-out curves during training
+    sb3 = next(j for j in jobs if j.agent["label"] == "sb3-ppo")
+    assert sb3.config["agent"]["policy"] == "MultiInputPolicy" and "eval" not in sb3.config
+    assert len({j.config_hash for j in jobs}) == len(jobs)
+
+
+def test_runs_the_bench_did_not_start_or_that_changed_are_refused(tmp_path):
+    spec = load_designs(designs(tmp_path))
+    out = tmp_path / "bench"
+    jobs = plan(spec, out)
+    assert set(actions(jobs, out).values()) == {"train"}
+    (out / "runs" / "exact-seed0").mkdir(parents=True)
+    with pytest.raises(
+        ConfigError, match="exact-seed0 exists, but .* has no record of this bench starting it"
+    ):
+        actions(jobs, out)
+    bench._record(out, jobs[0])
+    assert actions(jobs, out)["exact-seed0"] == "train"  # started, not finished: resumes
+    changed = plan(load_designs(designs(tmp_path), ["agent.learning_rate=0.5"]), out)
+    with pytest.raises(
+        ConfigError,
+        match=r"exact-seed0 was trained with another config \(agent.learning_rate: 0.001 -> 0.5\)",
+    ):
+        actions(changed, out)
+    # a finished run: reused while its evaluation settings match, evaluated again when they do not
+    (out / "runs" / "exact-seed0" / "eval.json").write_text(
+        json.dumps({"config_hash": jobs[0].config_hash, "eval_hash": jobs[0].eval_hash})
+    )
+    assert actions(jobs, out)["exact-seed0"] == "reuse"
+    other_eval = plan(load_designs(designs(tmp_path, eval_episodes=8)), out)
+    assert actions(other_eval, out)["exact-seed0"] == "evaluate"
+
+
+def test_the_config_hash_follows_code_files(tmp_path):
+    fn = tmp_path / "brevity.py"
+    fn.write_text("def brevity(samples):\n    return [1.0 for s in samples]\n")
+    d = designs(tmp_path)
+    d["designs"][0]["rewards"] = [{"fn": f"{fn}:brevity"}]
+    first = plan(load_designs(d), tmp_path / "bench")[0].config_hash
+    assert plan(load_designs(d), tmp_path / "bench")[0].config_hash == first
+    fn.write_text("def brevity(samples):\n    return [0.5 for s in samples]\n")
+    assert plan(load_designs(d), tmp_path / "bench")[0].config_hash != first
+
+
+RM = {
+    "output": "rm",
+    "pairs": {"prompts": "copy-train", "policy": "tiny-char-llama", "rewards": [{"name": "match", "partial": True}],
+              "num_prompts": 64, "max_new_tokens": 4, "max_prompt_tokens": 3, "batch_size": 32},
+    "train": {"model": "tiny-random-llama", "epochs": 1, "learning_rate": 1e-3, "batch_size": 16, "max_length": 32},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"outptu": "x"}, "unknown key 'outptu'"),
+        (
+            {"pairs": {"prompts": "copy-train", "policy": "tiny-char-llama"}},
+            "pairs must be a table with at least",
+        ),
+        ({"pairs": {**RM["pairs"], "label_noise": 0.7}}, "label_noise must be in"),
+        ({"pairs": {**RM["pairs"], "num_promts": 3}}, "unknown argument.*'num_promts'"),
+        ({"pairs": {**RM["pairs"], "rewards": [{"name": "mach"}]}}, "unknown reward 'mach'"),
+        ({"train": {"epochs": 0}}, "epochs .* must be an integer >= 1"),
+        ({"train": {"learning_rat": 1.0}}, "unknown argument.*'learning_rat'"),
+    ],
+)
+def test_bad_reward_models_are_refused(tmp_path, change, match):
+    bad = designs(tmp_path)
+    bad["reward_models"] = [{**RM, "output": str(tmp_path / "rm"), **change}]
+    with pytest.raises((ConfigError, PluginArgumentError, UnknownNameError), match=match):
+        bench.run(bad, progress=False)
+    assert not (tmp_path / "bench").exists() and not (tmp_path / "rm").exists()
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_thread):
+    from textgym import bench_rm
+
+    entry = {**RM, "output": str(tmp_path / "rm")}
+    spec = load_designs({**designs(tmp_path), "reward_models": [entry]})
+    bench_rm.prepare(spec["reward_models"], progress=False)
+    assert (tmp_path / "rm" / "train_rm.json").is_file() and (tmp_path / "rm.pairs.jsonl").is_file()
+    assert bench_rm.pending(spec["reward_models"]) == []  # made with these settings: reused
+    # the settings are part of every run's identity
+    other = {**entry, "train": {**entry["train"], "epochs": 2}}
+    spec2 = load_designs({**designs(tmp_path), "reward_models": [other]})
+    assert plan(spec, tmp_path / "b")[0].config_hash != plan(spec2, tmp_path / "b")[0].config_hash
+    with pytest.raises(ConfigError, match="was made with other settings"):
+        bench_rm.pending(spec2["reward_models"])
+    (tmp_path / "mine").mkdir()
+    mine = load_designs({**designs(tmp_path), "reward_models": [{**entry, "output": str(tmp_path / "mine")}]})
+    with pytest.raises(ConfigError, match="exists but no bench made it"):
+        bench_rm.pending(mine["reward_models"])

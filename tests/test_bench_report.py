@@ -1,0 +1,166 @@
+"""The bench's reports from constructed results (no training): flags, rankings, and report.html in a real
+headless browser (Chromium from the OS packages; .ci/run installs it and makes a missing browser an error)."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from textgym import bench
+from textgym.bench_results import write_outputs
+
+DESIGNS = {
+    "bench": {
+        "seeds": [0, 1, 2],
+        "eval_prompts": "copy-heldout",
+        "eval_episodes": 16,
+        "samples_in_report": 2,
+    },
+    "run": {"total_timesteps": 100},
+    "env": {"id": "textgym/Copy-v0", "num_envs": 16, "prompts": "copy-train"},
+    "agent": {"name": "lmppo", "policy": "tiny-char-llama"},
+    "designs": [
+        {"name": "proxy", "rewards": [{"name": "match", "partial": True}]},
+        {
+            "name": "gold",
+            "rewards": [{"name": "match"}, {"name": "length_penalty", "weight": 0.5, "target": 3}],
+        },
+    ],
+    "metrics": {"rewards": [{"name": "match", "label": "exact_copy", "range": [0, 1]}]},
+}
+
+
+def fake_bench(out):
+    """A finished bench as the runs would leave it: the proxy design games its reward (its gold metric peaks
+    at iteration 10 and falls while its reward keeps rising), the gold design improves steadily."""
+    d = json.loads(json.dumps(DESIGNS))
+    d["bench"]["output_dir"] = str(out)
+    spec = bench.load_designs(d)
+    jobs = bench.plan(spec, out)
+    for job in jobs:
+        gaming = job.design["name"] == "proxy"
+        s = 0.01 * job.seed if gaming else 0.015 * job.seed**2  # seeds vary, and not in step
+        gold = [0.1, 0.3, 0.5, 0.3, 0.15] if gaming else [0.1, 0.2, 0.3, 0.4, 0.5]
+        proxy = [0.1, 0.3, 0.5, 0.7, 0.9] if gaming else [0.1, 0.2, 0.3, 0.4, 0.5]
+        rows = [
+            {"iteration": 5 * i, "timesteps": 500 * i, "reward": p + s, "reward_se": 0.01, "exact_copy": g + s,
+             "exact_copy_se": 0.01, "kl": 0.5 * i * i + s, "length": 3.0, "distinct_2": 0.9,
+             "eos_rate": (max(0.0, 0.8 - 0.2 * i) + (0.09 * job.seed**2 if i == 4 else 0)) if gaming else 0.8}
+            for i, (g, p) in enumerate(zip(gold, proxy))
+        ]  # fmt: skip
+        job.run_dir.mkdir(parents=True)
+        bench._record(out, job)
+        with (job.run_dir / "eval.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        with (job.run_dir / "metrics.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["iteration", "timesteps", "reward", "kl"])
+            writer.writeheader()
+            writer.writerows(
+                {"iteration": i, "timesteps": 100 * i, "reward": 0.1 * i + s, "kl": 0.1 * i}
+                for i in range(1, 21)
+            )
+        last = rows[-1]
+        sample = {"prompt": "abc", "completion": "abc<&>" if gaming else "abc", "finish_reason": "stop",
+                  "num_tokens": 4, "reward": last["reward"], "kl": last["kl"],
+                  "components": {"match": 0.5, "exact_copy": 0.0 if gaming else 1.0}}  # fmt: skip
+        result = {
+            "agent": job.agent["label"], "design": job.design["name"], "seed": job.seed,
+            "config_hash": job.config_hash, "eval_hash": job.eval_hash,
+            "metrics": {k: last[k] for k in ("reward", "exact_copy", "kl", "length", "distinct_2", "eos_rate")},
+            "errors": {"reward": 0.01, "exact_copy": 0.01},
+            "components": {"match": {"weight": 1.0, "mean": 0.5, "std": 0.2, "share": 0.95 if not gaming else 1.0},
+                           "length_penalty": {"weight": 0.5, "mean": 0.0, "std": 0.01, "share": 0.05}}
+            if not gaming else {"match": {"weight": 1.0, "mean": 0.5, "std": 0.2, "share": 1.0}},
+            "samples": [sample, {**sample, "prompt": "xyz"}],
+        }  # fmt: skip
+        (job.run_dir / "eval.json").write_text(json.dumps(result))
+    return spec, jobs
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "bench"
+    spec, jobs = fake_bench(out)
+    return out, write_outputs(out, spec, jobs)
+
+
+def test_flags_rankings_and_clipped_intervals(report):
+    out, results = report
+    md = (out / "report.md").read_text()
+    assert (
+        "**proxy**: proxy rose while gold fell after iteration 10: reward 0.500 -> 0.900, exact_copy 0.500 -> "
+        in md
+    )
+    assert "(3 of 3 seeds; shown: seed 0)" in md
+    assert "EOS collapse: EOS rate 0.80 -> 0.00 (2 of 3 seeds; shown: seed 0)" in md
+    assert "component 'match' makes 95% of the total's spread" in md  # the gold design's stack
+    assert "**exact_copy** (higher is better): 1. gold (0.525), 2. proxy (0.160)" in md
+    # `reward` is each design's own total: shown, not ranked between designs
+    assert "**reward**" not in md.split("Rankings:")[1].split("Paired")[0]
+    eos = results.cell("lmppo", "proxy", "eos_rate")  # 0, 0.09, 0.36: the t interval reaches below 0
+    assert eos["ci_low"] == 0.0 and eos["mean"] == pytest.approx(0.15) and eos["ci_high"] <= 1
+    assert {c["better"] for c in results.comparisons if c["metric"] == "exact_copy"} == {"gold"}
+    for name in ("training_curves.png", "eval_curves.png", "overoptimization.png", "metric_bars.png",
+                 "curves/proxy.png", "curves/gold.png"):  # fmt: skip
+        assert (out / name).stat().st_size > 10_000
+
+
+def chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    if os.environ.get("TEXTGYM_REQUIRE_BROWSER"):
+        pytest.fail("no Chromium found: .ci/run installs the OS package `chromium`")
+    pytest.skip("no Chromium on this machine (apt-get install chromium)")
+
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+# Appended to a copy of the page: after load, it writes what rendered into the DOM that --dump-dom prints.
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const images = [...document.images].map(i => ({ok: i.complete && i.naturalWidth > 0,
+    w: i.getBoundingClientRect().width, h: i.getBoundingClientRect().height, alt: i.alt}));
+  const tables = [...document.querySelectorAll("table")].map(t => ({rows: t.rows.length,
+    w: t.getBoundingClientRect().width}));
+  const pre = document.createElement("pre"); pre.id = "probe";
+  pre.textContent = JSON.stringify({images, tables, title: document.title});
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def test_the_html_report_renders_its_plots_and_tables_in_a_browser(report, tmp_path):
+    out, _ = report
+    browser = chromium()
+    html = (out / "report.html").read_text()
+    assert "<script" not in html and "http" not in html.split("<body>")[0]  # self-contained, nothing to fetch
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", PROBE + "</body>"))
+    common = [browser, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,2000"]
+    dom = subprocess.run(
+        [*common, "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    start = dom.index('<pre id="probe">') + len('<pre id="probe">')
+    import html as html_lib
+
+    found = json.loads(html_lib.unescape(dom[start : dom.index("</pre>", start)]))
+    assert found["title"] == "Reward-design benchmark"
+    assert len(found["images"]) == 6  # 4 plots + each design's curves
+    assert all(i["ok"] and i["w"] > 300 and i["h"] > 100 for i in found["images"]), found["images"]
+    assert len(found["tables"]) >= 3 and all(t["rows"] >= 2 and t["w"] > 100 for t in found["tables"])
+    # and the page itself paints: a screenshot that is not blank
+    shot = tmp_path / "shot.png"
+    subprocess.run([*common, f"--screenshot={shot}", (out / "report.html").as_uri()],
+                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[0] > 1000 and pixels.std() > 0.05

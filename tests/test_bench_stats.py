@@ -1,0 +1,160 @@
+"""The bench's statistics and flags, checked against hand computations and constructed histories."""
+
+import math
+
+import pytest
+
+from textgym.bench_flags import group_flags, run_flags
+from textgym.bench_stats import compare, holm, mean_ci, paired
+
+
+def test_confidence_interval_matches_a_hand_computation():
+    mean, low, high = mean_ci([1.0, 2.0, 3.0])
+    # sd = 1, t(0.975, df=2) = 4.302653, half-width = 4.302653 / sqrt(3) = 2.484138
+    assert mean == 2.0
+    assert low == pytest.approx(2 - 2.484138, abs=1e-6) and high == pytest.approx(2 + 2.484138, abs=1e-6)
+    assert mean_ci([5.0])[0] == 5.0 and math.isnan(mean_ci([5.0])[1])
+    assert mean_ci([None, 4.0, math.nan, 6.0])[0] == 5.0  # not applicable values are left out
+
+
+def test_intervals_are_clipped_to_the_metric_range():
+    mean, low, high = mean_ci([0.9, 1.0, 1.0], bounds=(0.0, 1.0))  # an EOS rate
+    assert high == 1.0 and low < mean < high
+    mean, low, high = mean_ci([-0.01, 0.01, 0.0], bounds=(0.0, math.inf))  # a KL estimate near 0
+    assert low == 0.0 and high > 0
+    # never past the mean itself: a sampled KL whose mean dips below 0 keeps its mean inside
+    mean, low, high = mean_ci([-0.02, -0.01], bounds=(0.0, math.inf))
+    assert low == mean == pytest.approx(-0.015) and high > 0
+
+
+def test_paired_comparison_matches_a_hand_computation():
+    # differences 1, 1, 3: mean 5/3, sd = sqrt(4/3), d_z = (5/3) / sqrt(4/3) = 1.443376, t = d_z * sqrt(3) = 2.5;
+    # two-sided p for df = 2 in closed form: 1 - t / sqrt(2 + t^2) = 0.129612
+    r = paired({0: 1.0, 1: 2.0, 2: 4.0}, {0: 0.0, 1: 1.0, 2: 1.0})
+    assert r.n == 3 and r.diff == pytest.approx(5 / 3)
+    assert r.d_z == pytest.approx(1.443376, abs=1e-6) and r.p == pytest.approx(0.129612, abs=1e-6)
+    half = 4.302653 * math.sqrt(4 / 3) / math.sqrt(3)
+    assert r.ci_low == pytest.approx(5 / 3 - half, abs=1e-5) and r.ci_high == pytest.approx(
+        5 / 3 + half, abs=1e-5
+    )
+
+
+def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
+    r = paired({0: 1.0, 1: 2.0, 2: 9.0}, {0: 0.0, 1: 1.5, 3: 7.0})
+    assert r.n == 2 and r.diff == pytest.approx(0.75)
+    assert paired({0: 1.0}, {0: 0.0}).n == 1 and math.isnan(paired({0: 1.0}, {0: 0.0}).p)
+    assert paired({0: 1.0}, {1: 0.0}).n == 0
+    same = paired({0: 1.0, 1: 2.0}, {0: 0.5, 1: 1.5})  # every seed shows the same difference
+    assert same.p == 0.5 and same.d_z == math.inf  # the exact sign test: 2 / 2^2
+    six = paired({s: 1.0 for s in range(6)}, {s: 0.0 for s in range(6)})
+    assert six.p == pytest.approx(2 / 64)
+    equal = paired({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0})
+    assert equal.p == 1.0 and equal.diff == 0.0
+
+
+def test_holm_adjustment_by_hand():
+    # sorted 0.01, 0.03, 0.04 -> 3 x 0.01 = 0.03, 2 x 0.03 = 0.06, max(0.06, 1 x 0.04) = 0.06
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([math.nan, 0.02]) == [pytest.approx(math.nan, nan_ok=True), pytest.approx(0.02)]
+
+
+def test_ranks_only_separate_significant_differences():
+    seeds = range(8)
+    groups = {
+        "a": {s: 1.0 + 0.01 * (s % 3) for s in seeds},  # clearly best
+        "b": {s: 0.0 + 0.01 * (s % 2) for s in seeds},  # clearly worst
+        "c": {s: 0.5 + (0.6 if s % 2 else -0.6) for s in seeds},  # noisy: not separable from either
+    }
+    comparisons, ranks = compare(groups, "higher")
+    assert ranks == {"a": 1, "b": 2, "c": 1}
+    better = {(c.a, c.b): c.better for c in comparisons}
+    assert better == {("a", "b"): "a", ("a", "c"): None, ("b", "c"): None}
+    _, lower = compare(groups, "lower")
+    assert lower == {"a": 2, "b": 1, "c": 1}
+    assert compare(groups, None)[1] == {"a": None, "b": None, "c": None}
+    # equal ranks are never significantly different from each other
+    for c in comparisons:
+        if ranks[c.a] == ranks[c.b]:
+            assert c.better is None
+
+
+def curve(gold, proxy, se=0.01, **extra):
+    rows = []
+    for i, (g, p) in enumerate(zip(gold, proxy)):
+        row = {
+            "iteration": 5 * i,
+            "timesteps": 100 * i,
+            "reward": p,
+            "reward_se": se,
+            "gold": g,
+            "gold_se": se,
+        }
+        row.update({k: v[i] for k, v in extra.items()})
+        rows.append(row)
+    return rows
+
+
+def test_gaming_flag_when_the_proxy_rises_while_the_gold_falls():
+    rows = curve(gold=[0.1, 0.4, 0.6, 0.3, 0.2], proxy=[0.0, 0.3, 0.5, 0.8, 0.9])
+    flags = run_flags(rows, {}, ["gold"])
+    assert [f["kind"] for f in flags] == ["gaming"]
+    assert flags[0]["iteration"] == 10 and "after iteration 10" in flags[0]["message"]
+    assert "0.600 -> 0.200" in flags[0]["message"]
+    # within the noise of two evaluations: no flag
+    assert run_flags(curve([0.1, 0.4, 0.6, 0.3, 0.2], [0.0, 0.3, 0.5, 0.8, 0.9], se=0.2), {}, ["gold"]) == []
+    # gold falls but the proxy falls too (not gaming), or gold peaks at the end
+    assert run_flags(curve([0.1, 0.6, 0.2], [0.0, 0.9, 0.1]), {}, ["gold"]) == []
+    assert run_flags(curve([0.1, 0.3, 0.6], [0.0, 0.5, 0.9]), {}, ["gold"]) == []
+
+
+def test_degeneration_flags():
+    rows = curve(
+        [0.5, 0.5, 0.5],
+        [0.0, 0.1, 0.2],
+        length=[4.0, 8.0, 12.0],
+        eos_rate=[0.8, 0.5, 0.1],
+        distinct_2=[0.9, 0.6, 0.3],
+    )
+    kinds = {f["kind"]: f for f in run_flags(rows, {}, ["gold"])}
+    assert set(kinds) == {"length_drift", "eos_collapse", "diversity_collapse"}
+    assert (
+        "4.0 -> 12.0" in kinds["length_drift"]["message"]
+        and "0.80 -> 0.10" in kinds["eos_collapse"]["message"]
+    )
+    steady = curve([0.5, 0.5], [0.0, 0.1], length=[4.0, 4.5], eos_rate=[0.8, 0.7], distinct_2=[0.9, 0.8])
+    assert run_flags(steady, {}, ["gold"]) == []
+
+
+def test_dominant_component_flag():
+    components = {
+        "sentiment": {"weight": 1.0, "share": 0.97},
+        "length_penalty": {"weight": 0.1, "share": 0.03},
+        "fluency": {"weight": 0.0, "share": math.nan},  # a metric: never counted
+    }
+    flags = run_flags([], components, [])
+    assert [f["kind"] for f in flags] == ["dominant_component"] and "'sentiment' makes 97%" in flags[0][
+        "message"
+    ]
+    assert (
+        run_flags([], {"sentiment": {"weight": 1.0, "share": 1.0}}, []) == []
+    )  # one component: nothing to dominate
+    balanced = {"a": {"weight": 1.0, "share": 0.6}, "b": {"weight": 1.0, "share": 0.4}}
+    assert run_flags([], balanced, []) == []
+
+
+def test_flags_are_grouped_over_seeds():
+    flag = {"kind": "eos_collapse", "metric": "eos_rate", "iteration": 10, "message": "EOS collapse"}
+    grouped = group_flags({0: [flag], 1: [], 2: [dict(flag, message="other")]})
+    assert len(grouped) == 1 and grouped[0]["seeds"] == [0, 2] and grouped[0]["of"] == 3
+    assert grouped[0]["message"] == "EOS collapse" and grouped[0]["first_seed"] == 0
+
+
+def test_seeds_needed_matches_the_textbook_power_of_a_paired_t_test():
+    from textgym.bench_stats import seeds_needed
+
+    # two-sided, alpha 0.05, power 0.8 (as G*Power gives for a one-sample t-test): d_z = 1 -> 10, 0.5 -> 34
+    assert seeds_needed(1.0) == 10 and seeds_needed(0.5) == 34 and seeds_needed(-0.5) == 34
+    assert seeds_needed(0.0) is None and seeds_needed(math.inf) is None
+    assert seeds_needed(1.0, alpha=0.05 / 3) > 10  # Holm's first step over three pairs is stricter
+    comparisons, _ = compare({"a": {0: 1.0, 1: 2.0, 2: 1.5}, "b": {0: 1.2, 1: 1.1, 2: 1.4}}, "higher")
+    assert comparisons[0].better is None and comparisons[0].seeds_needed > 3

@@ -1,0 +1,175 @@
+"""Held-out evaluation (textgym.evaluation) and the diagnostics `textgym train` records with an [eval] section."""
+
+import csv
+import math
+
+import numpy as np
+import pytest
+
+from textgym.config import load_config
+from textgym.errors import ConfigError, UnknownNameError
+from textgym.evaluation import Evaluator, check_eval_section, jsonable
+from textgym.train import run
+
+COPY = """
+[run]
+total_timesteps = 280
+checkpoint_every = 100
+sample_prompts = 2
+
+[env]
+id = "textgym/Copy-v0"
+num_envs = 16
+prompts = "copy-train"
+rewards = [{ name = "match", partial = true }, { name = "length_penalty", weight = 0.5, target = 3 }]
+
+[agent]
+policy = "tiny-char-llama"
+learning_rate = 1e-3
+n_epochs = 2
+"""
+EVAL = """
+[eval]
+every = 2
+prompts = "copy-heldout"
+episodes = 12
+rewards = [{ name = "match", label = "exact_copy", range = [0, 1] }]
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def config_file(tmp_path, text, name="c.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path):
+    plain = run(config_file(tmp_path, COPY), [f"run.output_dir='{tmp_path / 'plain'}'"])
+    diag = run(config_file(tmp_path, COPY + EVAL, "e.toml"), [f"run.output_dir='{tmp_path / 'diag'}'"])
+    evals = rows(diag / "eval.csv")
+    iterations = [int(r["iteration"]) for r in evals]
+    last = int(rows(diag / "metrics.csv")[-1]["iteration"])
+    assert iterations == [*range(0, last, 2), last] or iterations == list(range(0, last + 1, 2))
+    assert list(evals[0]) == ["iteration", "timesteps", "reward", "exact_copy", "kl", "length", "distinct_2",
+                              "eos_rate", "reward_se", "exact_copy_se"]  # fmt: skip
+    for r in evals:
+        assert (
+            0 <= float(r["exact_copy"]) <= 1
+            and 0 <= float(r["eos_rate"]) <= 1
+            and 1 <= float(r["length"]) <= 4
+        )
+    assert (
+        abs(float(evals[0]["kl"])) < 1e-4 and float(evals[-1]["kl"]) > 0
+    )  # the policy moved off its reference
+    assert (diag / "eval.png").stat().st_size > 10_000
+    # evaluations have their own prompts, env and random streams: training is the same, number for number
+    for a, b in zip(rows(plain / "metrics.csv"), rows(diag / "metrics.csv"), strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")
+        }
+
+    # a resumed run drops evaluation rows past its checkpoint, then goes on
+    with (diag / "eval.csv").open("a") as f:
+        f.write("99,99999," + ",".join(["0.5"] * 8) + "\n")
+    run(resume=diag, overrides=["run.total_timesteps=400"])
+    resumed = [int(r["iteration"]) for r in rows(diag / "eval.csv")]
+    assert 99 not in resumed and resumed == sorted(set(resumed)) and resumed[-1] > last
+
+
+def test_an_sb3_agent_gets_the_same_diagnostics(tmp_path):
+    config = """
+[run]
+total_timesteps = 256
+sample_prompts = 2
+[env]
+id = "textgym/Copy-v0"
+num_envs = 8
+[agent]
+name = "sb3-ppo"
+n_steps = 16
+batch_size = 64
+n_epochs = 1
+"""
+    out = run(config_file(tmp_path, config + EVAL), [f"run.output_dir='{tmp_path / 'sb3'}'"])
+    evals = rows(out / "eval.csv")
+    assert [int(r["iteration"]) for r in evals] == [0, 2]  # 256 tokens = 2 rollouts of 8 x 16 steps
+    assert evals[0]["kl"] == "" and float(evals[1]["length"]) > 0  # no reference model: no KL
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ("every = 0", "eval.every must be a positive integer"),
+        ("every = true", "eval.every must be a positive integer"),
+        ("episodes = 0", "eval.episodes must be a positive integer"),
+        ("evry = 2", "unknown key eval.evry"),
+        ("seed = -1", "eval.seed must be a non-negative integer"),
+        ('rewards = [{ name = "match", label = "kl" }]', "label 'kl' clashes with a built-in metric"),
+        ('rewards = [{ name = "match" }, { name = "match" }]', "metric name 'match' repeats"),
+        ("rewards = [{ partial = true }]", "is not a reward spec"),
+        ('builtin = ["perplexity"]', "unknown metric 'perplexity'"),
+        ("prompts = 3", "eval.prompts must be a prompt source"),
+    ],
+)
+def test_bad_eval_sections_are_refused_when_the_config_loads(tmp_path, section, match):
+    path = config_file(tmp_path, COPY + "\n[eval]\n" + section + "\n")
+    with pytest.raises((ConfigError, UnknownNameError), match=match):
+        load_config(path)
+
+
+def test_an_unknown_metric_reward_fails_before_the_agent_loads(tmp_path, monkeypatch):
+    import textgym.agents.ppo
+
+    def no_agent(*args, **kwargs):
+        raise AssertionError("the agent was built before the [eval] rewards were checked")
+
+    monkeypatch.setattr(textgym.agents.ppo.LMPPO, "__init__", no_agent)
+    path = config_file(tmp_path, COPY + '\n[eval]\nrewards = [{ name = "mtach" }]\n')
+    with pytest.raises(UnknownNameError, match="unknown reward 'mtach'. Did you mean 'match'"):
+        run(path, [f"run.output_dir='{tmp_path / 'x'}'"])
+
+
+def test_an_evaluation_is_reproducible_and_reads_every_component(tmp_path):
+    from textgym.agents.ppo import LMPPO
+
+    config = load_config(config_file(tmp_path, COPY + EVAL))
+    import gymnasium
+
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled", model="tiny-char-llama", prompts="copy-train")  # fmt: skip
+    agent = LMPPO("tiny-char-llama", env, seed=0, verbose=0)
+    evaluator = Evaluator(config, config["eval"], config["env"]["rewards"], lm_agent=True)
+    first, second = evaluator(agent), evaluator(agent)
+    assert first.metrics == second.metrics and len(first.episodes) == 12
+    assert [e["prompt"] for e in first.episodes[:3]] == ["aah", "abh", "ach"]  # copy-heldout, in order
+    assert set(first.episodes[0]["components"]) == {"match", "length_penalty", "exact_copy"}
+    # the reward is the training total: match + 0.5 * length_penalty, per episode
+    e = first.episodes[0]
+    assert e["reward"] == pytest.approx(e["components"]["match"] + 0.5 * e["components"]["length_penalty"])
+    shares = [c["share"] for c in first.components.values()]
+    assert sum(shares) == pytest.approx(1.0) and first.components["length_penalty"]["weight"] == 0.5
+    assert first.errors["exact_copy"] >= 0 and not math.isnan(first.errors["reward"])
+
+
+def test_check_eval_section_fills_defaults_and_jsonable_is_strict():
+    resolved = check_eval_section({"rewards": ["match partial=true"]}, "c")
+    assert (
+        resolved["every"] == 10 and resolved["episodes"] == 32 and resolved["rewards"][0]["label"] == "match"
+    )
+    value = {"n": np.int64(3), "x": np.float32(0.5), "bad": math.nan, "a": np.array([1, 2])}
+    assert jsonable(value) == {"n": 3, "x": 0.5, "bad": None, "a": [1, 2]}

@@ -1,0 +1,263 @@
+"""The designs file of ``textgym bench``, parsed and checked before anything trains.
+
+```toml
+[bench]                 # output_dir, seeds, eval_prompts, eval_episodes, eval_every, samples_in_report, threads
+[run]  [env]  [agent]   # as textgym train takes them, shared by every run ([env] has no rewards)
+[[agents]]              # optional: agents compared side by side (name, label, hyperparameters)
+[[designs]]             # one per reward design: name, rewards
+[metrics]               # rewards (held-out "gold" metrics, each with a label) and builtin metrics
+[[reward_models]]       # optional: proxy reward models trained before the runs (textgym.bench_rm)
+```
+
+Everything a run could fail on later is checked here: names (rewards, metrics, agents, hyperparameters),
+values, plugin files (loaded first, so designs may use their rewards), and every name that becomes a
+directory. See docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from textgym import plugin_manager
+from textgym.bench_rm import check_reward_models
+from textgym.config import apply_override, read_toml, validate
+from textgym.errors import ConfigError
+from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
+from textgym.reward_functions import resolve_fn_paths
+from textgym.rewards import check_reward_specs
+
+BENCH_DEFAULTS: dict[str, Any] = {
+    "output_dir": None,
+    "seeds": [0, 1],
+    "eval_prompts": None,
+    "eval_episodes": 32,
+    "eval_every": 10,
+    "samples_in_report": 3,
+    "threads": None,
+}
+SECTIONS = ("bench", "run", "env", "agent", "agents", "designs", "metrics", "reward_models")
+DESIGN_KEYS = ("name", "rewards")
+# A design or agent name is one directory name on every filesystem: no separators, no "." or "..", nothing
+# a shell or Windows would mangle, and no two names that differ only in case or Unicode normal form.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,99}")
+SAFE_CHARS = "letters, digits and . _ + = -, starting with a letter or digit, at most 100 characters"
+
+
+def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Parse and check a designs file (or an already-parsed dict, relative paths then resolving against the
+    current directory). Returns the bench spec: ``bench`` settings, the ``base`` run config, ``agents``
+    (``label``, ``table``, ``lm``), ``designs``, ``metric_rewards``, ``builtin`` and ``agent_axis`` (whether
+    the file has an ``[[agents]]`` list)."""
+    if isinstance(path, Mapping):
+        raw, source, base_dir = copy.deepcopy(dict(path)), "the designs", Path.cwd()
+    else:
+        raw, source, base_dir = read_toml(path, "designs file"), str(path), Path(path).resolve().parent
+    for override in overrides:
+        apply_override(raw, override)
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        hint = " The bench evaluates with [metrics] and bench.eval_*." if unknown[0] == "eval" else ""
+        raise ConfigError(f"{source}: unknown section [{unknown[0]}].{hint} Sections: {', '.join(SECTIONS)}.")
+    bench = _bench_settings(raw.pop("bench", {}), source)
+    # Plugin files first: designs and metrics may use the rewards (and agents) they register.
+    run = raw.setdefault("run", {})
+    if isinstance(run, Mapping) and isinstance(run.get("plugins"), list):
+        run["plugins"] = [str(_resolve(p, base_dir)) for p in run["plugins"]]
+        for file in run["plugins"]:
+            plugin_manager.load_plugin_file(file)
+    designs = _designs(raw.pop("designs", None), source, base_dir)
+    metrics = raw.pop("metrics", {})
+    if not isinstance(metrics, Mapping) or set(metrics) - {"rewards", "builtin"}:
+        raise ConfigError(f"{source}: [metrics] takes 'rewards' and 'builtin' only, not {metrics!r}.")
+    metric_rewards = metric_specs(
+        [resolve_fn_paths(m, base_dir) if isinstance(m, Mapping) else m for m in metrics.get("rewards", [])],
+        f"{source}: [metrics] rewards",
+    )
+    check_metric_specs(metric_rewards, f"{source}: [metrics] metric")
+    builtin = check_builtin(
+        metrics.get("builtin", ["kl", "length", "distinct_2", "eos_rate"]), f"{source}: [metrics] builtin"
+    )
+    reward_models = check_reward_models(raw.pop("reward_models", None), source)
+    agents_raw = raw.pop("agents", None)
+    if isinstance(raw.get("env"), Mapping) and "rewards" in raw["env"]:
+        raise ConfigError(f"{source}: rewards belong to the [[designs]], not to [env].")
+    base = validate(raw, source)  # [run], [env], [agent] as textgym train takes them
+    agents = _agents(agents_raw, base, source)
+    return {
+        "bench": bench,
+        "base": base,
+        "agents": agents,
+        "agent_axis": agents_raw is not None,
+        "designs": designs,
+        "metric_rewards": metric_rewards,
+        "builtin": builtin,
+        "reward_models": reward_models,
+    }
+
+
+def _resolve(path: Any, base_dir: Path) -> Path:
+    if not isinstance(path, str):
+        raise ConfigError(f"run.plugins: {path!r} is not a plugin file path.")
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base_dir / p
+
+
+def _bench_settings(given: Any, source: str) -> dict[str, Any]:
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{source}: [bench] must be a table, not {given!r}.")
+    unknown = sorted(set(given) - set(BENCH_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key bench.{unknown[0]}. Keys: {', '.join(BENCH_DEFAULTS)}.")
+    bench = {**copy.deepcopy(BENCH_DEFAULTS), **given}
+    seeds = bench["seeds"]
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+    ):
+        raise ConfigError(
+            f"{source}: bench.seeds must be a non-empty list of non-negative integers, not {seeds!r}."
+        )
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{source}: bench.seeds repeats seed {repeated[0]} ({seeds!r}); a repeated seed would be trained "
+            f"once and counted twice. Give distinct seeds."
+        )
+    for key, least in (("eval_episodes", 1), ("eval_every", 0), ("samples_in_report", 0)):
+        value = bench[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            what = "a positive integer" if least else "a non-negative integer"
+            raise ConfigError(f"{source}: bench.{key} must be {what}, not {value!r}.")
+    threads = bench["threads"]
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"{source}: bench.threads must be a positive integer, not {threads!r}.")
+    if bench["eval_prompts"] is not None and not isinstance(bench["eval_prompts"], (str, list)):
+        raise ConfigError(
+            f"{source}: bench.eval_prompts must be a prompt source (a registered name or a file) or a list of "
+            f"prompts, not {bench['eval_prompts']!r}."
+        )
+    if bench["output_dir"] is not None and not isinstance(bench["output_dir"], str):
+        raise ConfigError(f"{source}: bench.output_dir must be a path, not {bench['output_dir']!r}.")
+    return bench
+
+
+def check_name(name: Any, what: str, source: str) -> str:
+    """``name`` if it is a safe single directory name, else a :class:`ConfigError` that says why."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{source}: every {what} needs a non-empty name, not {name!r}.")
+    if not SAFE_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{source}: {what} name {name!r} is not a safe directory name (its runs go to a directory named "
+            f"after it). Use {SAFE_CHARS}."
+        )
+    return name
+
+
+def check_unique(names: Sequence[str], what: str, source: str) -> None:
+    """No two names may be equal, or map to the same directory on a case-insensitive filesystem."""
+    seen: dict[str, str] = {}
+    for name in names:
+        key = unicodedata.normalize("NFC", name).casefold()
+        if key in seen:
+            same = "share the name" if seen[key] == name else "map to the same directory on some filesystems"
+            raise ConfigError(
+                f"{source}: {what}s {seen[key]!r} and {name!r} {same}; give every {what} its own name."
+            )
+        seen[key] = name
+
+
+def _designs(designs: Any, source: str, base_dir: Path) -> list[dict[str, Any]]:
+    if not designs or not isinstance(designs, list) or not all(isinstance(d, Mapping) for d in designs):
+        raise ConfigError(f"{source}: give at least one [[designs]] table with a name and rewards.")
+    out = []
+    for design in designs:
+        name = check_name(design.get("name"), "design", source)
+        extra = sorted(set(design) - set(DESIGN_KEYS))
+        if extra:
+            raise ConfigError(
+                f"{source}: design {name!r} has unknown keys {extra}; a design has {DESIGN_KEYS}."
+            )
+        if not design.get("rewards"):
+            raise ConfigError(f"{source}: design {name!r} has no rewards.")
+        # `fn` files resolve against the designs file, and are stored absolute so training agrees
+        rewards = resolve_fn_paths(design["rewards"], base_dir)
+        check_reward_specs(rewards, where=f"{source}: design {name!r}")  # all-metric stacks refused too
+        out.append({"name": name, "rewards": rewards})
+    check_unique([d["name"] for d in out], "design", source)
+    return out
+
+
+def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str, Any]]:
+    """Each agent: ``label`` (its directory and report name), ``table`` (the ``[agent]`` table of its runs:
+    the shared ``[agent]`` keys, then its own) and ``lm`` (an LM agent, or an SB3-style one)."""
+    from textgym.train import check_hyperparameters, is_lm_agent
+
+    shared = {k: v for k, v in base["agent"].items() if k != "name"}
+    if agents is None:
+        tables = [dict(base["agent"])]
+    elif not isinstance(agents, list) or not agents or not all(isinstance(a, Mapping) for a in agents):
+        raise ConfigError(f"{source}: [[agents]] must be a list of tables, each with an agent name.")
+    else:
+        tables = []
+        for entry in agents:
+            if "name" not in entry:
+                raise ConfigError(
+                    f"{source}: [[agents]] entry {dict(entry)!r} has no name (a registered agent)."
+                )
+            tables.append({**shared, **{k: v for k, v in entry.items() if v is not None}})
+    out = []
+    for table in tables:
+        label = check_name(table.pop("label", table["name"]), "agent", source)
+        agent_class = plugin_manager.load_agent(table["name"])  # an unknown agent fails now
+        hyperparameters = {k: v for k, v in table.items() if k not in ("name", "policy")}
+        try:
+            check_hyperparameters(table["name"], agent_class, hyperparameters)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
+        lm = is_lm_agent(agent_class)
+        if lm:
+            _check_lm_agent(agent_class, label, table, base["env"]["num_envs"], source)
+        else:
+            _check_sb3_policy(agent_class, label, table.get("policy"), source)
+        out.append({"label": label, "table": table, "lm": lm})
+    check_unique([a["label"] for a in out], "agent", source)
+    return out
+
+
+def _check_lm_agent(
+    agent_class: type, label: str, table: Mapping[str, Any], num_envs: int, source: str
+) -> None:
+    """An LM agent's hyperparameter values and its batch shape, before any model loads."""
+    from textgym.agents.lm_config import make_config
+
+    if table.get("policy") is None:
+        raise ConfigError(
+            f"{source}: agent {label!r} needs a policy: a zoo name (e.g. tiny-char-llama) or a model directory."
+        )
+    hyperparameters = {k: v for k, v in table.items() if k not in ("name", "policy")}
+    try:
+        config = make_config(agent_class.config_class, table["name"], hyperparameters)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
+    group = getattr(config, "num_generations", 1)
+    if num_envs % group:
+        raise ConfigError(
+            f"{source}: agent {label!r}: env.num_envs = {num_envs} is not a multiple of num_generations = "
+            f"{group} (each prompt gets {group} completions)."
+        )
+
+
+def _check_sb3_policy(agent_class: Any, label: str, policy: Any, source: str) -> None:
+    """An SB3 algorithm takes one of its own policy names (a shared [agent] policy is usually a model)."""
+    aliases = getattr(agent_class, "policy_aliases", None)
+    if isinstance(policy, str) and isinstance(aliases, Mapping) and policy not in aliases:
+        raise ConfigError(
+            f"{source}: agent {label!r} got policy {policy!r} (from [agent] or its [[agents]] table), but it "
+            f'takes one of {", ".join(aliases)}: set policy = "MultiInputPolicy" in its [[agents]] table.'
+        )

@@ -1,0 +1,135 @@
+"""Automatic flags in the bench report: signs that a run gamed its reward or degenerated.
+
+Each flag is read off one run's held-out evaluation curve (the rows of its ``eval.csv``, first = before
+training) or its final evaluation, with fixed, documented thresholds:
+
+- ``gaming``: the training total (``reward``, the proxy) rose while a gold metric fell after iteration k:
+  k is where the gold metric peaked, and both the fall and the rise exceed twice their combined standard
+  errors (two evaluations of the same prompts differ by sampling noise alone).
+- ``length_drift``: the mean length moved by half of its start value or more (and by at least one token).
+- ``eos_collapse``: the EOS rate fell to a quarter of its start value or less (from at least 0.1).
+- ``diversity_collapse``: distinct-2 fell to half of its start value or less.
+- ``dominant_component``: with two or more weighted components, one makes 90% or more of the summed
+  variance of the weighted components: the others barely move the total.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from textgym.evaluation import REWARD
+
+LENGTH_DRIFT = 0.5
+EOS_COLLAPSE = 0.25
+DIVERSITY_COLLAPSE = 0.5
+DOMINANT_SHARE = 0.9
+
+
+def run_flags(
+    curve: Sequence[Mapping[str, Any]],
+    components: Mapping[str, Mapping[str, float]],
+    gold: Sequence[str],
+) -> list[dict[str, Any]]:
+    """The flags of one run: ``curve`` = its evaluation rows in order, ``components`` = its final
+    evaluation's training components, ``gold`` = the gold metric names. Each flag: ``kind``, ``metric``,
+    ``iteration`` and a one-line ``message``."""
+    flags = []
+    if len(curve) >= 2:
+        for metric in gold:
+            flag = _gaming(curve, metric)
+            if flag:
+                flags.append(flag)
+        first, last = curve[0], curve[-1]
+        a, b = first.get("length", math.nan), last.get("length", math.nan)
+        if _ok(a, b) and abs(b - a) >= max(LENGTH_DRIFT * a, 1.0):
+            flags.append(
+                _flag(
+                    "length_drift", "length", last, f"length drift: {a:.1f} -> {b:.1f} tokens per completion"
+                )
+            )
+        a, b = first.get("eos_rate", math.nan), last.get("eos_rate", math.nan)
+        if _ok(a, b) and a >= 0.1 and b <= EOS_COLLAPSE * a:
+            flags.append(
+                _flag("eos_collapse", "eos_rate", last, f"EOS collapse: EOS rate {a:.2f} -> {b:.2f}")
+            )
+        a, b = first.get("distinct_2", math.nan), last.get("distinct_2", math.nan)
+        if _ok(a, b) and a > 0 and b <= DIVERSITY_COLLAPSE * a:
+            flags.append(
+                _flag(
+                    "diversity_collapse",
+                    "distinct_2",
+                    last,
+                    f"diversity collapse: distinct-2 {a:.2f} -> {b:.2f}",
+                )
+            )
+    weighted = {k: v for k, v in components.items() if v.get("weight")}
+    shares = {k: v.get("share") for k, v in weighted.items() if v.get("share") is not None}
+    if len(weighted) >= 2 and shares:
+        top = max(shares, key=lambda k: shares[k] if _ok(shares[k]) else -1)
+        if _ok(shares[top]) and shares[top] >= DOMINANT_SHARE:
+            flags.append(
+                {
+                    "kind": "dominant_component",
+                    "metric": top,
+                    "iteration": None,
+                    "message": f"component {top!r} makes {shares[top]:.0%} of the total's spread (the summed "
+                    f"variance of the weighted components); the others barely move it",
+                }
+            )
+    return flags
+
+
+def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] | None:
+    gold = [r.get(metric, math.nan) for r in curve]
+    proxy = [r.get(REWARD, math.nan) for r in curve]
+    valid = [i for i, g in enumerate(gold) if _ok(g)]
+    if len(valid) < 2:
+        return None
+    k = max(valid, key=lambda i: gold[i])  # the first peak
+    k = min(i for i in valid if gold[i] == gold[k])
+    last = valid[-1]
+    if k >= last or not _ok(proxy[k], proxy[last]):
+        return None
+    fall, rise = gold[k] - gold[last], proxy[last] - proxy[k]
+    if fall <= 0 or rise <= 0:
+        return None
+    if fall <= 2 * _noise(curve, metric, k, last) or rise <= 2 * _noise(curve, REWARD, k, last):
+        return None
+    return _flag(
+        "gaming",
+        metric,
+        curve[k],
+        f"proxy rose while gold fell after iteration {curve[k]['iteration']}: reward {proxy[k]:.3f} -> "
+        f"{proxy[last]:.3f}, {metric} {gold[k]:.3f} -> {gold[last]:.3f}",
+    )
+
+
+def _noise(curve: Sequence[Mapping[str, Any]], metric: str, i: int, j: int) -> float:
+    """The standard error of the difference of two evaluations (0 when none was recorded)."""
+    se = [curve[i].get(f"{metric}_se", math.nan), curve[j].get(f"{metric}_se", math.nan)]
+    se = [s if _ok(s) else 0.0 for s in se]
+    return math.sqrt(se[0] ** 2 + se[1] ** 2)
+
+
+def _flag(kind: str, metric: str, row: Mapping[str, Any], message: str) -> dict[str, Any]:
+    return {"kind": kind, "metric": metric, "iteration": row.get("iteration"), "message": message}
+
+
+def _ok(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not math.isnan(v) for v in values)
+
+
+def group_flags(per_seed: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """The flags of one (agent, design) over its seeds: one entry per kind and metric, with the seeds it
+    was raised in and the first seed's message."""
+    grouped: dict[tuple[str, str], dict[str, Any]] = {}
+    for seed, flags in per_seed.items():
+        for flag in flags:
+            key = (flag["kind"], flag["metric"])
+            entry = grouped.setdefault(key, {**flag, "seeds": [], "first_seed": seed})
+            entry["seeds"].append(seed)
+    for entry in grouped.values():
+        entry["of"] = len(per_seed)
+    return list(grouped.values())

@@ -1,0 +1,247 @@
+"""The plots of ``textgym bench``. Every curve shows each seed (thin) and the mean over seeds (thick)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from textgym.bench_results import BenchResults
+from textgym.evaluation import REWARD
+from textgym.plotting import fit, pyplot
+
+LINESTYLES = ["-", "--", ":", "-."]
+
+
+def plot_all(out: Path, results: BenchResults) -> dict[str, Any]:
+    """Write every figure; returns ``{name: path}`` (None for a figure with nothing to show) and
+    ``"designs": {design: path}`` (each design's curves, for the HTML report)."""
+    figures: dict[str, Any] = {
+        "training_curves": _save(out / "training_curves.png", training_curves(results)),
+        "eval_curves": _save(out / "eval_curves.png", eval_curves(results)) if results.curves else None,
+        "overoptimization": _save(out / "overoptimization.png", overoptimization(results))
+        if _has_kl_curves(results)
+        else None,
+        "metric_bars": _save(out / "metric_bars.png", metric_bars(results)),
+    }
+    (out / "curves").mkdir(exist_ok=True)
+    figures["designs"] = {
+        d: _save(out / "curves" / f"{d}.png", design_curves(results, d)) for d in results.designs
+    }
+    return figures
+
+
+def _save(path: Path, fig: Any) -> Path:
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
+    return path
+
+
+def _style(results: BenchResults) -> tuple[dict[str, str], dict[str, str]]:
+    colors = {d: f"C{i % 10}" for i, d in enumerate(results.designs)}
+    styles = {a: LINESTYLES[i % len(LINESTYLES)] for i, a in enumerate(results.agents)}
+    return colors, styles
+
+
+def _label(results: BenchResults, agent: str, design: str) -> str:
+    return f"{design} · {agent}" if len(results.agents) > 1 else design
+
+
+def _seed_lines(
+    ax: Any, runs: Sequence[tuple[Sequence[float], Sequence[float]]], color: str, style: str, label: str
+) -> None:
+    """Each run thin, and their mean thick on a common x grid (up to the shortest run's end)."""
+    runs = [(np.asarray(x, float), np.asarray(y, float)) for x, y in runs if len(x)]
+    for x, y in runs:
+        ax.plot(x, y, color=color, ls=style, lw=0.8, alpha=0.35)
+    if not runs:
+        return
+    end = min(x[-1] for x, _ in runs)
+    start = max(x[0] for x, _ in runs)
+    if len(runs) > 1 and end > start:
+        grid = np.linspace(start, end, 60)
+        mean = np.mean([np.interp(grid, x, y) for x, y in runs], axis=0)
+        ax.plot(grid, mean, color=color, ls=style, lw=2.2, label=label)
+    else:
+        x, y = runs[0]
+        ax.plot(x, y, color=color, ls=style, lw=2.2, label=label)
+
+
+def training_curves(results: BenchResults) -> Any:
+    """Each agent's training reward (the reward-stack total of its batches) against generated tokens."""
+    plt = pyplot()
+    colors, _ = _style(results)
+    n = len(results.agents)
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 3.8), squeeze=False)
+    for ax, agent in zip(axes[0], results.agents):
+        for design in results.designs:
+            runs = [
+                ([r["timesteps"] for r in rows], [r[REWARD] for r in rows])
+                for job in results.jobs
+                if (job.agent["label"], job.design["name"]) == (agent, design)
+                for rows in [results.training.get(job.run_id, [])]
+                if rows and REWARD in rows[0]
+            ]
+            _seed_lines(ax, runs, colors[design], "-", design)
+        ax.set_title(
+            f"{agent}: training reward (each design's own)"
+            if n > 1
+            else "training reward (each design's own)"
+        )
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fit(fig)
+    return fig
+
+
+def _curve_metrics(results: BenchResults) -> list[str]:
+    present = {k for rows in results.curves.values() for r in rows for k in r}
+    return [m for m in results.metrics if m in present]
+
+
+def _grid(n: int, width: float = 4.2, height: float = 3.2) -> tuple[Any, list[Any]]:
+    plt = pyplot()
+    cols = min(3, max(n, 1))
+    rows = math.ceil(max(n, 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def eval_curves(results: BenchResults) -> Any:
+    """Every held-out metric against generated tokens, for every agent and design."""
+    metrics = _curve_metrics(results)
+    colors, styles = _style(results)
+    fig, axes = _grid(len(metrics))
+    for ax, metric in zip(axes, metrics):
+        for agent in results.agents:
+            for design in results.designs:
+                runs = [
+                    ([r["timesteps"] for r in rows], [r.get(metric, math.nan) for r in rows])
+                    for j in results.jobs
+                    if (j.agent["label"], j.design["name"]) == (agent, design)
+                    for rows in [results.curves.get(j.run_id, [])]
+                ]
+                _seed_lines(ax, runs, colors[design], styles[agent], _label(results, agent, design))
+        ax.set_title(_title(metric))
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+    if axes:
+        axes[0].legend(fontsize=7)
+    fit(fig)
+    return fig
+
+
+def _title(metric: str) -> str:
+    if metric == REWARD:
+        return "reward (proxy: each design's own total)"
+    if metric == "length":
+        return "length (tokens, EOS included)"
+    return metric
+
+
+def _has_kl_curves(results: BenchResults) -> bool:
+    return any(not math.isnan(r.get("kl", math.nan)) for rows in results.curves.values() for r in rows)
+
+
+def overoptimization(results: BenchResults) -> Any:
+    """Gold and proxy against sqrt(KL to the reference), as in Gao, Schulman and Hilton (2022), Fig. 1:
+    one point per evaluation, one line per run, the mean over seeds thick."""
+    metrics = [REWARD, *results.gold]
+    colors, styles = _style(results)
+    fig, axes = _grid(len(metrics))
+    for ax, metric in zip(axes, metrics):
+        for agent in results.agents:
+            for design in results.designs:
+                runs = []
+                for j in results.jobs:
+                    if (j.agent["label"], j.design["name"]) != (agent, design):
+                        continue
+                    rows = [
+                        r for r in results.curves.get(j.run_id, []) if not math.isnan(r.get("kl", math.nan))
+                    ]
+                    runs.append(
+                        (
+                            [math.sqrt(max(r["kl"], 0.0)) for r in rows],
+                            [r.get(metric, math.nan) for r in rows],
+                        )
+                    )
+                color, style = colors[design], styles[agent]
+                for x, y in runs:
+                    ax.plot(x, y, color=color, ls=style, lw=0.8, alpha=0.35, marker=".", markersize=3)
+                n = min((len(x) for x, _ in runs), default=0)
+                if n:
+                    mean_x = np.mean([x[:n] for x, _ in runs], axis=0)
+                    mean_y = np.nanmean([y[:n] for _, y in runs], axis=0)
+                    ax.plot(
+                        mean_x, mean_y, color=color, ls=style, lw=2.2, label=_label(results, agent, design)
+                    )
+        ax.set_title(
+            "reward (each design's own total: the proxy)" if metric == REWARD else f"metric: {metric}"
+        )
+        ax.set_xlabel("sqrt(KL to the reference), sqrt(nats)")
+        ax.grid(alpha=0.3)
+    if axes:
+        axes[0].legend(fontsize=7)
+    fit(fig)
+    return fig
+
+
+def metric_bars(results: BenchResults) -> Any:
+    """Per metric, one bar per (agent, design) with its 95% confidence interval (clipped to the range)."""
+    colors, _ = _style(results)
+    groups = [(a, d) for a in results.agents for d in results.designs]
+    fig, axes = _grid(len(results.metrics), width=3.6, height=4.2)
+    for ax, metric in zip(axes, results.metrics):
+        means, low, high = [], [], []
+        for agent, design in groups:
+            cell = results.cell(agent, design, metric) or {}
+            m = cell.get("mean", math.nan)
+            means.append(m)
+            lo, hi = cell.get("ci_low", math.nan), cell.get("ci_high", math.nan)
+            low.append(0.0 if math.isnan(lo) else max(m - lo, 0.0))
+            high.append(0.0 if math.isnan(hi) else max(hi - m, 0.0))
+        ax.bar(range(len(groups)), means, yerr=[low, high], capsize=3, color=[colors[d] for _, d in groups])
+        ax.set_xticks(
+            range(len(groups)),
+            [_label(results, a, d) for a, d in groups],
+            rotation=30,
+            ha="right",
+            fontsize=7,
+        )
+        ax.set_title(_title(metric), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fit(fig, bottom=1.3)
+    return fig
+
+
+def design_curves(results: BenchResults, design: str) -> Any:
+    """One design: its training reward and each held-out metric against generated tokens, every seed."""
+    metrics = _curve_metrics(results)
+    _, styles = _style(results)
+    fig, axes = _grid(1 + len(metrics), width=3.6, height=2.8)
+    for agent in results.agents:
+        jobs = [j for j in results.jobs if (j.agent["label"], j.design["name"]) == (agent, design)]
+        for k, ax in enumerate(axes):
+            source = results.training if k == 0 else results.curves
+            metric = REWARD if k == 0 else metrics[k - 1]
+            runs = [
+                ([r["timesteps"] for r in rows], [r.get(metric, math.nan) for r in rows])
+                for j in jobs
+                for rows in [source.get(j.run_id, [])]
+                if rows
+            ]
+            _seed_lines(ax, runs, "C0" if k == 0 else f"C{k % 10}", styles[agent], agent)
+            ax.set_title("training reward" if k == 0 else f"held-out {_title(metric)}", fontsize=9)
+            ax.set_xlabel("generated tokens", fontsize=8)
+            ax.grid(alpha=0.3)
+    if len(results.agents) > 1 and axes:
+        axes[0].legend(fontsize=7)
+    fit(fig)
+    return fig

@@ -1,0 +1,223 @@
+"""The results of a finished bench: read every run's evaluation and curves, compute the summary, the paired
+comparisons and the flags, and write the output files (``results.jsonl``, ``summary.csv``,
+``comparisons.csv``, the plots, ``report.md`` and ``report.html``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from textgym.bench_flags import group_flags, run_flags
+from textgym.bench_stats import compare, mean_ci
+from textgym.evaluation import BUILTIN_METRICS, REWARD, jsonable, metric_ranges
+
+SUMMARY_COLUMNS = ["agent", "design", "metric", "n", "mean", "ci_low", "ci_high", "rank", "agent_rank"]
+COMPARISON_COLUMNS = [
+    "scope", "within", "metric", "a", "b", "n", "diff", "ci_low", "ci_high", "d_z", "p", "p_holm", "better",
+    "seeds_needed",
+]  # fmt: skip
+
+
+@dataclass
+class BenchResults:
+    """Everything the reports and plots show, computed once."""
+
+    spec: Mapping[str, Any]
+    jobs: list[Any]
+    evals: list[dict[str, Any]]  # one eval.json per run, in job order
+    agents: list[str]
+    designs: list[str]
+    metrics: list[str]  # reward, the gold metrics, the built-in ones
+    gold: list[str]
+    ranges: dict[str, tuple[float, float]]
+    rows: list[dict[str, Any]] = field(default_factory=list)  # results.jsonl
+    summary: list[dict[str, Any]] = field(default_factory=list)
+    comparisons: list[dict[str, Any]] = field(default_factory=list)
+    training: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # run_id -> metrics.csv rows
+    curves: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # run_id -> eval.csv rows
+    flags: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    stale_curves: list[str] = field(default_factory=list)  # runs whose curves used other eval settings
+
+    def direction(self, metric: str, scope: str) -> str | None:
+        """Which way is better when comparing ``"designs"`` (under one agent) or ``"agents"`` (under one
+        design). ``reward`` is each design's own training total: comparable between agents, not designs."""
+        if metric == REWARD:
+            return "higher" if scope == "agents" else None
+        if metric in BUILTIN_METRICS:
+            return BUILTIN_METRICS[metric].direction
+        return "higher"
+
+    def values(self, agent: str, design: str, metric: str) -> dict[int, float]:
+        """seed -> value of one (agent, design) on ``metric`` (NaN where it was not measured)."""
+        return {
+            r["seed"]: r["value"]
+            for r in self.rows
+            if r["agent"] == agent and r["design"] == design and r["metric"] == metric
+        }
+
+    def cell(self, agent: str, design: str, metric: str) -> dict[str, Any] | None:
+        for row in self.summary:
+            if (row["agent"], row["design"], row["metric"]) == (agent, design, metric):
+                return row
+        return None
+
+
+def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchResults:
+    from textgym.bench import EVAL_FILE, INDEX_FILE
+    from textgym.diagnostics import EVAL_CSV, read_rows
+
+    gold = [m["label"] for m in spec["metric_rewards"]]
+    ranges = metric_ranges(spec["metric_rewards"], spec["builtin"])
+    max_new_tokens = spec["base"]["env"].get("max_new_tokens", _registered(spec["base"]["env"]["id"]))
+    if "length" in ranges and isinstance(max_new_tokens, int):
+        ranges["length"] = (0.0, float(max_new_tokens))
+    index_file = out / INDEX_FILE
+    index = json.loads(index_file.read_text(encoding="utf-8")).get("runs", {}) if index_file.is_file() else {}
+    results = BenchResults(
+        spec=spec,
+        jobs=list(jobs),
+        evals=[json.loads((job.run_dir / EVAL_FILE).read_text(encoding="utf-8")) for job in jobs],
+        agents=[a["label"] for a in spec["agents"]],
+        designs=[d["name"] for d in spec["designs"]],
+        metrics=[REWARD, *gold, *spec["builtin"]],
+        gold=gold,
+        ranges=ranges,
+    )
+    for job, e in zip(jobs, results.evals):
+        for metric in results.metrics:
+            value = e["metrics"].get(metric)
+            results.rows.append(
+                {
+                    "agent": e["agent"],
+                    "design": e["design"],
+                    "seed": e["seed"],
+                    "metric": metric,
+                    "value": math.nan if value is None else float(value),
+                }
+            )
+        results.training[job.run_id] = _read_csv(job.run_dir / "metrics.csv")
+        if (job.run_dir / EVAL_CSV).is_file():
+            if index.get(job.run_id, {}).get("curves_hash") == job.curves_hash:
+                results.curves[job.run_id] = read_rows(job.run_dir / EVAL_CSV)
+            else:  # measured during training with other evaluation settings
+                results.stale_curves.append(job.run_id)
+    _summarize(results)
+    per_group: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+    for job, e in zip(jobs, results.evals):
+        flags = run_flags(results.curves.get(job.run_id, []), e.get("components", {}), gold)
+        per_group.setdefault((e["agent"], e["design"]), {})[e["seed"]] = flags
+    results.flags = {key: group_flags(seeds) for key, seeds in per_group.items()}
+    return results
+
+
+def _registered(env_id: str) -> Any:
+    """An env's registered ``max_new_tokens`` (None when unknown)."""
+    import gymnasium
+
+    try:
+        return gymnasium.spec(env_id).kwargs.get("max_new_tokens")
+    except gymnasium.error.Error:
+        return None
+
+
+def _read_csv(path: Path) -> list[dict[str, float]]:
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: _float(v) for k, v in row.items()} for row in rows]
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _summarize(results: BenchResults) -> None:
+    agent_ranks: dict[tuple[str, str, str], int | None] = {}
+    if len(results.agents) > 1:
+        for design in results.designs:
+            for metric in results.metrics:
+                groups = {a: results.values(a, design, metric) for a in results.agents}
+                comparisons, ranks = compare(groups, results.direction(metric, "agents"))
+                results.comparisons += [_comparison_row("agents", design, metric, c) for c in comparisons]
+                agent_ranks.update({(a, design, metric): r for a, r in ranks.items()})
+    for agent in results.agents:
+        for metric in results.metrics:
+            groups = {d: results.values(agent, d, metric) for d in results.designs}
+            comparisons, ranks = compare(groups, results.direction(metric, "designs"))
+            results.comparisons += [_comparison_row("designs", agent, metric, c) for c in comparisons]
+            for design, seeds in groups.items():
+                mean, low, high = mean_ci(
+                    list(seeds.values()), bounds=results.ranges.get(metric, (-math.inf, math.inf))
+                )
+                results.summary.append(
+                    {
+                        "agent": agent,
+                        "design": design,
+                        "metric": metric,
+                        "n": sum(1 for v in seeds.values() if not math.isnan(v)),
+                        "mean": mean,
+                        "ci_low": low,
+                        "ci_high": high,
+                        "rank": ranks[design],
+                        "agent_rank": agent_ranks.get((agent, design, metric)),
+                    }
+                )
+
+
+def _comparison_row(scope: str, within: str, metric: str, c: Any) -> dict[str, Any]:
+    t = c.test
+    return {
+        "scope": scope,
+        "within": within,
+        "metric": metric,
+        "a": c.a,
+        "b": c.b,
+        "n": t.n,
+        "diff": t.diff,
+        "ci_low": t.ci_low,
+        "ci_high": t.ci_high,
+        "d_z": t.d_z,
+        "p": t.p,
+        "p_holm": c.p_holm,
+        "better": c.better,
+        "seeds_needed": c.seeds_needed,
+    }
+
+
+def write_outputs(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchResults:
+    """Collect the results of every job and write every output file; returns the results."""
+    from textgym.bench_plots import plot_all
+    from textgym.bench_report import write_report
+    from textgym.report_html import write_html
+
+    results = collect(out, spec, jobs)
+    with (out / "results.jsonl").open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(jsonable(r), allow_nan=False) + "\n" for r in results.rows)
+    _write_csv(out / "summary.csv", SUMMARY_COLUMNS, results.summary)
+    _write_csv(out / "comparisons.csv", COMPARISON_COLUMNS, results.comparisons)
+    figures = plot_all(out, results)
+    write_report(out / "report.md", results, figures)
+    write_html(out / "report.html", results, figures)
+    return results
+
+
+def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {
+                    k: "" if v is None or (isinstance(v, float) and math.isnan(v)) else v
+                    for k, v in row.items()
+                }
+            )

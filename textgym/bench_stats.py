@@ -1,0 +1,166 @@
+"""Statistics of ``textgym bench``: means with confidence intervals clipped to a metric's range, paired
+comparisons over shared seeds with effect sizes, and rankings that only separate what is significant.
+
+Runs of two designs (or two agents) with the same seed share their initial weights, their first rollouts and
+the held-out prompts, so their difference is measured per seed (a paired test), which removes the
+seed-to-seed variation both share.
+
+- :func:`paired` compares two groups over their shared seeds: the mean difference with a Student-t
+  interval, the paired t-test's two-sided p-value, and Cohen's d_z (the mean difference over the standard
+  deviation of the differences).
+- :func:`compare` runs every pairwise test within a metric and corrects the p-values for the number of
+  pairs (Holm, 1979). Its rank of a group is 1 + the number of groups significantly better than it: two
+  groups that share a rank are never significantly different from each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+ALPHA = 0.05
+
+
+def mean_ci(
+    values: Sequence[float | None],
+    confidence: float = 0.95,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
+) -> tuple[float, float, float]:
+    """Mean and the two-sided Student-t confidence interval of the mean, clipped to ``bounds`` (the
+    metric's range: an EOS rate's interval never leaves [0, 1]). NaN bounds for fewer than two values."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    if len(x) == 0:
+        return math.nan, math.nan, math.nan
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, math.nan, math.nan
+    half = float(stats.t.ppf((1 + confidence) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    low, high = bounds
+    # Clipped to the range, but never past the mean itself (a sampled KL estimate can dip below 0).
+    return mean, min(max(mean - half, low), mean), max(min(mean + half, high), mean)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """``a`` minus ``b`` over their shared seeds."""
+
+    n: int  # shared seeds where both have a value
+    diff: float  # mean difference a - b
+    ci_low: float  # 95% Student-t interval of the mean difference (NaN for n < 2)
+    ci_high: float
+    d_z: float  # Cohen's d_z: diff / sd(differences); +-inf when every seed shows the same difference
+    p: float  # two-sided paired t-test (NaN for n < 2)
+
+
+def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95) -> Paired:
+    """The paired comparison of ``a`` and ``b`` (seed -> value) over the seeds both have a value for.
+
+    When every shared seed shows exactly the same difference the t statistic is undefined: the p-value is
+    then the exact sign test's (2 / 2^n) for a non-zero difference, and 1 for none.
+    """
+    from scipy import stats
+
+    seeds = [s for s in a if s in b and _finite(a[s]) and _finite(b[s])]
+    d = np.array([a[s] - b[s] for s in seeds], dtype=float)
+    n = len(d)
+    if n == 0:
+        return Paired(0, math.nan, math.nan, math.nan, math.nan, math.nan)
+    diff = float(d.mean())
+    if n < 2:
+        return Paired(1, diff, math.nan, math.nan, math.nan, math.nan)
+    sd = float(d.std(ddof=1))
+    if sd <= 1e-12 * max(1.0, float(np.abs(d).max())):
+        # Every seed shows the same difference: the t statistic is undefined. The exact sign test of n
+        # differences of one sign is what is left (p = 2 / 2^n: 0.5 for two seeds, < 0.05 from six).
+        p = 1.0 if diff == 0 else min(1.0, 2 * 0.5**n)
+        d_z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
+        return Paired(n, diff, diff, diff, d_z, p)
+    se = sd / math.sqrt(n)
+    t = diff / se
+    half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * se
+    p = float(2 * stats.t.sf(abs(t), n - 1))
+    return Paired(n, diff, diff - half, diff + half, diff / sd, p)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of ``pvalues`` (NaN stays NaN and does not count as a test)."""
+    index = [i for i, p in enumerate(pvalues) if not math.isnan(p)]
+    order = sorted(index, key=lambda i: pvalues[i])
+    m = len(order)
+    adjusted = [math.nan] * len(pvalues)
+    running = 0.0
+    for k, i in enumerate(order):
+        running = max(running, min(1.0, (m - k) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int = 10_000) -> int | None:
+    """Seeds a two-sided paired t-test at level ``alpha`` needs to detect an effect of size ``d_z`` with
+    probability ``power`` (the noncentral t distribution). None for no effect, or beyond ``most``. The d_z
+    observed on a few seeds is a rough estimate: read the answer as an order of magnitude."""
+    from scipy import stats
+
+    if not math.isfinite(d_z) or d_z == 0:
+        return None
+    n = 2
+    while n <= most:
+        df, shift = n - 1, abs(d_z) * math.sqrt(n)
+        critical = stats.t.ppf(1 - alpha / 2, df)
+        if stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) >= power:
+            return n
+        n = n + 1 if n < 64 else int(n * 1.1)
+    return None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One pair of groups on one metric: ``a`` against ``b``, and which is better if significant."""
+
+    a: str
+    b: str
+    test: Paired
+    p_holm: float
+    better: str | None  # the significantly better group, None when the difference is not significant
+    seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z
+
+
+def compare(
+    groups: Mapping[str, Mapping[int, float]], direction: str | None, alpha: float = ALPHA
+) -> tuple[list[Comparison], dict[str, int | None]]:
+    """Every pair of ``groups`` (name -> seed -> value) compared, p-values Holm-corrected over the pairs,
+    and each group's rank: 1 + the number of groups significantly better (None when ``direction`` is None
+    or the group has no value)."""
+    names = list(groups)
+    tests = [(a, b, paired(groups[a], groups[b])) for a, b in itertools.combinations(names, 2)]
+    tests = [t for t in tests if t[2].n > 0]  # pairs with no shared value (e.g. KL of an SB3 agent)
+    adjusted = holm([t.p for _, _, t in tests])
+    comparisons = []
+    for (a, b, test), p in zip(tests, adjusted):
+        better = None
+        if direction and not math.isnan(p) and p < alpha and test.diff != 0:
+            a_higher = test.diff > 0
+            better = a if a_higher == (direction == "higher") else b
+        needed = None
+        if better is None and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
+            needed = seeds_needed(test.d_z, alpha / max(len(tests), 1))
+        comparisons.append(Comparison(a, b, test, p, better, needed))
+    ranks: dict[str, int | None] = {}
+    for name in names:
+        has_value = any(_finite(v) for v in groups[name].values())
+        if not direction or not has_value:
+            ranks[name] = None
+            continue
+        beaten_by = sum(1 for c in comparisons if name in (c.a, c.b) and c.better not in (None, name))
+        ranks[name] = 1 + beaten_by
+    return comparisons, ranks
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and not math.isnan(value)

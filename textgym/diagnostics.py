@@ -1,0 +1,178 @@
+"""Diagnostics during training: with an ``[eval]`` section, ``textgym train`` evaluates the policy on held-out
+prompts before the first iteration, every ``every`` iterations, and after the last one (see
+:mod:`textgym.evaluation` for what is measured).
+
+```toml
+[eval]
+every = 10                  # iterations between evaluations
+prompts = "copy-heldout"    # held-out prompt source (default: the training prompts)
+episodes = 64               # completions per evaluation (same prompts and sampling seed every time)
+rewards = [{ name = "match", label = "exact_copy", range = [0, 1] }]   # gold metrics (weight ignored)
+builtin = ["kl", "length", "distinct_2", "eos_rate"]
+```
+
+Each evaluation is one row of ``eval.csv`` in the run directory (``iteration``, ``timesteps``, ``reward``,
+every metric, and ``<name>_se`` standard errors), is logged under ``eval/<name>`` (TensorBoard when the agent
+logs there), and ``eval.png`` plots the curves at the end. Evaluations use their own prompts, env and
+random streams: a run with ``[eval]`` trains exactly as the same run without it. On ``--resume``, rows past
+the checkpoint are dropped, so no iteration appears twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from stable_baselines3.common.callbacks import BaseCallback
+
+from textgym.evaluation import REWARD, Evaluator, check_metric_specs
+
+EVAL_CSV = "eval.csv"
+EVAL_PLOT = "eval.png"
+
+
+def training_callbacks(config: Mapping[str, Any], run_dir: Path) -> list[BaseCallback]:
+    """The callbacks that ``textgym train`` adds for the run's ``[eval]`` section (none without one). The
+    metric rewards are checked here, before the agent loads (plugin files are loaded by then)."""
+    spec = config.get("eval")
+    if not spec:
+        return []
+    check_metric_specs(spec["rewards"], "[eval] rewards: metric")
+    return [EvalCallback(config, spec, run_dir)]
+
+
+class EvalCallback(BaseCallback):
+    """Evaluates the policy every ``spec["every"]`` iterations and writes ``eval.csv``; see the module doc.
+
+    Works with LM agents (one iteration = one batch of episodes) and SB3 agents (one iteration = one rollout).
+    """
+
+    def __init__(self, config: Mapping[str, Any], spec: Mapping[str, Any], run_dir: Path):
+        super().__init__(verbose=0)
+        self.config, self.spec, self.run_dir = config, spec, Path(run_dir)
+        self.rows: list[dict[str, Any]] = []
+        self.evaluator: Evaluator | None = None
+        self._rollouts = 0
+
+    # -- when ----------------------------------------------------------------------------------------
+    def _iteration(self) -> int:
+        model = self.model
+        if hasattr(model, "iteration"):  # LM agents count their iterations
+            return int(model.iteration)
+        if hasattr(model, "n_steps") and hasattr(model, "n_envs"):  # SB3 on-policy: one rollout per update
+            return int(model.num_timesteps // (model.n_steps * model.n_envs))
+        return self._rollouts
+
+    def _on_training_start(self) -> None:
+        from textgym.agents.base import LMAgent
+
+        lm_agent = isinstance(self.model, LMAgent)
+        env = self.model.env if lm_agent else self.model.get_env()
+        stack = env.reward_stack if lm_agent else env.get_attr("reward_stack")[0]
+        self.evaluator = Evaluator(self.config, self.spec, stack, lm_agent=lm_agent)
+        self.main = self.model.accelerator.is_main_process if lm_agent else True
+        path = self.run_dir / EVAL_CSV
+        if path.is_file():  # a resumed run: keep the rows up to its checkpoint
+            iteration = self._iteration()
+            self.rows = [r for r in read_rows(path) if r["iteration"] <= iteration]
+
+    def _on_rollout_start(self) -> None:
+        iteration = self._iteration()
+        if iteration % self.spec["every"] == 0:
+            self._evaluate(iteration)
+
+    def _on_rollout_end(self) -> None:
+        self._rollouts += 1
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_training_end(self) -> None:
+        total = self.locals.get("total_timesteps")
+        if total is not None and self.model.num_timesteps >= total:  # finished, not interrupted
+            self._evaluate(self._iteration())
+        if self.main and self.rows:
+            plot_eval(self.run_dir / EVAL_PLOT, self.rows)
+        if self.evaluator is not None:
+            self.evaluator.close()
+
+    # -- what ----------------------------------------------------------------------------------------
+    def _evaluate(self, iteration: int) -> None:
+        if self.evaluator is None or any(r["iteration"] == iteration for r in self.rows):
+            return
+        stack = getattr(getattr(self.model, "env", None), "reward_stack", None)
+        if stack is not None:  # scheduled weights: the total as training sees it now
+            self.evaluator.set_progress(stack.progress)
+        evaluation = self.evaluator(self.model)
+        row = {"iteration": iteration, "timesteps": int(self.model.num_timesteps), **evaluation.row()}
+        self.rows.append(row)
+        if not self.main:
+            return
+        write_rows(self.run_dir / EVAL_CSV, self.rows)
+        logger = self.model.logger
+        if logger is not None:
+            for key, value in evaluation.metrics.items():
+                logger.record(f"eval/{key}", value)
+            logger.dump(step=int(self.model.num_timesteps))
+
+
+def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """``rows`` as a CSV file, written atomically (empty cells for missing values)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(
+        {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows
+    )
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(buffer.getvalue(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of an ``eval.csv``: ``iteration`` and ``timesteps`` as ints, the rest as floats (NaN = empty)."""
+    with path.open(encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for row in rows:
+        parsed: dict[str, Any] = {}
+        for key, value in row.items():
+            if key in ("iteration", "timesteps"):
+                parsed[key] = int(value)
+            else:
+                parsed[key] = float(value) if value not in ("", None) else math.nan
+        out.append(parsed)
+    return out
+
+
+def plot_eval(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """One panel per metric against generated tokens, with ±1 standard error where there is one."""
+    from textgym.plotting import fit, pyplot
+
+    plt = pyplot()
+    names = [k for k in rows[0] if k not in ("iteration", "timesteps") and not k.endswith("_se")]
+    names.sort(key=lambda k: k != REWARD)
+    cols = min(3, len(names))
+    nrows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    x = [r["timesteps"] for r in rows]
+    for ax, name in zip(axes.flat, names):
+        y = [r.get(name, math.nan) for r in rows]
+        ax.plot(x, y, marker="o", markersize=3)
+        se = [r.get(f"{name}_se", math.nan) for r in rows]
+        if any(not math.isnan(s) for s in se):
+            ax.fill_between(x, [a - b for a, b in zip(y, se)], [a + b for a, b in zip(y, se)], alpha=0.2)
+        ax.set_title(name if name != REWARD else "reward (training total, held-out)")
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.set_visible(False)
+    fit(fig)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,436 @@
+"""Held-out evaluation of a policy: what ``textgym train`` logs every ``[eval] every`` iterations and what
+``textgym bench`` scores every finished run with.
+
+An evaluation samples ``episodes`` completions on held-out prompts (the same prompts, in the same order and
+with the same sampling seed every time, so two evaluations differ only by the policy) and reports:
+
+- ``reward``: the training reward-stack total (composition applied, at the run's current progress) on the
+  held-out prompts. For a run trained on a proxy reward, this is the proxy.
+- one value per metric reward (``rewards`` of ``[eval]``/``[metrics]``): "gold" rewards that the run may or
+  may not train on, each named by its ``label``.
+- the built-in metrics of :data:`BUILTIN_METRICS`: ``kl``, ``length``, ``distinct_2``, ``eos_rate``.
+
+Reward values that do not apply (``None``) are left out of their means. Each reward mean comes with its
+standard error (``<name>_se``), which the bench's flags use to tell a real fall from noise.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from textgym.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """How a metric reads: which way is better (None: not ranked) and the range its values live in."""
+
+    direction: str | None
+    low: float = -math.inf
+    high: float = math.inf
+    doc: str = ""
+
+
+BUILTIN_METRICS: dict[str, MetricInfo] = {
+    "kl": MetricInfo(
+        "lower", 0.0, math.inf, "KL(policy || reference) per completion in nats: the sum over its tokens of "
+        "log pi - log pi_ref of the sampled tokens (LM agents only)"
+    ),
+    "length": MetricInfo(None, 0.0, math.inf, "generated tokens per completion, EOS included"),
+    "distinct_2": MetricInfo(
+        "higher", 0.0, 1.0, "unique token bigrams / all token bigrams over the held-out completions"
+    ),
+    "eos_rate": MetricInfo("higher", 0.0, 1.0, "share of completions that ended on EOS or a stop string"),
+}  # fmt: skip
+REWARD = "reward"  # the training total on the held-out prompts: always reported
+RESERVED = (REWARD, *BUILTIN_METRICS, "iteration", "timesteps")
+EVAL_DEFAULTS: dict[str, Any] = {
+    "every": 10,
+    "prompts": None,
+    "episodes": 32,
+    "rewards": [],
+    "builtin": list(BUILTIN_METRICS),
+    "seed": 1234,
+}
+METRIC_SPEC_KEYS = ("label", "range")  # keys of a metric reward spec that are not the reward's own
+
+
+# -- the section and its metric specs --------------------------------------------------------------
+def check_eval_section(section: Any, where: str) -> dict[str, Any]:
+    """The ``[eval]`` settings with defaults filled in, checked for types and names. The metric rewards'
+    plugin names and arguments are checked by :func:`check_metric_specs` once plugin files are loaded."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{where}: [eval] must be a table, not {section!r}.")
+    unknown = sorted(set(section) - set(EVAL_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key eval.{unknown[0]}. Keys: {', '.join(EVAL_DEFAULTS)}.")
+    resolved = {**copy.deepcopy(EVAL_DEFAULTS), **section}
+    for key in ("every", "episodes"):
+        check_positive_int(f"eval.{key}", resolved[key], where)
+    seed = resolved["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"{where}: eval.seed must be a non-negative integer, not {seed!r}.")
+    if resolved["prompts"] is not None and not isinstance(resolved["prompts"], (str, list)):
+        raise ConfigError(
+            f"{where}: eval.prompts must be a prompt source (a registered name or a file) or a list of "
+            f"prompts, not {resolved['prompts']!r}."
+        )
+    resolved["builtin"] = check_builtin(resolved["builtin"], f"{where}: eval.builtin")
+    resolved["rewards"] = metric_specs(resolved["rewards"], f"{where}: eval.rewards")
+    return resolved
+
+
+def check_positive_int(name: str, value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {name} must be a positive integer, not {value!r}.")
+
+
+def check_builtin(names: Any, where: str) -> list[str]:
+    from textgym.errors import UnknownNameError
+
+    if isinstance(names, str) or not isinstance(names, list):
+        raise ConfigError(f"{where} must be a list of built-in metric names ({', '.join(BUILTIN_METRICS)}).")
+    for name in names:
+        if name not in BUILTIN_METRICS:
+            raise UnknownNameError("metric", name, BUILTIN_METRICS)
+    return list(dict.fromkeys(names))
+
+
+def metric_specs(specs: Any, where: str) -> list[dict[str, Any]]:
+    """Metric reward specs as tables (a spec string is parsed), each with a checked ``label`` (default: its
+    reward name) and optional ``range = [low, high]`` (confidence intervals are clipped to it)."""
+    from textgym.rewards import parse_reward_spec
+
+    if isinstance(specs, (str, Mapping)) or not isinstance(specs, list):
+        raise ConfigError(f"{where} must be a list of reward specs, not {specs!r}.")
+    out = []
+    for spec in specs:
+        spec = parse_reward_spec(spec) if isinstance(spec, str) else spec
+        if not isinstance(spec, Mapping) or not ("name" in spec or "fn" in spec):
+            raise ConfigError(
+                f"{where}: {spec!r} is not a reward spec; give a table with a 'name' (a registered reward) or "
+                f'an \'fn\', e.g. {{ name = "match", label = "exact_copy" }}.'
+            )
+        spec = dict(spec)
+        spec["label"] = label = spec.get("label", metric_label(spec))
+        if not isinstance(label, str) or not label.strip() or label != label.strip():
+            raise ConfigError(
+                f"{where}: metric label {label!r} must be a non-empty name without spaces around it."
+            )
+        if label in RESERVED or label.endswith("_se"):
+            raise ConfigError(
+                f"{where}: metric label {label!r} clashes with a built-in metric or column ({', '.join(RESERVED)}, "
+                f"and names ending in _se); give this metric another `label`."
+            )
+        if "range" in spec:
+            value = spec["range"]
+            ok = isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value)
+            if not ok or not value[0] < value[1]:
+                raise ConfigError(
+                    f"{where}: metric {label!r}: range = {value!r} must be [low, high] with low < high."
+                )
+        out.append(spec)
+    labels = [s["label"] for s in out]
+    repeated = sorted({x for x in labels if labels.count(x) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{where}: metric name {repeated[0]!r} repeats; give the metrics distinct `label`s."
+        )
+    return out
+
+
+def metric_label(spec: Mapping[str, Any]) -> str:
+    """A metric's default name: its reward name, or the function name of an ``fn`` spec."""
+    return str(spec.get("name") or str(spec.get("fn")).rpartition(":")[2])
+
+
+def check_metric_specs(specs: Sequence[Mapping[str, Any]], where: str) -> None:
+    """Reward names and arguments of metric specs (plugin files must be loaded by now)."""
+    from textgym.rewards import check_reward_specs
+
+    for spec in specs:
+        check_reward_specs([_reward_args(spec)], where=f"{where} {spec['label']!r}", allow_all_metrics=True)
+
+
+def metric_ranges(
+    specs: Sequence[Mapping[str, Any]], builtin: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """The range of every metric an evaluation reports (unbounded where nothing is known)."""
+    ranges = {REWARD: (-math.inf, math.inf)}
+    ranges.update({s["label"]: tuple(s.get("range", (-math.inf, math.inf))) for s in specs})
+    ranges.update({name: (BUILTIN_METRICS[name].low, BUILTIN_METRICS[name].high) for name in builtin})
+    return ranges
+
+
+def _reward_args(spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k not in (*METRIC_SPEC_KEYS, "weight")}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- one evaluation --------------------------------------------------------------------------------
+@dataclass
+class Evaluation:
+    """What one evaluation measured.
+
+    Attributes:
+        metrics: ``reward``, each metric reward's label and each chosen built-in metric -> its mean.
+        errors: standard error of the mean of ``reward`` and of each metric reward.
+        components: per training component: ``weight``, ``mean``, ``std`` and ``share`` (its share of the
+            summed variances of the weighted components: how much of the total's spread it makes).
+        episodes: per held-out episode: prompt, completion, finish_reason, num_tokens, reward (the training
+            total), components (training and metric rewards, None = not applicable) and kl.
+    """
+
+    metrics: dict[str, float]
+    errors: dict[str, float] = field(default_factory=dict)
+    components: dict[str, dict[str, float]] = field(default_factory=dict)
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self) -> dict[str, float]:
+        """The metrics and their standard errors as one flat row (``<name>_se`` for the errors)."""
+        row = dict(self.metrics)
+        row.update({f"{k}_se": v for k, v in self.errors.items()})
+        return row
+
+
+class Evaluator:
+    """Evaluates policies of one run on held-out prompts, the same way every time.
+
+    Args:
+        config: the run's resolved config (``[env]`` and ``[agent]`` as ``textgym train`` takes them).
+        spec: resolved ``[eval]`` settings (see :func:`check_eval_section`); only ``prompts``, ``episodes``,
+            ``rewards``, ``builtin`` and ``seed`` are used.
+        training_stack: the run's reward stack (a :class:`~textgym.rewards.RewardStack`, whose reward objects
+            are shared, or its spec).
+        lm_agent: whether the agent is an LM agent (native vector env, KL) or an SB3-style one.
+    """
+
+    def __init__(
+        self, config: Mapping[str, Any], spec: Mapping[str, Any], training_stack: Any, lm_agent: bool
+    ):
+        from textgym.rewards import RewardStack, build_reward, build_reward_stack
+
+        self.config, self.spec, self.lm_agent = config, spec, lm_agent
+        train = build_reward_stack(training_stack)
+        gold = []
+        for metric in spec["rewards"]:
+            reward, _ = build_reward(_reward_args(metric), where=f"metric {metric['label']!r}")
+            gold.append((reward, 0.0))
+        self._gold = [reward for reward, _ in gold]
+        # One stack scores both: the training components keep their weights (the total is the training
+        # total), the metrics join with weight 0 (logged, never in the total).
+        self.stack = RewardStack([*train.rewards, *gold], aggregate=train.aggregate, gates=train.gates)
+        self.stack.set_progress(train.progress)
+        self.train_names = self.stack.names[: len(train.rewards)]
+        self.labels = dict(zip(self.stack.names[len(train.rewards) :], [m["label"] for m in spec["rewards"]]))
+        self._env: Any = None
+
+    def set_progress(self, p: float) -> None:
+        """Training progress in [0, 1], for weight schedules (the total is the one training sees at ``p``)."""
+        self.stack.set_progress(p)
+
+    def __call__(self, agent: Any) -> Evaluation:
+        n = self.spec["episodes"]
+        if self.lm_agent:
+            episodes, tokens, kls = self._rollouts_lm(agent, n)
+        else:
+            episodes, tokens, kls = self._rollouts_sb3(agent, n)
+        return self._summarize(episodes, tokens, kls)
+
+    def close(self) -> None:
+        """Close the metric rewards. The training components belong to the training stack, so the eval env
+        (whose ``close`` would close every reward of its stack) is left to the garbage collector."""
+        for reward in self._gold:
+            close = getattr(reward, "close", None)
+            if callable(close):
+                close()
+
+    # -- rollouts ----------------------------------------------------------------------------------
+    def _env_kwargs(self) -> dict[str, Any]:
+        kwargs = {k: v for k, v in self.config["env"].items() if k not in ("id", "num_envs", "rewards")}
+        policy = self.config["agent"].get("policy")
+        if self.lm_agent and "model" not in kwargs and isinstance(policy, str):
+            kwargs["model"] = policy  # the policy's tokenizer, as in training
+        if self.spec["prompts"] is not None:
+            kwargs["prompts"] = self.spec["prompts"]
+        return {**kwargs, "rewards": self.stack}
+
+    def _rollouts_lm(self, agent: Any, n: int) -> tuple[list[dict[str, Any]], list[list[int]], list[float]]:
+        import gymnasium
+        import torch
+
+        from textgym.agents.rollout_batch import RolloutBatch
+        from textgym.sampling import rollout
+
+        if self._env is None:
+            self._env = gymnasium.make_vec(
+                self.config["env"]["id"],
+                num_envs=min(n, self.config["env"]["num_envs"]),
+                vectorization_mode="vector_entry_point",
+                autoreset_mode="Disabled",
+                **self._env_kwargs(),
+            )
+        env = self._env
+        episodes: list[dict[str, Any]] = []
+        tokens: list[list[int]] = []
+        kls: list[float] = []
+        for round_ in range(math.ceil(n / env.num_envs)):
+            # Explicit prompt indices and seeds: every evaluation sees the same prompts and random stream.
+            prompts = [(round_ * env.num_envs + i) % env.num_prompts for i in range(env.num_envs)]
+            r = rollout(
+                agent.rollout_model,
+                env,
+                temperature=agent.config.temperature,
+                seed=self.spec["seed"] + round_,
+                options={"prompts": prompts},
+            )
+            batch = RolloutBatch.from_rollout(r)
+            with torch.no_grad():
+                kl = (
+                    agent.sequence_kl(batch)
+                    if "kl" in self.spec["builtin"]
+                    else torch.full((len(batch),), math.nan)
+                )
+            for row, info in enumerate(r.infos):
+                tokens.append(r.response_ids[row][r.response_mask[row].bool()].tolist())
+                episodes.append(info)
+            kls.extend(float(k) for k in kl)
+        return episodes[:n], tokens[:n], kls[:n]
+
+    def _rollouts_sb3(self, agent: Any, n: int) -> tuple[list[dict[str, Any]], list[list[int]], list[float]]:
+        import torch
+
+        from textgym.sb3 import make_vec_env
+
+        # One sub-env, prompts in order: the same prompts every time. The policy's own sampling runs on a
+        # forked torch RNG, seeded, so an evaluation during training does not change the training stream.
+        kwargs = {**self._env_kwargs(), "prompt_order": "sequential"}
+        env = make_vec_env(self.config["env"]["id"], n_envs=1, seed=self.spec["seed"], **kwargs)
+        episodes: list[dict[str, Any]] = []
+        tokens: list[list[int]] = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec["seed"])
+            obs = env.reset()
+            while len(episodes) < n:
+                obs, _, dones, infos = env.step(agent.predict(obs, deterministic=False)[0])
+                if dones[0]:
+                    info = infos[0]
+                    components = {
+                        k: None if v is None or math.isnan(float(v)) else float(v)
+                        for k, v in info["reward_components"].items()
+                    }
+                    episodes.append(
+                        {
+                            "prompt": str(info["prompt"]) if "prompt" in info else "",
+                            "completion": str(info["completion"]),
+                            "finish_reason": str(info["finish_reason"]),
+                            "num_tokens": int(info["num_tokens"]),
+                            "reward_components": components,
+                        }
+                    )
+                    tokens.append(list(env.env.tokenizer.encode(str(info["completion"]))))
+        return episodes, tokens, [math.nan] * len(episodes)
+
+    # -- the numbers -------------------------------------------------------------------------------
+    def _summarize(
+        self, episodes: list[dict[str, Any]], tokens: list[list[int]], kls: list[float]
+    ) -> Evaluation:
+        from textgym.composition import standardize
+        from textgym.scoring import corpus_distinct_n
+
+        columns = {  # (N,) raw scores per component, NaN = not applicable
+            name: np.array(
+                [np.nan if (v := e["reward_components"][name]) is None else v for e in episodes], dtype=float
+            )
+            for name in self.stack.names
+        }
+        # The total over all held-out episodes at once, as agents recombine it (normalize_then_sum
+        # standardises over the batch; the env only saw the episodes that ended on the same step).
+        totals = self.stack.combine(columns)
+        metrics: dict[str, float] = {REWARD: _mean(totals)}
+        errors: dict[str, float] = {REWARD: _se(totals)}
+        for name, label in self.labels.items():
+            metrics[label], errors[label] = _mean(columns[name]), _se(columns[name])
+        builtin = self.spec["builtin"]
+        if "kl" in builtin:
+            metrics["kl"] = _mean(np.array(kls, dtype=float))
+        if "length" in builtin:
+            metrics["length"] = _mean(np.array([e["num_tokens"] for e in episodes], dtype=float))
+        if "distinct_2" in builtin:
+            metrics["distinct_2"] = corpus_distinct_n(tokens, 2)
+        if "eos_rate" in builtin:
+            metrics["eos_rate"] = _mean(
+                np.array([e["finish_reason"] == "stop" for e in episodes], dtype=float)
+            )
+
+        weights = self.stack.weights
+        contributions = {}
+        for name in self.train_names:
+            scores = columns[name]
+            if self.stack.aggregate == "normalize_then_sum":
+                scores = standardize(scores)
+            contributions[name] = np.nan_to_num(weights[name] * scores)  # not applicable adds nothing
+        spread = sum(float(np.var(c)) for c in contributions.values())
+        components = {
+            name: {
+                "weight": float(weights[name]),
+                "mean": _mean(columns[name]),
+                "std": _std(columns[name]),
+                "share": float(np.var(contributions[name])) / spread if spread > 0 else math.nan,
+            }
+            for name in self.train_names
+        }
+        rows = []
+        for e, total, kl in zip(episodes, totals, kls):
+            named = {self.labels.get(k, k): v for k, v in e["reward_components"].items()}
+            rows.append(
+                {
+                    "prompt": e["prompt"],
+                    "completion": e["completion"],
+                    "finish_reason": e["finish_reason"],
+                    "num_tokens": int(e["num_tokens"]),
+                    "reward": float(total),
+                    "components": named,
+                    "kl": None if math.isnan(kl) else float(kl),
+                }
+            )
+        return Evaluation(metrics, errors, components, rows)
+
+
+def _mean(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if len(x) else math.nan
+
+
+def _std(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(x.std(ddof=1)) if len(x) > 1 else math.nan
+
+
+def _se(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else math.nan
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays as Python numbers and lists, and NaN as None: strict JSON."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
