@@ -66,7 +66,7 @@ class GroupBatch(RolloutBatch):
     """A :class:`RolloutBatch` with one advantage per completion and the loss mask."""
 
     advantages: torch.Tensor | None = None  # (N,)
-    loss_mask: torch.Tensor | None = None  # (N, T): response_mask, without truncated completions if asked
+    loss_mask: torch.Tensor | None = None  # (N, T): action_mask, without truncated completions if asked
 
 
 class GroupAgent(LMAgent):
@@ -96,7 +96,7 @@ class GroupAgent(LMAgent):
     def collect_rollouts(self) -> GroupBatch:
         batch, _ = self.generate()
         advantages, stats = self.advantages(batch)
-        loss_mask = batch.response_mask.clone()
+        loss_mask = batch.action_mask.clone()  # environment tokens (multi-turn replies) are not actions
         if self.config.mask_truncated_completions:
             loss_mask[batch.truncated] = 0
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
@@ -134,7 +134,7 @@ class GroupAgent(LMAgent):
                     loss, stats = self.loss(mb, logprobs, totals)
                     self.backward(loss)
                     step_loss += float(loss.detach())
-                    mask = mb.response_mask.to(entropy.device).float()
+                    mask = mb.action_mask.to(entropy.device).float()
                     add("entropy", float((entropy * mask).sum()), float(mask.sum()))
                     for name, (total, count) in stats.items():
                         add(name, total, count)

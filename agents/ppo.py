@@ -27,6 +27,7 @@ from textgym.agents.lm_config import LMAgentConfig, check_positive_int
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
     FixedKLController,
+    agent_first_order,
     entropy_from_logits,
     gae,
     logprobs_from_logits,
@@ -146,15 +147,20 @@ class LMPPO(LMAgent):
         """Generate one episode per sub-env and compute everything the update needs."""
         c = self.config
         batch, hidden = self.generate(keep_hidden=True)
-        mask = batch.response_mask.float()
+        mask = batch.action_mask.float()  # agent tokens: a multi-turn episode's replies are observations
         with torch.no_grad():
             values = self.value_head(hidden.to(self.device)).float().cpu() * mask
+        # KL, score and GAE over each row's agent tokens compacted to the front (identity without replies)
+        order = agent_first_order(mask)
+        compact = lambda x: x.gather(1, order)  # noqa: E731
         rewards, kl = per_token_rewards(
-            batch.scores, batch.logprobs, batch.ref_logprobs, mask, self.kl_ctl.kl_coef, c.kl_estimator
-        )
+            batch.scores, compact(batch.logprobs), compact(batch.ref_logprobs), compact(mask),
+            self.kl_ctl.kl_coef, c.kl_estimator,
+        )  # fmt: skip
         if c.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
-        advantages, returns = gae(rewards, values, mask, c.gamma, c.gae_lambda)
+            rewards = masked_whiten(rewards, compact(mask), shift_mean=False)
+        advantages, returns = gae(rewards, compact(values), compact(mask), c.gamma, c.gae_lambda)
+        advantages, returns = (torch.zeros_like(mask).scatter(1, order, x) for x in (advantages, returns))
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
         b = PPOBatch(**fields, values=values, advantages=masked_whiten(advantages, mask), returns=returns)
         kl_per_episode = kl.sum(1)
@@ -183,10 +189,10 @@ class LMPPO(LMAgent):
             epoch_kls = []
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
                 self.optimizer.zero_grad()
-                mb_tokens = batch.response_mask[mb_inds].sum().clamp(min=1)
+                mb_tokens = batch.action_mask[mb_inds].sum().clamp(min=1)
                 for micro_inds in mb_inds.split(micro):
                     mb = batch.select(micro_inds)
-                    mask = mb.response_mask.to(self.device)
+                    mask = mb.action_mask.to(self.device)  # no loss on environment tokens
                     with self.accelerator.autocast():
                         logits, hidden = self.forward(self.policy, mb, hidden=True)
                         values = self.value_head(hidden).float()
@@ -220,7 +226,7 @@ class LMPPO(LMAgent):
                 break
         self.kl_ctl.update(batch.stats["objective/kl"], n)
         all_ratios = torch.cat(ratios)
-        mask = batch.response_mask.float()
+        mask = batch.action_mask.float()
         var_returns = masked_var(batch.returns, mask)
         return {
             "entropy": float(np.mean(logs["ent"])),

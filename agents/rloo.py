@@ -45,7 +45,7 @@ class RLOO(GroupAgent):
         rewards = batch.scores
         stats = {}
         if c.beta:
-            kl = ((batch.logprobs - batch.ref_logprobs) * batch.response_mask).sum(1)  # (N,) k1, per sequence
+            kl = ((batch.logprobs - batch.ref_logprobs) * batch.action_mask).sum(1)  # (N,) k1, per sequence
             rewards = rewards - c.beta * kl
             stats["rlhf_reward"] = float(rewards.mean())
         advantages = leave_one_out_advantages(rewards, self.group_size)
