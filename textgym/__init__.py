@@ -1,7 +1,8 @@
 """textgym: text generation as a Gymnasium environment, with rewards as pluggy plugins.
 
 One token is one action, one completion (or one conversation, with a responder) is one episode, and
-the reward is a weighted stack of reward plugins. Importing textgym loads the plugins and registers their environments with Gymnasium.
+the reward is a weighted stack of reward plugins. Importing textgym loads the plugins and registers their
+environments with Gymnasium.
 """
 
 from textgym.hookspecs import hookimpl

@@ -318,7 +318,6 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
     file paths (default: the current directory).
     """
     from textgym import plugin_manager
-    from textgym.reward_functions import load_function
     from textgym.rewards import check_arguments, parse_reward_spec
 
     if spec is None:
@@ -336,8 +335,7 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
             )
         key = given[0]
         if key in adapters:
-            target = load_function(args.pop(key), base_dir, f"responder {key}")
-            return adapters[key](target, **args)
+            return adapters[key](load_class(args.pop(key), base_dir, key), **args)
         name = args.pop("name")
         factory = plugin_manager.get("register_responders", name).value
         check_arguments("responder", name, factory, args)
@@ -364,6 +362,39 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
         f"{spec!r} is not a responder spec: give a registered name, a table with 'name', 'text_env' or "
         f"'tool_env', a responder object, or a function."
     )
+
+
+def load_class(ref: Any, base_dir: str | os.PathLike | None = None, key: str = "text_env") -> Any:
+    """The class (or factory) named by ``"path/to/file.py:Class"`` or ``"module:Class"``. A file is loaded
+    like a ``--plugin`` file, once per process; a relative path resolves against ``base_dir`` (default: the
+    current directory)."""
+    import importlib
+    from pathlib import Path
+
+    from textgym import plugin_manager
+    from textgym.errors import PluginError
+
+    form = "'path/to/file.py:Class' or 'module:Class'"
+    target, _, attribute = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
+    if not target or not attribute:
+        raise ConfigError(f"responder {key} = {ref!r} must look like {form}.")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).expanduser()
+            file = path if path.is_absolute() else Path(base_dir or Path.cwd()) / path
+            module = plugin_manager.pm.get_plugin(plugin_manager.load_plugin_file(file))
+        else:
+            module = importlib.import_module(target)
+    except (PluginError, ImportError) as exc:
+        raise ConfigError(f"responder {key} = {ref!r}: cannot load {target!r}: {exc}") from None
+    obj = getattr(module, attribute, None)
+    if not callable(obj):
+        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
+        raise ConfigError(
+            f"responder {key} = {ref!r}: {target!r} has no class {attribute!r}. Classes there: "
+            f"{', '.join(classes) or '(none)'}."
+        )
+    return obj
 
 
 def validated_replies(responder: Responder, conversations: Sequence[Conversation]) -> list[Reply]:
