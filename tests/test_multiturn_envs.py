@@ -108,7 +108,7 @@ def test_replies_are_batched_over_the_episodes_whose_turns_end_on_the_same_step(
     env.step(np.array([EOS, 3, EOS]))  # sub-envs 0 and 2 end a turn together
     env.step(np.array([2, EOS, 2]))
     assert batches == [["", ""], ["b"]]
-    _, rewards, _, _, infos = env.step(np.array([EOS, 2, 2]))
+    _, _rewards, _, _, infos = env.step(np.array([EOS, 2, 2]))
     assert infos["_turn_reward"].tolist() == [True, False, False] and infos["env_token_mask"].shape == (3, 12)
 
 
@@ -238,7 +238,7 @@ def test_bad_multi_turn_arguments_are_clear_errors():
 def test_without_a_responder_episodes_are_single_turn_as_before():
     env = TextGenEnv(model=CHARS, prompts=["ab"], rewards=textgym.RewardStack([(Recorder(), 1.0)]))
     env.reset(seed=0)
-    (_, reward, terminated, _, info), infos = run(env, [*ids("c"), EOS])
+    (_, reward, terminated, _, info), _infos = run(env, [*ids("c"), EOS])
     assert terminated and "turns" not in info and "env_token_mask" not in info and reward == 0.0
     assert env.env_token_mask.sum() == 0 and env.max_turns is None and env.responder is None
 
@@ -322,12 +322,12 @@ def test_user_simulator_asks_the_follow_ups_in_order_then_ends():
 
 def test_echo_rewards_each_echo_and_says_the_next_word():
     env = gymnasium.make("textgym/Echo-v0").unwrapped
-    obs, info = env.reset(seed=0)
+    env.reset(seed=0)
     words = env.episodes.prompts[env.episodes.prompt_index[0]].meta["words"]
     tok = env.tokenizer
     rewards = []
     for word in words:
-        (obs, reward, terminated, truncated, info), _ = run(env, [*tok.encode(word), tok.eos_token_id])
+        (_obs, reward, terminated, _truncated, info), _ = run(env, [*tok.encode(word), tok.eos_token_id])
         rewards.append(reward)
     assert rewards == [1.0, 1.0, 1.0] and terminated and info["finish_reason"] == "stop"
 
@@ -376,7 +376,7 @@ def test_a_text_level_env_class_runs_end_to_end_as_a_responder():
         rewards=[], max_new_tokens=20, max_prompt_tokens=20, chat_template=False, autoreset_mode="Disabled",
         responder=textgym.responders.TextEnvResponder(HotCold),
     )  # fmt: skip
-    obs, info = env.reset(seed=0)
+    _obs, info = env.reset(seed=0)
     assert info["prompt"][0] == "play\n\nguess a letter"  # reset()'s text opens the episode
     tok, eos = env.tokenizer, env.eos_token_id
     total, finals = np.zeros(2), {}
@@ -398,7 +398,7 @@ def test_an_environment_factory_class_runs_end_to_end_as_a_responder(tokenizer):
         model="smollm2-135m-instruct", prompts=[{"prompt": "Use the counter.", "goal": 3}], rewards=[],
         max_new_tokens=400, max_prompt_tokens=200, responder={"tool_env": "test_multiturn_envs:Counter"},
     )  # fmt: skip
-    obs, info = env.reset(seed=0)
+    _obs, info = env.reset(seed=0)
     assert (
         "Reach 3." in info["prompt"]
         and "- increment(step: int) -> int: Add step to the counter." in info["prompt"]
@@ -472,5 +472,5 @@ def test_adapter_specs_name_a_class_in_a_file(tmp_path, monkeypatch):
     )
     env = char_env({"text_env": "games.py:Parrot"}, max_new_tokens=12)
     env.reset(seed=0)
-    (obs, _, _, _, info), _ = run(env, [*ids("a"), EOS])
+    (obs, _, _, _, _info), _ = run(env, [*ids("a"), EOS])
     assert obs["input_ids"][2:6].tolist() == [*ids("a"), EOS, *ids("aa")]
