@@ -1,6 +1,8 @@
 """The multi-turn rollout: replies prefilled through the KV cache as one chunk per turn, rows ending their
 turns on different steps in the same batch, give what one forward over the whole conversations gives."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -110,3 +112,18 @@ def test_rollout_returns_add_turn_rewards_to_the_stack_total_and_count_agent_tok
             assert info["reward"] == pytest.approx(1.0 + total) and r.scores[row] == pytest.approx(
                 info["reward"]
             )
+
+
+def test_sample_command_prints_multi_turn_episodes_turn_by_turn(tmp_path, capsys):
+    from textgym.cli import main
+
+    out = tmp_path / "rows.jsonl"
+    args = ["sample", "--model", "tiny-random-llama", "--prompts", "guess_number", "--responder", "guess_number",
+            "--max-turns", "3", "--num", "2", "--max-new-tokens", "40", "--max-prompt-tokens", "80", "--stop", " ",
+            "--reward", "length_penalty weight=0 target=4", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "prompt: I am thinking of a whole number" in printed
+    assert "  > assistant: " in printed and "  <      user: Please answer with a whole number." in printed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [t["role"] for t in rows[0]["turns"]][:2] == ["assistant", "user"]
