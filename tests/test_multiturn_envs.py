@@ -474,3 +474,20 @@ def test_adapter_specs_name_a_class_in_a_file(tmp_path, monkeypatch):
     env.reset(seed=0)
     (obs, _, _, _, _info), _ = run(env, [*ids("a"), EOS])
     assert obs["input_ids"][2:6].tolist() == [*ids("a"), EOS, *ids("aa")]
+
+
+def test_the_environment_guide_prints_what_it_says(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
+    script = tmp_path / "snippets.py"
+    script.write_text("\n\n".join(re.findall(r"```python\n(.*?)```", page, flags=re.S)))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stop 1.0 ['<calc>14 + 15</calc>', '= 29', '29']" in result.stdout
+    assert "True 1.0 {'role': 'tool', 'text': '2'}" in result.stdout
