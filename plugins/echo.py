@@ -52,7 +52,7 @@ class Echo:
 
 
 def echo_prompts(
-    n: int = 64, turns: int = 3, length: int = 2, alphabet: str = "abcdefgh", seed: int = 0
+    n: int = 64, turns: int = 3, length: int = 1, alphabet: str = "abcd", seed: int = 0
 ) -> list[dict[str, Any]]:
     """``n`` prompts of ``turns`` random words of ``length`` letters each; the prompt is the first word."""
     rng = random.Random(seed)

@@ -65,8 +65,8 @@ def register_envs(register: Callable[..., None]) -> None:
         max_new_tokens=128,
         max_prompt_tokens=128,
     )
-    # Small-vocabulary multi-turn task (chars): say back each 2-letter word the env says, three turns. Turn
-    # rewards only; SB3's PPO and a tiny char-level LM train on it in seconds.
+    # Small-vocabulary multi-turn task (chars): say back each letter (a-d) the env says, three turns. Turn
+    # rewards only; SB3's PPO and a tiny char-level LM train on it quickly.
     register(
         "textgym/Echo-v0",
         TEXTGEN,
@@ -76,7 +76,7 @@ def register_envs(register: Callable[..., None]) -> None:
         responder={"name": "echo", "partial": True},
         rewards=[],
         max_turns=3,
-        max_new_tokens=16,
-        max_prompt_tokens=2,
+        max_new_tokens=10,
+        max_prompt_tokens=1,
         chat_template=False,
     )
