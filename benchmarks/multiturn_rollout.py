@@ -82,8 +82,10 @@ def main() -> None:
             autoreset_mode="Disabled",
         )  # fmt: skip
 
+        options = {"prompts": [i % env.num_prompts for i in range(batch)]}  # the same conversations each time
+
         def env_rollout():
-            return rollout(model, env, temperature=0, keep_hidden=True)
+            return rollout(model, env, temperature=0, keep_hidden=True, options=options)
 
         r = env_rollout()  # warm-up, and the conversations the generate side replays
         generate, turns = generate_side(model, tokenizer, r, stop)
