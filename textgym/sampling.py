@@ -77,6 +77,7 @@ def rollout(
     scores = np.zeros(n)  # episode returns
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
+    multi_turn = env.responder is not None
     with torch.inference_mode():
         out = model(
             input_ids=query_ids[:, start:].to(device),
@@ -125,7 +126,9 @@ def rollout(
                 infos[i] = _episode_info(step_infos, i, scores[i])
             if not env.active.any():
                 break
-            new_length = obs["attention_mask"][:, P:].sum(1).astype(np.int64)
+            new_length = length + active_np  # each active row wrote its token...
+            if multi_turn:  # ...and, where a turn ended, the environment's reply after it
+                new_length = obs["attention_mask"][:, P:].sum(1).astype(np.int64)
             # environment tokens appended after each row's agent token (rows still in their episode)
             extra = np.where(env.active, new_length - length - 1, 0)
             if not extra.any():
@@ -148,9 +151,8 @@ def rollout(
                 **keep,
             )
             next_position = next_position + torch.from_numpy(1 + extra)[:, None].to(next_position.device)
-    response_ids = torch.from_numpy(
-        obs["input_ids"][:, P:].copy()
-    )  # (N, T) the env's record, pad after the end
+    # the env's record of each conversation after the prompt, pad after the end: (N, T)
+    response_ids = torch.from_numpy(obs["input_ids"][:, P:].copy())
     response_mask = torch.from_numpy(obs["attention_mask"][:, P:].astype(np.int64))
     action_mask = response_mask * torch.from_numpy(1 - env.env_token_mask[:, P:].astype(np.int64))
     hidden_states = None
