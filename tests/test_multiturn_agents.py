@@ -139,4 +139,6 @@ def test_stock_sb3_ppo_runs_on_a_small_vocabulary_multi_turn_env():
         obs, _, done, infos = env.step(model.predict(obs)[0])
         finals += [infos[i] for i in np.flatnonzero(done)]
     assert finals and all(info["turns"][0]["role"] == "assistant" for info in finals)
+    # Monitor's episode return adds up the turn rewards: here every turn's similarity
+    assert all(info["episode"]["r"] == pytest.approx(sum(info["turn_rewards"])) for info in finals)
     assert {info["finish_reason"] for info in finals} <= {"stop", "length", "max_turns", "overflow"}
