@@ -2,7 +2,8 @@
 conversations.
 
 The env side is LMPPO's rollout on the user-simulator task (the shipped ``followups`` prompts: each answer is
-followed by the prompt's next follow-up question), greedy, hidden states kept for a value head: agent tokens
+followed by the prompt's next follow-up question; a turn ends at EOS or, by default, at its first sentence's
+full stop), greedy, hidden states kept for a value head: agent tokens
 one per step through the KV cache, each reply prefilled as one chunk. The ``generate`` side is what a
 multi-turn loop built on ``generate`` does: for every turn, one batched ``generate`` call over the
 conversation so far (prompt, earlier turns and replies, taken from the env's record so that both sides see
@@ -32,6 +33,10 @@ def agent_turns(action_mask: np.ndarray) -> list[tuple[int, int]]:
 def generate_side(model, tokenizer, r, stop: list[str]):
     """One batched ``generate`` per turn over the recorded conversations so far. Returns a closure that runs
     them all (the timed part) and returns, per (row, turn), the generated tokens."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    # built once, outside the timed part: its vocabulary tables cost more than a short generate call
+    criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, stop)]) if stop else None
     n = len(r.response_ids)
     prompts = [r.query_ids[i][r.query_mask[i].bool()] for i in range(n)]
     turns = [agent_turns(r.action_mask[i].numpy()) for i in range(n)]
@@ -54,7 +59,7 @@ def generate_side(model, tokenizer, r, stop: list[str]):
                 generated = model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                    stop_strings=stop or None, tokenizer=tokenizer if stop else None,
+                    stopping_criteria=criteria,
                 )  # fmt: skip
                 for j, i in enumerate(rows):
                     out[i, k] = generated[j, width:]
@@ -67,8 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=160, help="the conversation's token budget")
-    parser.add_argument("--stop", default="\n", help="the stop string that ends a turn (besides EOS)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="the conversation's token budget")
+    parser.add_argument("--stop", default=".", help="the stop string that ends a turn (besides EOS)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     args = parser.parse_args()
