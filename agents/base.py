@@ -19,17 +19,19 @@ import copy
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
+from textgym.agents.distributed import Collective
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.envs import TextGenVectorEnv
-from textgym.errors import ConfigError, TrainingError
+from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import logits_to_keep, rollout
 
 __all__ = ["COMMON_STATS", "LMAgent", "LMAgentConfig", "RolloutBatch", "RunningMoments"]
@@ -55,6 +57,17 @@ COMMON_STATS = (
     "time/iteration",
     "time/tokens_per_s",
 )
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86 avx512_bf16 / amx_bf16; assumed elsewhere)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    if "flags" not in flags:  # not x86 (e.g. ARM: bf16 support differs per core; torch decides)
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def require_tensorboard(what: str) -> None:
@@ -87,8 +100,30 @@ class LMAgent:
         self.config = c = make_config(self.config_class, self.name, hyperparameters)
         on_gpu = torch.cuda.is_available() if c.device == "auto" else c.device.startswith("cuda")
         bf16 = on_gpu if c.bf16 is None else c.bf16
-        self.accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if bf16 else "no")
+        if bf16 and not on_gpu and not cpu_has_native_bf16():
+            raise ConfigError(
+                "bf16 = true on a CPU without native bf16 instructions (no avx512_bf16 or amx_bf16): torch would "
+                "emulate bf16, slower than fp32. Set bf16 = false (the CPU default)."
+            )
+        # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
+        # process-wide singleton, which would forbid two agents of different precision in one process.
+        self.accelerator = Accelerator(cpu=not on_gpu)
+        self.bf16 = bool(bf16)
+        sharded = self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+        if sharded:  # see docs/distributed.md
+            raise ConfigError(
+                f"{self.accelerator.distributed_type.value} (sharded training) is not supported by textgym's LM agents "
+                f"yet: their rollouts stop each process when its own episodes end, which sharded forwards cannot "
+                f"do. Train data-parallel (a plain multi-GPU accelerate config or torchrun) and, for a large policy, "
+                f"use LoRA (lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
+            )
         self.device = self.accelerator.device
+        self.dist = Collective(self.accelerator)
+        if self.dist.world > 1:  # each process its share of the machine's cores
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
+            torch.set_num_threads(
+                int(os.environ.get("TEXTGYM_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local)
+            )
         # Each process (under `accelerate launch`) gets its own seed, hence its own rollouts.
         self.seed = c.seed + 10_007 * self.accelerator.process_index
         set_seed(self.seed)
@@ -111,7 +146,7 @@ class LMAgent:
         except (RuntimeError, TypeError):
             optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
         prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
-        self.policy, self.optimizer = prepared[0], prepared[-1]
+        self.policy, self.optimizer = prepared[0], prepared[-1]  # the policy is DDP-wrapped under torchrun
         self.modules: dict[str, nn.Module] = dict(zip(modules, prepared[1:-1]))
         self.params = params
         self.score_moments = RunningMoments()
@@ -192,7 +227,7 @@ class LMAgent:
 
     def _check_tokenizer(self, env: TextGenVectorEnv) -> None:
         """The env must tokenize with the policy's tokenizer: same ids for the same text, same EOS."""
-        config = self.accelerator.unwrap_model(self.policy).config
+        config = self.rollout_model.config
         vocab = getattr(config, "vocab_size", None)
         if vocab is None and hasattr(config, "get_text_config"):
             vocab = config.get_text_config().vocab_size
@@ -223,6 +258,27 @@ class LMAgent:
                 f"the env's tokenizer does not match the policy ({mismatch}): make the env with the policy's "
                 f"tokenizer, e.g. model={self.policy_source or '<the policy name>'!r}."
             )
+
+    def autocast(self) -> Any:
+        """bf16 autocast on the agent's device when ``bf16`` is on (the training forwards run in it)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    @property
+    def rollout_model(self) -> Any:
+        """The policy without its data-parallel wrapper: rollouts, reference passes and predictions run on
+        each process independently (a DDP forward would wait for the other processes)."""
+        return self.accelerator.unwrap_model(self.policy)
+
+    def accumulating(self, last: bool) -> Any:
+        """Context for one micro-batch's backward: gradients are all-reduced across processes only on the
+        ``last`` micro-batch of an optimizer step (DDP's ``no_sync`` for the others)."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.dist.world > 1 and not last:
+            for module in (self.policy, *self.modules.values()):
+                stack.enter_context(self.accelerator.no_sync(module))
+        return stack
 
     def get_env(self) -> TextGenVectorEnv | None:
         return self.env
@@ -257,7 +313,7 @@ class LMAgent:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log-probs (N, T) of the response tokens under the policy (with gradients), per-token entropy
         (N, T; without a graph) and, if asked, the hidden states."""
-        with self.accelerator.autocast():
+        with self.autocast():
             logits, last_hidden = self.forward(self.policy, batch, hidden=hidden)
         logprobs = logprobs_from_logits(logits, batch.response_ids.to(self.device), self.config.temperature)
         with torch.no_grad():
@@ -272,8 +328,8 @@ class LMAgent:
             for start in range(0, len(batch), step):
                 mb = batch.select(torch.arange(start, min(start + step, len(batch))))
                 if self.ref_policy is None:  # LoRA: the same weights with the adapter disabled
-                    with self.accelerator.unwrap_model(self.policy).disable_adapter():
-                        logits, _ = self.forward(self.policy, mb)
+                    with self.rollout_model.disable_adapter():
+                        logits, _ = self.forward(self.rollout_model, mb)
                 else:
                     logits, _ = self.forward(self.ref_policy, mb)
                 logprobs = logprobs_from_logits(
@@ -310,8 +366,8 @@ class LMAgent:
         if c.missing_eos_penalty is not None:
             scores[truncated] -= c.missing_eos_penalty
         scores = scores * c.score_scale
-        if c.score_norm:
-            self.score_moments.update(scores)
+        if c.score_norm:  # the running moments of every process's scores, identical on all
+            self.score_moments.update(self.dist.gather(scores))
             scores = (scores - self.score_moments.mean) / self.score_moments.std
         if c.score_clip is not None:
             scores = scores.clamp(-c.score_clip, c.score_clip)
@@ -329,14 +385,19 @@ class LMAgent:
             stack.set_progress(min(1.0, self.num_timesteps / self._total_timesteps))
         start, reward_before = time.perf_counter(), env.reward_seconds
         options = {"group_size": self.group_size} if self.group_size > 1 else None
-        r = rollout(
-            self.policy,
-            env,
-            temperature=self.config.temperature,
-            seed=self.seed * 1_000_003 + self.iteration,
-            options=options,
-            keep_hidden=keep_hidden,
-        )
+        error, r = None, None
+        try:  # a reward plugin may fail on one process only: all processes must learn of it (agree below)
+            r = rollout(
+                self.rollout_model,
+                env,
+                temperature=self.config.temperature,
+                seed=self.seed * 1_000_003 + self.iteration,
+                options=options,
+                keep_hidden=keep_hidden,
+            )
+        except TextgymError as exc:
+            error = exc
+        self.dist.agree(error)
         t_rollout = time.perf_counter() - start
         t_reward = env.reward_seconds - reward_before
         if getattr(stack, "aggregate", "sum") != "sum":
@@ -354,7 +415,12 @@ class LMAgent:
             for episode, total in zip(r.infos, r.scores):
                 episode["reward"] = float(total)
         batch = RolloutBatch.from_rollout(r)
-        self._check_scores(batch.raw_scores, r.infos)
+        error = None
+        try:
+            self._check_scores(batch.raw_scores, r.infos)
+        except TrainingError as exc:
+            error = exc
+        self.dist.agree(error)
         batch.scores = self.shape_scores(batch.raw_scores, batch.truncated)
         start = time.perf_counter()
         if self.uses_reference:
@@ -370,12 +436,15 @@ class LMAgent:
                 "time/tokens_per_s": float(mask.sum()) / max(t_rollout, 1e-9),
             }
         )
-        self.last_episodes = r.infos
+        self.last_episodes = self.dist.gather_objects(
+            r.infos
+        )  # every process's episodes (the main one writes)
         return batch, r.hidden
 
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
-        """The common statistics of a batch (see :data:`COMMON_STATS`)."""
-        scores = batch.raw_scores.double()
+        """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""
+        d = self.dist
+        scores = d.gather(batch.raw_scores.double())
         groups = scores.view(-1, self.group_size) if self.group_size > 1 else scores.view(1, -1)
         mask = batch.action_mask.float()  # the agent's tokens (a multi-turn episode's replies are not)
         stats = {
@@ -383,20 +452,27 @@ class LMAgent:
             "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
             "frac_reward_zero_std": float((groups.max(1).values == groups.min(1).values).double().mean()),
             "kl": math.nan,
-            "completions/mean_length": float(mask.sum(1).mean()),
-            "completions/clipped_ratio": float(batch.truncated.double().mean()),
+            "completions/mean_length": float(d.gather(mask.sum(1)).mean()),
+            "completions/clipped_ratio": float(d.gather(batch.truncated.double()).mean()),
         }
         if batch.ref_logprobs is not None:
-            stats["kl"] = float(((batch.logprobs - batch.ref_logprobs) * mask).sum(1).mean())
-        names = batch.episodes[0]["reward_components"] if batch.episodes else {}
-        for name in names:
-            values = np.array(
-                [np.nan if (v := e["reward_components"][name]) is None else v for e in batch.episodes],
-                dtype=float,
-            )
-            applicable = values[~np.isnan(values)]  # None = not applicable: left out of the statistics
-            stats[f"rewards/{name}/mean"] = float(applicable.mean()) if len(applicable) else math.nan
-            stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else 0.0
+            stats["kl"] = float(d.gather(((batch.logprobs - batch.ref_logprobs) * mask).sum(1)).mean())
+        names = list(batch.episodes[0]["reward_components"]) if batch.episodes else []
+        if names:
+            local = torch.tensor(
+                [
+                    [math.nan if (v := e["reward_components"][n]) is None else v for n in names]
+                    for e in batch.episodes
+                ],
+                dtype=torch.float64,
+            )  # (N, K); NaN = not applicable
+            values = d.gather(local).numpy()
+            for k, name in enumerate(names):
+                applicable = values[:, k][
+                    ~np.isnan(values[:, k])
+                ]  # not applicable: left out of the statistics
+                stats[f"rewards/{name}/mean"] = float(applicable.mean()) if len(applicable) else math.nan
+                stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else 0.0
         return stats
 
     def _check_scores(self, raw: torch.Tensor, episodes: list[dict[str, Any]]) -> None:
@@ -431,6 +507,7 @@ class LMAgent:
         then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
         norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
         bad = getattr(self, "_bad_loss", False) or not torch.isfinite(torch.as_tensor(norm)).all()
+        bad = self.dist.any(bad)  # every process skips, or none: the weights stay identical
         self._bad_loss = False
         if bad:
             self.optimizer.zero_grad()
@@ -442,16 +519,19 @@ class LMAgent:
     def weights_are_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params)
 
-    def check_health(self, batch: RolloutBatch | None = None) -> None:
+    def check_health(self, batch: RolloutBatch | None = None, collective: bool = True) -> None:
         """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows
         of) ``batch`` are too: a diverged update (e.g. learning_rate=1e6) stops training here, with its
-        cause, before a checkpoint is written or a rollout samples from NaN."""
+        cause, before a checkpoint is written or a rollout samples from NaN. ``collective=False`` checks
+        this process alone (for code that runs on the main process only, such as saving)."""
         batch = batch if batch is not None else getattr(self, "_last_batch", None)
         finite = self.weights_are_finite()
         if finite and batch is not None:
             with torch.no_grad():
-                logits, _ = self.forward(self.policy, batch.select(torch.arange(min(2, len(batch)))))
+                logits, _ = self.forward(self.rollout_model, batch.select(torch.arange(min(2, len(batch)))))
             finite = bool(torch.isfinite(logits).all())
+        if collective:
+            finite = not self.dist.any(not finite)
         if not finite:
             raise TrainingError(
                 f"the policy's weights or outputs are no longer finite after iteration {self.iteration}: the "
@@ -519,7 +599,12 @@ class LMAgent:
         self._setup_logger(tb_log_name or type(self).__name__, reset_num_timesteps)
         callback = self._init_callback(callback)
         callback.on_training_start(locals(), globals())
-        bar = tqdm(total=total_timesteps, initial=self.num_timesteps, unit="tok", disable=not progress_bar)
+        bar = tqdm(
+            total=total_timesteps,
+            initial=self.num_timesteps,
+            unit="tok",
+            disable=not (progress_bar and self.dist.is_main),
+        )
         while self.num_timesteps < total_timesteps:
             if self.config.lr_schedule == "linear":
                 for group in self.optimizer.param_groups:
@@ -528,7 +613,8 @@ class LMAgent:
                     )
             callback.on_rollout_start()
             batch = self.collect_rollouts()
-            tokens = int(batch.action_mask.sum())  # one env step = one agent token
+            # one env step = one agent token; every process's, so the count is the same everywhere
+            tokens = int(self.dist.sum(batch.action_mask.sum()))
             self.num_timesteps += tokens
             callback.update_locals(locals())
             callback.on_rollout_end()
@@ -548,10 +634,12 @@ class LMAgent:
                 "train/skipped_steps": self.skipped_steps,
             }
             stats["time/iteration"] = sum(
-                v for k, v in stats.items() if k.startswith("time/") and k not in ("time/tokens_per_s",)
+                v
+                for k, v in stats.items()
+                if k.startswith("time/") and k not in ("time/tokens_per_s", "time/iteration")
             )
             self.history.append(stats)
-            if log_interval and self.iteration % log_interval == 0:
+            if log_interval and self.iteration % log_interval == 0 and self.dist.is_main:
                 for key, value in stats.items():
                     if key not in ("iteration", "timesteps"):
                         self.logger.record(key, value)
@@ -591,7 +679,7 @@ class LMAgent:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # (N,) index of each row's newest token
         with torch.no_grad():
-            logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            logits = self.rollout_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         logits = logits[torch.arange(len(ids)), last].float()  # (N, V)
         if self.env is not None:
             logits = logits[:, : self.env.single_action_space.n]

@@ -33,7 +33,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
     from textgym.models import atomic_build_dir
 
     try:
-        agent.check_health()
+        agent.check_health(collective=False)  # saving runs on the main process only
     except TrainingError as exc:
         raise TrainingError(
             f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."

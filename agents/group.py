@@ -82,8 +82,11 @@ class GroupAgent(LMAgent):
     def group_size(self) -> int:
         return self.config.num_generations
 
-    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """One advantage per completion (N,), and statistics."""
+    def advantages(
+        self, scores: torch.Tensor, kl: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One advantage per completion (N,) from the scores and, with a reference, the KL per completion,
+        over the whole batch of every process (as TRL computes them on gathered rewards); and statistics."""
         raise NotImplementedError
 
     def loss(
@@ -95,8 +98,20 @@ class GroupAgent(LMAgent):
 
     def collect_rollouts(self) -> GroupBatch:
         batch, _ = self.generate()
-        advantages, stats = self.advantages(batch)
-        loss_mask = batch.action_mask.clone()  # environment tokens (multi-turn replies) are not actions
+        return self.process(batch)
+
+    def process(self, batch: RolloutBatch) -> GroupBatch:
+        """Advantages and the loss mask for ``batch`` (this process's rows; statistics such as a batch std
+        are over every process's rows)."""
+        d = self.dist
+        kl = None
+        if batch.ref_logprobs is not None:
+            mask = batch.action_mask  # the agent's tokens (a multi-turn episode's replies are not actions)
+            kl = d.gather(((batch.logprobs - batch.ref_logprobs) * mask).sum(1))  # (N_all,) k1
+        advantages, stats = self.advantages(d.gather(batch.scores), kl)
+        n = len(batch)
+        advantages = advantages[d.rank * n : (d.rank + 1) * n]  # this process's rows
+        loss_mask = batch.action_mask.clone()  # environment tokens are not actions
         if self.config.mask_truncated_completions:
             loss_mask[batch.truncated] = 0
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
@@ -121,18 +136,20 @@ class GroupAgent(LMAgent):
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
                 self.optimizer.zero_grad()
                 micros = mb_inds.split(micro)
-                totals = {
-                    "num_sequences": len(mb_inds),
-                    "num_tokens": batch.loss_mask[mb_inds].sum(),
+                totals = {  # the optimizer step's totals over every process, for global normalisers
+                    "num_sequences": int(self.dist.sum(len(mb_inds))),
+                    "num_tokens": self.dist.sum(batch.loss_mask[mb_inds].sum()).float(),
                     "num_micro_batches": len(micros),
                     "max_completion_length": batch.response_ids.shape[1],
+                    "world": self.dist.world,
                 }
                 step_loss = 0.0
-                for micro_inds in micros:
+                for k, micro_inds in enumerate(micros):
                     mb = batch.select(micro_inds)
-                    logprobs, entropy, _ = self.policy_logprobs(mb)
-                    loss, stats = self.loss(mb, logprobs, totals)
-                    self.backward(loss)
+                    with self.accumulating(last=k == len(micros) - 1):
+                        logprobs, entropy, _ = self.policy_logprobs(mb)
+                        loss, stats = self.loss(mb, logprobs, totals)
+                        self.backward(loss)
                     step_loss += float(loss.detach())
                     mask = mb.action_mask.to(entropy.device).float()
                     add("entropy", float((entropy * mask).sum()), float(mask.sum()))
@@ -140,4 +157,5 @@ class GroupAgent(LMAgent):
                         add(name, total, count)
                 add("loss", step_loss, 1)
                 self.optimizer_step()
-        return {name: total / count if count else math.nan for name, (total, count) in sums.items()}
+        totals = {name: (float(self.dist.sum(t)), float(self.dist.sum(c))) for name, (t, c) in sums.items()}
+        return {name: t / c if c else math.nan for name, (t, c) in totals.items()}

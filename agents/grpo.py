@@ -23,7 +23,6 @@ from textgym.agents.group_core import (
     group_advantages,
     k3_kl,
 )
-from textgym.agents.rollout_batch import RolloutBatch
 from textgym.errors import ConfigError
 
 
@@ -57,8 +56,10 @@ class GRPO(GroupAgent):
     config_class = GRPOConfig
     name = "grpo"
 
-    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        advantages, _ = group_advantages(batch.scores, self.group_size, self.config.scale_rewards)
+    def advantages(
+        self, scores: torch.Tensor, kl: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        advantages, _ = group_advantages(scores, self.group_size, self.config.scale_rewards)
         return advantages, {}
 
     def loss(
@@ -87,6 +88,8 @@ class GRPO(GroupAgent):
         )
         if c.loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
             loss = loss / totals["num_micro_batches"]
+        else:  # a global normaliser: x world size, as data-parallel training averages the processes' gradients
+            loss = loss * totals["world"]
         tokens = float(mask.sum())
         stats["clip_ratio/low_mean"] = (float((low & mask.bool()).sum()), tokens)
         stats["clip_ratio/high_mean"] = (float((high & mask.bool()).sum()), tokens)

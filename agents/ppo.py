@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from textgym.agents.base import LMAgent
+from textgym.agents.distributed import masked_whiten
 from textgym.agents.lm_config import LMAgentConfig, check_positive_int
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
@@ -33,7 +34,6 @@ from textgym.agents.ppo_core import (
     logprobs_from_logits,
     masked_mean,
     masked_var,
-    masked_whiten,
     per_token_rewards,
     policy_loss,
     value_loss,
@@ -145,11 +145,20 @@ class LMPPO(LMAgent):
 
     def collect_rollouts(self) -> PPOBatch:
         """Generate one episode per sub-env and compute everything the update needs."""
-        c = self.config
         batch, hidden = self.generate(keep_hidden=True)
+        return self.process(batch, hidden)
+
+    def process(self, batch: RolloutBatch, hidden: torch.Tensor | None = None) -> PPOBatch:
+        """Values, per-token rewards, GAE and whitened advantages for ``batch`` (this process's rows;
+        whitening is over every process's). ``hidden``: the rollout's last hidden states, recomputed if None."""
+        c = self.config
         mask = batch.action_mask.float()  # agent tokens: a multi-turn episode's replies are observations
         with torch.no_grad():
-            values = self.value_head(hidden.to(self.device)).float().cpu() * mask
+            if hidden is None:
+                _, hidden = self.forward(self.rollout_model, batch, hidden=True)
+            values = (
+                self.accelerator.unwrap_model(self.value_head)(hidden.to(self.device)).float().cpu() * mask
+            )
         # KL, score and GAE over each row's agent tokens compacted to the front (identity without replies)
         order = agent_first_order(mask)
         compact = lambda x: x.gather(1, order)  # noqa: E731
@@ -158,18 +167,21 @@ class LMPPO(LMAgent):
             self.kl_ctl.kl_coef, c.kl_estimator,
         )  # fmt: skip
         if c.whiten_rewards:
-            rewards = masked_whiten(rewards, compact(mask), shift_mean=False)
+            rewards = masked_whiten(rewards, compact(mask), self.dist, shift_mean=False)
         advantages, returns = gae(rewards, compact(values), compact(mask), c.gamma, c.gae_lambda)
         advantages, returns = (torch.zeros_like(mask).scatter(1, order, x) for x in (advantages, returns))
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
-        b = PPOBatch(**fields, values=values, advantages=masked_whiten(advantages, mask), returns=returns)
-        kl_per_episode = kl.sum(1)
+        b = PPOBatch(
+            **fields, values=values, advantages=masked_whiten(advantages, mask, self.dist), returns=returns
+        )
+        kl_per_episode = self.dist.gather(kl.sum(1))
+        scores = self.dist.gather(batch.scores)
         b.stats.update(
             {
-                "objective/scores": float(batch.raw_scores.mean()),
+                "objective/scores": float(self.dist.gather(batch.raw_scores).mean()),
                 "objective/kl": float(kl_per_episode.mean()),
                 "objective/non_score_reward": float((-self.kl_ctl.kl_coef * kl_per_episode).mean()),
-                "objective/rlhf_reward": float((batch.scores - self.kl_ctl.kl_coef * kl_per_episode).mean()),
+                "objective/rlhf_reward": float((scores - self.kl_ctl.kl_coef * kl_per_episode).mean()),
                 "objective/kl_coef": float(self.kl_ctl.kl_coef),
             }
         )
@@ -189,29 +201,35 @@ class LMPPO(LMAgent):
             epoch_kls = []
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
                 self.optimizer.zero_grad()
-                mb_tokens = batch.action_mask[mb_inds].sum().clamp(min=1)
-                for micro_inds in mb_inds.split(micro):
+                # the minibatch's tokens on every process: each micro-batch's loss is its share of their mean
+                mb_tokens = self.dist.sum(batch.action_mask[mb_inds].sum()).clamp(min=1).float()
+                micros = mb_inds.split(micro)
+                for k, micro_inds in enumerate(micros):
                     mb = batch.select(micro_inds)
                     mask = mb.action_mask.to(self.device)  # no loss on environment tokens
-                    with self.accelerator.autocast():
-                        logits, hidden = self.forward(self.policy, mb, hidden=True)
-                        values = self.value_head(hidden).float()
-                    logprobs = logprobs_from_logits(logits, mb.response_ids.to(self.device), c.temperature)
-                    old = {
-                        k: getattr(mb, k).to(self.device)
-                        for k in ("logprobs", "values", "advantages", "returns")
-                    }
-                    pg_loss, clipfrac, approx_kl = policy_loss(
-                        logprobs, old["logprobs"], old["advantages"], mask, c.clip_range
-                    )
-                    vf_loss, vf_clipfrac = value_loss(
-                        values, old["values"], old["returns"], mask, c.clip_range_vf
-                    )
-                    # Without an entropy bonus the entropy is only logged: keep its (N, T, V) graph out of backward.
-                    with torch.set_grad_enabled(c.ent_coef != 0):
-                        entropy = masked_mean(entropy_from_logits(logits, c.temperature), mask)
-                    loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
-                    self.backward(loss * mask.sum() / mb_tokens)
+                    with self.accumulating(last=k == len(micros) - 1):
+                        with self.autocast():
+                            logits, hidden = self.forward(self.policy, mb, hidden=True)
+                            values = self.value_head(hidden).float()
+                        logprobs = logprobs_from_logits(
+                            logits, mb.response_ids.to(self.device), c.temperature
+                        )
+                        old = {
+                            k: getattr(mb, k).to(self.device)
+                            for k in ("logprobs", "values", "advantages", "returns")
+                        }
+                        pg_loss, clipfrac, approx_kl = policy_loss(
+                            logprobs, old["logprobs"], old["advantages"], mask, c.clip_range
+                        )
+                        vf_loss, vf_clipfrac = value_loss(
+                            values, old["values"], old["returns"], mask, c.clip_range_vf
+                        )
+                        # Without an entropy bonus the entropy is only logged: keep its (N, T, V) graph out of backward.
+                        with torch.set_grad_enabled(c.ent_coef != 0):
+                            entropy = masked_mean(entropy_from_logits(logits, c.temperature), mask)
+                        loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+                        # x world size: data-parallel training averages the processes' gradients
+                        self.backward(loss * mask.sum() / mb_tokens.to(loss.device) * self.dist.world)
                     with torch.no_grad():
                         ratio = (logprobs - old["logprobs"]).exp()[mask.bool()]
                     ratios.append(ratio.cpu())
@@ -222,25 +240,27 @@ class LMPPO(LMAgent):
                         logs[key].append(float(value.detach()))
                     epoch_kls.append(float(approx_kl.detach()))
                 self.optimizer_step()
-            if c.target_kl is not None and np.mean(epoch_kls) > 1.5 * c.target_kl:
+            # every process stops the epochs together
+            if c.target_kl is not None and self.dist.any(np.mean(epoch_kls) > 1.5 * c.target_kl):
                 break
-        self.kl_ctl.update(batch.stats["objective/kl"], n)
-        all_ratios = torch.cat(ratios)
+        self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
+        all_ratios = self.dist.gather_objects([torch.cat(ratios)])
+        all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else torch.cat(ratios)
         mask = batch.action_mask.float()
-        var_returns = masked_var(batch.returns, mask)
+        var_returns = masked_var(self.dist.gather(batch.returns), self.dist.gather(mask))
+        residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))
+        means = {k: float(self.dist.sum(np.mean(v)) / self.dist.world) for k, v in logs.items()}
         return {
-            "entropy": float(np.mean(logs["ent"])),
-            "loss/policy_avg": float(np.mean(logs["pg"])),
-            "loss/value_avg": float(np.mean(logs["vf"])),
-            "policy/clipfrac_avg": float(np.mean(logs["clip"])),
-            "val/clipfrac_avg": float(np.mean(logs["vfclip"])),
-            "policy/approxkl_avg": float(np.mean(logs["approxkl"])),
-            "policy/entropy_avg": float(np.mean(logs["ent"])),
-            "objective/entropy": float(np.mean(logs["ent"])),
+            "entropy": means["ent"],
+            "loss/policy_avg": means["pg"],
+            "loss/value_avg": means["vf"],
+            "policy/clipfrac_avg": means["clip"],
+            "val/clipfrac_avg": means["vfclip"],
+            "policy/approxkl_avg": means["approxkl"],
+            "policy/entropy_avg": means["ent"],
+            "objective/entropy": means["ent"],
             "val/ratio": float(all_ratios.mean()),
             "val/ratio_var": float(all_ratios.var()) if len(all_ratios) > 1 else 0.0,
-            "val/var_explained": float(1 - masked_var(batch.returns - batch.values, mask) / var_returns)
-            if var_returns > 0
-            else 0.0,
-            "val/mean": masked_token_mean(batch.values, mask),
+            "val/var_explained": float(1 - residual / var_returns) if var_returns > 0 else 0.0,
+            "val/mean": masked_token_mean(self.dist.gather(batch.values), self.dist.gather(mask)),
         }

@@ -16,7 +16,6 @@ import torch
 
 from textgym.agents.group import GroupAgent, GroupBatch, GroupConfig
 from textgym.agents.group_core import leave_one_out_advantages, normalize, sequence_clipped_surrogate
-from textgym.agents.rollout_batch import RolloutBatch
 
 
 @dataclass
@@ -40,13 +39,14 @@ class RLOO(GroupAgent):
     config_class = RLOOConfig
     name = "rloo"
 
-    def advantages(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def advantages(
+        self, scores: torch.Tensor, kl: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.config
-        rewards = batch.scores
+        rewards = scores
         stats = {}
         if c.beta:
-            kl = ((batch.logprobs - batch.ref_logprobs) * batch.action_mask).sum(1)  # (N,) k1, per sequence
-            rewards = rewards - c.beta * kl
+            rewards = rewards - c.beta * kl  # the KL per completion (k1 over its agent tokens) in the reward
             stats["rlhf_reward"] = float(rewards.mean())
         advantages = leave_one_out_advantages(rewards, self.group_size)
         if c.normalize_advantages:
@@ -63,7 +63,7 @@ class RLOO(GroupAgent):
             logprobs, mb.logprobs.to(device), mask, mb.advantages.to(device), c.epsilon, c.epsilon_high
         )
         counted = mask.sum(-1) > 0  # a masked (truncated) completion takes no part
-        loss = (per_sequence * counted).sum() / totals["num_sequences"]
+        loss = (per_sequence * counted).sum() / totals["num_sequences"] * totals["world"]
         n = float(counted.sum())
         stats = {
             "clip_ratio/low_mean": (float((low & counted).sum()), n),

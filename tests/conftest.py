@@ -23,6 +23,19 @@ def tiny():
     return textgym.load_model("tiny-random-llama")
 
 
+@pytest.fixture(autouse=True)
+def _no_plugin_outlives_its_test():
+    """Plugins a test loads (files, @textgym.reward modules) are unregistered after it, so no test sees
+    another's names."""
+    plugin_manager.load_plugins()
+    before = {name for name, _ in plugin_manager.pm.list_name_plugin()}
+    yield
+    for name, _ in plugin_manager.pm.list_name_plugin():
+        if name not in before:
+            with contextlib.suppress(Exception):
+                plugin_manager.unregister_plugin(name)
+
+
 @pytest.fixture
 def register():
     """Register throwaway plugins for one test: ``register(obj, name)``; all are unregistered afterwards."""

@@ -37,3 +37,17 @@ def test_quick_multiturn_benchmark_runs_and_reports(tmp_path):
     assert all(row["same_tokens"] == 1.0 for row in rows)  # greedy on both sides: the same agent tokens
     report = (tmp_path / "performance.md").read_text()
     assert "## Multi-turn rollout against `model.generate` turn by turn" in report
+
+
+def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", "tiny-random-llama",
+         "--batches", "8", "--new-tokens", "4", "--repeats", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    check = json.loads(out.read_text())
+    assert [row["batch"] for row in check["rollout"]] == [8] and check["rollout"][0]["ratio"] > 0
+    assert {row["agent"] for row in check["agents"]} == {"lmppo", "grpo", "grpo-beta0", "rloo"}
+    assert all(row["peak_memory_mb"] > 0 and row["iteration_s"] > 0 for row in check["agents"])

@@ -142,7 +142,7 @@ def test_mask_truncated_completions_leaves_them_out_of_the_gradient():
     # the loss's gradient with respect to a truncated completion's log-probs is zero
     logprobs = batch.logprobs.clone().requires_grad_(True)
     totals = {"num_sequences": 16, "num_tokens": batch.loss_mask.sum(), "num_micro_batches": 1,
-              "max_completion_length": 2}  # fmt: skip
+              "max_completion_length": 2, "world": 1}  # fmt: skip
     loss, _ = agent.loss(batch, logprobs, totals)
     loss.backward()
     assert logprobs.grad[batch.truncated].eq(0).all()

@@ -87,7 +87,7 @@ def test_tokenizer_without_pad_or_with_pad_equal_to_eos_is_an_error(tokenizer):
     class PadIsEos(CharTokenizer):
         pad_token_id = 1
 
-    with pytest.raises(ModelError, match="has no pad token. Set a pad token that is not EOS"):
+    with pytest.raises(ModelError, match="has no pad token. Give the env a pad token that is not EOS"):
         check_pad_token(NoPad())
     with pytest.raises(ModelError, match=r"same token \(id 1\) for pad and EOS"):
         check_pad_token(PadIsEos())

@@ -118,7 +118,7 @@ def test_sb3_callbacks_are_called_and_checkpoint_and_eval_callbacks_work(tmp_pat
     assert len(steps) == 3 and recorder.events[1:4] == ["rollout_start", "rollout_end", steps[0]]
     assert steps[-1][1] == agent.num_timesteps
     checkpoints = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
-    assert checkpoints == [f"lmppo_{agent.history[1]['timesteps']}_steps.zip"]
+    assert checkpoints == [f"lmppo_{agent.history[1]['timesteps']}_steps"]  # a directory, not a .zip
     assert LMPPO.load(tmp_path / "ckpts" / checkpoints[0]).iteration == 2
     assert (tmp_path / "eval" / "evaluations.npz").is_file()
 

@@ -103,7 +103,7 @@ def test_a_kill_before_the_first_checkpoint_restarts_cleanly(config, tmp_path):
     assert killed.returncode == -signal.SIGKILL
     assert (out / "metrics.csv").is_file() and not (out / "checkpoint").exists()
     resumed = textgym("train", "--resume", out)
-    assert resumed.returncode == 0 and "starting the run again from the beginning" in resumed.stdout
+    assert resumed.returncode == 0 and "starting the run from the beginning" in resumed.stdout
     assert_consistent(out)
 
 

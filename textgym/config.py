@@ -45,11 +45,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "plugins": [],
         "allow_env_import": False,
         "report_to": [],
+        "processes": 1,
     },
     "env": {"id": "textgym/TextGen-v0", "num_envs": 8},
     "agent": {"name": "lmppo", "policy": None},
 }
-POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts")
+POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts", "processes")
 MAX_NUM_ENVS = 65_536
 MAX_EPISODE_BYTES = 2**31  # observation arrays of all sub-envs (int64 ids + int8 mask): refuse beyond 2 GiB
 

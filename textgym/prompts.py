@@ -146,6 +146,9 @@ def register_prompt_sources(register: Callable[..., None]) -> None:
     register("chat", _shipped("chat"))
     register("reviews", _shipped("reviews"))
     register("arithmetic", _shipped("arithmetic"))
+    # 40 "What is the capital of X? Answer with the city name only." with the city as reference: a verifiable
+    # task the embedded SmolLM2-135M gets right about a quarter of the time when sampling (GRPO's example).
+    register("capitals", _shipped("capitals"))
     register("copy", copy_prompts)
     # A fixed split of the same strings: every 8th for evaluation, the rest for training.
     register("copy-train", lambda: [p for i, p in enumerate(copy_prompts()) if i % 8 != 7])

@@ -12,6 +12,7 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ import numpy as np
 from textgym import plugin_manager
 from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.config import load_config, validate
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, TrainingError
 from textgym.rundir import CHECKPOINT, RunDir, crash_point, write_atomic
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
@@ -115,41 +116,145 @@ def run(
     agent_class, policy, hyperparameters = resolve_agent(config["agent"])
     if not is_lm_agent(agent_class):
         _check_sb3_rewards(config)
+    world = world_size()
+    _check_processes(config, world, resume is not None, agent_class, hyperparameters)
     if "tensorboard" in config["run"]["report_to"]:  # one TensorBoard run per run directory, resumes included
         from textgym.agents.base import require_tensorboard
 
         require_tensorboard("run.report_to = ['tensorboard']")
         hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     config["run"]["output_dir"] = str(run_dir)
+    if world == 1 and config["run"]["processes"] > 1:
+        return _launch(config, run_dir, resume is not None)
     rd = RunDir(run_dir)
     resuming, created = resume is not None, False
-    if resuming:
-        if not rd.is_run():
-            raise ConfigError(
-                f"{run_dir} was not written by textgym train (no {rd.path.name}/.textgym-run marker)."
-            )
-        rd.lock()
-        if rd.recover_checkpoint() is None:
-            print(
-                f"textgym: {run_dir} has no complete checkpoint yet: starting the run again from the beginning"
-            )
-            rd.clear_progress()
-            resuming = False
-    else:
+    main = rank() == 0
+    if world > 1:
+        _init_process_group()
+
+    def prepare() -> bool:
+        """The run directory, on the main process: created (or recovered, on resume) and locked."""
+        nonlocal created
+        if resuming:
+            if not rd.is_run():
+                raise ConfigError(f"{run_dir} was not written by textgym train (no .textgym-run marker).")
+            rd.lock()
+            if rd.recover_checkpoint() is None:
+                if not os.environ.get(LAUNCHED_VAR):
+                    print(
+                        f"textgym: {run_dir} has no complete checkpoint yet: starting the run from the beginning"
+                    )
+                rd.clear_progress()
+                return False
+            return True
         created = rd.create()
         rd.lock()
         import tomli_w
 
         write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(config)))
+        return False
+
+    resuming = _on_main(prepare) if world > 1 else prepare()
     trainer = _run_native if is_lm_agent(agent_class) else _run_sb3
     try:
         return trainer(agent_class, policy, hyperparameters, config, rd, resuming)
     except BaseException:
-        if resume is None and created and not (run_dir / "metrics.csv").exists():
+        if main and resume is None and created and not (run_dir / "metrics.csv").exists():
             rd.remove()  # a start that failed before the first iteration leaves nothing behind
         raise
     finally:
         rd.unlock()
+
+
+# -- several processes ---------------------------------------------------------------------------------
+LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
+
+
+def world_size() -> int:
+    """Processes training this run (torchrun's and accelerate's WORLD_SIZE; 1 without them)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def _init_process_group() -> None:
+    """Start the process group before the agent exists (the run directory is prepared on the main process
+    while the others wait); the agent's Accelerator then joins it."""
+    import torch
+    from accelerate import PartialState
+
+    PartialState(cpu=not torch.cuda.is_available())
+
+
+def _on_main(fn: Any) -> Any:
+    """``fn()`` on the main process; its result (or its error, as a one-line error) on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    payload: list[Any] = [None]
+    if rank() == 0:
+        try:
+            payload = [("ok", fn())]
+        except (ConfigError, OSError) as exc:
+            payload = [("error", f"{exc}")]
+    broadcast_object_list(payload)
+    status, value = payload[0]
+    if status == "error":
+        raise ConfigError(value if rank() == 0 else f"the main process could not start the run: {value}")
+    return value
+
+
+def _check_processes(
+    config: dict[str, Any], world: int, resuming: bool, agent_class: Any, hp: dict[str, Any]
+) -> None:
+    run, env = config["run"], config["env"]
+    if world > 1:
+        if resuming and run["processes"] != world:
+            raise ConfigError(
+                f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
+                f"(torchrun --nproc_per_node {run['processes']}), not {world}: the seeds and the batch split depend on it."
+            )
+        if not is_lm_agent(agent_class):
+            raise ConfigError("Stable-Baselines3 agents train in one process; run them without torchrun.")
+        run["processes"] = world
+    if env["num_envs"] % run["processes"]:
+        raise ConfigError(
+            f"env.num_envs={env['num_envs']} does not split evenly over {run['processes']} processes: make it a "
+            f"multiple of {run['processes']}."
+        )
+    group = hp.get("num_generations") or getattr(
+        getattr(agent_class, "config_class", None), "num_generations", 1
+    )
+    if is_lm_agent(agent_class) and group and (env["num_envs"] // run["processes"]) % group:
+        raise ConfigError(
+            f"each of the {run['processes']} processes gets {env['num_envs'] // run['processes']} episodes, not a "
+            f"multiple of num_generations={group}: make env.num_envs a multiple of {run['processes'] * group}."
+        )
+
+
+def _launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
+    """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
+    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs)."""
+    import subprocess
+    import sys
+
+    n = config["run"]["processes"]
+    rd = RunDir(run_dir)
+    if not resuming:
+        rd.create()
+        import tomli_w
+
+        write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(config)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
+    print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
+    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"})
+    if result.returncode != 0:
+        raise TrainingError(
+            f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
+        )
+    return run_dir
 
 
 def check_env_id(env_id: str, allow_import: bool) -> None:
@@ -253,35 +358,47 @@ def _run_native(
     from textgym.sampling import rollout
 
     run = config["run"]
-    env = make_env(config, config["env"]["num_envs"])
+    env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     if resuming:
         agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
+    else:
+        agent = agent_class(policy, env, **hyperparameters)
+    dist = agent.dist  # with one process every collective below is a no-op
+
+    def resumed() -> None:
         dropped = rd.truncate_samples(agent.iteration)
         rd.write_metrics(agent.history)
         print(
             f"textgym: resuming {rd.path} at iteration {agent.iteration}, {agent.num_timesteps} tokens"
             + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else "")
         )
-    else:
-        agent = agent_class(policy, env, **hyperparameters)
 
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        return rollout(agent.policy, sample_env, temperature=agent.config.temperature, seed=seed).infos
+        return rollout(agent.rollout_model, sample_env, temperature=agent.config.temperature, seed=seed).infos
 
-    if not resuming:
-        _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
+    if resuming:
+        dist.on_main(resumed)
+    else:
+        dist.on_main(
+            lambda: _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
+        )
 
     class Recorder(BaseCallback):
         def _on_step(self) -> bool:
             model = self.model
-            rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
-            rd.write_metrics(model.history)
-            crash_point("after-metrics")
-            tqdm.write(_iteration_line(model.history[-1], model.num_timesteps))
-            if model.iteration % run["checkpoint_every"] == 0 or flag.stop:
-                rd.write_checkpoint(model.save)
-            return not flag.stop
+            stop = dist.any(flag.stop)  # every process stops after the same iteration
+
+            def record() -> None:
+                rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
+                rd.write_metrics(model.history)
+                crash_point("after-metrics")
+                tqdm.write(_iteration_line(model.history[-1], model.num_timesteps))
+                if model.iteration % run["checkpoint_every"] == 0 or stop:
+                    rd.write_checkpoint(model.save)
+
+            dist.on_main(record)
+            return not stop
 
     remaining = run["total_timesteps"] - agent.num_timesteps
     with StopFlag() as flag:
@@ -293,8 +410,9 @@ def _run_native(
                 progress_bar=True,
                 tb_log_name="run",
             )
-    rd.write_checkpoint(agent.save)
-    return _finish(rd, agent.history, flag.stop, config, generate, has_kl=True)
+    stopped = dist.any(flag.stop)
+    dist.on_main(lambda: rd.write_checkpoint(agent.save))
+    return dist.on_main(lambda: _finish(rd, agent.history, stopped, config, generate, has_kl=True)) or rd.path
 
 
 def _finish(

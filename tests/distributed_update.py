@@ -1,0 +1,54 @@
+"""One update of an LM agent on a fixed batch of episodes, in one process or split over several (launched by
+``torch.distributed.run``); writes the updated parameters. tests/test_distributed.py compares the two.
+
+    python tests/distributed_update.py AGENT BATCH.pt OUT.pt
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_update.py AGENT BATCH.pt OUT.pt
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lm_helpers import char_llama
+
+from textgym.agents.grpo import GRPO
+from textgym.agents.ppo import LMPPO
+from textgym.agents.rollout_batch import RolloutBatch
+
+AGENTS = {
+    # one epoch, one minibatch: the same update whatever the split; micro-batches exercise accumulation
+    "lmppo": (LMPPO, dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learning_rate=1e-2)),
+    "grpo": (
+        GRPO,
+        dict(
+            num_generations=4,
+            beta=0.05,
+            loss_type="dapo",
+            scale_rewards="batch",
+            micro_batch_size=4,
+            learning_rate=1e-2,
+        ),
+    ),
+}
+
+
+def main() -> None:
+    name, batch_path, out = sys.argv[1:4]
+    cls, hyperparameters = AGENTS[name]
+    agent = cls(char_llama(), None, seed=0, verbose=0, **hyperparameters)
+    full = torch.load(batch_path, weights_only=True)
+    world, rank = agent.dist.world, agent.dist.rank
+    n = len(full["scores"]) // world
+    rows = {k: v[rank * n : (rank + 1) * n] for k, v in full.items()}  # this process's share of the episodes
+    batch = RolloutBatch(**rows, ref_logprobs=None, raw_scores=rows["scores"].clone())
+    batch.ref_logprobs = agent.reference_logprobs(batch)
+    batch.stats = agent.rollout_stats(batch)
+    agent.train(agent.process(batch))
+    if agent.dist.is_main:
+        torch.save([p.detach().cpu() for p in agent.params], out)
+
+
+if __name__ == "__main__":
+    main()
