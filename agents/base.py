@@ -336,7 +336,7 @@ class LMAgent:
                     logits, mb.response_ids.to(self.device), self.config.temperature
                 )
                 chunks.append(logprobs.cpu())
-        return torch.cat(chunks) * batch.response_mask
+        return torch.cat(chunks) * batch.action_mask  # environment tokens are not actions: no KL there
 
     def sequence_kl(self, batch: RolloutBatch) -> torch.Tensor:
         """KL(policy || reference) per completion (N,): the sum over its tokens of log pi - log pi_ref for the
@@ -356,7 +356,7 @@ class LMAgent:
             ref = logprobs_from_logits(
                 logits, batch.response_ids.to(self.device), self.config.temperature
             ).cpu()
-        return ((batch.logprobs - ref) * batch.response_mask).sum(1)
+        return ((batch.logprobs - ref) * batch.action_mask).sum(1)
 
     # -- one batch of episodes -----------------------------------------------------------------------
     def shape_scores(self, raw: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
@@ -409,7 +409,9 @@ class LMAgent:
                 )
                 for name in stack.names
             }
-            r.scores = stack.combine(components)
+            # a multi-turn episode's return also holds its turn rewards
+            turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in r.infos])
+            r.scores = stack.combine(components) + turn_rewards
             for episode, total in zip(r.infos, r.scores):
                 episode["reward"] = float(total)
         batch = RolloutBatch.from_rollout(r)
@@ -425,7 +427,7 @@ class LMAgent:
             batch.ref_logprobs = self.reference_logprobs(batch)
         t_reference = time.perf_counter() - start
         batch.stats = self.rollout_stats(batch)
-        mask = batch.response_mask.float()
+        mask = batch.action_mask.float()
         batch.stats.update(
             {
                 "time/rollout": t_rollout - t_reward,
@@ -444,7 +446,7 @@ class LMAgent:
         d = self.dist
         scores = d.gather(batch.raw_scores.double())
         groups = scores.view(-1, self.group_size) if self.group_size > 1 else scores.view(1, -1)
-        mask = batch.response_mask.float()
+        mask = batch.action_mask.float()  # the agent's tokens (a multi-turn episode's replies are not)
         stats = {
             "reward": float(scores.mean()),
             "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
@@ -611,7 +613,8 @@ class LMAgent:
                     )
             callback.on_rollout_start()
             batch = self.collect_rollouts()
-            tokens = int(self.dist.sum(batch.response_mask.sum()))  # every process's: one count everywhere
+            # one env step = one agent token; every process's, so the count is the same everywhere
+            tokens = int(self.dist.sum(batch.action_mask.sum()))
             self.num_timesteps += tokens
             callback.update_locals(locals())
             callback.on_rollout_end()

@@ -66,7 +66,7 @@ class GroupBatch(RolloutBatch):
     """A :class:`RolloutBatch` with one advantage per completion and the loss mask."""
 
     advantages: torch.Tensor | None = None  # (N,)
-    loss_mask: torch.Tensor | None = None  # (N, T): response_mask, without truncated completions if asked
+    loss_mask: torch.Tensor | None = None  # (N, T): action_mask, without truncated completions if asked
 
 
 class GroupAgent(LMAgent):
@@ -106,11 +106,12 @@ class GroupAgent(LMAgent):
         d = self.dist
         kl = None
         if batch.ref_logprobs is not None:
-            kl = d.gather(((batch.logprobs - batch.ref_logprobs) * batch.response_mask).sum(1))  # (N_all,) k1
+            mask = batch.action_mask  # the agent's tokens (a multi-turn episode's replies are not actions)
+            kl = d.gather(((batch.logprobs - batch.ref_logprobs) * mask).sum(1))  # (N_all,) k1
         advantages, stats = self.advantages(d.gather(batch.scores), kl)
         n = len(batch)
         advantages = advantages[d.rank * n : (d.rank + 1) * n]  # this process's rows
-        loss_mask = batch.response_mask.clone()
+        loss_mask = batch.action_mask.clone()  # environment tokens are not actions
         if self.config.mask_truncated_completions:
             loss_mask[batch.truncated] = 0
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
@@ -150,7 +151,7 @@ class GroupAgent(LMAgent):
                         loss, stats = self.loss(mb, logprobs, totals)
                         self.backward(loss)
                     step_loss += float(loss.detach())
-                    mask = mb.response_mask.to(entropy.device).float()
+                    mask = mb.action_mask.to(entropy.device).float()
                     add("entropy", float((entropy * mask).sum()), float(mask.sum()))
                     for name, (total, count) in stats.items():
                         add(name, total, count)

@@ -28,6 +28,7 @@ from textgym.agents.lm_config import LMAgentConfig, check_positive_int
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
     FixedKLController,
+    agent_first_order,
     entropy_from_logits,
     gae,
     logprobs_from_logits,
@@ -151,19 +152,24 @@ class LMPPO(LMAgent):
         """Values, per-token rewards, GAE and whitened advantages for ``batch`` (this process's rows;
         whitening is over every process's). ``hidden``: the rollout's last hidden states, recomputed if None."""
         c = self.config
-        mask = batch.response_mask.float()
+        mask = batch.action_mask.float()  # agent tokens: a multi-turn episode's replies are observations
         with torch.no_grad():
             if hidden is None:
                 _, hidden = self.forward(self.rollout_model, batch, hidden=True)
             values = (
                 self.accelerator.unwrap_model(self.value_head)(hidden.to(self.device)).float().cpu() * mask
             )
+        # KL, score and GAE over each row's agent tokens compacted to the front (identity without replies)
+        order = agent_first_order(mask)
+        compact = lambda x: x.gather(1, order)  # noqa: E731
         rewards, kl = per_token_rewards(
-            batch.scores, batch.logprobs, batch.ref_logprobs, mask, self.kl_ctl.kl_coef, c.kl_estimator
-        )
+            batch.scores, compact(batch.logprobs), compact(batch.ref_logprobs), compact(mask),
+            self.kl_ctl.kl_coef, c.kl_estimator,
+        )  # fmt: skip
         if c.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, self.dist, shift_mean=False)
-        advantages, returns = gae(rewards, values, mask, c.gamma, c.gae_lambda)
+            rewards = masked_whiten(rewards, compact(mask), self.dist, shift_mean=False)
+        advantages, returns = gae(rewards, compact(values), compact(mask), c.gamma, c.gae_lambda)
+        advantages, returns = (torch.zeros_like(mask).scatter(1, order, x) for x in (advantages, returns))
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
         b = PPOBatch(
             **fields, values=values, advantages=masked_whiten(advantages, mask, self.dist), returns=returns
@@ -196,11 +202,11 @@ class LMPPO(LMAgent):
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
                 self.optimizer.zero_grad()
                 # the minibatch's tokens on every process: each micro-batch's loss is its share of their mean
-                mb_tokens = self.dist.sum(batch.response_mask[mb_inds].sum()).clamp(min=1).float()
+                mb_tokens = self.dist.sum(batch.action_mask[mb_inds].sum()).clamp(min=1).float()
                 micros = mb_inds.split(micro)
                 for k, micro_inds in enumerate(micros):
                     mb = batch.select(micro_inds)
-                    mask = mb.response_mask.to(self.device)
+                    mask = mb.action_mask.to(self.device)  # no loss on environment tokens
                     with self.accumulating(last=k == len(micros) - 1):
                         with self.autocast():
                             logits, hidden = self.forward(self.policy, mb, hidden=True)
@@ -240,7 +246,7 @@ class LMPPO(LMAgent):
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
         all_ratios = self.dist.gather_objects([torch.cat(ratios)])
         all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else torch.cat(ratios)
-        mask = batch.response_mask.float()
+        mask = batch.action_mask.float()
         var_returns = masked_var(self.dist.gather(batch.returns), self.dist.gather(mask))
         residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))
         means = {k: float(self.dist.sum(np.mean(v)) / self.dist.world) for k, v in logs.items()}

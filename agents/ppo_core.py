@@ -81,6 +81,18 @@ def per_token_rewards(
     return rewards * mask, kl
 
 
+def agent_first_order(action_mask: Tensor) -> Tensor:
+    """A per-row permutation (B, T) that moves each row's agent positions to the front, in order, and the
+    rest behind them: ``x.gather(1, order)`` compacts a row's agent tokens into ``[0, n)`` and
+    ``torch.zeros_like(x).scatter(1, order, y)`` puts them back. In a multi-turn episode the environment's
+    tokens sit between the agent's turns; GAE and the score on the last token run over the compacted rows, so
+    the value after an agent turn is the value of the agent's next token, not of an environment token. Without
+    environment tokens the order is the identity."""
+    T = action_mask.shape[1]
+    key = (action_mask == 0).to(torch.int64) * T + torch.arange(T, device=action_mask.device)  # (B, T)
+    return key.argsort(dim=1)
+
+
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:

@@ -46,9 +46,7 @@ class RLOO(GroupAgent):
         rewards = scores
         stats = {}
         if c.beta:
-            rewards = (
-                rewards - c.beta * kl
-            )  # the KL per completion (k1, summed over its tokens) in the reward
+            rewards = rewards - c.beta * kl  # the KL per completion (k1 over its agent tokens) in the reward
             stats["rlhf_reward"] = float(rewards.mean())
         advantages = leave_one_out_advantages(rewards, self.group_size)
         if c.normalize_advantages:

@@ -38,8 +38,12 @@ class RunningMoments:
 class RolloutBatch:
     """One iteration's episodes: N rows (one per sub-env), T response positions.
 
-    ``response_mask`` is 1 on the tokens the agent generated (EOS included) and 0 after the episode ended.
-    Subclasses add what their update needs (values, advantages, ...); :meth:`select` slices every tensor.
+    ``response_mask`` is 1 on the episode's tokens after the prompt (EOS included) and 0 after the episode
+    ended: the attention mask of the response. ``action_mask`` is 1 on the agent's tokens only: in a
+    multi-turn episode the environment's replies sit between the agent's turns and are observations, not
+    actions, so the losses, the KL and the value targets use ``action_mask``. Without a responder both are
+    equal. Subclasses add what their update needs (values, advantages, ...); :meth:`select` slices every
+    tensor.
     """
 
     query_ids: torch.Tensor  # (N, P) left-padded prompts
@@ -51,8 +55,13 @@ class RolloutBatch:
     scores: torch.Tensor  # (N,) the training score: reward-stack total after score shaping
     raw_scores: torch.Tensor  # (N,) the reward-stack total
     truncated: torch.Tensor  # (N,) bool: cut at max_new_tokens without EOS
+    action_mask: torch.Tensor | None = None  # (N, T) 1 on agent tokens; None: response_mask
     episodes: list[dict[str, Any]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)  # rollout-stage statistics
+
+    def __post_init__(self) -> None:
+        if self.action_mask is None and self.response_mask is not None:
+            self.action_mask = self.response_mask
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -72,6 +81,7 @@ class RolloutBatch:
             scores=raw.clone(),
             raw_scores=raw,
             truncated=torch.tensor([e["finish_reason"] == "length" for e in r.infos], dtype=torch.bool),
+            action_mask=getattr(r, "action_mask", None),
             episodes=r.infos,
         )
 

@@ -195,6 +195,37 @@ def write_report(quick: bool = False) -> Path:
         worst = max(row["ratio"] for row in r["rows"])
         lines += ["", f"Target: ratio at most 1.10 at every batch size. Worst measured: {worst:.2f} "
                   f"({'met' if worst <= 1.10 else f'missed by {worst - 1.10:.2f}'}).", ""]  # fmt: skip
+    mt = load("multiturn_rollout")
+    if mt:
+        a = mt["args"]
+        lines += [
+            "## Multi-turn rollout against `model.generate` turn by turn",
+            "",
+            "`python -m benchmarks.multiturn_rollout`. The user-simulator task (shipped `followups` prompts: after "
+            f"each answer the user asks the prompt's next follow-up), up to {a['max_turns']} turns of the model, "
+            f"{a['new_tokens']} tokens for the whole conversation, turns ending on EOS or {a['stop']!r}, greedy. "
+            "The env side is LMPPO's rollout: one agent token per step through the KV cache, each reply prefilled "
+            "as one chunk in the same forward, hidden states kept. The `generate` side replays the same "
+            "conversations as a multi-turn loop on `generate` would run them: one batched call per turn over the "
+            "conversation so far (prompt, earlier turns and replies), until EOS or the stop string. "
+            '"same tokens" is the share of turns where both wrote the same tokens. Median of '
+            f"{a['repeats']} runs of each, alternated.",
+            "",
+            "| batch | turns | agent tokens | env tokens | `generate` calls | same tokens | `generate` (s) | env rollout (s) | ratio env / generate |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in mt["rows"]:
+            lines.append(
+                f"| {row['batch']} | {row['turns']} | {row['agent_tokens']} | {row['env_tokens']} | {row['generate_calls']} | "
+                f"{row['same_tokens']:.2f} | {row['generate_s']:.2f} | {row['env_rollout_s']:.2f} | **{row['ratio']:.2f}** |"
+            )
+        lines += [
+            "",
+            "Turn by turn, `generate` prefills the whole conversation again at every turn and waits for the "
+            "batch's slowest turn before any row starts its next one. The env rollout prefills only each new "
+            "reply, and a row starts its next turn on the step after its reply, whatever the other rows do.",
+            "",
+        ]
     p = load("ppo_vs_trl")
     if p:
         s = p["settings"]

@@ -124,7 +124,9 @@ def scaling(rm_dir: Path, prompts: Path, quick: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", nargs="+", default=["env", "rewards", "rollout", "ppo", "scaling"])
+    parser.add_argument(
+        "--only", nargs="+", default=["env", "rewards", "rollout", "multiturn", "ppo", "scaling"]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
     parser.add_argument("--results", type=Path, help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args()
@@ -142,6 +144,19 @@ def main() -> None:
             "rollout_vs_generate",
             *(["--batches", "1", "2", "--new-tokens", "4", "--repeats", "1"] if q else []),
         )
+    if "multiturn" in args.only:
+        quick = [
+            "--model",
+            "tiny-random-llama",
+            "--batches",
+            "1",
+            "2",
+            "--new-tokens",
+            "24",
+            "--repeats",
+            "1",
+        ]
+        module("multiturn_rollout", *(quick if q else []))
     if "ppo" in args.only:
         from textgym.models import smollm2_dir
 

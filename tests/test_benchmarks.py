@@ -25,6 +25,20 @@ def test_quick_benchmarks_run_and_write_results_and_a_report(tmp_path):
     assert "## Rollout through the env against `model.generate`" in report and "## The env alone" in report
 
 
+def test_quick_multiturn_benchmark_runs_and_reports(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "multiturn", "--results", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "multiturn_rollout.json").read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    assert all(row["turns"] > row["batch"] and row["env_tokens"] > 0 for row in rows)  # several turns each
+    assert all(row["same_tokens"] == 1.0 for row in rows)  # greedy on both sides: the same agent tokens
+    report = (tmp_path / "performance.md").read_text()
+    assert "## Multi-turn rollout against `model.generate` turn by turn" in report
+
+
 def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(

@@ -1,15 +1,18 @@
 """textgym: text generation as a Gymnasium environment, with rewards as pluggy plugins.
 
-One token is one action, one completion is one episode, and the reward is a weighted stack of reward
-plugins. Importing textgym loads the plugins and registers their environments with Gymnasium.
+One token is one action, one completion (or one conversation, with a responder) is one episode, and
+the reward is a weighted stack of reward plugins. Importing textgym loads the plugins and registers their
+environments with Gymnasium.
 """
 
 from textgym.hookspecs import hookimpl
+from textgym.responders import Conversation, Reply, Responder, make_responder, responder
 from textgym.rewards import (
     FunctionReward,
     Reward,
     RewardStack,
     Sample,
+    Turn,
     build_reward_stack,
     make_reward,
     reward,
@@ -28,18 +31,24 @@ except errors.TextgymError:
     pass  # a broken plugin: every lookup raises the error, which the CLI prints as one line
 
 __all__ = [
+    "Conversation",
     "FunctionReward",
     "Prompt",
+    "Reply",
+    "Responder",
     "Reward",
     "RewardStack",
     "Sample",
     "TextGenEnv",
     "TextGenVectorEnv",
+    "Turn",
     "build_reward_stack",
     "hookimpl",
     "load_model",
     "load_prompts",
     "load_tokenizer",
+    "make_responder",
     "make_reward",
+    "responder",
     "reward",
 ]

@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"a reward spec (repeatable); default: {'; '.join(DEMO_REWARDS)}",
     )
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--stop", action="append", help="a stop string that ends the model's turn (repeatable)")
+    p.add_argument("--responder", metavar="'NAME [key=value ...]'", help="multi-turn: the environment's side")
+    p.add_argument("--max-turns", type=int, help="multi-turn: the most turns of the model per episode")
     p.add_argument("--output", type=Path, help="also write the rows as JSONL here")
 
     p = commands.add_parser("train", parents=[plugin_args], help="train an agent as a TOML config says")
@@ -232,8 +235,11 @@ def _sample(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         chat_template=args.chat_template,
+        stop=args.stop,
         prompt_order="sequential",
         autoreset_mode="Disabled",
+        responder=args.responder,
+        max_turns=args.max_turns,
     )
     if args.top_k > env.single_action_space.n:
         raise ConfigError(
@@ -269,8 +275,12 @@ def _sample(args: argparse.Namespace) -> int:
         env.close()
         if output:
             output.close()
+    from textgym.envs.conversation import format_transcript
     from textgym.formatting import format_table
 
+    for row in rows:  # multi-turn episodes: the whole conversation, turn by turn, before the table
+        if "turns" in row:
+            print(format_transcript(row) + "\n")
     print(format_table(rows))
     if args.output:
         print(f"wrote {len(rows)} rows to {args.output}")

@@ -11,7 +11,7 @@ class TextgymError(Exception):
 
 
 class UnknownNameError(TextgymError, LookupError):
-    """A reward, env, agent, model or prompt-source name that no plugin registered."""
+    """A reward, env, agent, model, prompt-source or responder name that no plugin registered."""
 
     def __init__(self, kind: str, name: str, known: Iterable[str]):
         self.kind, self.name, self.known = kind, name, sorted(known)
@@ -20,7 +20,7 @@ class UnknownNameError(TextgymError, LookupError):
         if close:
             message += f" Did you mean {close[0]!r}?"
         message += f" Known {kind}s: {', '.join(self.known) or '(none)'}."
-        if kind in ("reward", "agent", "env", "prompt source", "model"):
+        if kind in ("reward", "agent", "env", "prompt source", "model", "responder"):
             message += " Run `textgym plugins` to see what each installed plugin registers."
         super().__init__(message)
 

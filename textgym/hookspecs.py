@@ -63,3 +63,17 @@ def register_models(register: Callable[..., None]) -> None:
         register: ``register(name, loader, tokenizer_loader=None)``. ``loader()`` returns ``(model, tokenizer)``;
             ``tokenizer_loader()``, when given, returns the tokenizer alone without loading weights.
     """
+
+
+@hookspec
+def register_responders(register: Callable[..., None]) -> None:
+    """Register responders: the environment's side of multi-turn episodes (tool results, game feedback, a
+    user's next message).
+
+    Args:
+        register: ``register(name, factory)``. ``factory(**kwargs)`` builds a responder: an object with ``name``
+            and ``__call__(conversations) -> list[Reply | str]``, one reply per conversation, and optionally
+            ``role``, ``start(conversations)`` and ``close()`` (see :mod:`textgym.responders`). The keyword
+            arguments are the keys of a responder spec other than ``name``, e.g.
+            ``{name = "guess_number", turn_penalty = 0.2}``.
+    """

@@ -1,8 +1,8 @@
 """The plugin manager: built-ins, then the ``textgym`` entry-point group, then plugin files.
 
-Everything textgym can name (rewards, envs, agents, prompt sources, models) is registered through the hooks
-in :mod:`textgym.hookspecs`, the built-ins exactly like third-party plugins. The registries are rebuilt from
-the hooks whenever the set of plugins changes.
+Everything textgym can name (rewards, envs, agents, prompt sources, models, responders) is registered
+through the hooks in :mod:`textgym.hookspecs`, the built-ins exactly like third-party plugins. The
+registries are rebuilt from the hooks whenever the set of plugins changes.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ DEFAULT_PLUGINS = (
     "textgym.plugins.similarity",
     "textgym.plugins.match",
     "textgym.plugins.math",
+    "textgym.plugins.calculator",
+    "textgym.plugins.guess_number",
+    "textgym.plugins.user_simulator",
+    "textgym.plugins.echo",
     "textgym.prompts",
     "textgym.models",
     "textgym.envs.builtin",
@@ -47,6 +51,7 @@ KINDS = {
     "register_agents": "agent",
     "register_prompt_sources": "prompt source",
     "register_models": "model",
+    "register_responders": "responder",
 }
 
 pm = pluggy.PluginManager("textgym")

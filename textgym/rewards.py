@@ -31,7 +31,18 @@ from textgym.reward_functions import (
     load_function,
 )
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "max_turns", "overflow"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a multi-turn episode: who wrote it (``"assistant"`` for the agent, else the responder's
+    role, e.g. ``"tool"`` or ``"user"``), its text, and the token ids it occupies in the episode (for an
+    environment turn: the reply formatted with the chat template)."""
+
+    role: str
+    text: str
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,8 +54,13 @@ class Sample:
         completion: the generated text, without the EOS token or the stop string.
         prompt_ids: token ids the model saw as the prompt (chat template applied, if any).
         completion_ids: generated token ids, EOS included when the episode ended on it.
-        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (hit ``max_new_tokens``).
+        finish_reason: ``"stop"`` (EOS or a stop string; in a multi-turn episode: the responder ended it),
+            ``"length"`` (hit ``max_new_tokens``), and in multi-turn episodes ``"max_turns"`` (the agent's
+            last allowed turn ended) or ``"overflow"`` (the environment's reply did not fit the token budget).
         meta: whatever the prompt source attached to the prompt (reference answer, topic, ...).
+        turns: in a multi-turn episode, every turn after the prompt in order, the agent's and the
+            environment's (:class:`Turn`); ``completion`` is then the agent's last turn. Empty for a
+            single-turn episode.
     """
 
     prompt: str
@@ -53,6 +69,7 @@ class Sample:
     completion_ids: tuple[int, ...] = ()
     finish_reason: FinishReason = "stop"
     meta: Mapping[str, Any] = field(default_factory=dict)
+    turns: tuple[Turn, ...] = ()
 
 
 @runtime_checkable

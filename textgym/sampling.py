@@ -4,6 +4,13 @@ The prompt is encoded once; afterwards each step feeds one new token per episode
 so a rollout costs what ``model.generate`` costs. Agents use :func:`rollout`, which also keeps each
 sampled token's log-probability (at the sampling temperature) and, optionally, the last hidden states
 for a value head; ``textgym sample`` uses :func:`sample_episodes`.
+
+Multi-turn episodes (an env with a responder): when an agent turn ends, the environment's reply is fed
+through the KV cache in the same forward as the agent's last token, one chunk per turn. Rows whose turns end
+on the same step share the chunk: each row's new tokens are right-aligned in it, the padding before them has
+attention mask 0, and position ids continue from each row's own last position, so the cache holds exactly
+what one forward over the whole conversation would compute (tests/test_multiturn_rollout.py checks the
+log-probs against that forward).
 """
 
 from __future__ import annotations
@@ -21,16 +28,19 @@ from textgym.errors import TrainingError
 @dataclass
 class Rollout:
     """One batch of episodes, one row per sub-env. Response tensors are (N, T) with T = max_new_tokens;
-    ``response_mask`` is 1 on generated tokens (EOS included) and 0 after the episode ended."""
+    ``response_mask`` is 1 on the episode's tokens after the prompt (EOS included) and 0 after the episode
+    ended; ``action_mask`` is 1 on the agent's tokens only (it differs from ``response_mask`` where a
+    responder wrote: those tokens are observations, not actions)."""
 
     query_ids: Any  # (N, P) left-padded prompts
     query_mask: Any  # (N, P)
     response_ids: Any  # (N, T), pad after the end
     response_mask: Any  # (N, T)
-    logprobs: Any  # (N, T) log p(token) at the sampling temperature, 0 after the end
-    hidden: Any | None  # (N, T, H) last hidden state that produced each token's logits, if asked for
-    scores: np.ndarray  # (N,) reward-stack totals
-    infos: list[dict[str, Any]]  # per episode: prompt, completion, finish_reason, reward_components
+    logprobs: Any  # (N, T) log p(token) at the sampling temperature, 0 except on agent tokens
+    hidden: Any | None  # (N, T, H) last hidden state that produced each agent token's logits, if asked for
+    scores: np.ndarray  # (N,) episode returns: the reward-stack total plus any turn rewards
+    infos: list[dict[str, Any]]  # per episode: prompt, completion, finish_reason, reward_components, ...
+    action_mask: Any = None  # (N, T) 1 on agent tokens; None: the same as response_mask
 
 
 def rollout(
@@ -59,15 +69,15 @@ def rollout(
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
     query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
     start = int(query_mask.any(0).long().argmax())  # columns that are padding in every prompt are skipped
-    mask = query_mask[:, start:].to(device)  # (N, P'), grows by one column per step
+    mask = query_mask[:, start:].to(device)  # (N, P'), grows by one column per step (a chunk after a turn)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P')
-    response_ids = torch.full((n, T), env.pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(n, T, dtype=torch.long)
     logprobs = torch.zeros(n, T)
-    hidden: list[Any] = []
-    scores = np.zeros(n)
+    hidden: Any = None
+    length = np.zeros(n, dtype=np.int64)  # response tokens so far per row: where its next agent token goes
+    scores = np.zeros(n)  # episode returns
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
+    multi_turn = env.responder is not None
     with torch.inference_mode():
         out = model(
             input_ids=query_ids[:, start:].to(device),
@@ -81,13 +91,12 @@ def rollout(
         # transformers 5.x names the KV cache `cache`, older versions `past_key_values`; the model takes it
         # back under the name it returned it (wrappers such as peft pass unknown keywords through).
         cache_key = "cache" if "cache" in out else "past_key_values"
-        for t in range(T):
-            active = torch.from_numpy(env.active)
+        for _ in range(T):
+            active_np = env.active
+            active = torch.from_numpy(active_np)
             logits = out.logits[:, -1, : env.single_action_space.n].float().cpu()  # (N, V)
             if scale != 1.0:
                 logits = logits / scale
-            if keep_hidden:
-                hidden.append(out.hidden_states[-1][:, -1].float().cpu())  # (N, H)
             if temperature == 0:
                 tokens = logits.argmax(-1)
             else:
@@ -101,43 +110,103 @@ def rollout(
                         f"the model's next-token distribution is not finite ({exc}); its weights have diverged."
                     ) from None
             tokens = torch.where(active, tokens, env.pad_token_id)
-            response_ids[:, t] = tokens
-            response_mask[:, t] = active.long()
+            rows = torch.from_numpy(np.flatnonzero(active_np))
+            cols = torch.from_numpy(length[active_np])
             # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step
             chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
-            logprobs[:, t] = (chosen - torch.logsumexp(logits, -1)) * active
-            _, rewards, terminated, truncated, step_infos = env.step(tokens.numpy())
+            logprobs[rows, cols] = (chosen - torch.logsumexp(logits, -1))[rows]
+            if keep_hidden:
+                h = out.hidden_states[-1][:, -1].float().cpu()  # (N, H)
+                if hidden is None:
+                    hidden = torch.zeros(n, T, h.shape[-1])
+                hidden[rows, cols] = h[rows]
+            obs, rewards, terminated, truncated, step_infos = env.step(tokens.numpy())
+            scores += rewards  # turn rewards on the steps that end turns, the stack's total on the last
             for i in np.flatnonzero(terminated | truncated):
-                scores[i] = rewards[i]
-                infos[i] = {
-                    "prompt": step_infos["prompt"][i],
-                    "completion": step_infos["completion"][i],
-                    "finish_reason": step_infos["finish_reason"][i],
-                    "num_tokens": int(step_infos["num_tokens"][i]),
-                    "reward_components": {  # not applicable (NaN) becomes None: null in JSON files
-                        k: None if np.isnan(v[i]) else float(v[i])
-                        for k, v in step_infos["reward_components"].items()
-                        if not k.startswith("_")
-                    },
-                    "reward": float(rewards[i]),
-                }
+                infos[i] = _episode_info(step_infos, i, scores[i])
             if not env.active.any():
                 break
-            mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+            new_length = length + active_np  # each active row wrote its token...
+            if multi_turn:  # ...and, where a turn ended, the environment's reply after it
+                new_length = obs["attention_mask"][:, P:].sum(1).astype(np.int64)
+            # environment tokens appended after each row's agent token (rows still in their episode)
+            extra = np.where(env.active, new_length - length - 1, 0)
+            if not extra.any():
+                mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+                feed, feed_positions, keep = tokens[:, None], next_position, {}
+            else:
+                feed, feed_mask, feed_positions = _turn_chunk(
+                    obs["input_ids"], P + length, 1 + extra, env.pad_token_id, next_position
+                )
+                mask = torch.cat([mask, feed_mask.to(device)], dim=1)
+                keep = logits_to_keep(model, 1)
+            length = np.where(active_np, new_length, length)
             out = model(
-                input_ids=tokens[:, None].to(device),
+                input_ids=feed.to(device),
                 attention_mask=mask,
-                position_ids=next_position,
+                position_ids=feed_positions.to(device),
                 use_cache=True,
                 output_hidden_states=keep_hidden,
                 **{cache_key: out[cache_key]},
+                **keep,
             )
-            next_position = next_position + 1
+            next_position = next_position + torch.from_numpy(1 + extra)[:, None].to(next_position.device)
+    # the env's record of each conversation after the prompt, pad after the end: (N, T)
+    response_ids = torch.from_numpy(obs["input_ids"][:, P:].copy())
+    response_mask = torch.from_numpy(obs["attention_mask"][:, P:].astype(np.int64))
+    action_mask = response_mask * torch.from_numpy(1 - env.env_token_mask[:, P:].astype(np.int64))
     hidden_states = None
     if keep_hidden:
-        hidden_states = torch.zeros(n, T, hidden[0].shape[-1])
-        hidden_states[:, : len(hidden)] = torch.stack(hidden, dim=1)
-    return Rollout(query_ids, query_mask, response_ids, response_mask, logprobs, hidden_states, scores, infos)
+        hidden_states = hidden if hidden is not None else torch.zeros(n, T, 1)
+    return Rollout(
+        query_ids,
+        query_mask,
+        response_ids,
+        response_mask,
+        logprobs,
+        hidden_states,
+        scores,
+        infos,
+        action_mask,
+    )
+
+
+def _turn_chunk(
+    input_ids: np.ndarray, begin: np.ndarray, count: np.ndarray, pad_id: int, next_position: Any
+) -> tuple[Any, Any, Any]:
+    """One forward's input after a step on which some rows ended a turn: row i's ``count[i]`` new tokens
+    (its agent token, then the environment's reply) from ``input_ids[i, begin[i]:]``, right-aligned in a
+    (N, max count) chunk so that every row's last real token is the last column. The padding before them has
+    attention mask 0; positions continue from ``next_position`` (N, 1). Returns (ids, mask, positions)."""
+    import torch
+
+    width = int(count.max())
+    offset = np.arange(width)[None, :] - (width - count)[:, None]  # (N, W) index into each row's new tokens
+    real = offset >= 0
+    src = np.clip(begin[:, None] + offset, 0, input_ids.shape[1] - 1)
+    ids = np.where(real, np.take_along_axis(input_ids, src, axis=1), pad_id)
+    positions = next_position.cpu() + torch.from_numpy(np.maximum(offset, 0))
+    return torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64)), positions
+
+
+def _episode_info(step_infos: dict[str, Any], i: int, episode_return: float) -> dict[str, Any]:
+    """What a rollout keeps of an episode's last-step info (JSON-serialisable)."""
+    info = {
+        "prompt": step_infos["prompt"][i],
+        "completion": step_infos["completion"][i],
+        "finish_reason": step_infos["finish_reason"][i],
+        "num_tokens": int(step_infos["num_tokens"][i]),
+        "reward_components": {  # not applicable (NaN) becomes None: null in JSON files
+            k: None if np.isnan(v[i]) else float(v[i])
+            for k, v in step_infos["reward_components"].items()
+            if not k.startswith("_")
+        },
+        "reward": float(episode_return),
+    }
+    if "turns" in step_infos:
+        info["turns"] = list(step_infos["turns"][i])
+        info["turn_rewards"] = [float(r) for r in step_infos["turn_rewards"][i]]
+    return info
 
 
 def sample_episodes(

@@ -37,10 +37,12 @@ class TextGymVecEnv(VecEnv):
         super().__init__(env.num_envs, env.single_observation_space, env.single_action_space)
         self._actions: np.ndarray | None = None
         self._started = np.full(env.num_envs, time.perf_counter())
+        self._returns = np.zeros(env.num_envs)  # a multi-turn episode's turn rewards add up before its end
 
     def reset(self) -> dict[str, np.ndarray]:
         seed = self._seeds[0] if self._seeds else None
         obs, _ = self.env.reset(seed=seed, options=self._options[0] or None)
+        self._returns[:] = 0.0
         self._reset_seeds()
         self._reset_options()
         return obs
@@ -51,6 +53,7 @@ class TextGymVecEnv(VecEnv):
     def step_wait(self) -> VecEnvStepReturn:
         obs, rewards, terminated, truncated, vinfo = self.env.step(self._actions)
         dones = terminated | truncated
+        self._returns += rewards
         infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
         for i in np.flatnonzero(dones):
             final = vinfo["final_info"]
@@ -66,11 +69,11 @@ class TextGymVecEnv(VecEnv):
             infos[i]["TimeLimit.truncated"] = bool(truncated[i])
             now = time.perf_counter()
             infos[i]["episode"] = {
-                "r": float(rewards[i]),
+                "r": float(self._returns[i]),
                 "l": int(final["num_tokens"][i]),
                 "t": now - self._started[i],
             }
-            self._started[i] = now
+            self._started[i], self._returns[i] = now, 0.0
         return obs, rewards.astype(np.float32), dones, infos
 
     def close(self) -> None:

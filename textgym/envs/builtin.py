@@ -27,3 +27,56 @@ def register_envs(register: Callable[..., None]) -> None:
         max_prompt_tokens=3,
         chat_template=False,
     )
+
+    # Multi-turn: the same env classes with a responder (docs/environments.md).
+    # A chat with a scripted user who asks each prompt's follow-up questions.
+    register(
+        "textgym/MultiTurn-v0",
+        TEXTGEN,
+        vector_entry_point=TEXTGEN_VECTOR,
+        prompts="followups",
+        responder="user_simulator",
+        max_turns=3,
+        max_new_tokens=192,
+    )
+    # Tool use: arithmetic with a calculator the model calls as <calc>EXPRESSION</calc>; the final answer is
+    # scored by `match` against the prompt's reference.
+    register(
+        "textgym/Calculator-v0",
+        TEXTGEN,
+        vector_entry_point=TEXTGEN_VECTOR,
+        prompts="arithmetic",
+        responder="calculator",
+        rewards=[{"name": "match"}],
+        stop=["</calc>"],
+        max_turns=4,
+        max_new_tokens=128,
+        max_prompt_tokens=128,
+    )
+    # A game: guess the secret number with higher/lower feedback; solving in fewer turns pays more.
+    register(
+        "textgym/GuessNumber-v0",
+        TEXTGEN,
+        vector_entry_point=TEXTGEN_VECTOR,
+        prompts="guess_number",
+        responder="guess_number",
+        rewards=[],
+        max_turns=6,
+        max_new_tokens=128,
+        max_prompt_tokens=128,
+    )
+    # Small-vocabulary multi-turn task (chars): say back each letter (a-d) the env says, three turns. Turn
+    # rewards only; SB3's PPO and a tiny char-level LM train on it quickly.
+    register(
+        "textgym/Echo-v0",
+        TEXTGEN,
+        vector_entry_point=TEXTGEN_VECTOR,
+        model="chars",
+        prompts="echo",
+        responder={"name": "echo", "partial": True},
+        rewards=[],
+        max_turns=3,
+        max_new_tokens=10,
+        max_prompt_tokens=1,
+        chat_template=False,
+    )

@@ -5,16 +5,27 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
+from textgym.envs.conversation import ReplyFormatter
 from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
-from textgym.rewards import RewardSpec, RewardStack, Sample, build_reward_stack
+from textgym.responders import (
+    AGENT_ROLE,
+    Conversation,
+    Reply,
+    ResponderError,
+    ResponderSpec,
+    make_responder,
+    validated_openings,
+    validated_replies,
+)
+from textgym.rewards import RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
 DEFAULT_REWARDS: list[dict[str, Any]] = [
@@ -23,8 +34,20 @@ DEFAULT_REWARDS: list[dict[str, Any]] = [
 ]
 
 
+class StepResult(NamedTuple):
+    """What one step did to the episodes: which ended and why, and which agent turns ended with what reward."""
+
+    ended: np.ndarray  # slots whose episode ended
+    reasons: list[str]  # their finish reasons
+    turn_ended: np.ndarray  # slots whose agent turn ended on this step (multi-turn), ended episodes included
+    turn_rewards: np.ndarray  # (n,) the reward of each turn that ended, 0 elsewhere
+
+
 class Episodes:
     """``n`` episodes in lockstep: prompt left-padded into ``[0, P)``, completion written into ``[P, P+T)``.
+
+    With a responder, ``[P, P+T)`` holds the whole conversation after the prompt: agent turns and the
+    environment's replies, back to back; ``env_mask`` marks the positions the environment wrote.
 
     Args: see :class:`textgym.envs.TextGenEnv`.
     """
@@ -43,6 +66,8 @@ class Episodes:
         prompt_order: str = "random",
         allowed_tokens: Sequence[str | int] | str | None = None,
         pad_token: str | None = None,
+        responder: ResponderSpec = None,
+        max_turns: int | None = None,
     ):
         for arg, value in (("max_new_tokens", max_new_tokens), ("max_prompt_tokens", max_prompt_tokens)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -58,7 +83,21 @@ class Episodes:
         self.prompts: list[Prompt] = load_prompts(prompts)
         self.n_source = len(self.prompts)  # texts passed in options["prompt"] go after these, never drawn
         self._adhoc: dict[str, int] = {}
-        self.stack = build_reward_stack(DEFAULT_REWARDS if rewards is None else rewards)
+        self.responder = make_responder(responder)
+        if max_turns is not None and (
+            not isinstance(max_turns, (int, np.integer)) or isinstance(max_turns, bool) or max_turns < 1
+        ):
+            raise ConfigError(f"max_turns must be a positive integer or None (no limit), not {max_turns!r}.")
+        if max_turns not in (None, 1) and self.responder is None:
+            raise ConfigError(
+                f"max_turns={max_turns} needs a responder: without one an episode has a single turn. Give "
+                f"responder='...' (`textgym plugins` lists them) or leave max_turns out."
+            )
+        self.max_turns = None if max_turns is None else int(max_turns)
+        # With a responder the turn rewards can be the whole training signal: a stack of metrics only is fine.
+        self.stack = build_reward_stack(
+            DEFAULT_REWARDS if rewards is None else rewards, allow_all_metrics=self.responder is not None
+        )
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat_template and not has_template:
             raise ConfigError(
@@ -86,6 +125,17 @@ class Episodes:
         self.prompt_index = np.zeros(n, dtype=np.int64)
         self.length = np.zeros(n, dtype=np.int64)  # new tokens so far
         self.active = np.zeros(n, dtype=bool)
+        # multi-turn bookkeeping, per slot
+        self.env_mask = np.zeros((n, L), dtype=np.int8)  # (N, L) 1 where the environment wrote
+        self.turn_start = np.zeros(
+            n, dtype=np.int64
+        )  # response position where the agent's current turn began
+        self.agent_tokens = np.zeros(n, dtype=np.int64)  # actions so far
+        self.turns: list[list[Turn]] = [[] for _ in range(n)]
+        self.turn_rewards: list[list[float]] = [[] for _ in range(n)]
+        self.states: list[dict[str, Any]] = [{} for _ in range(n)]
+        self.openings: list[str | None] = [None] * n
+        self.formatter = ReplyFormatter(self.tokenizer, self.chat_template)
         self._encoded: dict[int, np.ndarray] = {}
         self._cursor = 0
         self.reward_seconds = 0.0  # time spent in the reward stack, for agents' time breakdowns
@@ -138,37 +188,43 @@ class Episodes:
     # -- prompts ---------------------------------------------------------------------------------------
     def encode_prompt(self, index: int, warn: bool = True) -> np.ndarray:
         if index not in self._encoded:
-            text = self.prompts[index].text
-            if self.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-                )
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-            else:
-                try:
-                    ids = self.tokenizer.encode(text)
-                except ValueError as exc:  # e.g. a character outside a character tokenizer's alphabet
-                    raise PromptError(
-                        f"prompt {index} ({self.prompts[index].text[:40]!r}) cannot be tokenized: {exc}"
-                    ) from None
-            ids = np.asarray(ids, dtype=np.int64)
-            if len(ids) > self.P:
-                where = f"prompt {index} ({self.prompts[index].text[:40]!r}...) has {len(ids)} tokens"
-                if self.prompt_overflow == "error":
-                    raise PromptError(
-                        f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
-                        f"the prompt, or pass prompt_overflow='truncate' to keep its last {self.P} tokens."
-                    )
-                if warn:
-                    warnings.warn(
-                        f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
-                        f"to keep it whole.",
-                        stacklevel=4,
-                    )
-                self._overflowed += 1
-                ids = ids[-self.P :]  # from the left: the end of a prompt is what the completion continues
-            self._encoded[index] = ids
+            self._encoded[index] = self._encode(self.prompts[index].text, index, warn)
         return self._encoded[index]
+
+    def _encode(self, text: str, index: int, warn: bool = True) -> np.ndarray:
+        """``text`` (prompt ``index``, or it with a responder's opening) as the ids an episode starts from."""
+        if self.chat_template:
+            templated = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer.encode(templated, add_special_tokens=False)
+        else:
+            try:
+                ids = self.tokenizer.encode(text)
+            except ValueError as exc:  # e.g. a character outside a character tokenizer's alphabet
+                raise PromptError(f"prompt {index} ({text[:40]!r}) cannot be tokenized: {exc}") from None
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) > self.P:
+            where = f"prompt {index} ({text[:40]!r}...) has {len(ids)} tokens"
+            if self.prompt_overflow == "error":
+                raise PromptError(
+                    f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
+                    f"the prompt, or pass prompt_overflow='truncate' to keep its last {self.P} tokens."
+                )
+            if warn:
+                warnings.warn(
+                    f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
+                    f"to keep it whole.",
+                    stacklevel=5,
+                )
+            self._overflowed += 1
+            ids = ids[-self.P :]  # from the left: the end of a prompt is what the completion continues
+        return ids
+
+    def prompt_text(self, i: int) -> str:
+        """Slot ``i``'s prompt text, with the responder's opening when ``start`` gave one."""
+        text = self.prompts[self.prompt_index[i]].text
+        return text if self.openings[i] is None else f"{text}\n\n{self.openings[i]}"
 
     def draw(self, k: int, rng: np.random.Generator) -> list[int]:
         """The indices of the next ``k`` prompts, in ``prompt_order``."""
@@ -189,12 +245,30 @@ class Episodes:
         slots = list(slots)
         indices = self.draw(len(slots), rng) if prompts is None else [self.prompt_option(p) for p in prompts]
         for slot, index in zip(slots, indices):
-            ids = self.encode_prompt(index)
+            self.prompt_index[slot], self.length[slot], self.active[slot] = index, 0, True
+            self.turn_start[slot] = self.agent_tokens[slot] = 0
+            self.turns[slot], self.turn_rewards[slot], self.states[slot] = [], [], {}
+            self.openings[slot] = None
+            self.env_mask[slot] = 0
+        if self.responder is not None and slots:
+            conversations = [
+                Conversation(self.prompts[self.prompt_index[i]].text, self.prompts[self.prompt_index[i]].meta,
+                             state=self.states[i])
+                for i in slots
+            ]  # fmt: skip
+            for slot, opening in zip(slots, validated_openings(self.responder, conversations)):
+                self.openings[slot] = opening or None
+        for slot in slots:
+            index = self.prompt_index[slot]
+            ids = (
+                self.encode_prompt(index)
+                if self.openings[slot] is None
+                else self._encode(self.prompt_text(slot), index)
+            )
             self.input_ids[slot] = self.pad_id
             self.attention_mask[slot] = 0
             self.input_ids[slot, self.P - len(ids) : self.P] = ids
             self.attention_mask[slot, self.P - len(ids) : self.P] = 1
-            self.prompt_index[slot], self.length[slot], self.active[slot] = index, 0, True
 
     def prompt_option(self, prompt: Any) -> int:
         """The prompt index for a ``reset`` option: an index into the source, or a text (added on first use)."""
@@ -214,8 +288,8 @@ class Episodes:
         )
 
     # -- stepping --------------------------------------------------------------------------------------
-    def append(self, actions: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        """Append one token to every active episode. Returns the slots that ended and why."""
+    def append(self, actions: np.ndarray) -> StepResult:
+        """Append one token to every active episode; with a responder, answer the turns that ended."""
         rows = np.flatnonzero(self.active)
         tokens = actions[rows]
         bad = (tokens < 0) | (tokens >= self.vocab_size)
@@ -229,24 +303,105 @@ class Episodes:
         self.input_ids[rows, cols] = tokens
         self.attention_mask[rows, cols] = 1
         self.length[rows] += 1
+        self.agent_tokens[rows] += 1
         stopped = tokens == self.eos_id
         if self.stop:
             stopped |= np.array([self._hit_stop(i) for i in rows], dtype=bool)
-        full = self.length[rows] >= self.limit
-        ended = stopped | full
-        self.active[rows[ended]] = False
-        return rows[ended], ["stop" if s else "length" for s in stopped[ended]]
+        # the token budget counts every token after the prompt; a TimeLimit (``limit``) counts actions
+        full = (self.length[rows] >= self.T) | (self.agent_tokens[rows] >= self.limit)
+        turn_rewards = np.zeros(self.n)
+        if self.responder is None:
+            ended = stopped | full
+            self.active[rows[ended]] = False
+            reasons = ["stop" if s else "length" for s in stopped[ended]]
+            return StepResult(rows[ended], reasons, rows[:0], turn_rewards)
+        finished: dict[int, str] = {int(i): "length" for i in rows[full & ~stopped]}
+        turn_rows = rows[stopped]
+        if len(turn_rows):
+            finished.update(self._answer(turn_rows, turn_rewards))
+            for i in turn_rows[self.agent_tokens[turn_rows] >= self.limit]:  # a TimeLimit's last step
+                finished.setdefault(int(i), "length")
+        ended = np.array(sorted(finished), dtype=np.int64)
+        self.active[ended] = False
+        return StepResult(ended, [finished[i] for i in ended], turn_rows, turn_rewards)
+
+    def _answer(self, rows: np.ndarray, turn_rewards: np.ndarray) -> dict[int, str]:
+        """Close the agent turns of ``rows``, ask the responder (one batched call) and write its replies.
+        Returns the slots whose episode ended, with their finish reasons."""
+        conversations = []
+        for i in rows:
+            self.turns[i].append(self._agent_turn(i, self.turn_start[i], self.length[i]))
+            self.turn_start[i] = self.length[i]
+            last = self.max_turns is not None and len(self.turn_rewards[i]) + 1 >= self.max_turns
+            conversations.append(
+                Conversation(self.prompt_text(i), self.prompts[self.prompt_index[i]].meta, tuple(self.turns[i]),
+                             self.states[i], last_turn=last)
+            )  # fmt: skip
+        ended: dict[int, str] = {}
+        for i, conversation, reply in zip(
+            rows, conversations, validated_replies(self.responder, conversations)
+        ):
+            reward = 0.0 if reply.reward is None else float(reply.reward)
+            self.turn_rewards[i].append(reward)
+            turn_rewards[i] = reward
+            if reply.done:
+                ended[int(i)] = "stop"
+            elif conversation.last_turn:
+                ended[int(i)] = "max_turns"
+            elif not self._write_reply(i, reply):
+                ended[int(i)] = "overflow"
+        return ended
+
+    def _write_reply(self, i: int, reply: Reply) -> bool:
+        """Write ``reply`` after slot ``i``'s agent turn; False when it had to be cut at the token budget."""
+        role = reply.role or getattr(self.responder, "role", "user")
+        after_eos = self.input_ids[i, self.P + self.length[i] - 1] == self.eos_id
+        try:
+            ids = self.formatter.encode(role, reply.text, bool(after_eos))
+        except ValueError as exc:  # e.g. a character outside a small vocabulary
+            raise ResponderError(
+                f"responder {self.responder.name!r} replied {reply.text[:60]!r}, which the env's tokenizer "
+                f"cannot encode: {exc}"
+            ) from None
+        room = self.T - self.length[i]
+        fits = len(ids) < room  # the agent needs room for at least one more token
+        ids = ids[:room]
+        start = self.P + self.length[i]
+        self.input_ids[i, start : start + len(ids)] = ids
+        self.attention_mask[i, start : start + len(ids)] = 1
+        self.env_mask[i, start : start + len(ids)] = 1
+        self.length[i] += len(ids)
+        self.turn_start[i] = self.length[i]
+        self.turns[i].append(Turn(role, reply.text, tuple(int(t) for t in ids)))
+        return fits
 
     def _hit_stop(self, i: int) -> bool:
         end = self.P + self.length[i]
-        tail = self.tokenizer.decode(self.input_ids[i, max(self.P, end - self._stop_window) : end])
+        begin = max(self.P + self.turn_start[i], end - self._stop_window)  # this agent turn only
+        tail = self.tokenizer.decode(self.input_ids[i, begin:end])
         return any(s in tail for s in self.stop)
 
+    def _agent_turn(self, i: int, start: int, end: int) -> Turn:
+        """The agent's turn in response positions ``[start, end)``: its text without EOS (stop strings kept)."""
+        ids = self.input_ids[i, self.P + start : self.P + end]
+        body = ids[:-1] if len(ids) and ids[-1] == self.eos_id else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        return Turn(AGENT_ROLE, text, tuple(int(t) for t in ids))
+
     def sample(self, i: int, finish_reason: str) -> Sample:
-        completion_ids = self.input_ids[i, self.P : self.P + self.length[i]]
+        turns: tuple[Turn, ...] = ()
+        if self.responder is None:
+            completion_ids = self.input_ids[i, self.P : self.P + self.length[i]]
+        else:  # the completion is the agent's last turn; a turn cut at the budget is one too
+            if self.length[i] > self.turn_start[i]:
+                self.turns[i].append(self._agent_turn(i, self.turn_start[i], self.length[i]))
+                self.turn_start[i] = self.length[i]
+            turns = tuple(self.turns[i])
+            last = next((t for t in reversed(turns) if t.role == AGENT_ROLE), Turn(AGENT_ROLE, ""))
+            completion_ids = np.asarray(last.token_ids, dtype=np.int64)
         body = (
             completion_ids[:-1]
-            if finish_reason == "stop" and completion_ids[-1] == self.eos_id
+            if len(completion_ids) and completion_ids[-1] == self.eos_id and finish_reason != "length"
             else completion_ids
         )
         text = self.tokenizer.decode(body, skip_special_tokens=True)
@@ -257,12 +412,13 @@ class Episodes:
         prompt = self.prompts[self.prompt_index[i]]
         prompt_ids = self.input_ids[i, : self.P][self.attention_mask[i, : self.P] == 1]
         return Sample(
-            prompt=prompt.text,
+            prompt=self.prompt_text(i),
             completion=text,
             prompt_ids=tuple(prompt_ids.tolist()),
             completion_ids=tuple(completion_ids.tolist()),
             finish_reason=finish_reason,  # type: ignore[arg-type]
             meta=prompt.meta,
+            turns=turns,
         )
 
     def finish(self, slots: np.ndarray, reasons: list[str]) -> tuple[np.ndarray, list[dict[str, Any]]]:
@@ -281,6 +437,12 @@ class Episodes:
             }
             for k, s in enumerate(samples)
         ]
+        if self.responder is not None:
+            for i, info, s in zip(slots, infos, samples):
+                info["num_tokens"] = int(self.agent_tokens[i])  # every action of the episode
+                info["turns"] = [{"role": t.role, "text": t.text} for t in s.turns]
+                info["turn_rewards"] = list(self.turn_rewards[i])
+                info["env_token_mask"] = self.env_mask[i].copy()
         return total, infos
 
     def obs(self, i: int) -> dict[str, np.ndarray]:

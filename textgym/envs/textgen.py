@@ -14,6 +14,7 @@ from gymnasium.vector.utils import batch_space
 from textgym.envs.episodes import Episodes
 from textgym.errors import ConfigError
 from textgym.prompts import PromptsLike
+from textgym.responders import ResponderSpec
 from textgym.rewards import RewardSpec, RewardStack
 
 Obs = dict[str, np.ndarray]
@@ -70,8 +71,25 @@ class _Accessors:
 
     @property
     def max_new_tokens(self) -> int:
-        """The response budget: an episode is truncated after this many tokens."""
+        """The response budget: an episode is truncated after this many tokens (in a multi-turn episode, the
+        agent's and the environment's tokens together)."""
         return self.episodes.T
+
+    @property
+    def max_turns(self) -> int | None:
+        """The most turns the agent gets in an episode (None: only the token budget bounds them)."""
+        return self.episodes.max_turns
+
+    @property
+    def responder(self) -> Any:
+        """The environment's side of multi-turn episodes (None: one turn per episode)."""
+        return self.episodes.responder
+
+    @property
+    def env_token_mask(self) -> np.ndarray:
+        """(num_envs, L) int8, 1 at the observation positions the environment wrote (its replies): those
+        tokens are observations, not actions. All 0 without a responder."""
+        return self.episodes.env_mask.copy()
 
     @property
     def pad_token_id(self) -> int:
@@ -92,8 +110,15 @@ class _Accessors:
         return self.episodes.reward_seconds
 
     def encode_prompt(self, prompt: int | str) -> np.ndarray:
-        """The token ids an episode on ``prompt`` (an index or a text) starts from, template applied."""
+        """The token ids an episode on ``prompt`` (an index or a text) starts from, template applied (without
+        a responder's opening)."""
         return self.episodes.encode_prompt(self.episodes.prompt_option(prompt)).copy()
+
+    def _close(self) -> None:
+        self.reward_stack.close()
+        close = getattr(self.episodes.responder, "close", None)
+        if callable(close):
+            close()
 
 
 class TextGenEnv(_Accessors, gym.Env[Obs, int]):
@@ -103,6 +128,11 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     Each episode draws a prompt from ``prompts`` and lets the agent write a completion one token at a time.
     When the completion ends, the reward stack scores it.
 
+    With a ``responder`` the episode is a conversation: when the agent's turn ends (EOS or a stop string), the
+    responder's reply (tool result, game feedback, user message) is formatted with the chat template and
+    appended; the agent's next turn follows. The environment's tokens are observations, not actions: one
+    step is still one agent token. docs/environments.md describes the layout.
+
     ## Action Space
     ``Discrete(V)``: the id of the next token, ``V = len(tokenizer)``.
 
@@ -110,33 +140,47 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     ``Dict(input_ids=Box(int64, (L,)), attention_mask=Box(int8, (L,)))`` with
     ``L = max_prompt_tokens + max_new_tokens``. The prompt is left-padded into the first
     ``max_prompt_tokens`` positions; the completion so far follows from position ``max_prompt_tokens``;
-    padding elsewhere (``attention_mask`` 0).
+    padding elsewhere (``attention_mask`` 0). In a multi-turn episode the completion so far is the whole
+    conversation after the prompt; ``info["env_token_mask"]`` (on the steps that end a turn) marks the
+    positions the environment wrote.
 
     ## Rewards
     0 on every step but the last. On the last step: the reward stack's weighted total, with
     ``info["reward_components"]`` (each plugin's raw score), ``info["completion"]`` (text, without EOS or
-    stop string) and ``info["finish_reason"]`` (``"stop"`` or ``"length"``).
+    stop string) and ``info["finish_reason"]``. In a multi-turn episode the step that ends an agent turn
+    also carries that turn's reward from the responder (``info["turn_reward"]``); the stack scores the whole
+    conversation (``Sample.turns``; ``completion`` is the agent's last turn) and its total is added on the
+    last step. ``info["turns"]`` and ``info["turn_rewards"]`` come with the last step.
 
     ## Episode End
-    ``terminated`` when the agent emits EOS or a stop string appears; ``truncated`` after ``max_new_tokens``.
+    ``terminated`` when the agent emits EOS or a stop string appears (multi-turn: when the responder ends the
+    episode); ``truncated`` after ``max_new_tokens`` tokens (``finish_reason`` ``"length"``), and in multi-turn
+    episodes after the agent's ``max_turns``-th turn (``"max_turns"``) or when a reply does not fit the token
+    budget (cut, ``"overflow"``).
 
     ## Arguments
     - ``model``: zoo name, model directory or tokenizer object (default: the embedded SmolLM2 tokenizer).
     - ``prompts``: list, file path or registered prompt-source name (default: the shipped ``"chat"`` set).
     - ``rewards``: list of reward specs (``{"name": ..., "weight": ..., **args}``) or a ``RewardStack``.
-    - ``max_new_tokens`` (32), ``max_prompt_tokens`` (96).
+    - ``max_new_tokens`` (32): the token budget after the prompt (multi-turn: agent and environment tokens
+      together). ``max_prompt_tokens`` (96).
     - ``chat_template``: wrap each prompt as a user message (default: when the tokenizer has a template).
-    - ``stop``: extra stop strings. ``prompt_overflow``: ``"truncate"`` (from the left, with a warning) or
-      ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"``.
+    - ``stop``: extra stop strings (they end the agent's turn). ``prompt_overflow``: ``"truncate"`` (from
+      the left, with a warning) or ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"``.
     - ``allowed_tokens``: token ids, token strings or a string of characters the agent may choose (EOS is
       always allowed, pad never); ``action_masks()`` returns them for action-masking agents (MaskablePPO).
     - ``pad_token``: an existing token to pad with, for tokenizers whose pad is their EOS.
     - ``max_episode_steps``: truncate (and score) after this many steps; a ``TimeLimit`` wrapper around the
       env (``gymnasium.make(..., max_episode_steps=N)``) does the same.
+    - ``responder``: a registered responder name, a spec table, an adapter spec (``{text_env = ...}``,
+      ``{tool_env = ...}``) or a responder object (default None: one turn). With a responder the reward
+      stack may be all metrics (weight 0) or empty: the turn rewards then train.
+    - ``max_turns``: the most agent turns per episode (default None: only the token budget bounds them).
     - ``reset(options={"prompt": index_or_text})`` starts an episode on a given prompt.
 
     ## Version History
-    - v0: initial version.
+    - v0: initial version; ``responder`` and ``max_turns`` (multi-turn episodes) added without changing
+      single-turn episodes.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -156,6 +200,8 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         pad_token: str | None = None,
         render_mode: str | None = None,
         max_episode_steps: int | None = None,
+        responder: ResponderSpec = None,
+        max_turns: int | None = None,
     ):
         if render_mode not in (None, "ansi"):
             raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
@@ -163,7 +209,7 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         self._max_episode_steps = _check_steps(max_episode_steps)
         self.episodes = Episodes(
             1, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
-            prompt_overflow, prompt_order, allowed_tokens, pad_token,
+            prompt_overflow, prompt_order, allowed_tokens, pad_token, responder, max_turns,
         )  # fmt: skip
         self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
         self.observation_space = self.episodes.observation_space
@@ -179,7 +225,7 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         prompt = _checked_options(options, SINGLE_OPTIONS).get("prompt")
         self.episodes.start([0], self.np_random, None if prompt is None else [prompt])
         self._needs_reset = False
-        return self.episodes.obs(0), {"prompt": self.episodes.prompts[self.episodes.prompt_index[0]].text}
+        return self.episodes.obs(0), {"prompt": self.episodes.prompt_text(0)}
 
     def step(self, action: int) -> tuple[Obs, float, bool, bool, dict]:
         if self._needs_reset:
@@ -188,13 +234,20 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
             raise InvalidAction(
                 f"action {action!r} is not a token id (an integer in [0, {self.action_space.n}))."
             )
-        ended, reasons = self.episodes.append(np.asarray(action, dtype=np.int64).reshape(1))
-        if len(ended) == 0:
-            return self.episodes.obs(0), 0.0, False, False, {}
+        step = self.episodes.append(np.asarray(action, dtype=np.int64).reshape(1))
+        turn_reward = float(step.turn_rewards[0])
+        turn_info = (
+            {"turn_reward": turn_reward, "env_token_mask": self.episodes.env_mask[0].copy()}
+            if len(step.turn_ended)
+            else {}
+        )
+        if len(step.ended) == 0:
+            return self.episodes.obs(0), turn_reward, False, False, turn_info
         self._needs_reset = True
-        total, infos = self.episodes.finish(ended, reasons)
-        terminated = reasons[0] == "stop"
-        return self.episodes.obs(0), float(total[0]), terminated, not terminated, infos[0]
+        total, infos = self.episodes.finish(step.ended, step.reasons)
+        terminated = step.reasons[0] == "stop"
+        reward = float(total[0]) + turn_reward
+        return self.episodes.obs(0), reward, terminated, not terminated, {**infos[0], **turn_info}
 
     def action_masks(self) -> np.ndarray:
         """(vocab,) bool: the tokens the agent may choose (``allowed_tokens``, never pad)."""
@@ -206,7 +259,7 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         return None
 
     def close(self) -> None:
-        self.reward_stack.close()
+        self._close()
 
 
 class TextGenVectorEnv(_Accessors, VectorEnv):
@@ -228,8 +281,13 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
       groups of G sub-envs share it, e.g. ``[a, a, b, b]`` for G = 2: what group-relative agents (GRPO,
       RLOO) ask for;
     and, with any of them, ``{"reset_mask": mask}`` (a bool array) to reset only some sub-envs.
-    ``max_prompt_tokens``, ``max_new_tokens``, ``pad_token_id``, ``eos_token_id``, ``num_prompts`` and
-    ``reward_seconds`` are public read-only properties for agents.
+    ``max_prompt_tokens``, ``max_new_tokens``, ``max_turns``, ``pad_token_id``, ``eos_token_id``,
+    ``num_prompts``, ``reward_seconds``, ``responder`` and ``env_token_mask`` are public read-only properties
+    for agents.
+
+    With a responder, the step that ends a sub-env's agent turn (without ending its episode) carries
+    ``info["turn_reward"]`` and ``info["env_token_mask"]`` for it; replies to all turns that end on the same
+    step come from one batched call to the responder.
 
     Other arguments: as :class:`TextGenEnv`.
     """
@@ -253,6 +311,8 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         autoreset_mode: str | AutoresetMode = AutoresetMode.SAME_STEP,
         render_mode: str | None = None,
         max_episode_steps: int | None = None,
+        responder: ResponderSpec = None,
+        max_turns: int | None = None,
     ):
         if render_mode not in (None, "ansi"):
             raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
@@ -270,7 +330,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         self.num_envs = int(num_envs)
         self.episodes = Episodes(
             self.num_envs, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
-            prompt_overflow, prompt_order, allowed_tokens, pad_token,
+            prompt_overflow, prompt_order, allowed_tokens, pad_token, responder, max_turns,
         )  # fmt: skip
         if _check_steps(max_episode_steps) is not None:  # make_vec passes a registered TimeLimit here
             self.episodes.limit = min(self.episodes.T, max_episode_steps)
@@ -296,9 +356,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         self._started = True
         infos: dict[str, Any] = {}
         for i in slots:
-            infos = self._add_info(
-                infos, {"prompt": self.episodes.prompts[self.episodes.prompt_index[i]].text}, i
-            )
+            infos = self._add_info(infos, {"prompt": self.episodes.prompt_text(i)}, i)
         return self.episodes.batch_obs(), infos
 
     def _prompts_option(self, options: dict[str, Any], k: int) -> list[Any] | None:
@@ -335,14 +393,23 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
             raise InvalidAction(
                 f"actions must be {self.num_envs} integer token ids, got shape {actions.shape} dtype {actions.dtype}."
             )
-        ended, reasons = self.episodes.append(actions.astype(np.int64, copy=False))
-        rewards = np.zeros(self.num_envs, dtype=np.float64)
+        ended, reasons, turn_ended, turn_rewards = self.episodes.append(actions.astype(np.int64, copy=False))
+        rewards = turn_rewards.astype(np.float64)  # 0 except where an agent turn ended
         terminated = np.zeros(self.num_envs, dtype=bool)
         truncated = np.zeros(self.num_envs, dtype=bool)
         infos: dict[str, Any] = {}
+        for i in np.setdiff1d(turn_ended, ended):  # turns that ended inside an episode
+            turn_info = {
+                "turn_reward": float(turn_rewards[i]),
+                "env_token_mask": self.episodes.env_mask[i].copy(),
+            }
+            infos = self._add_info(infos, turn_info, i)
         if len(ended):
             total, episode_infos = self.episodes.finish(ended, reasons)
-            rewards[ended] = total
+            for i, info in zip(ended, episode_infos):
+                if i in turn_ended:
+                    info["turn_reward"] = float(turn_rewards[i])
+            rewards[ended] += total
             stopped = np.array([r == "stop" for r in reasons])
             terminated[ended[stopped]] = True
             truncated[ended[~stopped]] = True
@@ -351,8 +418,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
                     infos = self._add_info(infos, {"final_obs": self.episodes.obs(i), "final_info": info}, i)
                 self.episodes.start(ended, self.np_random)
                 for i in ended:
-                    prompt = self.episodes.prompts[self.episodes.prompt_index[i]].text
-                    infos = self._add_info(infos, {"prompt": prompt}, i)
+                    infos = self._add_info(infos, {"prompt": self.episodes.prompt_text(i)}, i)
             else:
                 for i, info in zip(ended, episode_infos):
                     infos = self._add_info(infos, info, i)
@@ -375,4 +441,4 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         return self.episodes.active.copy()
 
     def close_extras(self, **kwargs: Any) -> None:
-        self.reward_stack.close()
+        self._close()

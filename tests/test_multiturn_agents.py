@@ -1,0 +1,144 @@
+"""Agents on multi-turn episodes: environment tokens are observations, never actions (no gradient, no KL,
+no value target), and the agents learn a multi-turn task."""
+
+import numpy as np
+import pytest
+import torch
+from lm_helpers import CHARS, char_llama
+
+from textgym import TextGenVectorEnv
+from textgym.agents.grpo import GRPO
+from textgym.agents.ppo import LMPPO
+from textgym.agents.ppo_core import agent_first_order, gae
+from textgym.plugins.echo import echo_prompts
+
+
+def echo_env(n=16, length=1, alphabet="ab"):
+    """Say back each 1-letter word the env says, three turns; the turn rewards are the only reward."""
+    return TextGenVectorEnv(
+        num_envs=n, model=CHARS, prompts=echo_prompts(64, turns=3, length=length, alphabet=alphabet),
+        responder={"name": "echo", "partial": True}, rewards=[], max_turns=3, max_new_tokens=3 * (length + 1) + 2 * length + 2,
+        max_prompt_tokens=length, chat_template=False, autoreset_mode="Disabled",
+    )  # fmt: skip
+
+
+def test_agent_first_order_compacts_agent_positions_and_gae_skips_environment_tokens():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]])
+    order = agent_first_order(mask)
+    assert order.tolist() == [[0, 1, 4, 2, 3, 5], [0, 1, 2, 3, 4, 5]]  # identity without environment tokens
+    x = torch.arange(12.0).view(2, 6)
+    torch.testing.assert_close(torch.zeros_like(x).scatter(1, order, x.gather(1, order)), x)
+    # Row 0: agent tokens at 0, 1, 4 with values 1, 2, 3 and a score of 1 on the last. With gamma = lambda = 1
+    # the advantage of each is 1 - its value: the value after position 1 is position 4's, not an env token's.
+    values = torch.tensor([[1.0, 2.0, 9.0, 9.0, 3.0, 0.0]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    m, o = mask[:1].float(), order[:1]
+    adv, ret = gae(rewards.gather(1, o), values.gather(1, o), m.gather(1, o), gamma=1.0, lam=1.0)
+    adv, ret = (torch.zeros_like(x).scatter(1, o, x) for x in (adv, ret))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, -1.0, 0.0, 0.0, -2.0, 0.0]]))
+    torch.testing.assert_close(ret, m)  # every agent token's return is the score; nothing on env tokens
+
+
+def grads_of(agent, batch):
+    """Run one update on ``batch`` and return the gradients that reached the logits and last hidden states
+    of every forward in it."""
+    grads = []
+    forward = agent.forward
+
+    def recording(model, mb, hidden=False):
+        logits, last_hidden = forward(model, mb, hidden=hidden)
+        if logits.requires_grad:
+            logits.retain_grad()
+            if last_hidden is not None:
+                last_hidden.retain_grad()
+            grads.append((logits, last_hidden, mb))
+        return logits, last_hidden
+
+    agent.forward = recording
+    agent.train(batch)
+    agent.forward = forward
+    return grads
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (LMPPO, dict(n_epochs=1, kl_coef=0.1, vf_coef=0.5)),
+        (GRPO, dict(num_generations=4, beta=0.1, loss_type="dapo")),
+    ],
+    ids=["lmppo", "grpo"],
+)
+def test_environment_tokens_get_zero_gradient_in_the_loss(cls, kwargs):
+    agent = cls(char_llama(), echo_env(), seed=0, temperature=0.7, learning_rate=1e-3, verbose=0, **kwargs)
+    batch = agent.collect_rollouts()
+    env_tokens = batch.response_mask.bool() & ~batch.action_mask.bool()
+    assert env_tokens.sum() > 10
+    with torch.no_grad():  # the PPO ratio is 1 before the update, on the agent tokens
+        logits, _ = agent.forward(agent.policy, batch)
+    new = torch.log_softmax(logits / 0.7, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    ratio = (new - batch.logprobs).exp()[batch.action_mask.bool()]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    assert (batch.ref_logprobs[env_tokens] == 0).all()  # no KL on environment tokens
+    if cls is LMPPO:
+        assert (batch.advantages[env_tokens] == 0).all() and (batch.returns[env_tokens] == 0).all()
+        with torch.no_grad():  # the value head starts at zero, which would pass no gradient to its input
+            agent.value_head.linear.weight.normal_(std=0.1)
+    grads = grads_of(agent, batch)
+    assert grads
+    for logits, hidden, mb in grads:
+        env = (mb.response_mask.bool() & ~mb.action_mask.bool()).to(logits.device)
+        agent_tokens = mb.action_mask.bool()
+        assert (logits.grad[env] == 0).all()  # the logits that "predicted" an environment token
+        assert logits.grad[agent_tokens].abs().sum() > 0
+        if hidden is not None:  # the value head's input: no value target on environment tokens
+            assert (hidden.grad[env] == 0).all() and hidden.grad[agent_tokens].abs().sum() > 0
+
+
+def test_timesteps_count_agent_tokens_only():
+    agent = LMPPO(char_llama(), echo_env(8), seed=0, verbose=0)
+    agent.learn(1)
+    batch_tokens = sum(e["num_tokens"] for e in agent.last_episodes)
+    assert agent.num_timesteps == batch_tokens == agent.history[-1]["timesteps"]
+    assert agent.history[-1]["completions/mean_length"] == pytest.approx(batch_tokens / 8)
+
+
+def learning_curve(agent, iterations):
+    for _ in range(iterations):
+        agent.learn(1, reset_num_timesteps=False)
+    return [h["reward"] for h in agent.history]
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (LMPPO, dict(kl_coef=0.0)),
+        (GRPO, dict(num_generations=4, beta=0.0, num_iterations=2)),
+    ],
+    ids=["lmppo", "grpo"],
+)
+def test_agents_learn_a_multi_turn_task_well_beyond_a_random_policy(cls, kwargs):
+    """Echo: the reward is earned turn by turn (up to 3 per episode); the untrained policy earns ~0.1."""
+    agent = cls(char_llama(), echo_env(32), seed=0, learning_rate=3e-3, verbose=0, **kwargs)
+    rewards = learning_curve(agent, 14)
+    start, end = np.mean(rewards[:2]), np.mean(rewards[-3:])
+    print(f"{cls.__name__}: mean episode reward {start:.3f} -> {end:.3f}")
+    assert end > 3 * start and end > 0.35, rewards
+
+
+def test_stock_sb3_ppo_runs_on_a_small_vocabulary_multi_turn_env():
+    from stable_baselines3 import PPO
+
+    from textgym.sb3 import make_vec_env
+
+    env = make_vec_env("textgym/Echo-v0", n_envs=8, seed=0)
+    model = PPO("MultiInputPolicy", env, seed=0, n_steps=32, batch_size=64, n_epochs=2, learning_rate=1e-3)
+    model.learn(512)
+    assert model.num_timesteps >= 512
+    obs, finals = env.reset(), []
+    for _ in range(64):
+        obs, _, done, infos = env.step(model.predict(obs)[0])
+        finals += [infos[i] for i in np.flatnonzero(done)]
+    assert finals and all(info["turns"][0]["role"] == "assistant" for info in finals)
+    # Monitor's episode return adds up the turn rewards: here every turn's similarity
+    assert all(info["episode"]["r"] == pytest.approx(sum(info["turn_rewards"])) for info in finals)
+    assert {info["finish_reason"] for info in finals} <= {"stop", "length", "max_turns", "overflow"}

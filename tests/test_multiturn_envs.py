@@ -1,0 +1,493 @@
+"""Multi-turn episodes in TextGenEnv / TextGenVectorEnv: layout, masks, rewards, limits and clear errors."""
+
+import re
+
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+import textgym
+from textgym import Reply, TextGenEnv, TextGenVectorEnv, plugin_manager
+from textgym.errors import ConfigError, UnknownNameError
+from textgym.models import CharTokenizer
+from textgym.responders import ResponderError
+
+CHARS = CharTokenizer("abcdefgh")
+EOS = CHARS.eos_token_id
+
+
+def ids(text):
+    return CHARS.encode(text)
+
+
+def named(fn, name=None, role="user"):
+    fn.name, fn.role = name or fn.__name__, role
+    return fn
+
+
+def say(text, reward=None, done_after=None):
+    """A responder that always says ``text`` (and ends the episode after ``done_after`` agent turns)."""
+
+    def respond(conversations):
+        return [
+            Reply(text, reward, done_after is not None and c.agent_turns >= done_after) for c in conversations
+        ]
+
+    return named(respond, "say")
+
+
+class Recorder:
+    """A reward that keeps the samples it scored."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.samples = []
+
+    def __call__(self, samples):
+        self.samples.extend(samples)
+        return [float(len(s.turns)) for s in samples]
+
+
+def char_env(responder, **kwargs):
+    defaults = dict(model=CHARS, prompts=["ab"], rewards=[], max_new_tokens=12, max_prompt_tokens=2)
+    return TextGenEnv(responder=responder, **{**defaults, **kwargs})
+
+
+def run(env, actions):
+    """Step ``actions``; return the last step's outputs and every non-empty info."""
+    infos = []
+    for a in actions:
+        out = env.step(a)
+        if out[4]:
+            infos.append(out[4])
+        if out[2] or out[3]:
+            break
+    return out, infos
+
+
+def test_a_reply_becomes_observation_tokens_marked_in_info_with_the_turn_reward_on_the_turn_end():
+    recorder = Recorder()
+    env = char_env(say("cd", reward=0.5, done_after=2), rewards=textgym.RewardStack([(recorder, 1.0)]))
+    obs, _ = env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step(ids("e")[0])
+    assert (reward, terminated, truncated, info) == (0.0, False, False, {})
+    obs, reward, terminated, truncated, info = env.step(EOS)  # end of the agent's first turn
+    assert (reward, terminated, truncated) == (0.5, False, False) and info["turn_reward"] == 0.5
+    # prompt "ab" | e <eos> | c d (the reply, observation tokens) | ...
+    assert obs["input_ids"][2:6].tolist() == [*ids("e"), EOS, *ids("cd")]
+    assert obs["attention_mask"][2:6].tolist() == [1, 1, 1, 1]
+    assert info["env_token_mask"].tolist() == [0, 0, 0, 0, 1, 1] + [0] * 8
+    (obs, reward, terminated, truncated, info), _ = run(env, [*ids("f"), EOS])
+    assert terminated and not truncated and info["finish_reason"] == "stop"
+    assert reward == pytest.approx(0.5 + 3.0)  # the last turn's reward plus the stack's total (3 turns)
+    assert info["turns"] == [
+        {"role": "assistant", "text": "e"}, {"role": "user", "text": "cd"}, {"role": "assistant", "text": "f"},
+    ]  # fmt: skip
+    assert info["turn_rewards"] == [0.5, 0.5] and info["num_tokens"] == 4 and info["completion"] == "f"
+    sample = recorder.samples[-1]  # the stack scores the whole conversation
+    assert [(t.role, t.text, t.token_ids) for t in sample.turns] == [
+        ("assistant", "e", (*ids("e"), EOS)), ("user", "cd", tuple(ids("cd"))), ("assistant", "f", (*ids("f"), EOS)),
+    ]  # fmt: skip
+    assert sample.completion == "f" and sample.completion_ids == (*ids("f"), EOS)
+
+
+def test_replies_are_batched_over_the_episodes_whose_turns_end_on_the_same_step():
+    batches = []
+
+    def counting(conversations):
+        batches.append([c.last for c in conversations])
+        return ["a"] * len(conversations)
+
+    env = TextGenVectorEnv(
+        num_envs=3, model=CHARS, prompts=["ab"], rewards=[], max_new_tokens=10, max_prompt_tokens=2,
+        responder=named(counting), autoreset_mode="Disabled",
+    )  # fmt: skip
+    env.reset(seed=0)
+    env.step(np.array([EOS, 3, EOS]))  # sub-envs 0 and 2 end a turn together
+    env.step(np.array([2, EOS, 2]))
+    assert batches == [["", ""], ["b"]]
+    _, _rewards, _, _, infos = env.step(np.array([EOS, 2, 2]))
+    assert infos["_turn_reward"].tolist() == [True, False, False] and infos["env_token_mask"].shape == (3, 12)
+
+
+def test_max_turns_bounds_every_episode_and_the_responder_knows_the_last_turn():
+    seen = []
+
+    def chatty(conversations):
+        seen.extend((c.agent_turns, c.last_turn) for c in conversations)
+        return [Reply("c", reward=1.0) for c in conversations]  # never ends the episode itself
+
+    env = char_env(named(chatty), max_turns=2, max_new_tokens=20)
+    env.reset(seed=0)
+    (obs, reward, terminated, truncated, info), _ = run(env, [EOS] * 10)
+    assert (terminated, truncated, info["finish_reason"]) == (False, True, "max_turns")
+    assert seen == [(1, False), (2, True)] and reward == 1.0 and info["turn_rewards"] == [1.0, 1.0]
+    assert obs["attention_mask"].sum() == 2 + 3  # the last reply is not shown
+
+
+def test_a_reply_that_overflows_the_token_budget_is_cut_and_ends_the_episode():
+    env = char_env(say("abcdefgh"), max_new_tokens=6)
+    obs, _ = env.reset(seed=0)
+    (obs, _, terminated, truncated, info), _ = run(env, [*ids("h"), EOS])
+    assert (terminated, truncated, info["finish_reason"]) == (False, True, "overflow")
+    assert obs["input_ids"][2:].tolist() == [*ids("h"), EOS, *ids("abcd")]  # cut at the budget
+    assert info["turns"][-1] == {"role": "user", "text": "abcdefgh"}
+    # a reply that fits exactly leaves no room for the agent: also an overflow
+    env = char_env(say("ab"), max_new_tokens=4)
+    env.reset(seed=0)
+    assert run(env, [*ids("h"), EOS])[0][4]["finish_reason"] == "overflow"
+
+
+def test_the_agent_turn_cut_at_the_budget_is_a_length_end_and_the_completion():
+    env = char_env(say("cd"), max_new_tokens=6)
+    env.reset(seed=0)
+    (_, _, terminated, truncated, info), _ = run(env, [EOS, *ids("eeee")])
+    assert (terminated, truncated, info["finish_reason"], info["completion"]) == (
+        False,
+        True,
+        "length",
+        "eee",
+    )
+
+
+def test_stop_strings_end_agent_turns_but_not_inside_the_environments_reply():
+    env = char_env(say("hh", done_after=2), stop=["hh"], max_new_tokens=14)
+    env.reset(seed=0)
+    (obs, _, terminated, truncated, info), infos = run(env, [*ids("ahh")])
+    assert infos[-1]["turn_reward"] == 0.0 and not (terminated or truncated)
+    assert obs["input_ids"][2:7].tolist() == ids("ahhhh")  # agent "ahh" (stop string), env "hh"
+    (_, _, terminated, _, info), _ = run(env, [*ids("a"), EOS])  # "hh" + "a" must not count as a stop
+    assert terminated and [t["text"] for t in info["turns"]] == ["ahh", "hh", "a"]
+
+
+def test_the_chat_template_formats_replies_with_the_responders_role(tokenizer):
+    env = TextGenEnv(
+        model="smollm2-135m-instruct", prompts=["Hi"], rewards=[], responder=say("= 4"), max_new_tokens=48
+    )
+    env.episodes.responder.role = "tool"
+    obs, _ = env.reset(seed=0)
+    agent = tokenizer.encode("2+2", add_special_tokens=False)
+    (obs, *_), _ = run(env, [*agent, tokenizer.eos_token_id])
+    text = tokenizer.decode(obs["input_ids"][obs["attention_mask"] == 1])
+    assert text.endswith(
+        "<|im_start|>assistant\n2+2<|im_end|>\n<|im_start|>tool\n= 4<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # a turn ended by a stop string: the env writes the end of the agent's message
+    env = TextGenEnv(
+        model="smollm2-135m-instruct", prompts=["Hi"], rewards=[], responder=say("ok"), stop=["</calc>"],
+        max_new_tokens=48,
+    )  # fmt: skip
+    env.reset(seed=0)
+    (obs, _, _, _, info), _ = run(env, tokenizer.encode("<calc>1</calc>", add_special_tokens=False))
+    P = env.max_prompt_tokens
+    env_ids = obs["input_ids"][P:][info["env_token_mask"][P:] == 1]
+    assert tokenizer.decode(env_ids) == "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_responder_that_raises_or_returns_a_non_string_names_itself():
+    def broken(conversations):
+        raise KeyError("secret")
+
+    env = char_env(named(broken, "broken"))
+    env.reset(seed=0)
+    with pytest.raises(ResponderError, match=r"responder 'broken' raised KeyError: 'secret'"):
+        env.step(EOS)
+    for bad, pattern in [
+        (lambda cs: [42 for _ in cs], r"responder 'bad' returned int 42 for conversation 0"),
+        (lambda cs: [Reply(None) for _ in cs], r"responder 'bad' returned NoneType None"),
+        (lambda cs: [], r"responder 'bad' returned 0 replies for 1 conversations"),
+        (lambda cs: "hi", r"responder 'bad' returned str 'hi'"),
+        (lambda cs: [Reply("a", reward=float("nan"))], r"responder 'bad' returned reward nan"),
+    ]:
+        env = char_env(named(bad, "bad"))
+        env.reset(seed=0)
+        with pytest.raises(ResponderError, match=pattern):
+            env.step(EOS)
+
+
+def test_a_reply_the_tokenizer_cannot_encode_names_the_responder():
+    env = char_env(say("Higher!"))
+    env.reset(seed=0)
+    with pytest.raises(ResponderError, match=r"responder 'say' replied 'Higher!', which the env's tokenizer"):
+        env.step(EOS)
+
+
+def test_bad_multi_turn_arguments_are_clear_errors():
+    with pytest.raises(
+        UnknownNameError, match=r"unknown responder 'calculater'. Did you mean 'calculator'\?"
+    ):
+        char_env("calculater")
+    with pytest.raises(UnknownNameError, match=r"Known responders: .*echo.*guess_number.*user_simulator"):
+        char_env({"name": "nope"})
+    with pytest.raises(ConfigError, match=r"max_turns must be a positive integer or None"):
+        char_env(say("a"), max_turns=0)
+    with pytest.raises(ConfigError, match=r"max_turns=3 needs a responder"):
+        TextGenEnv(model=CHARS, prompts=["ab"], max_turns=3)
+    with pytest.raises(ConfigError, match=r"exactly one of 'name' .*'text_env' or 'tool_env'"):
+        char_env({"name": "echo", "text_env": "x.py:Game"})
+    with pytest.raises(textgym.errors.PluginArgumentError, match=r"responder 'echo' got unknown argument"):
+        char_env({"name": "echo", "partail": True})
+    with pytest.raises(
+        ConfigError, match=r"'test_multiturn_envs' has no class 'Counterr'. Classes there: .*Counter"
+    ):
+        char_env({"tool_env": "test_multiturn_envs:Counterr"})
+
+
+def test_without_a_responder_episodes_are_single_turn_as_before():
+    env = TextGenEnv(model=CHARS, prompts=["ab"], rewards=textgym.RewardStack([(Recorder(), 1.0)]))
+    env.reset(seed=0)
+    (_, reward, terminated, _, info), _infos = run(env, [*ids("c"), EOS])
+    assert terminated and "turns" not in info and "env_token_mask" not in info and reward == 0.0
+    assert env.env_token_mask.sum() == 0 and env.max_turns is None and env.responder is None
+
+
+# -- the built-in responders ----------------------------------------------------------------------------
+def test_calculator_parses_arithmetic_itself():
+    from textgym.plugins.calculator import CalcError, evaluate, format_number
+
+    for expression, value in [
+        ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("-3 - -2", "-1"), ("7 / 2", "3.5"), ("1 / 3", "0.3333333333"),
+        ("0.1 + 0.2", "0.3"), ("14*12", "168"), ("+(.5)", "0.5"), ("2 * (3 + (4 - 1)) / 3", "4"),
+    ]:  # fmt: skip
+        assert format_number(evaluate(expression)) == value, expression
+    for expression, message in [
+        ("2 +* 3", "expected a number at position 3"), ("(1 + 2", "expected ')' at the end"),
+        ("1 / (2 - 2)", "division by zero"), ("__import__('os')", "unexpected '_' at position 0"),
+        ("", "the expression is empty"), ("1 2", "unexpected '2' at position 2"), ("9" * 201, "longer than 200"),
+    ]:  # fmt: skip
+        with pytest.raises(CalcError, match=re.escape(message)):
+            evaluate(expression)
+
+
+def test_a_malformed_tool_call_is_an_error_message_the_model_reads_and_the_episode_goes_on(tokenizer):
+    env = gymnasium.make("textgym/Calculator-v0", prompts="arithmetic").unwrapped
+    obs, info = env.reset(seed=0, options={"prompt": 0})
+    assert "<calc>expression</calc>" in info["prompt"]  # the calculator's instructions open the episode
+    P = env.max_prompt_tokens
+    for call, result in [
+        ("<calc>2 +* 3</calc>", "error: expected a number at position 3."),
+        ("<calc>(14+15</calc>", "error: expected ')' at the end."),
+        ("<calc>14+15</calc>", "= 29"),
+    ]:
+        (obs, reward, terminated, truncated, info), _ = run(
+            env, tokenizer.encode(call, add_special_tokens=False)
+        )
+        assert not (terminated or truncated)
+        assert tokenizer.decode(obs["input_ids"][P:][info["env_token_mask"][P:] == 1]).endswith(
+            f"<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
+        )
+    (obs, reward, terminated, truncated, info), _ = run(
+        env, [*tokenizer.encode("29", add_special_tokens=False), 2]
+    )
+    assert (
+        terminated
+        and info["completion"] == "29"
+        and reward == 1.0
+        and info["reward_components"] == {"match": 1.0}
+    )
+    assert [t["role"] for t in info["turns"]] == ["assistant", "tool"] * 3 + ["assistant"]
+
+
+def test_guess_number_gives_feedback_every_turn_and_pays_for_few_turns():
+    from textgym.plugins.guess_number import GuessNumber
+    from textgym.responders import Conversation, Turn
+
+    game = GuessNumber(turn_penalty=0.25)
+
+    def after(*guesses):
+        turns = tuple(t for g in guesses for t in (Turn("assistant", g), Turn("user", "")))[:-1]
+        return game([Conversation("guess", {"secret": 7}, turns)])[0]
+
+    assert after("5") == Reply("Higher.") and after("My guess is 9") == Reply("Lower.")
+    assert after("seven") == Reply("Please answer with a whole number.", reward=0.0)
+    assert after("7") == Reply("Correct!", reward=1.0, done=True)
+    assert after("5", "9", "7") == Reply("Correct!", reward=0.5, done=True)
+    assert textgym.load_prompts("guess_number")[0].meta["secret"] >= 1
+
+
+def test_user_simulator_asks_the_follow_ups_in_order_then_ends():
+    from textgym.responders import Conversation, Turn
+
+    sim = textgym.make_responder("user_simulator")
+    meta = {"followups": ["Why?", "Shorter?"]}
+    turns = (Turn("assistant", "A"),)
+    assert sim([Conversation("q", meta, turns)])[0] == Reply("Why?")
+    turns += (Turn("user", "Why?"), Turn("assistant", "B"), Turn("user", "Shorter?"), Turn("assistant", "C"))
+    assert sim([Conversation("q", meta, turns)])[0].done
+    prompts = textgym.load_prompts("followups")
+    assert len(prompts) >= 20 and all(len(p.meta["followups"]) == 2 for p in prompts)
+
+
+def test_echo_rewards_each_echo_and_says_the_next_word():
+    env = gymnasium.make("textgym/Echo-v0").unwrapped
+    env.reset(seed=0)
+    words = env.episodes.prompts[env.episodes.prompt_index[0]].meta["words"]
+    tok = env.tokenizer
+    rewards = []
+    for word in words:
+        (_obs, reward, terminated, _truncated, info), _ = run(env, [*tok.encode(word), tok.eos_token_id])
+        rewards.append(reward)
+    assert rewards == [1.0, 1.0, 1.0] and terminated and info["finish_reason"] == "stop"
+
+
+# -- adapters and registration --------------------------------------------------------------------------
+class HotCold:
+    """A text-level game in the GEM/TextArena shape: reset() -> text, step(text) -> 5-tuple."""
+
+    def __init__(self, target="c"):
+        self.target = target
+
+    def reset(self, target=None):  # takes the prompt's metadata key it knows
+        self.target = target or self.target
+        self.moves = 0
+        return "guess a letter"
+
+    def step(self, text):
+        self.moves += 1
+        won = text == self.target
+        return ("win" if won else "cold"), (1.0 if won else -0.1), won, self.moves >= 3, {}
+
+
+class Counter:
+    """A TRL environment_factory-style class: reset(), public methods are tools, get_reward()."""
+
+    def reset(self, **row):
+        self.value, self.goal = 0, row["goal"]
+        return f"Reach {row['goal']}."
+
+    def increment(self, step: int) -> int:
+        """Add step to the counter.
+
+        Args:
+            step: how much to add.
+        """
+        self.value += step
+        return self.value
+
+    def get_reward(self) -> float:
+        return float(self.value == self.goal)
+
+
+def test_a_text_level_env_class_runs_end_to_end_as_a_responder():
+    env = TextGenVectorEnv(
+        num_envs=2, model=CharTokenizer("abcdefghijklmnopqrstuvwxyz .\n"), prompts=[{"prompt": "play", "target": "d"}],
+        rewards=[], max_new_tokens=20, max_prompt_tokens=20, chat_template=False, autoreset_mode="Disabled",
+        responder=textgym.responders.TextEnvResponder(HotCold),
+    )  # fmt: skip
+    _obs, info = env.reset(seed=0)
+    assert info["prompt"][0] == "play\n\nguess a letter"  # reset()'s text opens the episode
+    tok, eos = env.tokenizer, env.eos_token_id
+    total, finals = np.zeros(2), {}
+    for a0, a1 in zip([*tok.encode("a"), eos, *tok.encode("d"), eos, 0, 0], [*tok.encode("b"), eos] * 3):
+        _, rewards, terminated, truncated, infos = env.step(np.array([a0, a1]))
+        total += rewards
+        for i in np.flatnonzero(terminated | truncated):
+            finals[i] = {k: infos[k][i] for k in ("finish_reason", "turns", "turn_rewards")}
+    assert total.tolist() == pytest.approx([0.9, -0.3])  # won on the second move; lost after three
+    assert [t["text"] for t in finals[0]["turns"]] == ["a", "cold", "d"] and finals[0]["turn_rewards"] == [
+        -0.1,
+        1.0,
+    ]
+    assert finals[1]["finish_reason"] == "stop" and len(finals[1]["turns"]) == 5  # the game's own truncation
+
+
+def test_an_environment_factory_class_runs_end_to_end_as_a_responder(tokenizer):
+    env = TextGenEnv(
+        model="smollm2-135m-instruct", prompts=[{"prompt": "Use the counter.", "goal": 3}], rewards=[],
+        max_new_tokens=400, max_prompt_tokens=200, responder={"tool_env": "test_multiturn_envs:Counter"},
+    )  # fmt: skip
+    _obs, info = env.reset(seed=0)
+    assert (
+        "Reach 3." in info["prompt"]
+        and "- increment(step: int) -> int: Add step to the counter." in info["prompt"]
+    )
+    P = env.max_prompt_tokens
+
+    def turn(text):
+        out, _ = run(env, [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id])
+        obs, info = out[0], out[4]
+        return out, tokenizer.decode(obs["input_ids"][P:][info.get("env_token_mask", np.zeros(1))[P:] == 1])
+
+    call = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+    assert "<|im_start|>tool\n2<|im_end|>" in turn(call)[1]
+    assert (
+        "error: unknown tool 'decrement'; tools: increment."
+        in turn('<tool_call>{"name": "decrement"}</tool_call>')[1]
+    )
+    assert "error: the tool call is not valid JSON" in turn("<tool_call>{name: increment}</tool_call>")[1]
+    assert (
+        "error: increment: missing a required argument: 'step'"
+        in turn('<tool_call>{"name": "increment"}</tool_call>')[1]
+    )
+    (_, _, _, _, info), replies = turn(call.replace("2", "1"))
+    assert "\n3<|im_end|>" in replies
+    (_, reward, terminated, _, info), _ = turn("Done: 3.")
+    assert terminated and reward == 1.0 and info["turn_rewards"][-1] == 1.0  # get_reward() on the final turn
+
+
+def test_responder_decorator_and_specs_go_through_the_plugin_manager():
+    textgym.responder("countdown")(lambda conversations, start=3: [str(start) for _ in conversations])
+    try:
+        made = textgym.make_responder("countdown start=5")
+        assert made([textgym.Conversation("p")]) == ["5"]
+        rows = {row["name"]: row for row in plugin_manager.plugins_report()}
+        assert rows["textgym.plugins.calculator"]["registers"]["responder"] == ["calculator"]
+        assert any(r["registers"].get("responder") == ["countdown"] for r in rows.values())
+    finally:
+        for name, _ in list(plugin_manager.pm.list_name_plugin()):
+            if name.endswith("::<lambda>"):
+                plugin_manager.unregister_plugin(name)
+    with pytest.raises(UnknownNameError):
+        textgym.make_responder("countdown")
+
+
+def test_textgym_plugins_lists_responders(capsys):
+    from textgym.cli import main
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "textgym.plugins.calculator  (built-in)\n    responders: calculator\n" in out
+    assert "prompt sources: guess_number\n    responders: guess_number\n" in out
+
+
+def test_vector_env_with_same_step_autoreset_restarts_conversations():
+    env = TextGenVectorEnv(
+        num_envs=2, model=CHARS, prompts=["ab"], rewards=[], max_new_tokens=8, max_prompt_tokens=2,
+        responder=say("c", reward=1.0, done_after=1), autoreset_mode=AutoresetMode.SAME_STEP,
+    )  # fmt: skip
+    env.reset(seed=0)
+    obs, rewards, terminated, _, infos = env.step(np.array([EOS, 2]))
+    assert rewards.tolist() == [1.0, 0.0] and terminated.tolist() == [True, False]
+    assert infos["final_info"]["turn_rewards"][0] == [1.0] and obs["attention_mask"][0, 2:].sum() == 0
+
+
+def test_adapter_specs_name_a_class_in_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative path resolves against the current directory
+    (tmp_path / "games.py").write_text(
+        "class Parrot:\n"
+        "    def reset(self):\n        return None\n"
+        "    def step(self, text):\n        return text + text, 0.0, len(text) > 1, False, {}\n"
+    )
+    env = char_env({"text_env": "games.py:Parrot"}, max_new_tokens=12)
+    env.reset(seed=0)
+    (obs, _, _, _, _info), _ = run(env, [*ids("a"), EOS])
+    assert obs["input_ids"][2:6].tolist() == [*ids("a"), EOS, *ids("aa")]
+
+
+def test_the_environment_guide_prints_what_it_says(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
+    script = tmp_path / "snippets.py"
+    script.write_text("\n\n".join(re.findall(r"```python\n(.*?)```", page, flags=re.S)))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stop 1.0 ['<calc>14 + 15</calc>', '= 29', '29']" in result.stdout
+    assert "True 1.0 {'role': 'tool', 'text': '2'}" in result.stdout

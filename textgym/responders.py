@@ -1,0 +1,513 @@
+"""Responders: the environment's side of a multi-turn episode.
+
+When the agent's turn ends (EOS or a stop string), the env asks its responder for a reply: a tool result,
+game feedback or a user's next message. The env formats the reply with the chat template and appends it to
+the episode; those tokens are observations, not actions. Like rewards, responders are registered by name
+(the ``register_responders`` hook, or ``@textgym.responder`` in a plain file) and always called with a batch:
+every conversation whose agent turn ended on the same step.
+
+A responder is anything with a ``name`` and ``__call__(conversations) -> replies``, one :class:`Reply` (or a
+plain string) per :class:`Conversation`. It may also have ``role`` (the role of its replies in the chat
+template, default ``"user"``), ``start(conversations) -> texts`` (called when episodes begin; a string is
+appended to that episode's prompt, ``None`` keeps it) and ``close()``.
+
+Environments written for other tools adapt into responders: :class:`TextEnvResponder` runs a text-level env
+(``reset() -> text``, ``step(text) -> (text, reward, terminated, truncated, info)``, the GEM/TextArena shape)
+and :class:`ToolEnvResponder` a TRL ``environment_factory``-style class (``reset()``, public methods as tools,
+optional ``get_reward()``). docs/environments.md is the user's guide.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from textgym.errors import ConfigError, PluginArgumentError, TextgymError
+from textgym.rewards import Turn
+
+__all__ = [
+    "Conversation",
+    "FunctionResponder",
+    "Reply",
+    "Responder",
+    "ResponderError",
+    "TextEnvResponder",
+    "ToolEnvResponder",
+    "Turn",
+    "make_responder",
+    "responder",
+]
+
+AGENT_ROLE = "assistant"
+
+
+class ResponderError(TextgymError):
+    """A responder raised, or returned something other than one reply per conversation."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What a responder sees of one episode when the agent's turn ends.
+
+    Attributes:
+        prompt: the prompt text (with the responder's opening, if ``start`` gave one).
+        meta: whatever the prompt source attached to the prompt (a secret number, follow-up questions, ...).
+        turns: every turn so far, the agent's latest last (:class:`~textgym.rewards.Turn`; the agent's role
+            is ``"assistant"``). Before the first turn (in ``start``) it is empty.
+        state: a dict that belongs to the responder for this episode (fresh at every episode start): where a
+            stateful responder keeps e.g. its game or tool instance.
+        last_turn: True when this is the agent's last allowed turn (``max_turns``): the episode ends after it
+            whatever the reply says, and the reply's text is not shown (its reward still counts).
+    """
+
+    prompt: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    turns: tuple[Turn, ...] = ()
+    state: dict[str, Any] = field(default_factory=dict)
+    last_turn: bool = False
+
+    @property
+    def last(self) -> str:
+        """The text of the agent's latest turn ("" before the first)."""
+        return next((t.text for t in reversed(self.turns) if t.role == AGENT_ROLE), "")
+
+    @property
+    def agent_turns(self) -> int:
+        """How many turns the agent has ended so far (its latest included)."""
+        return sum(t.role == AGENT_ROLE for t in self.turns)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A responder's answer to one conversation.
+
+    Attributes:
+        text: what the environment says next (tool result, game feedback, user message).
+        reward: the reward of the agent's turn that just ended (None: 0). It arrives on the step that ended
+            the turn; the reward stack still scores the whole conversation when the episode ends.
+        done: end the episode now (the text is then not shown).
+        role: the role of this reply in the chat template (default: the responder's ``role``).
+    """
+
+    text: str
+    reward: float | None = None
+    done: bool = False
+    role: str | None = None
+
+
+@runtime_checkable
+class Responder(Protocol):
+    """Anything with a ``name`` that answers a batch of conversations: one :class:`Reply` or string each.
+    May also have ``role``, ``start(conversations)`` and ``close()`` (see the module docstring)."""
+
+    name: str
+
+    def __call__(self, conversations: Sequence[Conversation]) -> Sequence[Reply | str]: ...
+
+
+class FunctionResponder:
+    """A batched function ``fn(conversations, **kwargs) -> replies`` as a responder."""
+
+    def __init__(
+        self, name: str, fn: Callable[..., Sequence[Reply | str]], role: str = "user", **kwargs: Any
+    ):
+        self.name, self.fn, self.role, self.kwargs = name, fn, role, kwargs
+
+    def __call__(self, conversations: Sequence[Conversation]) -> Sequence[Reply | str]:
+        return self.fn(conversations, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"FunctionResponder({self.name!r}, role={self.role!r})"
+
+
+# -- adapters ---------------------------------------------------------------------------------------------
+def _call_reset(obj: Any, meta: Mapping[str, Any]) -> Any:
+    """``obj.reset(...)`` with the prompt's metadata keys that it takes (all of them for ``**kwargs``), as
+    TRL passes a dataset row's columns."""
+    try:
+        params = inspect.signature(obj.reset).parameters
+    except (TypeError, ValueError):
+        return obj.reset()
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return obj.reset(**meta)
+    return obj.reset(**{k: v for k, v in meta.items() if k in params})
+
+
+class TextEnvResponder:
+    """A text-level environment class (GEM/TextArena shape) as a responder.
+
+    ``factory(**kwargs)`` is called once per episode. Its ``reset()`` (given the prompt's metadata keys it
+    takes) returns the first observation text, or ``(text, info)``, or None: the text is appended to the
+    episode's prompt. Each agent turn is passed to ``step(text)``, which returns ``(text, reward, terminated,
+    truncated, info)``: the text is the reply, the reward the turn's reward, and either flag ends the episode.
+
+    Args:
+        factory: the class (or any callable returning an instance).
+        name: the responder's name in messages.
+        role: the role of its replies in the chat template.
+        **kwargs: passed to ``factory``.
+    """
+
+    def __init__(
+        self, factory: Callable[..., Any], name: str | None = None, role: str = "user", **kwargs: Any
+    ):
+        if not callable(factory):
+            raise ConfigError(f"text_env must be a class or a callable that returns an env, not {factory!r}.")
+        self.factory, self.kwargs, self.role = factory, kwargs, role
+        self.name = name or getattr(factory, "__name__", "text_env")
+
+    def start(self, conversations: Sequence[Conversation]) -> list[str | None]:
+        openings = []
+        for c in conversations:
+            env = c.state["env"] = self.factory(**self.kwargs)
+            first = _call_reset(env, c.meta)
+            if isinstance(first, tuple) and first:
+                first = first[0]  # GEM returns (observation, info)
+            if first is not None and not isinstance(first, str):
+                raise ResponderError(
+                    f"responder {self.name!r}: reset() returned {type(first).__name__} {first!r}; it must return "
+                    f"the first observation as a string, (string, info), or None."
+                )
+            openings.append(first or None)
+        return openings
+
+    def __call__(self, conversations: Sequence[Conversation]) -> list[Reply]:
+        replies = []
+        for c in conversations:
+            result = c.state["env"].step(c.last)
+            if not isinstance(result, tuple) or len(result) != 5:
+                raise ResponderError(
+                    f"responder {self.name!r}: step() returned {result!r}; it must return (text, reward, "
+                    f"terminated, truncated, info)."
+                )
+            text, reward, terminated, truncated, _ = result
+            replies.append(
+                Reply(text, None if reward is None else float(reward), bool(terminated or truncated))
+            )
+        return replies
+
+    def close(self) -> None:
+        pass
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
+TOOL_FORMAT = '<tool_call>{"name": "TOOL", "arguments": {"ARG": VALUE}}</tool_call>'
+
+
+class ToolEnvResponder:
+    """A TRL ``environment_factory``-style class as a responder: its public methods are the tools.
+
+    ``factory(**kwargs)`` is called once per episode, then its ``reset()`` (given the prompt's metadata keys it
+    takes); a string it returns is appended to the prompt, after a list of the tools and the call format when
+    ``describe_tools``. In each agent turn, every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    calls that method; the results (or error messages: an unknown tool, bad JSON, wrong arguments, an
+    exception in the tool) are the reply, role ``"tool"``. A turn without a tool call is the final answer: the
+    episode ends, and ``get_reward()``, when the class has it, is that turn's reward (also on the agent's
+    last allowed turn).
+
+    Args:
+        factory: the class (or any callable returning an instance).
+        name: the responder's name in messages.
+        role: the role of its replies in the chat template.
+        describe_tools: append the tool list and the call format to each prompt.
+        **kwargs: passed to ``factory``.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        name: str | None = None,
+        role: str = "tool",
+        describe_tools: bool = True,
+        **kwargs: Any,
+    ):
+        if not callable(factory):
+            raise ConfigError(f"tool_env must be a class or a callable that returns an env, not {factory!r}.")
+        self.factory, self.kwargs, self.role, self.describe = factory, kwargs, role, describe_tools
+        self.name = name or getattr(factory, "__name__", "tool_env")
+
+    @staticmethod
+    def tools(env: Any) -> dict[str, Callable[..., Any]]:
+        """The public methods of ``env`` other than ``reset`` and ``get_reward``."""
+        return {
+            name: getattr(env, name)
+            for name in dir(env)
+            if not name.startswith("_")
+            and name not in ("reset", "get_reward")
+            and callable(getattr(env, name, None))
+        }
+
+    def describe_tools(self, env: Any) -> str:
+        lines = ["Tools:"]
+        for name, method in self.tools(env).items():
+            doc = (inspect.getdoc(method) or "").split("\n\n")[0].replace("\n", " ")
+            lines.append(f"- {name}{inspect.signature(method)}" + (f": {doc}" if doc else ""))
+        lines.append(f"Call a tool by writing {TOOL_FORMAT}. Answer without a tool call when you are done.")
+        return "\n".join(lines)
+
+    def start(self, conversations: Sequence[Conversation]) -> list[str | None]:
+        openings = []
+        for c in conversations:
+            env = c.state["env"] = self.factory(**self.kwargs)
+            first = _call_reset(env, c.meta)
+            parts = [first] if isinstance(first, str) and first else []
+            if self.describe:
+                parts.append(self.describe_tools(env))
+            openings.append("\n\n".join(parts) or None)
+        return openings
+
+    def __call__(self, conversations: Sequence[Conversation]) -> list[Reply]:
+        replies = []
+        for c in conversations:
+            env = c.state["env"]
+            calls = TOOL_CALL.findall(c.last)
+            results = [self._call(env, body.strip(), closed) for body, closed in calls]
+            done = not calls or c.last_turn
+            reward = None
+            if done and callable(getattr(env, "get_reward", None)):
+                reward = float(env.get_reward())
+            replies.append(Reply("\n".join(results), reward, done=not calls))
+        return replies
+
+    def _call(self, env: Any, body: str, closed: str) -> str:
+        """One tool call's result, or an error message the model reads as the result."""
+        if not closed:
+            return "error: the tool call is not closed with </tool_call>."
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return f"error: the tool call is not valid JSON ({exc.msg}); write {TOOL_FORMAT}."
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return f'error: a tool call needs a "name"; write {TOOL_FORMAT}.'
+        tools = self.tools(env)
+        if call["name"] not in tools:
+            return f"error: unknown tool {call['name']!r}; tools: {', '.join(tools) or '(none)'}."
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return f'error: "arguments" must be an object, not {json.dumps(arguments)}.'
+        try:
+            inspect.signature(tools[call["name"]]).bind(**arguments)
+        except TypeError as exc:
+            return f"error: {call['name']}: {exc}."
+        try:
+            return str(tools[call["name"]](**arguments))
+        except Exception as exc:  # the tool's own failure is information for the model, as in TRL
+            return f"error: {call['name']} raised {type(exc).__name__}: {exc}"
+
+    def close(self) -> None:
+        pass
+
+
+# -- building responders from specs -------------------------------------------------------------------------
+ResponderSpec = str | Mapping[str, Any] | Responder | Callable[..., Any] | None
+
+
+def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = None) -> Responder | None:
+    """A responder from a spec, or None for none.
+
+    A spec is a registered name (``"calculator"``, or ``"guess_number turn_penalty=0.2"``), a table
+    ``{name = "guess_number", **kwargs}``, ``{text_env = "games.py:Wordle", **kwargs}`` (a
+    :class:`TextEnvResponder`), ``{tool_env = "tools.py:Shop", **kwargs}`` (a :class:`ToolEnvResponder`), a
+    responder object, or a plain function ``fn(conversations) -> replies``. ``base_dir`` resolves relative
+    file paths (default: the current directory).
+    """
+    from textgym import plugin_manager
+    from textgym.rewards import check_arguments, parse_reward_spec
+
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        spec = parse_reward_spec(spec)
+    if isinstance(spec, Mapping):
+        args = dict(spec)
+        adapters = {"text_env": TextEnvResponder, "tool_env": ToolEnvResponder}
+        given = [key for key in ("name", *adapters) if key in args]
+        if len(given) != 1 or (given[0] == "name" and not isinstance(args["name"], str)):
+            raise ConfigError(
+                f"responder spec {dict(spec)!r} needs exactly one of 'name' (a registered responder), "
+                f"'text_env' or 'tool_env' ('path/to/file.py:Class' or 'module:Class')."
+            )
+        key = given[0]
+        if key in adapters:
+            return adapters[key](load_class(args.pop(key), base_dir, key), **args)
+        name = args.pop("name")
+        factory = plugin_manager.get("register_responders", name).value
+        check_arguments("responder", name, factory, args)
+        try:
+            built = factory(**args)
+        except PluginArgumentError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise PluginArgumentError(f"responder {name!r}: {exc}") from exc
+        if not callable(built):
+            raise ResponderError(
+                f"responder plugin {name!r}: its factory returned {built!r}, which is not callable."
+            )
+        try:
+            built.name = name
+        except AttributeError:
+            pass
+        return built
+    if callable(spec):
+        if hasattr(spec, "name"):
+            return spec  # type: ignore[return-value]
+        return FunctionResponder(getattr(spec, "__name__", "responder"), spec)
+    raise ConfigError(
+        f"{spec!r} is not a responder spec: give a registered name, a table with 'name', 'text_env' or "
+        f"'tool_env', a responder object, or a function."
+    )
+
+
+def load_class(ref: Any, base_dir: str | os.PathLike | None = None, key: str = "text_env") -> Any:
+    """The class (or factory) named by ``"path/to/file.py:Class"`` or ``"module:Class"``. A file is loaded
+    like a ``--plugin`` file, once per process; a relative path resolves against ``base_dir`` (default: the
+    current directory)."""
+    import importlib
+    from pathlib import Path
+
+    from textgym import plugin_manager
+    from textgym.errors import PluginError
+
+    form = "'path/to/file.py:Class' or 'module:Class'"
+    target, _, attribute = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
+    if not target or not attribute:
+        raise ConfigError(f"responder {key} = {ref!r} must look like {form}.")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).expanduser()
+            file = path if path.is_absolute() else Path(base_dir or Path.cwd()) / path
+            module = plugin_manager.pm.get_plugin(plugin_manager.load_plugin_file(file))
+        else:
+            module = importlib.import_module(target)
+    except (PluginError, ImportError) as exc:
+        raise ConfigError(f"responder {key} = {ref!r}: cannot load {target!r}: {exc}") from None
+    obj = getattr(module, attribute, None)
+    if not callable(obj):
+        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
+        raise ConfigError(
+            f"responder {key} = {ref!r}: {target!r} has no class {attribute!r}. Classes there: "
+            f"{', '.join(classes) or '(none)'}."
+        )
+    return obj
+
+
+def validated_replies(responder: Responder, conversations: Sequence[Conversation]) -> list[Reply]:
+    """Call ``responder`` and check its output: one :class:`Reply` or string per conversation, with a string
+    text, a finite reward or None, and a bool ``done``. Every error names the responder."""
+    label = f"responder {getattr(responder, 'name', responder)!r}"
+    try:
+        out = responder(conversations)
+    except TextgymError:
+        raise
+    except Exception as exc:
+        raise ResponderError(f"{label} raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise ResponderError(
+            f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return a list with one reply "
+            f"(a string or a textgym.Reply) per conversation."
+        )
+    if len(out) != len(conversations):
+        raise ResponderError(
+            f"{label} returned {len(out)} replies for {len(conversations)} conversations; it must return exactly "
+            f"one per conversation."
+        )
+    replies = []
+    for i, reply in enumerate(out):
+        if isinstance(reply, str):
+            reply = Reply(reply)
+        where = f"for conversation {i} (agent's turn {conversations[i].last[:60]!r})"
+        if not isinstance(reply, Reply) or not isinstance(reply.text, str):
+            bad = reply.text if isinstance(reply, Reply) else reply
+            raise ResponderError(
+                f"{label} returned {type(bad).__name__} {bad!r} {where}; a reply must be a string or a "
+                f"textgym.Reply whose text is a string."
+            )
+        if reply.reward is not None:
+            ok = isinstance(reply.reward, (int, float)) and not isinstance(reply.reward, bool)
+            if not ok or not math.isfinite(reply.reward):
+                raise ResponderError(
+                    f"{label} returned reward {reply.reward!r} {where}; a turn reward must be a finite number "
+                    f"or None."
+                )
+        if not isinstance(reply.done, bool):
+            raise ResponderError(f"{label} returned done={reply.done!r} {where}; it must be True or False.")
+        replies.append(reply)
+    return replies
+
+
+def validated_openings(responder: Responder, conversations: Sequence[Conversation]) -> list[str | None]:
+    """Call ``responder.start`` when it has one: a string (appended to the prompt) or None per conversation."""
+    start = getattr(responder, "start", None)
+    if not callable(start):
+        return [None] * len(conversations)
+    label = f"responder {getattr(responder, 'name', responder)!r}"
+    try:
+        out = start(conversations)
+    except TextgymError:
+        raise
+    except Exception as exc:
+        raise ResponderError(f"{label} raised {type(exc).__name__} in start(): {exc}") from exc
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != len(conversations):
+        raise ResponderError(
+            f"{label}: start() returned {str(out)[:80]!r}; it must return a list with one opening (a string or "
+            f"None) per conversation ({len(conversations)})."
+        )
+    for opening in out:
+        if opening is not None and not isinstance(opening, str):
+            raise ResponderError(
+                f"{label}: start() returned {type(opening).__name__} {opening!r}; an opening must be a string or None."
+            )
+    return list(out)
+
+
+def responder(name: str, role: str = "user") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a batched function as a responder plugin, for quick experiments in a plain file.
+
+    Example::
+
+        import textgym
+
+        @textgym.responder("countdown", role="user")
+        def countdown(conversations, start=3):
+            return [textgym.Reply(str(start - c.agent_turns), done=c.agent_turns >= start)
+                    for c in conversations]
+
+    Extra keyword arguments of the function become the responder's arguments in a spec.
+    """
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        from textgym import plugin_manager
+        from textgym.hookspecs import hookimpl
+
+        def factory(**kwargs: Any) -> FunctionResponder:
+            return FunctionResponder(name, fn, role=role, **kwargs)
+
+        # the arguments a spec may give: the function's own after `conversations`
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        factory.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [
+                p if p.kind is p.VAR_KEYWORD else p.replace(kind=p.KEYWORD_ONLY)
+                for p in params
+                if p.kind is not p.VAR_POSITIONAL
+            ]
+        )
+
+        class _Plugin:
+            @staticmethod
+            @hookimpl
+            def register_responders(register: Callable[..., None]) -> None:
+                register(name, factory)
+
+        file = inspect.getsourcefile(fn) or fn.__module__
+        plugin_manager.register_plugin(
+            _Plugin(), name=f"{file}::{fn.__name__}", source=f"@textgym.responder in {file}"
+        )
+        return fn
+
+    return decorator
