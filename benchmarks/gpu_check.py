@@ -128,18 +128,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.bf16 is None:
         args.bf16 = args.device.startswith("cuda")
-    model, tokenizer = textgym.load_model(args.model)
-    model.to(args.device)
     result = {
         "machine": machine(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "rollout": [],
         "agents": [],
     }
-    for batch in args.batches:
-        result["rollout"].append(rollout_vs_generate(args, model, tokenizer, batch))
-        print(result["rollout"][-1], flush=True)
-    del model
+    if not args.skip_rollout:  # (skipped, the process's peak memory is the agents' alone)
+        model, tokenizer = textgym.load_model(args.model)
+        model.to(args.device)
+        for batch in args.batches:
+            result["rollout"].append(rollout_vs_generate(args, model, tokenizer, batch))
+            print(result["rollout"][-1], flush=True)
+        del model
     for name in args.agents:
         for batch in args.batches:
             result["agents"].append(agent_iteration(args, name, batch))

@@ -150,6 +150,118 @@ def reward_section(w: dict) -> list[str]:
     return [*lines, ""]
 
 
+def agents_section(a: dict | None) -> list[str]:
+    if not a:
+        return []
+    lines = [
+        "## The LM agents on this CPU",
+        "",
+        "`python benchmarks/run.py --only agents` (which runs `python -m benchmarks.gpu_check --device cpu "
+        "--skip-rollout --agents NAME " + " ".join(a["settings"]) + "` once per agent, each in its own "
+        "process). One iteration of each agent after a warm-up one, with its defaults except those listed; "
+        "memory is the process's peak resident set (the model, its copies, the optimizer state and the "
+        "batch). GRPO and RLOO sample 8 completions per prompt; LMPPO one per prompt, with the same batch size.",
+        "",
+        "| agent | batch | seconds per iteration | peak memory (MB) | rollout (s) | update (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in a["rows"]:
+        b = row["breakdown"]
+        lines.append(
+            f"| {row['agent']} | {row['batch']} | {row['iteration_s']:.1f} | {row['peak_memory_mb']:.0f} | "
+            f"{b.get('time/rollout', float('nan')):.1f} | {b.get('time/update', float('nan')):.1f} |"
+        )
+    lines += [
+        "",
+        "`grpo-beta0` is GRPO with `beta = 0`: no reference model is loaded or run, which saves a copy of the "
+        "weights and the reference forward. LMPPO's value head shares the policy's trunk, so its extra memory "
+        "is the head and the reference copy.",
+        "",
+    ]
+    return lines
+
+
+def distributed_section(d: dict | None) -> list[str]:
+    if not d:
+        return []
+    s, one, two = d["settings"], d["one_process"], d["two_processes"]
+    return [
+        "## Two processes against one",
+        "",
+        "`python -m benchmarks.distributed_speedup`. `textgym train` with LMPPO on "
+        f"{s['model']}, a total batch of {s['total_batch']} episodes of {s['response_length']} tokens, "
+        f"{s['ppo_epochs']} epochs x {s['minibatches']} minibatches (micro-batch {s['micro_batch']}): once in "
+        "one process with both cores, once with `run.processes = 2` (torchrun, gloo), each process with one "
+        "core and half the batch. Median seconds per iteration, the first (warm-up) iteration left out.",
+        "",
+        "| processes | seconds per iteration | iterations |",
+        "|---|---|---|",
+        f"| 1 | {one['iteration_s']:.1f} | {one['iterations']} |",
+        f"| 2 | {two['iteration_s']:.1f} | {two['iterations']} |",
+        "",
+        f"Speed-up: **{d['speedup']:.2f}x**. On two cores this is well below 2x: one process already uses "
+        "both cores through torch's threads, so a second process adds no compute; it only splits the work "
+        "differently and adds the gradient all-reduce (135M parameters over gloo, every optimizer step) and the "
+        "gathers of statistics. Data parallelism pays where each process has its own device or its own "
+        "cores: see docs/distributed.md.",
+        "",
+    ]
+
+
+def bf16_section(b: dict | None) -> list[str]:
+    if not b:
+        return []
+    return [
+        "## bf16 against fp32 on this CPU",
+        "",
+        f"`python -m benchmarks.bf16_cpu`. {b['model']}, batch {b['batch']}, {b['new_tokens']} new tokens, "
+        "greedy; bf16 is `torch.autocast` (weights stay fp32). An LMPPO iteration is 16 episodes x 24 tokens, "
+        "2 epochs x 2 minibatches, micro-batch 8. Medians of alternated runs.",
+        "",
+        "| | fp32 (s) | bf16 (s) | fp32 / bf16 |",
+        "|---|---|---|---|",
+        f"| `model.generate` | {b['generate_fp32']:.2f} | {b['generate_bf16']:.2f} | "
+        f"**{b['generate_fp32'] / b['generate_bf16']:.2f}x** |",
+        f"| textgym rollout | {b['rollout_fp32']:.2f} | {b['rollout_bf16']:.2f} | "
+        f"**{b['rollout_fp32'] / b['rollout_bf16']:.2f}x** |",
+        f"| LMPPO iteration | {b['iteration_fp32']:.2f} | {b['iteration_bf16']:.2f} | "
+        f"**{b['iteration_fp32'] / b['iteration_bf16']:.2f}x** |",
+        "",
+        f"Rollout against `generate` in the same precision: {b['rollout_fp32'] / b['generate_fp32']:.2f} in "
+        f"fp32, {b['rollout_bf16'] / b['generate_bf16']:.2f} in bf16. The PPO ratio before the first update "
+        f"(rollout and training log-probs of the same tokens) is 1 within {b['ratio_max_abs_dev_fp32']:.1e} "
+        f"in fp32 and {b['ratio_max_abs_dev_bf16']:.1e} in bf16: bf16 rounds the two forwards (one "
+        "token at a time with a KV cache, then the whole sequence at once) differently. The default on CPUs "
+        "stays fp32 (`bf16 = false`); see docs/training.md for when to turn it on.",
+        "",
+    ]
+
+
+def gpu_section(g: dict | None) -> list[str]:
+    lines = ["## On a GPU", ""]
+    if not g or g["args"].get("device", "cpu") == "cpu":
+        return [
+            *lines,
+            "Not measured: no GPU was available to this project's benchmarks. `python -m benchmarks.gpu_check` "
+            "measures the rollout against `generate` and one iteration of each LM agent at batches 64 and 256 "
+            "with SmolLM2 in bf16 on a GPU, and writes `benchmarks/results/gpu_check.json`; this section shows "
+            "its figures once that file holds a GPU run.",
+            "",
+        ]
+    lines += [f"`python -m benchmarks.gpu_check` on {g['machine'].get('cuda')}.", "",
+              "| batch | `generate` (s) | env rollout (s) | ratio |", "|---|---|---|---|"]  # fmt: skip
+    for row in g["rollout"]:
+        lines.append(
+            f"| {row['batch']} | {row['generate_s']:.2f} | {row['rollout_s']:.2f} | {row['ratio']:.2f} |"
+        )
+    lines += ["", "| agent | batch | seconds per iteration | peak memory (MB) |", "|---|---|---|---|"]
+    for row in g["agents"]:
+        lines.append(
+            f"| {row['agent']} | {row['batch']} | {row['iteration_s']:.2f} | {row['peak_memory_mb']:.0f} |"
+        )
+    return [*lines, ""]
+
+
 def load(name: str) -> dict | None:
     path = results_dir() / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -308,6 +420,10 @@ def write_report(quick: bool = False) -> Path:
     w = load("reward_throughput")
     if w:
         lines += reward_section(w)
+    lines += agents_section(load("agents_cpu"))
+    lines += distributed_section(load("distributed_speedup"))
+    lines += bf16_section(load("bf16_cpu"))
+    lines += gpu_section(load("gpu_check"))
     lines.append(PROFILE_NOTES)
     path = results_dir() / "performance.md" if quick else ROOT / "docs" / "performance.md"
     path.write_text("\n".join(lines))

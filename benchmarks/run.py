@@ -122,10 +122,30 @@ def scaling(rm_dir: Path, prompts: Path, quick: bool) -> None:
     write_result("scaling", {"rows": rows})
 
 
+def agents(quick: bool) -> None:
+    """One iteration of each LM agent on this CPU, each in its own process so that its peak resident memory
+    is its own (benchmarks/gpu_check.py without the rollout part)."""
+    from benchmarks.common import results_dir, write_result
+    from benchmarks.gpu_check import AGENTS
+
+    size = ["--model", "tiny-random-llama", "--batches", "8", "--new-tokens", "4", "--micro-batch", "4"]
+    if not quick:
+        size = ["--batches", "16", "--new-tokens", "24", "--micro-batch", "8"]
+    rows = []
+    for name in AGENTS:
+        out = results_dir() / f".agent_{name}.json"
+        module("gpu_check", "--device", "cpu", "--skip-rollout", "--agents", name, *size, "--out", str(out))
+        rows += json.loads(out.read_text())["agents"]
+        out.unlink()
+    write_result("agents_cpu", {"settings": size, "rows": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--only", nargs="+", default=["env", "rewards", "rollout", "multiturn", "ppo", "scaling"]
+        "--only",
+        nargs="+",
+        default=["env", "rewards", "rollout", "multiturn", "ppo", "scaling", "agents", "distributed", "bf16"],
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
     parser.add_argument("--results", type=Path, help="where the JSON goes (default benchmarks/results)")
@@ -163,6 +183,12 @@ def main() -> None:
         ppo_vs_trl(smollm2_dir(), reward_model(), prompts_file(), q)
     if "scaling" in args.only:
         scaling(reward_model(), prompts_file(), q)
+    if "agents" in args.only:
+        agents(q)
+    if "distributed" in args.only:
+        module("distributed_speedup", *(["--quick", "--iterations", "2"] if q else []))
+    if "bf16" in args.only:
+        module("bf16_cpu", *(["--quick", "--repeats", "1"] if q else []))
     from benchmarks.report import write_report
 
     write_report(quick=q)

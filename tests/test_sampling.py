@@ -120,3 +120,32 @@ def test_rollout_logprobs_equal_one_full_forward_at_the_same_temperature(tiny):
     torch.testing.assert_close(out.hidden_states[-1][:, P - 1 : -1][m], result.hidden[m], atol=1e-4, rtol=0)
     assert (result.response_ids[~m] == tok.pad_token_id).all() and (result.logprobs[~m] == 0).all()
     assert result.scores.tolist() == [i["reward"] for i in result.infos]
+
+
+def test_a_diverged_model_fails_the_rollout_with_its_cause():
+    import textgym
+    from textgym.errors import TrainingError
+
+    model, _ = textgym.load_model("tiny-random-llama")
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    env = TextGenVectorEnv(
+        num_envs=2, model="tiny-random-llama", prompts=PROMPTS, rewards=[{"name": "length_penalty", "target": 4}],
+        max_new_tokens=3, autoreset_mode="Disabled",
+    )  # fmt: skip
+    with pytest.raises(TrainingError, match="next-token distribution is not finite"):
+        sample_episodes(model, env, temperature=1.0, seed=0)
+
+
+def test_rollout_returns_host_log_probs_and_keeps_hidden_states_on_the_model_device(tiny):
+    from textgym.sampling import rollout
+
+    model, _ = tiny
+    env = TextGenVectorEnv(
+        num_envs=2, model="tiny-random-llama", prompts=PROMPTS, rewards=[{"name": "length_penalty", "target": 4}],
+        max_new_tokens=3, autoreset_mode="Disabled",
+    )  # fmt: skip
+    r = rollout(model, env, temperature=1.0, seed=0, keep_hidden=True)
+    device = next(model.parameters()).device
+    assert r.logprobs.device.type == "cpu" and r.hidden_states.device == device
+    assert torch.isfinite(r.logprobs).all() and (r.logprobs[r.response_mask.bool()] < 0).all()

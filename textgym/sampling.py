@@ -62,7 +62,9 @@ def rollout(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, not {temperature}.")
     device = next(model.parameters()).device
-    generator = torch.Generator(device="cpu")
+    # Sampling stays on the model's device: per step only the N chosen tokens cross to the host (the env
+    # needs them); logits, log-probs and hidden states stay where the model wrote them.
+    generator = torch.Generator(device=device)
     generator.manual_seed(0 if seed is None else seed)
     obs, _ = env.reset(seed=seed, options=options)
     P, T, n = env.max_prompt_tokens, env.max_new_tokens, env.num_envs
@@ -71,8 +73,9 @@ def rollout(
     start = int(query_mask.any(0).long().argmax())  # columns that are padding in every prompt are skipped
     mask = query_mask[:, start:].to(device)  # (N, P'), grows by one column per step (a chunk after a turn)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P')
-    logprobs = torch.zeros(n, T)
+    logprobs = torch.zeros(n, T, device=device)
     hidden: Any = None
+    finite = torch.ones((), dtype=torch.bool, device=device)  # checked once at the end: no per-step sync
     length = np.zeros(n, dtype=np.int64)  # response tokens so far per row: where its next agent token goes
     scores = np.zeros(n)  # episode returns
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -93,8 +96,8 @@ def rollout(
         cache_key = "cache" if "cache" in out else "past_key_values"
         for _ in range(T):
             active_np = env.active
-            active = torch.from_numpy(active_np)
-            logits = out.logits[:, -1, : env.single_action_space.n].float().cpu()  # (N, V)
+            active = torch.from_numpy(active_np).to(device)
+            logits = out.logits[:, -1, : env.single_action_space.n].float()  # (N, V), on the device
             if scale != 1.0:
                 logits = logits / scale
             if temperature == 0:
@@ -103,23 +106,23 @@ def rollout(
                 if top_k:
                     kth = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
-                try:
-                    tokens = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-                except RuntimeError as exc:  # NaN or inf logits: the model's weights have diverged
-                    raise TrainingError(
-                        f"the model's next-token distribution is not finite ({exc}); its weights have diverged."
-                    ) from None
+                probs = logits.softmax(-1)
+                ok = torch.isfinite(probs).all(-1, keepdim=True)  # NaN or inf: the weights have diverged
+                finite &= ok.all()
+                probs = torch.where(ok, probs, 1.0)  # sampled anyway (uniform); the rollout fails at its end
+                tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             tokens = torch.where(active, tokens, env.pad_token_id)
-            rows = torch.from_numpy(np.flatnonzero(active_np))
-            cols = torch.from_numpy(length[active_np])
+            rows = torch.from_numpy(np.flatnonzero(active_np)).to(device)
+            cols = torch.from_numpy(length[active_np]).to(device)
             # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step
             chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
             logprobs[rows, cols] = (chosen - torch.logsumexp(logits, -1))[rows]
             if keep_hidden:
-                h = out.hidden_states[-1][:, -1].float().cpu()  # (N, H)
+                h = out.hidden_states[-1][:, -1].float()  # (N, H)
                 if hidden is None:
-                    hidden = torch.zeros(n, T, h.shape[-1])
+                    hidden = torch.zeros(n, T, h.shape[-1], device=device)
                 hidden[rows, cols] = h[rows]
+            tokens = tokens.cpu()  # the step's one transfer to the host
             obs, rewards, terminated, truncated, step_infos = env.step(tokens.numpy())
             scores += rewards  # turn rewards on the steps that end turns, the stack's total on the last
             for i in np.flatnonzero(terminated | truncated):
@@ -151,6 +154,9 @@ def rollout(
                 **keep,
             )
             next_position = next_position + torch.from_numpy(1 + extra)[:, None].to(next_position.device)
+    if not bool(finite):
+        raise TrainingError("the model's next-token distribution is not finite; its weights have diverged.")
+    logprobs = logprobs.cpu()
     # the env's record of each conversation after the prompt, pad after the end: (N, T)
     response_ids = torch.from_numpy(obs["input_ids"][:, P:].copy())
     response_mask = torch.from_numpy(obs["attention_mask"][:, P:].astype(np.int64))
