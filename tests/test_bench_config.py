@@ -151,7 +151,7 @@ def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
         ([{"name": "grpo", "num_generations": 1}], "num_generations must be an integer >= 2", ConfigError),
         ([{"name": "lmppo"}, {"name": "lmppo"}], "agents 'lmppo' and 'lmppo' share the name", ConfigError),
         ([{"name": "lmppo", "label": "a/b"}], "agent name 'a/b' is not a safe directory name", ConfigError),
-        ([{"name": "sb3-ppo"}], "takes one of .*MultiInputPolicy", ConfigError),
+        ([{"name": "sb3-ppo", "policy": "MultiInputPolicyy"}], "not one of .*MultiInputPolicy", ConfigError),
         ([{"label": "x"}], "has no name", ConfigError),
     ],
 )
@@ -172,11 +172,13 @@ def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path)
     jobs = plan(spec, tmp_path / "bench")
     assert [j.run_id for j in jobs][:3] == ["lmppo/exact-seed0", "lmppo/exact-seed1", "lmppo/partial-seed0"]
     grpo = next(j for j in jobs if j.agent["label"] == "grpo-b0")
-    assert grpo.config["agent"] == {"name": "grpo", "policy": "tiny-char-llama", "learning_rate": 5e-4,
-                                    "num_generations": 4}  # fmt: skip
+    # each entry is the agent's own table over the shared [agent] keys, as [agent.<name>] in textgym train
+    assert grpo.config["agent"] == {"name": "grpo", "policy": "tiny-char-llama", "learning_rate": 1e-3,
+                                    "grpo": {"num_generations": 4, "learning_rate": 5e-4}}  # fmt: skip
     assert "eval" in grpo.config  # LM agents get held-out curves during training
     sb3 = next(j for j in jobs if j.agent["label"] == "sb3-ppo")
-    assert sb3.config["agent"]["policy"] == "MultiInputPolicy" and "eval" not in sb3.config
+    assert sb3.config["agent"]["sb3-ppo"]["policy"] == "MultiInputPolicy" and "eval" not in sb3.config
+    assert sb3.config["agent"]["policy"] == "tiny-char-llama"  # the env's tokenizer
     assert len({j.config_hash for j in jobs}) == len(jobs)
 
 
@@ -239,6 +241,8 @@ RM = {
         ({"pairs": {**RM["pairs"], "rewards": [{"name": "mach"}]}}, "unknown reward 'mach'"),
         ({"train": {"epochs": 0}}, "epochs .* must be an integer >= 1"),
         ({"train": {"learning_rat": 1.0}}, "unknown argument.*'learning_rat'"),
+        ({"train": {"max_length": 0}}, "max_length .* must be an integer >= 1"),
+        ({"train": {"head_learning_rate": -1.0}}, "head_learning_rate"),
     ],
 )
 def test_bad_reward_models_are_refused(tmp_path, change, match):

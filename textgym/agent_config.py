@@ -102,6 +102,7 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         if key == name or find_agent(key) is agent_class:
             own = dict(table)
     shared = {k: v for k, v in agent.items() if k not in RESERVED and k not in tables}
+    own_policy = "policy" in own
     policy = own.pop("policy", agent.get("policy"))
     hyperparameters = {**shared, **own}
     valid = hyperparameter_names(agent_class)
@@ -122,6 +123,10 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
             raise ConfigError(f"[agent] learning_rate must be a positive number, not {lr!r}.")
     if not is_lm_agent(agent_class):
         aliases = getattr(agent_class, "policy_aliases", {})
+        if own_policy and policy not in aliases:
+            raise ConfigError(
+                f"[agent.{name}] policy {policy!r} is not one of {name}'s policies: {', '.join(aliases)}."
+            )
         if not isinstance(policy, str) or policy not in aliases:
             policy = "MultiInputPolicy"  # the LM policy name (if any) only picks the env's tokenizer
     elif policy is None:

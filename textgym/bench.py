@@ -245,12 +245,12 @@ def _train(job: Job) -> None:
 
 def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
     """Score a trained run on the held-out prompts: every metric, component statistics and samples."""
-    from textgym import plugin_manager
+    from textgym.agent_config import find_agent
     from textgym.evaluation import Evaluator
     from textgym.rewards import build_reward_stack
     from textgym.train import CHECKPOINT, load_sb3_run
 
-    agent_class = plugin_manager.load_agent(job.config["agent"]["name"])
+    agent_class = find_agent(job.config["agent"]["name"])
     stack = build_reward_stack(job.config["env"]["rewards"])
     stack.set_progress(1.0)  # scheduled weights as they ended training
     evaluator = Evaluator(job.config, eval_settings(spec), stack, lm_agent=job.agent["lm"])

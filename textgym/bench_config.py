@@ -196,7 +196,7 @@ def _designs(designs: Any, source: str, base_dir: Path) -> list[dict[str, Any]]:
 def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str, Any]]:
     """Each agent: ``label`` (its directory and report name), ``table`` (the ``[agent]`` table of its runs:
     the shared ``[agent]`` keys, then its own) and ``lm`` (an LM agent, or an SB3-style one)."""
-    from textgym.train import check_hyperparameters, is_lm_agent
+    from textgym.agent_config import is_lm_agent, resolve_agent
 
     shared = {k: v for k, v in base["agent"].items() if k != "name"}
     if agents is None:
@@ -210,39 +210,41 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
                 raise ConfigError(
                     f"{source}: [[agents]] entry {dict(entry)!r} has no name (a registered agent)."
                 )
-            tables.append({**shared, **{k: v for k, v in entry.items() if v is not None}})
+            # the entry's keys become the agent's own table ([agent.<name>]), over the shared ones; the
+            # shared policy (an LM) stays the env's tokenizer, as in `textgym train --agent`
+            own = {k: v for k, v in entry.items() if k not in ("name", "label") and v is not None}
+            table = {k: v for k, v in shared.items() if k != entry["name"]}
+            table.update(name=entry["name"], **{entry["name"]: {**shared.get(entry["name"], {}), **own}})
+            if "label" in entry:
+                table["label"] = entry["label"]
+            tables.append(table)
     out = []
     for table in tables:
         label = check_name(table.pop("label", table["name"]), "agent", source)
-        agent_class = plugin_manager.load_agent(table["name"])  # an unknown agent fails now
-        hyperparameters = {k: v for k, v in table.items() if k not in ("name", "policy")}
-        try:
-            check_hyperparameters(table["name"], agent_class, hyperparameters)
+        try:  # the agent's name (registered or an SB3 algorithm) and every hyperparameter's name
+            agent_class, policy, hyperparameters = resolve_agent(table)
         except ConfigError as exc:
             raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
         lm = is_lm_agent(agent_class)
         if lm:
-            _check_lm_agent(agent_class, label, table, base["env"]["num_envs"], source)
-        else:
-            _check_sb3_policy(agent_class, label, table.get("policy"), source)
+            _check_lm_agent(agent_class, label, policy, hyperparameters, base["env"]["num_envs"], source)
         out.append({"label": label, "table": table, "lm": lm})
     check_unique([a["label"] for a in out], "agent", source)
     return out
 
 
 def _check_lm_agent(
-    agent_class: type, label: str, table: Mapping[str, Any], num_envs: int, source: str
+    agent_class: type, label: str, policy: Any, hyperparameters: Mapping[str, Any], num_envs: int, source: str
 ) -> None:
     """An LM agent's hyperparameter values and its batch shape, before any model loads."""
     from textgym.agents.lm_config import make_config
 
-    if table.get("policy") is None:
+    if policy is None:
         raise ConfigError(
             f"{source}: agent {label!r} needs a policy: a zoo name (e.g. tiny-char-llama) or a model directory."
         )
-    hyperparameters = {k: v for k, v in table.items() if k not in ("name", "policy")}
     try:
-        config = make_config(agent_class.config_class, table["name"], hyperparameters)
+        config = make_config(agent_class.config_class, label, dict(hyperparameters))
     except ConfigError as exc:
         raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
     group = getattr(config, "num_generations", 1)
@@ -250,14 +252,4 @@ def _check_lm_agent(
         raise ConfigError(
             f"{source}: agent {label!r}: env.num_envs = {num_envs} is not a multiple of num_generations = "
             f"{group} (each prompt gets {group} completions)."
-        )
-
-
-def _check_sb3_policy(agent_class: Any, label: str, policy: Any, source: str) -> None:
-    """An SB3 algorithm takes one of its own policy names (a shared [agent] policy is usually a model)."""
-    aliases = getattr(agent_class, "policy_aliases", None)
-    if isinstance(policy, str) and isinstance(aliases, Mapping) and policy not in aliases:
-        raise ConfigError(
-            f"{source}: agent {label!r} got policy {policy!r} (from [agent] or its [[agents]] table), but it "
-            f'takes one of {", ".join(aliases)}: set policy = "MultiInputPolicy" in its [[agents]] table.'
         )

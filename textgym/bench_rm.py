@@ -67,11 +67,11 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         )
         label_defaults = _defaults(label_pairs)
         try:
-            check_label_settings(*(pairs.get(k, label_defaults[k]) for k in
-                                   ("num_prompts", "max_new_tokens", "temperature", "label_noise", "batch_size")))  # fmt: skip
+            check_label_settings(**{k: pairs.get(k, label_defaults[k]) for k in
+                                    inspect.signature(check_label_settings).parameters})  # fmt: skip
             train_defaults = _defaults(train_reward_model)
-            check_train_settings(*(train.get(k, train_defaults[k]) for k in
-                                   ("epochs", "learning_rate", "batch_size", "eval_fraction", "max_length")))  # fmt: skip
+            check_train_settings(**{k: train.get(k, train_defaults[k]) for k in
+                                    inspect.signature(check_train_settings).parameters})  # fmt: skip
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         check_reward_specs(gold_specs(pairs["rewards"]), where=f"{where}: pairs.rewards")
