@@ -175,6 +175,8 @@ def main() -> None:
             "24",
             "--repeats",
             "1",
+            "--stop",
+            "\n",  # the tiny random model writes newlines, never a full stop
         ]
         module("multiturn_rollout", *(quick if q else []))
     if "ppo" in args.only:

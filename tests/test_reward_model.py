@@ -304,8 +304,8 @@ DOC = Path(__file__).parents[1] / "docs" / "reward-models.md"
 
 
 def test_every_command_in_the_docs_parses(monkeypatch):
-    """Each ``textgym ...`` line of docs/reward-models.md is accepted by the CLI as written (the commands
-    themselves were run to measure the figures shown there)."""
+    """Each ``textgym ...`` line of docs/reward-models.md is accepted by the CLI as written (the doc tests do
+    not run them: on SmolLM2 they take minutes)."""
     import shlex
 
     import textgym.cli
@@ -317,7 +317,7 @@ def test_every_command_in_the_docs_parses(monkeypatch):
     blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
     commands = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     commands = [c for c in commands if c.startswith("textgym ")]
-    assert len(commands) >= 4
+    assert len(commands) >= 3
     for command in commands:
         assert main(shlex.split(command, comments=True)[1:]) == 0, command
     assert len(ran) == len(commands)

@@ -147,5 +147,5 @@ def test_rollout_returns_host_log_probs_and_keeps_hidden_states_on_the_model_dev
     )  # fmt: skip
     r = rollout(model, env, temperature=1.0, seed=0, keep_hidden=True)
     device = next(model.parameters()).device
-    assert r.logprobs.device.type == "cpu" and r.hidden_states.device == device
+    assert r.logprobs.device.type == "cpu" and r.hidden.device == device
     assert torch.isfinite(r.logprobs).all() and (r.logprobs[r.response_mask.bool()] < 0).all()

@@ -5,30 +5,45 @@ the reward is a weighted stack of reward plugins. Importing textgym loads the pl
 environments with Gymnasium.
 """
 
-from textgym.hookspecs import hookimpl
-from textgym.responders import Conversation, Reply, Responder, make_responder, responder
-from textgym.rewards import (
-    FunctionReward,
-    Reward,
-    RewardStack,
-    Sample,
-    Turn,
-    build_reward_stack,
-    make_reward,
-    reward,
-)
+import sys as _sys
 
 __version__ = "0.1.0"
 
-from textgym import errors, plugin_manager
-from textgym.envs import TextGenEnv, TextGenVectorEnv
-from textgym.models import load_model, load_tokenizer
-from textgym.prompts import Prompt, load_prompts
+
+def _is_cli() -> bool:
+    """Whether this process is the textgym command (``textgym ...`` or ``python -m textgym ...``)."""
+    argv = getattr(_sys, "orig_argv", _sys.argv)
+    return _sys.argv[0].endswith(("/textgym", "textgym.exe")) or argv[1:3] == ["-m", "textgym"]
+
 
 try:
-    plugin_manager.load_plugins()
-except errors.TextgymError:
-    pass  # a broken plugin: every lookup raises the error, which the CLI prints as one line
+    from textgym.hookspecs import hookimpl  # noqa: I001  (this order: no import cycles)
+    from textgym.responders import Conversation, Reply, Responder, make_responder, responder
+    from textgym.rewards import (
+        FunctionReward,
+        Reward,
+        RewardStack,
+        Sample,
+        Turn,
+        build_reward_stack,
+        make_reward,
+        reward,
+    )
+
+    from textgym import errors, plugin_manager
+    from textgym.envs import TextGenEnv, TextGenVectorEnv
+    from textgym.models import load_model, load_tokenizer
+    from textgym.prompts import Prompt, load_prompts
+
+    try:
+        plugin_manager.load_plugins()
+    except errors.TextgymError:
+        pass  # a broken plugin: every lookup raises the error, which the CLI prints as one line
+except KeyboardInterrupt:  # Ctrl-C while the command imports torch and transformers: one line, no traceback
+    if not _is_cli():
+        raise
+    print("\ntextgym: aborted", file=_sys.stderr)
+    raise SystemExit(130) from None
 
 __all__ = [
     "Conversation",

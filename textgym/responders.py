@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from textgym.errors import ConfigError, PluginArgumentError, TextgymError
+from textgym.errors import ConfigError, TextgymError
 from textgym.rewards import Turn
 
 __all__ = [
@@ -317,8 +317,7 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
     responder object, or a plain function ``fn(conversations) -> replies``. ``base_dir`` resolves relative
     file paths (default: the current directory).
     """
-    from textgym import plugin_manager
-    from textgym.rewards import check_arguments, parse_reward_spec
+    from textgym.rewards import build_registered, parse_reward_spec
 
     if spec is None:
         return None
@@ -336,24 +335,7 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
         key = given[0]
         if key in adapters:
             return adapters[key](load_class(args.pop(key), base_dir, key), **args)
-        name = args.pop("name")
-        factory = plugin_manager.get("register_responders", name).value
-        check_arguments("responder", name, factory, args)
-        try:
-            built = factory(**args)
-        except PluginArgumentError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise PluginArgumentError(f"responder {name!r}: {exc}") from exc
-        if not callable(built):
-            raise ResponderError(
-                f"responder plugin {name!r}: its factory returned {built!r}, which is not callable."
-            )
-        try:
-            built.name = name
-        except AttributeError:
-            pass
-        return built
+        return build_registered("responder", "register_responders", args.pop("name"), args, ResponderError)
     if callable(spec):
         if hasattr(spec, "name"):
             return spec  # type: ignore[return-value]

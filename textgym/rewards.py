@@ -310,23 +310,30 @@ def check_arguments(
 
 def make_reward(name: str, **kwargs: Any) -> Reward:
     """Build the reward registered as ``name`` with ``kwargs``; unknown arguments are an error."""
+    return build_registered("reward", "register_rewards", name, kwargs, RewardError)
+
+
+def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], error: type[Exception]) -> Any:
+    """Call the factory registered as ``name`` under ``hook`` (rewards, responders) with ``kwargs``: unknown
+    arguments and a factory's TypeError/ValueError are :class:`PluginArgumentError`; what it returns must be
+    callable (else ``error``) and carries ``name``, the name users type in configs."""
     from textgym import plugin_manager
 
-    factory = plugin_manager.get("register_rewards", name).value
-    check_arguments("reward", name, factory, kwargs)
+    factory = plugin_manager.get(hook, name).value
+    check_arguments(kind, name, factory, kwargs)
     try:
-        reward = factory(**kwargs)
+        built = factory(**kwargs)
     except PluginArgumentError:
         raise
     except (TypeError, ValueError) as exc:
-        raise PluginArgumentError(f"reward {name!r}: {exc}") from exc
-    if not callable(reward):
-        raise RewardError(f"reward plugin {name!r}: its factory returned {reward!r}, which is not callable.")
+        raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
+    if not callable(built):
+        raise error(f"{kind} plugin {name!r}: its factory returned {built!r}, which is not callable.")
     try:
-        reward.name = name  # components carry the name users type in configs
+        built.name = name
     except AttributeError:
         pass
-    return reward
+    return built
 
 
 RewardSpec = Mapping[str, Any] | str | tuple[Any, float] | Reward | Callable[..., Any]
