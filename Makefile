@@ -25,7 +25,8 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# Benchmarks, not tests: writes benchmarks/results/*.json and docs/performance.md (~15 min here).
+# Benchmarks, not tests: writes benchmarks/results/*.json and docs/performance.md (each section
+# alone: `python benchmarks/run.py --only NAME`).
 bench: setup
 	$(PY) benchmarks/run.py
 

@@ -280,7 +280,7 @@ def write_report(quick: bool = False) -> Path:
             "The machine is shared and noisy (timings vary up to 2x between runs), so every figure is a median "
             "over repetitions and every ratio compares two sides measured in the same run.",
             "",
-            "Reproduce everything with `make bench` (11 minutes here; the first run also installs TRL into "
+            "Reproduce everything with `make bench` (the first run also installs TRL into "
             "`.bench/trl-venv`). Each section names the command for its own figures; the raw numbers are in "
             "`benchmarks/results/*.json`.",
             "",

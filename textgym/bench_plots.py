@@ -71,21 +71,27 @@ def _seed_lines(
 
 
 def training_curves(results: BenchResults) -> Any:
-    """Each agent's training reward (the reward-stack total of its batches) against generated tokens."""
+    """Each agent's training reward (the reward-stack total of its batches) against generated tokens: one
+    panel per agent, or, with one design and several agents, the agents side by side on one panel."""
     plt = pyplot()
     colors, _ = _style(results)
+    if len(results.designs) == 1 and len(results.agents) > 1:
+        design = results.designs[0]
+        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for i, agent in enumerate(results.agents):
+            _seed_lines(ax, _training_runs(results, agent, design), palette[i % len(palette)], "-", agent)
+        ax.set_title(f"training reward ({design}), by agent")
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fit(fig)
+        return fig
     n = len(results.agents)
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 3.8), squeeze=False)
     for ax, agent in zip(axes[0], results.agents):
         for design in results.designs:
-            runs = [
-                ([r["timesteps"] for r in rows], [r[REWARD] for r in rows])
-                for job in results.jobs
-                if (job.agent["label"], job.design["name"]) == (agent, design)
-                for rows in [results.training.get(job.run_id, [])]
-                if rows and REWARD in rows[0]
-            ]
-            _seed_lines(ax, runs, colors[design], "-", design)
+            _seed_lines(ax, _training_runs(results, agent, design), colors[design], "-", design)
         ax.set_title(
             f"{agent}: training reward (each design's own)"
             if n > 1
@@ -96,6 +102,17 @@ def training_curves(results: BenchResults) -> Any:
         ax.legend(fontsize=8)
     fit(fig)
     return fig
+
+
+def _training_runs(results: BenchResults, agent: str, design: str) -> list[tuple[list[Any], list[Any]]]:
+    """(timesteps, reward) per seed of one agent and design, from the runs' metrics."""
+    return [
+        ([r["timesteps"] for r in rows], [r[REWARD] for r in rows])
+        for job in results.jobs
+        if (job.agent["label"], job.design["name"]) == (agent, design)
+        for rows in [results.training.get(job.run_id, [])]
+        if rows and REWARD in rows[0]
+    ]
 
 
 def _curve_metrics(results: BenchResults) -> list[str]:
