@@ -196,3 +196,17 @@ def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):
     assert {r["agent"] for r in rows} == {"grpo", "sb3-ppo"} and all(
         r["agent_rank"] for r in rows if r["metric"] == "reward"
     )
+
+
+def test_a_bench_trains_its_runs_with_several_processes(tmp_path):
+    d = designs(tmp_path / "out")
+    d["bench"].update(seeds=[0], eval_every=0)
+    d["run"].update(processes=2, total_timesteps=64)
+    d["env"]["num_envs"] = 8
+    d["designs"] = d["designs"][1:]
+    out = bench.run(d, progress=False)
+    run_dir = out / "runs" / "partial-seed0"
+    assert "processes = 2" in (run_dir / "config.toml").read_text()
+    with (run_dir / "metrics.csv").open() as f:
+        assert [int(r["timesteps"]) for r in csv.DictReader(f)] == [32, 64]  # both processes' tokens
+    assert json.loads((run_dir / "eval.json").read_text())["metrics"]["exact_copy"] is not None
