@@ -55,8 +55,14 @@ class StopFlag:
         )
 
     def __exit__(self, *exc: Any) -> None:
+        # After a first signal another one aborts at once (one line, exit 130) until the process ends, also
+        # while the final checkpoint is written: SIGTERM's default handler would kill without a word.
         for s, previous in self._previous.items():
-            signal.signal(s, previous)
+            signal.signal(s, _abort if self.stop else previous)
+
+
+def _abort(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def plot(path: Path, history: Sequence[dict[str, Any]], score_key: str, kl_key: str | None) -> None:
