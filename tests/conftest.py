@@ -62,3 +62,15 @@ def reward_plugin(name, fn):
             register(name, lambda: textgym.FunctionReward(name, fn))
 
     return Plugin()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests: the tiny models run fastest on one (two threads on a busy
+    2-core machine take twice as long)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

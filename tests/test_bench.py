@@ -29,15 +29,7 @@ DESIGNS = {
 METRICS = ["reward", "exact_copy", "length_penalty", "kl", "length", "distinct_2", "eos_rate"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model runs fastest on one thread (two threads on a busy 2-core machine take twice as long)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def designs(out, **bench_overrides):

@@ -253,16 +253,6 @@ def test_bad_reward_models_are_refused(tmp_path, change, match):
     assert not (tmp_path / "bench").exists() and not (tmp_path / "rm").exists()
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_thread):
     from textgym import bench_rm
 

@@ -259,6 +259,18 @@ def test_importing_a_reward_module_that_is_also_a_plugin_file_is_not_a_duplicate
     assert textgym.build_reward_stack(["twice"]).score([textgym.Sample("p", "c")])[0].tolist() == [2.0]
 
 
+def test_importing_a_responder_module_that_is_also_a_plugin_file_is_not_a_duplicate(tmp_path, monkeypatch):
+    (tmp_path / "twice_responders.py").write_text(
+        "import textgym\n\n@textgym.responder('again')\n"
+        "def again(conversations):\n    return [textgym.Reply('ok', done=True) for _ in conversations]\n"
+    )
+    textgym.plugin_manager.load_plugin_file(tmp_path / "twice_responders.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import twice_responders  # noqa: F401  (a second import of the same file, under its module name)
+
+    assert textgym.make_responder({"name": "again"}).name == "again"
+
+
 def test_a_trl_style_reward_function_works_without_a_wrapper():
     def correct(prompts, completions, reference, **kwargs):
         return [None if r is None else float(c.strip() == r) for c, r in zip(completions, reference)]

@@ -37,14 +37,7 @@ rewards = [{ name = "match", label = "exact_copy", range = [0, 1] }]
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def rows(path):

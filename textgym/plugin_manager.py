@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,24 @@ def _check_pending(name: str | None = None) -> None:
         if name is not None:
             pm.unregister(name=name)
         raise PluginError(f"{exc}. textgym's hooks are: {', '.join(KINDS)}.") from exc
+
+
+def register_function_plugin(hook: str, name: str, factory: Callable[..., Any], fn: Callable[..., Any],
+                             decorator: str) -> None:  # fmt: skip
+    """Register ``factory`` as ``name`` under ``hook`` for the decorated function ``fn`` (``@textgym.reward``,
+    ``@textgym.responder``). The plugin is named after ``fn``'s file and name, so the same file imported again
+    (as a plugin file and as a module) replaces its registration instead of clashing with it."""
+    from textgym.hookspecs import hookimpl
+
+    def implementation(register: Callable[..., None]) -> None:
+        register(name, factory)
+
+    plugin = type("FunctionPlugin", (), {hook: staticmethod(hookimpl(implementation))})()
+    file = inspect.getsourcefile(fn) or fn.__module__
+    plugin_name = f"{file}::{fn.__name__}"
+    if pm.has_plugin(plugin_name):
+        unregister_plugin(plugin_name)
+    register_plugin(plugin, name=plugin_name, source=f"{decorator} in {file}")
 
 
 def unregister_plugin(name: str) -> None:

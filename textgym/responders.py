@@ -465,7 +465,6 @@ def responder(name: str, role: str = "user") -> Callable[[Callable[..., Any]], C
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         from textgym import plugin_manager
-        from textgym.hookspecs import hookimpl
 
         def factory(**kwargs: Any) -> FunctionResponder:
             return FunctionResponder(name, fn, role=role, **kwargs)
@@ -480,15 +479,8 @@ def responder(name: str, role: str = "user") -> Callable[[Callable[..., Any]], C
             ]
         )
 
-        class _Plugin:
-            @staticmethod
-            @hookimpl
-            def register_responders(register: Callable[..., None]) -> None:
-                register(name, factory)
-
-        file = inspect.getsourcefile(fn) or fn.__module__
-        plugin_manager.register_plugin(
-            _Plugin(), name=f"{file}::{fn.__name__}", source=f"@textgym.responder in {file}"
+        plugin_manager.register_function_plugin(
+            "register_responders", name, factory, fn, "@textgym.responder"
         )
         return fn
 

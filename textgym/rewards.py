@@ -528,26 +528,12 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
 
     def decorator(fn: Callable[..., Sequence[float]]) -> Callable[..., Sequence[float]]:
         from textgym import plugin_manager
-        from textgym.hookspecs import hookimpl
 
         def factory(**kwargs: Any) -> FunctionReward:
             return FunctionReward(name, fn, **kwargs)
 
         factory.__signature__ = fixed_signature(fn)  # type: ignore[attr-defined]
-
-        class _Plugin:
-            @staticmethod
-            @hookimpl
-            def register_rewards(register: Callable[..., None]) -> None:
-                register(name, factory)
-
-        file = inspect.getsourcefile(fn) or fn.__module__
-        plugin_name = f"{file}::{fn.__name__}"
-        if plugin_manager.pm.has_plugin(
-            plugin_name
-        ):  # the same file imported again (as a plugin and a module)
-            plugin_manager.unregister_plugin(plugin_name)
-        plugin_manager.register_plugin(_Plugin(), name=plugin_name, source=f"@textgym.reward in {file}")
+        plugin_manager.register_function_plugin("register_rewards", name, factory, fn, "@textgym.reward")
         return fn
 
     return decorator
