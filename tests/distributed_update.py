@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lm_helpers import char_llama
@@ -48,6 +49,9 @@ def main() -> None:
     agent.train(agent.process(batch))
     if agent.dist.is_main:
         torch.save([p.detach().cpu() for p in agent.params], out)
+    if torch.distributed.is_initialized():  # (the one-process reference run has no group)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
 
 
 if __name__ == "__main__":

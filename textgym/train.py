@@ -170,6 +170,8 @@ def run(
         raise
     finally:
         rd.unlock()
+        if world > 1:
+            _end_process_group()
 
 
 # -- several processes ---------------------------------------------------------------------------------
@@ -192,6 +194,15 @@ def _init_process_group() -> None:
     from accelerate import PartialState
 
     PartialState(cpu=not torch.cuda.is_available())
+
+
+def _end_process_group() -> None:
+    """Leave the process group before the interpreter exits: a gloo group torn down by the interpreter's
+    shutdown can abort the process ("terminate called without an active exception")."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _on_main(fn: Any) -> Any:
