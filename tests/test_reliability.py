@@ -150,7 +150,10 @@ def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
     time.sleep(1.5)  # importing torch and transformers
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in output, output
+    # 130, or ended by the SIGINT itself (which a shell also reports as 130): seen on a loaded machine,
+    # after the one-line message, when the interrupt lands while the interpreter shuts down
+    assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in output, output
+    assert "textgym: aborted" in output
 
 
 PLUGIN = """
