@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import textgym
-from benchmarks.common import chat_prompts, median, timed, write_result
+from benchmarks.common import chat_prompts, left_padded_prompts, median, timed, write_result
 from textgym import TextGenVectorEnv
 from textgym.agents.ppo import LMPPO
 from textgym.sampling import rollout
@@ -30,13 +30,7 @@ def main() -> None:
         num_envs=batch, model=name, prompts=prompts, chat_template=False, max_new_tokens=new_tokens,
         rewards=[{"name": "length_penalty", "target": 16}], prompt_order="sequential", autoreset_mode="Disabled",
     )  # fmt: skip
-    ids = [env.encode_prompt(i) for i in range(batch)]
-    width = max(len(x) for x in ids)
-    input_ids = torch.full((batch, width), tokenizer.pad_token_id)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, x in enumerate(ids):
-        input_ids[row, width - len(x) :] = torch.as_tensor(x)
-        mask[row, width - len(x) :] = 1
+    input_ids, mask = left_padded_prompts(env, tokenizer.pad_token_id)
 
     def generate(bf16: bool):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

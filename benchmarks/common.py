@@ -90,3 +90,17 @@ def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
         )
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
+
+
+def left_padded_prompts(env: Any, pad_id: int) -> tuple[Any, Any]:
+    """The env's encoded prompts as ``generate`` takes them: (input_ids, attention_mask), left-padded."""
+    import torch
+
+    ids = [env.encode_prompt(i) for i in range(env.num_envs)]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad_id)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for row, x in enumerate(ids):
+        input_ids[row, width - len(x) :] = torch.as_tensor(x)
+        mask[row, width - len(x) :] = 1
+    return input_ids, mask

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import textgym
-from benchmarks.common import chat_prompts, machine, median, peak_rss_mb
+from benchmarks.common import chat_prompts, left_padded_prompts, machine, median, peak_rss_mb
 from textgym import TextGenVectorEnv
 from textgym.sampling import rollout
 
@@ -46,13 +46,7 @@ def make_env(model: str, tokenizer, batch: int, new_tokens: int) -> TextGenVecto
 
 def rollout_vs_generate(args, model, tokenizer, batch: int) -> dict:
     env = make_env(args.model, tokenizer, batch, args.new_tokens)
-    ids = [env.encode_prompt(i) for i in range(batch)]
-    width = max(len(x) for x in ids)
-    input_ids = torch.full((batch, width), tokenizer.pad_token_id)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, x in enumerate(ids):
-        input_ids[row, width - len(x) :] = torch.as_tensor(x)
-        mask[row, width - len(x) :] = 1
+    input_ids, mask = left_padded_prompts(env, tokenizer.pad_token_id)
     input_ids, mask = input_ids.to(args.device), mask.to(args.device)
     autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16)
 

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import textgym
-from benchmarks.common import chat_prompts, median, timed, write_result
+from benchmarks.common import chat_prompts, left_padded_prompts, median, timed, write_result
 from textgym import TextGenVectorEnv
 from textgym.sampling import rollout
 
@@ -33,13 +33,7 @@ def main() -> None:
             rewards=[{"name": "length_penalty", "target": 16}], max_new_tokens=args.new_tokens,
             prompt_order="sequential", autoreset_mode="Disabled",
         )  # fmt: skip
-        ids = [env.episodes.encode_prompt(i) for i in range(batch)]
-        width = max(len(x) for x in ids)
-        input_ids = torch.full((batch, width), tokenizer.pad_token_id)
-        mask = torch.zeros(batch, width, dtype=torch.long)
-        for row, x in enumerate(ids):
-            input_ids[row, width - len(x) :] = torch.as_tensor(x)
-            mask[row, width - len(x) :] = 1
+        input_ids, mask = left_padded_prompts(env, tokenizer.pad_token_id)
 
         def generate():
             with torch.inference_mode():
@@ -61,7 +55,7 @@ def main() -> None:
             env_times.append(t)
         steps = int(r.response_mask.sum(1).max())
         tokens = int(r.response_mask.sum())
-        gen_steps = out.shape[1] - width
+        gen_steps = out.shape[1] - input_ids.shape[1]
         rows.append(
             {
                 "batch": batch,

@@ -1,4 +1,6 @@
-"""A tiny character-level LM policy and env shared by the agent tests."""
+"""A tiny character-level LM policy and env shared by the agent tests, and a short Copy-v0 run config."""
+
+import csv
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,3 +37,30 @@ def iterations(agent, n):
     for _ in range(n):  # learn(1) runs exactly one iteration
         agent.learn(1, reset_num_timesteps=False)
     return agent
+
+
+def copy_run_config(total_timesteps: int) -> str:
+    """A `textgym train` config: LMPPO with tiny-char-llama on Copy-v0, 8 episodes of 4 tokens (32 tokens) per
+    iteration, a checkpoint after every iteration."""
+    return f"""
+[run]
+total_timesteps = {total_timesteps}
+checkpoint_every = 1
+sample_prompts = 2
+
+[env]
+id = "textgym/Copy-v0"
+num_envs = 8
+
+[agent]
+name = "lmppo"
+policy = "tiny-char-llama"
+n_epochs = 1
+learning_rate = 1e-3
+"""
+
+
+def csv_rows(path):
+    """The rows of a CSV file (metrics.csv, eval.csv) as dicts."""
+    with open(path) as f:
+        return list(csv.DictReader(f))

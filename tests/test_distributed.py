@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lm_helpers import char_llama, make_env
+from lm_helpers import char_llama, copy_run_config, make_env
 
 from textgym.agents.ppo import LMPPO
 from textgym.cli import main
@@ -17,22 +17,7 @@ from textgym.config import load_config
 
 HERE = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-COPY = """
-[run]
-total_timesteps = 96
-checkpoint_every = 1
-sample_prompts = 2
-
-[env]
-id = "textgym/Copy-v0"
-num_envs = 8
-
-[agent]
-name = "lmppo"
-policy = "tiny-char-llama"
-n_epochs = 1
-learning_rate = 1e-3
-"""
+COPY = copy_run_config(total_timesteps=96)
 # Summation order differs between one process and an all-reduce over two. AdamW's first step moves each
 # weight by lr * g / (|g| + eps), so where a gradient entry is near eps its float32 rounding changes that
 # weight's step noticeably (seen: 1.1e-5 on one weight of 2048). The bound is 1% of one step (lr = 1e-2);

@@ -1,10 +1,10 @@
 """Held-out evaluation (textgym.evaluation) and the diagnostics `textgym train` records with an [eval] section."""
 
-import csv
 import math
 
 import numpy as np
 import pytest
+from lm_helpers import csv_rows
 
 from textgym.config import load_config
 from textgym.errors import ConfigError, UnknownNameError
@@ -40,11 +40,6 @@ rewards = [{ name = "match", label = "exact_copy", range = [0, 1] }]
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
-def rows(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
 def config_file(tmp_path, text, name="c.toml"):
     path = tmp_path / name
     path.write_text(text)
@@ -54,9 +49,9 @@ def config_file(tmp_path, text, name="c.toml"):
 def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path):
     plain = run(config_file(tmp_path, COPY), [f"run.output_dir='{tmp_path / 'plain'}'"])
     diag = run(config_file(tmp_path, COPY + EVAL, "e.toml"), [f"run.output_dir='{tmp_path / 'diag'}'"])
-    evals = rows(diag / "eval.csv")
+    evals = csv_rows(diag / "eval.csv")
     iterations = [int(r["iteration"]) for r in evals]
-    last = int(rows(diag / "metrics.csv")[-1]["iteration"])
+    last = int(csv_rows(diag / "metrics.csv")[-1]["iteration"])
     assert iterations == [*range(0, last, 2), last] or iterations == list(range(0, last + 1, 2))
     assert list(evals[0]) == ["iteration", "timesteps", "reward", "exact_copy", "kl", "length", "distinct_2",
                               "eos_rate", "reward_se", "exact_copy_se"]  # fmt: skip
@@ -71,7 +66,7 @@ def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path)
     )  # the policy moved off its reference
     assert (diag / "eval.png").stat().st_size > 10_000
     # evaluations have their own prompts, env and random streams: training is the same, number for number
-    for a, b in zip(rows(plain / "metrics.csv"), rows(diag / "metrics.csv"), strict=True):
+    for a, b in zip(csv_rows(plain / "metrics.csv"), csv_rows(diag / "metrics.csv"), strict=True):
         assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
             k: v for k, v in b.items() if not k.startswith("time/")
         }
@@ -80,7 +75,7 @@ def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path)
     with (diag / "eval.csv").open("a") as f:
         f.write("99,99999," + ",".join(["0.5"] * 8) + "\n")
     run(resume=diag, overrides=["run.total_timesteps=400"])
-    resumed = [int(r["iteration"]) for r in rows(diag / "eval.csv")]
+    resumed = [int(r["iteration"]) for r in csv_rows(diag / "eval.csv")]
     assert 99 not in resumed and resumed == sorted(set(resumed)) and resumed[-1] > last
 
 
@@ -99,7 +94,7 @@ batch_size = 64
 n_epochs = 1
 """
     out = run(config_file(tmp_path, config + EVAL), [f"run.output_dir='{tmp_path / 'sb3'}'"])
-    evals = rows(out / "eval.csv")
+    evals = csv_rows(out / "eval.csv")
     assert [int(r["iteration"]) for r in evals] == [0, 2]  # 256 tokens = 2 rollouts of 8 x 16 steps
     assert evals[0]["kl"] == "" and float(evals[1]["length"]) > 0  # no reference model: no KL
 

@@ -2,7 +2,6 @@
 checkpoints, hostile config values, and directories textgym does not own."""
 
 import base64
-import csv
 import errno
 import json
 import os
@@ -14,28 +13,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from lm_helpers import copy_run_config, csv_rows
 
 from textgym.cli import main
 from textgym.models import is_complete
 from textgym.rundir import RunDir
 from textgym.train import run
 
-COPY = """
-[run]
-total_timesteps = 160
-checkpoint_every = 1
-sample_prompts = 2
-
-[env]
-id = "textgym/Copy-v0"
-num_envs = 8
-
-[agent]
-name = "lmppo"
-policy = "tiny-char-llama"
-n_epochs = 1
-learning_rate = 1e-3
-"""
+COPY = copy_run_config(total_timesteps=160)
 
 
 @pytest.fixture
@@ -43,11 +28,6 @@ def config(tmp_path):
     path = tmp_path / "copy.toml"
     path.write_text(COPY)
     return path
-
-
-def rows(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 def samples(run_dir):
@@ -64,7 +44,7 @@ def textgym(*args, env=None, **kwargs):
 def assert_consistent(run_dir, num_envs=8):
     """Each iteration appears once in metrics.csv and num_envs times in samples.jsonl, up to the checkpoint."""
     state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
-    iterations = [int(r["iteration"]) for r in rows(run_dir / "metrics.csv")]
+    iterations = [int(r["iteration"]) for r in csv_rows(run_dir / "metrics.csv")]
     assert iterations == list(range(1, state["iteration"] + 1))
     per_iteration = [s["iteration"] for s in samples(run_dir)]
     assert sorted(per_iteration) == [i for i in iterations for _ in range(num_envs)]
@@ -130,8 +110,8 @@ def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_
         [sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=100000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
-    before = len(rows(out / "metrics.csv"))
-    while len(rows(out / "metrics.csv")) == before and time.time() < deadline + 120:
+    before = len(csv_rows(out / "metrics.csv"))
+    while len(csv_rows(out / "metrics.csv")) == before and time.time() < deadline + 120:
         time.sleep(0.2)
     proc.send_signal(sig)
     time.sleep(0.05)

@@ -1,4 +1,3 @@
-import csv
 import json
 import os
 import signal
@@ -7,6 +6,7 @@ import sys
 import time
 
 import pytest
+from lm_helpers import csv_rows
 
 from textgym.cli import main
 from textgym.config import load_config
@@ -38,11 +38,6 @@ def config(tmp_path):
     return path
 
 
-def rows(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
 def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
     out = capsys.readouterr().out
@@ -50,7 +45,7 @@ def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
     names = {p.name for p in run_dir.iterdir()}
     assert names >= {"config.toml", "metrics.csv", "samples.jsonl", "samples_before.jsonl", "samples_after.jsonl",
                      "reward_kl.png", "checkpoint"}  # fmt: skip
-    metrics = rows(run_dir / "metrics.csv")
+    metrics = csv_rows(run_dir / "metrics.csv")
     assert [int(r["iteration"]) for r in metrics] == list(range(1, len(metrics) + 1))
     assert (
         int(metrics[-1]["timesteps"]) >= 64
@@ -78,9 +73,9 @@ def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
 
 def test_resume_continues_counters_and_history(config, tmp_path):
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
-    first = rows(run_dir / "metrics.csv")
+    first = csv_rows(run_dir / "metrics.csv")
     run(None, ["run.total_timesteps=128"], resume=run_dir)
-    metrics = rows(run_dir / "metrics.csv")
+    metrics = csv_rows(run_dir / "metrics.csv")
     assert metrics[: len(first)] == first and len(metrics) > len(first)
     assert [int(r["iteration"]) for r in metrics] == list(range(1, len(metrics) + 1))
     with pytest.raises(ConfigError, match="already holds a run; continue it with `textgym train --resume"):
@@ -123,9 +118,9 @@ def test_sb3_ppo_trains_the_copy_env_through_the_same_command(tmp_path, capsys):
     assert {"reward_kl.png", "samples_before.jsonl", "samples_after.jsonl", "samples.jsonl"} <= {
         p.name for p in run_dir.iterdir()
     }
-    assert len(rows(run_dir / "metrics.csv")) == 2  # 8 envs x 128 steps = 1024 per rollout
+    assert len(csv_rows(run_dir / "metrics.csv")) == 2  # 8 envs x 128 steps = 1024 per rollout
     assert main(["train", "--resume", str(run_dir), "--set", "run.total_timesteps=4096"]) == 0
-    assert len(rows(run_dir / "metrics.csv")) == 4
+    assert len(csv_rows(run_dir / "metrics.csv")) == 4
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(config, tmp_path):
@@ -142,7 +137,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(config, tmp_path):
     assert proc.returncode == 0, output
     assert "interrupted; checkpoint saved. Continue with: textgym train --resume" in output
     assert is_complete(out / "checkpoint")
-    done = len(rows(out / "metrics.csv"))
+    done = len(csv_rows(out / "metrics.csv"))
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["iteration"] == done and len(state["history"]) == done
 
@@ -155,7 +150,7 @@ def test_demo_config_trains_the_embedded_model(tmp_path):
         [f"run.output_dir='{tmp_path / 'demo'}'", "run.total_timesteps=40", "env.num_envs=4",
          "env.max_new_tokens=8", "run.sample_prompts=2", "agent.micro_batch_size=2"],
     )  # fmt: skip
-    metrics = rows(run_dir / "metrics.csv")
+    metrics = csv_rows(run_dir / "metrics.csv")
     assert len(metrics) >= 2 and all(float(m["val/ratio"]) > 0 for m in metrics)
     assert {f"rewards/{n}/mean" for n in ("sentiment", "fluency", "safety", "length_penalty")} <= set(
         metrics[0]
