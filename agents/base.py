@@ -6,11 +6,9 @@ implements those two and, if it has them, extra modules (a value head) and extra
 rest: loading the policy (zoo name, directory or model object), LoRA, the reference model (a frozen copy, the
 adapter-disabled model, or none when the agent does not need one), ``accelerate``, the optimizer, seeding,
 the forward over prompt + response, reference log-probs, score shaping, guards against non-finite values,
-and SB3's user contract (``learn`` with callbacks, logger and progress bar, ``predict``, atomic ``save``,
-``load``).
-
-Every agent logs one metrics schema (TRL's names, see :data:`COMMON_STATS`), so ``textgym train`` and
-``textgym bench`` never need to know which agent wrote a file.
+and, through the :class:`~textgym.agents.sb3_contract.SB3Contract` mixin, SB3's user contract (``learn``
+with callbacks, logger and progress bar, ``predict``, atomic ``save``, ``load``) and the one metrics schema
+every agent logs (:data:`COMMON_STATS`).
 """
 
 from __future__ import annotations
@@ -19,67 +17,32 @@ import copy
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from textgym.agents.distributed import Collective
+from textgym.agents.distributed import Collective, cpu_has_native_bf16, refuse_sharding
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
+from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tensorboard
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import logits_to_keep, rollout
 
-__all__ = ["COMMON_STATS", "LMAgent", "LMAgentConfig", "RolloutBatch", "RunningMoments"]
-
-# Logged by every agent, every iteration (NaN where an agent has no such quantity, e.g. `kl` without a
-# reference model). Agents add their own keys (LMPPO: TRL's PPO names, `objective/*`, `policy/*`, ...).
-COMMON_STATS = (
-    "iteration",
-    "timesteps",
-    "reward",  # mean reward-stack total (composition applied; before the agent's own score shaping)
-    "reward_std",
-    "frac_reward_zero_std",  # share of prompt groups (the whole batch for non-group agents) with equal totals
-    "kl",  # KL(policy || reference) per completion: sum over its tokens of log pi - log pi_ref, batch mean
-    "entropy",  # mean per-token entropy of the policy in the update
-    "completions/mean_length",  # generated tokens per completion (EOS included)
-    "completions/clipped_ratio",  # share of completions cut at max_new_tokens (no EOS)
-    "lr",
-    "train/skipped_steps",  # optimizer steps skipped for non-finite losses or gradients, so far
-    "time/rollout",
-    "time/reward",
-    "time/reference",
-    "time/update",
-    "time/iteration",
-    "time/tokens_per_s",
-)
+__all__ = [
+    "COMMON_STATS",
+    "LMAgent",
+    "LMAgentConfig",
+    "RolloutBatch",
+    "RunningMoments",
+    "require_tensorboard",
+]
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (x86 avx512_bf16 / amx_bf16; assumed elsewhere)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    if "flags" not in flags:  # not x86 (e.g. ARM: bf16 support differs per core; torch decides)
-        return True
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def require_tensorboard(what: str) -> None:
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            f"{what} writes TensorBoard logs, and TensorBoard is not installed: pip install 'textgym[tensorboard]'."
-        ) from None
-
-
-class LMAgent:
+class LMAgent(SB3Contract):
     """Base class of textgym's LM agents. See the module docstring for the template.
 
     Args:
@@ -107,16 +70,10 @@ class LMAgent:
             )
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
+        refuse_sharding()
         self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
-        sharded = self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM")
-        if sharded:  # see docs/distributed.md
-            raise ConfigError(
-                f"{self.accelerator.distributed_type.value} (sharded training) is not supported by textgym's LM agents "
-                f"yet: their rollouts stop each process when its own episodes end, which sharded forwards cannot "
-                f"do. Train data-parallel (a plain multi-GPU accelerate config or torchrun) and, for a large policy, "
-                f"use LoRA (lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
-            )
+        refuse_sharding(self.accelerator)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
         if self.dist.world > 1:  # each process its share of the machine's cores
@@ -279,12 +236,6 @@ class LMAgent:
             for module in (self.policy, *self.modules.values()):
                 stack.enter_context(self.accelerator.no_sync(module))
         return stack
-
-    def get_env(self) -> TextGenVectorEnv | None:
-        return self.env
-
-    def get_vec_normalize_env(self) -> None:
-        return None
 
     # -- forwards ------------------------------------------------------------------------------------
     def forward(
@@ -543,165 +494,3 @@ class LMAgent:
                 )
                 + "). Lower the learning rate (or max_grad_norm) and resume from the last checkpoint."
             )
-
-    # -- SB3's user contract -------------------------------------------------------------------------
-    @property
-    def logger(self) -> Any:
-        if self._logger is None:
-            from stable_baselines3.common.logger import configure
-
-            self._logger = configure(None, ["stdout"] if self.config.verbose else [])
-        return self._logger
-
-    def set_logger(self, logger: Any) -> None:
-        self._logger = logger
-
-    def _setup_logger(self, tb_log_name: str, reset_num_timesteps: bool) -> None:
-        """Log to stdout, CSV and TensorBoard under ``tensorboard_log/<tb_log_name>_<n>``; a learn() call that
-        continues (``reset_num_timesteps=False``) continues the latest run, as SB3 does."""
-        if self.config.tensorboard_log is None:
-            return
-        from stable_baselines3.common.logger import configure
-        from stable_baselines3.common.utils import get_latest_run_id
-
-        require_tensorboard("tensorboard_log")
-        run_id = get_latest_run_id(self.config.tensorboard_log, tb_log_name)
-        if reset_num_timesteps or run_id == 0:
-            run_id += 1
-        folder = os.path.join(self.config.tensorboard_log, f"{tb_log_name}_{run_id}")
-        formats = ["stdout"] if self.config.verbose else []
-        self._logger = configure(folder, [*formats, "csv", "tensorboard"])
-
-    def learn(
-        self,
-        total_timesteps: int,
-        callback: Any = None,
-        log_interval: int = 1,
-        tb_log_name: str | None = None,
-        reset_num_timesteps: bool = True,
-        progress_bar: bool = False,
-    ) -> LMAgent:
-        """Alternate ``collect_rollouts`` and ``train`` until ``total_timesteps`` tokens were generated.
-
-        ``callback``: SB3 callback(s) or a function of ``(locals, globals)``; ``on_step`` is called once per
-        iteration (one batch of episodes) and stops training when it returns False. Statistics are logged
-        every ``log_interval`` iterations under TRL's names.
-        """
-        from tqdm.auto import tqdm
-
-        if self.env is None:
-            raise ConfigError(f"this {self.name} has no env: pass one to the agent or to load(path, env).")
-        if reset_num_timesteps:
-            self.num_timesteps = 0
-        else:
-            total_timesteps += self.num_timesteps
-        self._total_timesteps = total_timesteps
-        self._setup_logger(tb_log_name or type(self).__name__, reset_num_timesteps)
-        callback = self._init_callback(callback)
-        callback.on_training_start(locals(), globals())
-        bar = tqdm(
-            total=total_timesteps,
-            initial=self.num_timesteps,
-            unit="tok",
-            disable=not (progress_bar and self.dist.is_main),
-        )
-        while self.num_timesteps < total_timesteps:
-            if self.config.lr_schedule == "linear":
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.config.learning_rate * max(
-                        0.0, 1 - self.num_timesteps / total_timesteps
-                    )
-            callback.on_rollout_start()
-            batch = self.collect_rollouts()
-            # one env step = one agent token; every process's, so the count is the same everywhere
-            tokens = int(self.dist.sum(batch.action_mask.sum()))
-            self.num_timesteps += tokens
-            callback.update_locals(locals())
-            callback.on_rollout_end()
-            start = time.perf_counter()
-            update_stats = self.train(batch)
-            update_stats.setdefault("time/update", time.perf_counter() - start)
-            self.iteration += 1
-            self._last_batch = batch.select(torch.arange(min(2, len(batch))))
-            self.check_health()
-            stats = {
-                **dict.fromkeys(COMMON_STATS, math.nan),  # every agent's rows have every common column
-                "iteration": self.iteration,
-                "timesteps": self.num_timesteps,
-                **batch.stats,
-                **update_stats,
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "train/skipped_steps": self.skipped_steps,
-            }
-            stats["time/iteration"] = sum(
-                v
-                for k, v in stats.items()
-                if k.startswith("time/") and k not in ("time/tokens_per_s", "time/iteration")
-            )
-            self.history.append(stats)
-            if log_interval and self.iteration % log_interval == 0 and self.dist.is_main:
-                for key, value in stats.items():
-                    if key not in ("iteration", "timesteps"):
-                        self.logger.record(key, value)
-                self.logger.record("time/iterations", self.iteration)
-                self.logger.dump(step=self.num_timesteps)
-            bar.update(tokens)
-            bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
-            if not callback.on_step():
-                break
-        bar.close()
-        callback.on_training_end()
-        return self
-
-    def _init_callback(self, callback: Any) -> Any:
-        from stable_baselines3.common.callbacks import BaseCallback, CallbackList, ConvertCallback
-
-        if isinstance(callback, list):
-            callback = CallbackList(callback)
-        if not isinstance(callback, BaseCallback):
-            callback = ConvertCallback(callback)
-        callback.init_callback(self)
-        return callback
-
-    def predict(
-        self,
-        observation: dict[str, np.ndarray],
-        state: Any = None,
-        episode_start: Any = None,
-        deterministic: bool = False,
-    ) -> tuple[np.ndarray, Any]:
-        """The next token for each observation (a full forward; for generation, ``rollout`` is faster)."""
-        ids = np.asarray(observation["input_ids"])
-        single = ids.ndim == 1
-        ids = torch.as_tensor(ids.reshape(-1, ids.shape[-1]), dtype=torch.long, device=self.device)
-        mask = torch.as_tensor(np.asarray(observation["attention_mask"]).reshape(ids.shape), dtype=torch.long)
-        mask = mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # (N,) index of each row's newest token
-        with torch.no_grad():
-            logits = self.rollout_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        logits = logits[torch.arange(len(ids)), last].float()  # (N, V)
-        if self.env is not None:
-            logits = logits[:, : self.env.single_action_space.n]
-        if deterministic:
-            actions = logits.argmax(-1)
-        else:
-            actions = torch.multinomial((logits / self.config.temperature).softmax(-1), 1).squeeze(-1)
-        actions = actions.cpu().numpy()
-        return (actions[0] if single else actions), state
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint directory atomically: the policy in Hugging Face format (the adapter with
-        LoRA), the agent's modules, the optimizer, the counters, the config and the agent's extra state.
-        Refuses a diverged policy, so a broken run never overwrites a good checkpoint."""
-        from textgym.agents.checkpoint import checkpoint_path, save_checkpoint
-
-        save_checkpoint(self, checkpoint_path(path))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, env: TextGenVectorEnv | None = None, **overrides: Any) -> LMAgent:
-        """An agent restored from :meth:`save`, with optimizer and counters; ``overrides`` replace config
-        fields (e.g. ``learning_rate``)."""
-        from textgym.agents.checkpoint import checkpoint_path, load_checkpoint
-
-        return load_checkpoint(cls, checkpoint_path(path), env, overrides)

@@ -1,18 +1,21 @@
 """What LM agents need to train data-parallel under ``torchrun`` / ``accelerate launch``: statistics over all
 processes' episodes, sums for global normalisers, and errors that stop every process instead of leaving
-the others waiting in a collective forever.
+the others waiting in a collective forever; and the launcher and device checks made before training
+(sharding refused, bf16 only where the CPU computes it natively).
 
 With one process every function is the identity, so single-process code paths are unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from textgym.errors import TextgymError, TrainingError
+from textgym.errors import ConfigError, TextgymError, TrainingError
 
 
 class Collective:
@@ -92,3 +95,38 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86 avx512_bf16 / amx_bf16; assumed elsewhere)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    if "flags" not in flags:  # not x86 (e.g. ARM: bf16 support differs per core; torch decides)
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+SHARDING_ENGINES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+
+
+def refuse_sharding(accelerator: Any = None) -> None:
+    """Refuse an accelerate config that asks for sharded training (FSDP, DeepSpeed, Megatron-LM).
+
+    The launcher's environment is read before the ``Accelerator`` exists (on CPUs accelerate ignores
+    ``ACCELERATE_USE_FSDP`` and quietly trains data-parallel; without the deepspeed package it fails on an
+    import), then the ``Accelerator``'s own view: a run that asked for sharding never gets something else."""
+    if accelerator is not None:
+        kind = accelerator.distributed_type.value
+        engine = kind if kind in SHARDING_ENGINES else None
+    else:
+        flags = (os.environ.get(f"ACCELERATE_USE_{e}", "false").lower() for e in SHARDING_ENGINES)
+        engine = next((e for e, flag in zip(SHARDING_ENGINES, flags) if flag in ("1", "true")), None)
+    if engine is not None:  # see docs/distributed.md
+        raise ConfigError(
+            f"{engine} (sharded training) is not supported by textgym's LM agents yet: their rollouts stop "
+            f"each process when its own episodes end, which sharded forwards cannot do. Train data-parallel "
+            f"(a plain multi-GPU accelerate config or torchrun) and, for a large policy, use LoRA "
+            f"(lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
+        )

@@ -12,7 +12,7 @@ from textgym.agents.base import cpu_has_native_bf16
 from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.composition import WeightSchedule
-from textgym.errors import TrainingError
+from textgym.errors import ConfigError, TrainingError
 from textgym.models import is_complete
 
 
@@ -122,3 +122,13 @@ def test_in_bf16_the_ratio_before_the_first_update_is_one_within_1e_2(cls, kwarg
         logprobs, _, _ = agent.policy_logprobs(batch)
     ratio = (logprobs - batch.logprobs).exp()[batch.action_mask.bool()]
     assert 0 < (ratio - 1).abs().max() < 1e-2  # not exactly 1: bf16 is really on
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_an_accelerate_config_asking_for_sharding_is_refused_not_silently_run_data_parallel(
+    engine, monkeypatch
+):
+    # On CPUs accelerate ignores ACCELERATE_USE_FSDP and trains data-parallel; textgym says so instead.
+    monkeypatch.setenv(f"ACCELERATE_USE_{engine}", "true")
+    with pytest.raises(ConfigError, match=f"{engine} .sharded training. is not supported.*LoRA"):
+        LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)])), verbose=0)

@@ -248,7 +248,8 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
     from textgym.agent_config import find_agent
     from textgym.evaluation import Evaluator
     from textgym.rewards import build_reward_stack
-    from textgym.train import CHECKPOINT, load_sb3_run
+    from textgym.sb3 import load_sb3_run
+    from textgym.train import CHECKPOINT
 
     agent_class = find_agent(job.config["agent"]["name"])
     stack = build_reward_stack(job.config["env"]["rewards"])

@@ -175,6 +175,12 @@ class RunDir:
         )
 
     # -- metrics and samples ---------------------------------------------------------------------------
+    def write_config(self, config: dict[str, Any]) -> None:
+        """The resolved config as ``config.toml``, atomically (keys set to None are left out: TOML has no null)."""
+        import tomli_w
+
+        write_atomic(self.path / "config.toml", tomli_w.dumps(_drop_none(config)))
+
     def write_metrics(self, history: Sequence[dict[str, Any]]) -> None:
         try:
             write_atomic(self.path / "metrics.csv", metrics_csv(history))
@@ -225,6 +231,12 @@ class RunDir:
             "reward_kl.png",
         ):
             (self.path / name).unlink(missing_ok=True)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def _progress(checkpoint: Path) -> tuple[int, float]:

@@ -6,8 +6,10 @@ the vector env's batched reward scoring kept (one reward call per step for all e
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -124,3 +126,82 @@ def make_vec_env(
     if seed is not None:
         vec.seed(seed)
     return vec
+
+
+# -- SB3 agents in textgym run directories ------------------------------------------------------------
+SB3_MODEL = "model.zip"
+
+
+def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
+    components = {k: None if np.isnan(v) else float(v) for k, v in info.get("reward_components", {}).items()}
+    return {"prompt": info.get("prompt", ""), "completion": info["completion"],
+            "finish_reason": info.get("finish_reason"), "reward_components": components, "reward": reward}  # fmt: skip
+
+
+def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
+    """One episode per sub-env of a ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``), actions from an
+    SB3-style ``agent.predict`` (sampled, not greedy): the sample tables of SB3 runs."""
+    import torch
+
+    torch.manual_seed(seed)
+    obs, _ = env.reset(seed=seed)
+    rows: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
+    while env.active.any():
+        actions, _ = agent.predict(obs, deterministic=False)
+        obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
+        for i in np.flatnonzero(terminated | truncated):
+            info = {k: v[i] for k, v in infos.items() if not k.startswith("_") and not isinstance(v, dict)}
+            info["reward_components"] = {
+                k: v[i] for k, v in infos["reward_components"].items() if not k.startswith("_")
+            }
+            rows[i] = sb3_row(info, float(rewards[i]))
+    return rows
+
+
+def load_sb3_run(run_dir: Path, env: Any) -> Any:
+    """The SB3 agent of a finished run directory, on ``env`` (loaded as :func:`load_sb3_checkpoint` does)."""
+    from textgym.agent_config import resolve_agent
+    from textgym.config import load_config
+    from textgym.rundir import CHECKPOINT
+
+    config = load_config(Path(run_dir) / "config.toml")
+    agent_class, policy, hyperparameters = resolve_agent(config["agent"])
+    fresh = agent_class(policy, env, **{"seed": config["run"]["seed"], "verbose": 0, **hyperparameters})
+    return load_sb3_checkpoint(fresh, agent_class, Path(run_dir) / CHECKPOINT, env)[0]
+
+
+def save_sb3_checkpoint(agent: Any, path: Path, state: dict[str, Any]) -> None:
+    from textgym.models import atomic_build_dir
+
+    def build(out: Path) -> None:
+        agent.save(out / SB3_MODEL)
+        (out / "state.json").write_text(json.dumps({**state, "num_timesteps": agent.num_timesteps}, indent=2))
+
+    atomic_build_dir(path, build, replace=True)
+
+
+def load_sb3_checkpoint(fresh: Any, agent_class: Any, path: Path, env: Any) -> tuple[Any, dict[str, Any]]:
+    """Load an SB3 checkpoint without unpickling anything: every object SB3 stored pickled (schedules, spaces,
+    classes) is taken from ``fresh``, an agent built from the run's config, so a run directory received from
+    someone else cannot run code. Tensors are SB3's ``weights_only`` loads."""
+    import zipfile
+
+    model = path / SB3_MODEL
+    try:
+        with zipfile.ZipFile(model) as archive:
+            data = json.loads(archive.read("data"))
+        pickled = [k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v]
+        missing = [k for k in pickled if not hasattr(fresh, k)]
+        if missing:
+            raise ConfigError(
+                f"checkpoint {model} stores pickled objects textgym does not rebuild: {missing}."
+            )
+        agent = agent_class.load(model, env=env, custom_objects={k: getattr(fresh, k) for k in pickled})
+        state = json.loads((path / "state.json").read_text())
+    except ConfigError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as exc:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
+        ) from exc
+    return agent, state

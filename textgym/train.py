@@ -11,7 +11,6 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -24,8 +23,18 @@ import numpy as np
 from textgym import plugin_manager
 from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.config import load_config, validate
-from textgym.errors import ConfigError, TrainingError
-from textgym.rundir import CHECKPOINT, RunDir, crash_point, write_atomic
+from textgym.errors import ConfigError
+from textgym.launch import (
+    LAUNCHED_VAR,
+    check_processes,
+    end_process_group,
+    init_process_group,
+    launch,
+    on_main,
+    rank,
+    world_size,
+)
+from textgym.rundir import CHECKPOINT, RunDir, crash_point
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
 
@@ -123,7 +132,7 @@ def run(
     if not is_lm_agent(agent_class):
         _check_sb3_rewards(config)
     world = world_size()
-    _check_processes(config, world, resume is not None, agent_class, hyperparameters)
+    check_processes(config, world, resume is not None, agent_class, hyperparameters)
     if "tensorboard" in config["run"]["report_to"]:  # one TensorBoard run per run directory, resumes included
         from textgym.agents.base import require_tensorboard
 
@@ -131,12 +140,12 @@ def run(
         hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     config["run"]["output_dir"] = str(run_dir)
     if world == 1 and config["run"]["processes"] > 1:
-        return _launch(config, run_dir, resume is not None)
+        return launch(config, run_dir, resume is not None)
     rd = RunDir(run_dir)
     resuming, created = resume is not None, False
     main = rank() == 0
     if world > 1:
-        _init_process_group()
+        init_process_group()
 
     def prepare() -> bool:
         """The run directory, on the main process: created (or recovered, on resume) and locked."""
@@ -155,12 +164,10 @@ def run(
             return True
         created = rd.create()
         rd.lock()
-        import tomli_w
-
-        write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(config)))
+        rd.write_config(config)
         return False
 
-    resuming = _on_main(prepare) if world > 1 else prepare()
+    resuming = on_main(prepare) if world > 1 else prepare()
     trainer = _run_native if is_lm_agent(agent_class) else _run_sb3
     try:
         return trainer(agent_class, policy, hyperparameters, config, rd, resuming)
@@ -171,107 +178,7 @@ def run(
     finally:
         rd.unlock()
         if world > 1:
-            _end_process_group()
-
-
-# -- several processes ---------------------------------------------------------------------------------
-LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
-
-
-def world_size() -> int:
-    """Processes training this run (torchrun's and accelerate's WORLD_SIZE; 1 without them)."""
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", 0))
-
-
-def _init_process_group() -> None:
-    """Start the process group before the agent exists (the run directory is prepared on the main process
-    while the others wait); the agent's Accelerator then joins it."""
-    import torch
-    from accelerate import PartialState
-
-    PartialState(cpu=not torch.cuda.is_available())
-
-
-def _end_process_group() -> None:
-    """Leave the process group before the interpreter exits: a gloo group torn down by the interpreter's
-    shutdown can abort the process ("terminate called without an active exception")."""
-    import torch.distributed
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def _on_main(fn: Any) -> Any:
-    """``fn()`` on the main process; its result (or its error, as a one-line error) on every process."""
-    from accelerate.utils import broadcast_object_list
-
-    payload: list[Any] = [None]
-    if rank() == 0:
-        try:
-            payload = [("ok", fn())]
-        except (ConfigError, OSError) as exc:
-            payload = [("error", f"{exc}")]
-    broadcast_object_list(payload)
-    status, value = payload[0]
-    if status == "error":
-        raise ConfigError(value if rank() == 0 else f"the main process could not start the run: {value}")
-    return value
-
-
-def _check_processes(
-    config: dict[str, Any], world: int, resuming: bool, agent_class: Any, hp: dict[str, Any]
-) -> None:
-    run, env = config["run"], config["env"]
-    if world > 1:
-        if resuming and run["processes"] != world:
-            raise ConfigError(
-                f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
-                f"(torchrun --nproc_per_node {run['processes']}), not {world}: the seeds and the batch split depend on it."
-            )
-        if not is_lm_agent(agent_class):
-            raise ConfigError("Stable-Baselines3 agents train in one process; run them without torchrun.")
-        run["processes"] = world
-    if env["num_envs"] % run["processes"]:
-        raise ConfigError(
-            f"env.num_envs={env['num_envs']} does not split evenly over {run['processes']} processes: make it a "
-            f"multiple of {run['processes']}."
-        )
-    group = hp.get("num_generations") or getattr(
-        getattr(agent_class, "config_class", None), "num_generations", 1
-    )
-    if is_lm_agent(agent_class) and group and (env["num_envs"] // run["processes"]) % group:
-        raise ConfigError(
-            f"each of the {run['processes']} processes gets {env['num_envs'] // run['processes']} episodes, not a "
-            f"multiple of num_generations={group}: make env.num_envs a multiple of {run['processes'] * group}."
-        )
-
-
-def _launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
-    """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
-    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs)."""
-    import subprocess
-    import sys
-
-    n = config["run"]["processes"]
-    rd = RunDir(run_dir)
-    if not resuming:
-        rd.create()
-        import tomli_w
-
-        write_atomic(run_dir / "config.toml", tomli_w.dumps(_drop_none(config)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
-    print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
-    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"})
-    if result.returncode != 0:
-        raise TrainingError(
-            f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
-        )
-    return run_dir
+            end_process_group()
 
 
 def check_env_id(env_id: str, allow_import: bool) -> None:
@@ -299,12 +206,6 @@ def _check_sb3_rewards(config: dict[str, Any]) -> None:
             "aggregate = 'normalize_then_sum' standardises rewards over a batch of episodes; Stable-Baselines3 "
             "agents score episodes step by step (a batch is whatever ends on one step): use 'sum', or an LM agent."
         )
-
-
-def _drop_none(value: Any) -> Any:  # TOML has no null
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    return value
 
 
 def _env_kwargs(config: dict[str, Any]) -> dict[str, Any]:
@@ -464,9 +365,6 @@ def _print_trend(history: Sequence[dict[str, Any]], key: str) -> None:
 
 
 # -- Stable-Baselines3 agents ------------------------------------------------------------------------
-SB3_MODEL = "model.zip"
-
-
 def _run_sb3(
     agent_class: Any,
     policy: Any,
@@ -480,7 +378,7 @@ def _run_sb3(
     from stable_baselines3.common.callbacks import BaseCallback
 
     from textgym.diagnostics import training_callbacks
-    from textgym.sb3 import make_vec_env
+    from textgym.sb3 import load_sb3_checkpoint, make_vec_env, save_sb3_checkpoint, sb3_episodes, sb3_row
 
     run = config["run"]
     diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
@@ -517,7 +415,7 @@ def _run_sb3(
         def _on_step(self) -> bool:
             for info, reward in zip(self.locals["infos"], self.locals["rewards"]):
                 if "completion" in info:
-                    self.episodes.append(_sb3_row(info, float(reward)))
+                    self.episodes.append(sb3_row(info, float(reward)))
             return not flag.stop
 
         def _on_rollout_end(self) -> None:
@@ -543,74 +441,3 @@ def _run_sb3(
             )
     rd.write_checkpoint(save)
     return _finish(rd, history, flag.stop, config, generate, has_kl=False)
-
-
-def _sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
-    components = {k: None if np.isnan(v) else float(v) for k, v in info.get("reward_components", {}).items()}
-    return {"prompt": info.get("prompt", ""), "completion": info["completion"],
-            "finish_reason": info.get("finish_reason"), "reward_components": components, "reward": reward}  # fmt: skip
-
-
-def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
-    """One episode per sub-env of a ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``), actions from an
-    SB3-style ``agent.predict`` (sampled, not greedy): the sample tables of SB3 runs."""
-    import torch
-
-    torch.manual_seed(seed)
-    obs, _ = env.reset(seed=seed)
-    rows: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
-    while env.active.any():
-        actions, _ = agent.predict(obs, deterministic=False)
-        obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
-        for i in np.flatnonzero(terminated | truncated):
-            info = {k: v[i] for k, v in infos.items() if not k.startswith("_") and not isinstance(v, dict)}
-            info["reward_components"] = {
-                k: v[i] for k, v in infos["reward_components"].items() if not k.startswith("_")
-            }
-            rows[i] = _sb3_row(info, float(rewards[i]))
-    return rows
-
-
-def load_sb3_run(run_dir: Path, env: Any) -> Any:
-    """The SB3 agent of a finished run directory, on ``env`` (loaded as :func:`load_sb3_checkpoint` does)."""
-    config = load_config(Path(run_dir) / "config.toml")
-    agent_class, policy, hyperparameters = resolve_agent(config["agent"])
-    fresh = agent_class(policy, env, **{"seed": config["run"]["seed"], "verbose": 0, **hyperparameters})
-    return load_sb3_checkpoint(fresh, agent_class, Path(run_dir) / CHECKPOINT, env)[0]
-
-
-def save_sb3_checkpoint(agent: Any, path: Path, state: dict[str, Any]) -> None:
-    from textgym.models import atomic_build_dir
-
-    def build(out: Path) -> None:
-        agent.save(out / SB3_MODEL)
-        (out / "state.json").write_text(json.dumps({**state, "num_timesteps": agent.num_timesteps}, indent=2))
-
-    atomic_build_dir(path, build, replace=True)
-
-
-def load_sb3_checkpoint(fresh: Any, agent_class: Any, path: Path, env: Any) -> tuple[Any, dict[str, Any]]:
-    """Load an SB3 checkpoint without unpickling anything: every object SB3 stored pickled (schedules, spaces,
-    classes) is taken from ``fresh``, an agent built from the run's config, so a run directory received from
-    someone else cannot run code. Tensors are SB3's ``weights_only`` loads."""
-    import zipfile
-
-    model = path / SB3_MODEL
-    try:
-        with zipfile.ZipFile(model) as archive:
-            data = json.loads(archive.read("data"))
-        pickled = [k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v]
-        missing = [k for k in pickled if not hasattr(fresh, k)]
-        if missing:
-            raise ConfigError(
-                f"checkpoint {model} stores pickled objects textgym does not rebuild: {missing}."
-            )
-        agent = agent_class.load(model, env=env, custom_objects={k: getattr(fresh, k) for k in pickled})
-        state = json.loads((path / "state.json").read_text())
-    except ConfigError:
-        raise
-    except (OSError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as exc:
-        raise ConfigError(
-            f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
-        ) from exc
-    return agent, state

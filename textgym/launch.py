@@ -1,0 +1,115 @@
+"""Several processes for one ``textgym train`` run: under torchrun (or ``accelerate launch``), or started by
+textgym itself for ``run.processes = N``.
+
+The main process (rank 0) prepares the run directory while the others wait (:func:`on_main`); every process
+checks the same settings (:func:`check_processes`) so a bad split fails everywhere with the same message.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from textgym.agent_config import is_lm_agent
+from textgym.errors import ConfigError, TrainingError
+from textgym.rundir import RunDir
+
+__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "init_process_group", "launch", "on_main",
+           "rank", "world_size"]  # fmt: skip
+
+LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
+
+
+def world_size() -> int:
+    """Processes training this run (torchrun's and accelerate's WORLD_SIZE; 1 without them)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def init_process_group() -> None:
+    """Start the process group before the agent exists (the run directory is prepared on the main process
+    while the others wait); the agent's Accelerator then joins it."""
+    import torch
+    from accelerate import PartialState
+
+    PartialState(cpu=not torch.cuda.is_available())
+
+
+def end_process_group() -> None:
+    """Leave the process group before the interpreter exits: a gloo group torn down by the interpreter's
+    shutdown can abort the process ("terminate called without an active exception")."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def on_main(fn: Any) -> Any:
+    """``fn()`` on the main process; its result (or its error, as a one-line error) on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    payload: list[Any] = [None]
+    if rank() == 0:
+        try:
+            payload = [("ok", fn())]
+        except (ConfigError, OSError) as exc:
+            payload = [("error", f"{exc}")]
+    broadcast_object_list(payload)
+    status, value = payload[0]
+    if status == "error":
+        raise ConfigError(value if rank() == 0 else f"the main process could not start the run: {value}")
+    return value
+
+
+def check_processes(
+    config: dict[str, Any], world: int, resuming: bool, agent_class: Any, hp: dict[str, Any]
+) -> None:
+    run, env = config["run"], config["env"]
+    if world > 1:
+        if resuming and run["processes"] != world:
+            raise ConfigError(
+                f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
+                f"(torchrun --nproc_per_node {run['processes']}), not {world}: the seeds and the batch split depend on it."
+            )
+        if not is_lm_agent(agent_class):
+            raise ConfigError("Stable-Baselines3 agents train in one process; run them without torchrun.")
+        run["processes"] = world
+    if env["num_envs"] % run["processes"]:
+        raise ConfigError(
+            f"env.num_envs={env['num_envs']} does not split evenly over {run['processes']} processes: make it a "
+            f"multiple of {run['processes']}."
+        )
+    group = hp.get("num_generations") or getattr(
+        getattr(agent_class, "config_class", None), "num_generations", 1
+    )
+    if is_lm_agent(agent_class) and group and (env["num_envs"] // run["processes"]) % group:
+        raise ConfigError(
+            f"each of the {run['processes']} processes gets {env['num_envs'] // run['processes']} episodes, not a "
+            f"multiple of num_generations={group}: make env.num_envs a multiple of {run['processes'] * group}."
+        )
+
+
+def launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
+    """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
+    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs)."""
+    import subprocess
+    import sys
+
+    n = config["run"]["processes"]
+    rd = RunDir(run_dir)
+    if not resuming:
+        rd.create()
+        rd.write_config(config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
+    print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
+    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"})
+    if result.returncode != 0:
+        raise TrainingError(
+            f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
+        )
+    return run_dir

@@ -1,0 +1,132 @@
+"""What the reward stack checks in every plugin's output, and the per-call timeout of a spec's ``timeout``.
+
+A plugin's scores become a float array with NaN for ``None`` (not applicable); anything else that is not one
+finite number per sample (a string, a wrong count, an infinity) is an error naming the plugin and the sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from textgym.errors import RewardError
+
+if TYPE_CHECKING:
+    from textgym.rewards import Reward, Sample
+
+__all__ = ["TimeoutReward", "validated_scores"]
+
+
+class TimeoutReward:
+    """A reward whose calls must return within ``seconds`` (spec key ``timeout``): a plugin that hangs (a
+    remote judge, a deadlock) stops training with its name instead of stalling it forever. The call runs in a
+    daemon thread, which is abandoned on timeout."""
+
+    def __init__(self, reward: Reward, seconds: float):
+        self.reward, self.seconds = reward, seconds
+        self.name = reward.name
+
+    def __call__(self, samples: Sequence[Sample]) -> Any:
+        import threading
+
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["out"] = self.reward(samples)
+            except BaseException as exc:  # handed to the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"reward-{self.name}", daemon=True)
+        thread.start()
+        thread.join(self.seconds)
+        if thread.is_alive():
+            raise RewardError(
+                f"reward {self.name!r} did not return within its timeout of {self.seconds:g} s for a batch of "
+                f"{len(samples)} samples; fix the plugin or raise its timeout."
+            )
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+
+    def close(self) -> None:
+        close = getattr(self.reward, "close", None)
+        if callable(close):
+            close()
+
+
+def _label(name: str, reward: Reward) -> str:
+    source = getattr(reward, "source", None)
+    return f"reward function {name!r} ({source})" if source else f"reward plugin {name!r}"
+
+
+def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np.ndarray:
+    """The plugin's scores as a float array, NaN for ``None`` (not applicable). Anything else that is not a
+    finite number is an error naming the plugin: strings are rejected, not converted."""
+    label = _label(name, reward)
+    try:
+        out = reward(samples)
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(f"{label} raised {type(exc).__name__}: {exc}") from exc
+    if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
+        array = np.asarray(out)
+        if array.ndim == 1 and array.dtype.kind in "biuf":  # a numeric array: no per-item checks needed
+            return _checked(label, array.astype(np.float64), samples)
+        if array.ndim == 1 and array.dtype.kind == "O":
+            out = array.tolist()
+        elif array.ndim == 1 and array.dtype.kind in "USa":
+            out = array.tolist()  # reported as strings below
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise RewardError(
+            f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return one float per sample."
+        )
+    if len(out) != len(samples):
+        raise RewardError(
+            f"{label} returned {len(out)} scores for {len(samples)} samples; it must return exactly one score "
+            f"per sample."
+        )
+    scores = np.empty(len(out), dtype=np.float64)
+    for i, value in enumerate(out):
+        if value is None:
+            scores[i] = math.nan
+            continue
+        try:
+            if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+                raise TypeError
+            scores[i] = float(value)
+        except (TypeError, ValueError):
+            what = "the string" if isinstance(value, (str, bytes)) else type(value).__name__
+            shown = repr(str(value)) if isinstance(value, str) else repr(value)  # np.str_('1') -> '1'
+            raise RewardError(
+                f"{label} returned {what} {shown} for sample {i} (completion {samples[i].completion[:60]!r}); "
+                f"it must return one float per sample (a number, or None where it does not apply). Strings "
+                f"are not converted: return float(...) from the plugin."
+            ) from None
+        if not math.isfinite(scores[i]):
+            _raise_not_finite(label, scores[i], i, samples)
+    return scores
+
+
+def _checked(label: str, scores: np.ndarray, samples: Sequence[Sample]) -> np.ndarray:
+    if len(scores) != len(samples):
+        raise RewardError(
+            f"{label} returned {len(scores)} scores for {len(samples)} samples; it must return exactly one "
+            f"score per sample."
+        )
+    bad = ~np.isfinite(scores)
+    if bad.any():
+        i = int(np.argmax(bad))
+        _raise_not_finite(label, scores[i], i, samples)
+    return scores
+
+
+def _raise_not_finite(label: str, value: float, i: int, samples: Sequence[Sample]) -> None:
+    raise RewardError(
+        f"{label} returned {value} for sample {i} (completion {samples[i].completion[:60]!r}); scores must be "
+        f"finite (return None for a sample the reward does not apply to)."
+    )
