@@ -190,7 +190,7 @@ def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):
     )
 
 
-def test_a_bench_trains_its_runs_with_several_processes(tmp_path):
+def test_a_bench_trains_its_runs_with_several_processes(tmp_path, capfd):
     d = designs(tmp_path / "out")
     d["bench"].update(seeds=[0], eval_every=0)
     d["run"].update(processes=2, total_timesteps=64)
@@ -202,3 +202,6 @@ def test_a_bench_trains_its_runs_with_several_processes(tmp_path):
     with (run_dir / "metrics.csv").open() as f:
         assert [int(r["timesteps"]) for r in csv.DictReader(f)] == [32, 64]  # both processes' tokens
     assert json.loads((run_dir / "eval.json").read_text())["metrics"]["exact_copy"] is not None
+    console = capfd.readouterr()
+    assert "after training:" not in console.out + console.err  # the processes' output is the run's log
+    assert "after training:" in (run_dir / "train.log").read_text()

@@ -107,7 +107,13 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
     print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
-    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"})
+    # Where this process's output is redirected (textgym bench writes each run's to its train.log), the
+    # processes' output goes there too, not to the console.
+    captured = sys.stdout is not sys.__stdout__
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True} if captured else {}
+    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"}, **pipe)
+    if captured:
+        sys.stdout.write(result.stdout)
     if result.returncode != 0:
         raise TrainingError(
             f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
