@@ -60,6 +60,18 @@ def require_tensorboard(what: str) -> None:
 class SB3Contract:
     """``learn``, ``predict``, ``save``, ``load`` and the logger, as Stable-Baselines3 users expect them."""
 
+    # set by LMAgent.__init__; collect_rollouts, train, check_health and rollout_model are LMAgent's too
+    name: str
+    config: Any
+    env: TextGenVectorEnv | None
+    dist: Any
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+    num_timesteps: int
+    iteration: int
+    skipped_steps: int
+    history: list[dict[str, float]]
+
     def get_env(self) -> TextGenVectorEnv | None:
         return self.env
 
