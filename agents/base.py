@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from textgym.agents import sharding
 from textgym.agents.distributed import Collective, cpu_has_native_bf16, refuse_sharding
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
@@ -70,12 +71,15 @@ class LMAgent(SB3Contract):
             )
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
-        refuse_sharding()
-        self.accelerator = Accelerator(cpu=not on_gpu)
+        fsdp = sharding.fsdp_requested()  # textgym shards itself: see agents/sharding.py
+        with sharding.accelerate_without_fsdp():
+            self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
         refuse_sharding(self.accelerator)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
+        self.sharded = fsdp is not None and self.dist.world > 1  # one process: nothing to shard
+        self.fsdp = fsdp
         if self.dist.world > 1:  # each process its share of the machine's cores
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
             torch.set_num_threads(
@@ -97,12 +101,20 @@ class LMAgent(SB3Contract):
         elif self.uses_reference:
             self.ref_policy = copy.deepcopy(model).requires_grad_(False).to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
+        if self.sharded:  # every model and module: one kind of parameter (see agents/sharding.py)
+            model = sharding.shard(model.to(self.device), fsdp)
+            if self.ref_policy is not None:
+                self.ref_policy = sharding.shard(self.ref_policy, fsdp)
+            modules = {k: sharding.shard_module(m.to(self.device), fsdp) for k, m in modules.items()}
         params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
         try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
             optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
         except (RuntimeError, TypeError):
             optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
-        prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
+        if self.sharded:
+            prepared = [model, *modules.values(), self.accelerator.prepare(optimizer)]
+        else:
+            prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
         self.policy, self.optimizer = prepared[0], prepared[-1]  # the policy is DDP-wrapped under torchrun
         self.modules: dict[str, nn.Module] = dict(zip(modules, prepared[1:-1]))
         self.params = params
@@ -232,10 +244,19 @@ class LMAgent(SB3Contract):
         import contextlib
 
         stack = contextlib.ExitStack()
-        if self.dist.world > 1 and not last:
-            for module in (self.policy, *self.modules.values()):
+        for module in (self.policy, *self.modules.values()):
+            if self.sharded:  # FSDP2: gradients reduce-scatter after the last micro-batch only
+                module.set_requires_gradient_sync(last)
+                stack.callback(module.set_requires_gradient_sync, True)
+            elif self.dist.world > 1 and not last:
                 stack.enter_context(self.accelerator.no_sync(module))
         return stack
+
+    @property
+    def lockstep(self) -> Any:
+        """For :func:`~textgym.sampling.rollout` under sharding: whether any process still has an active
+        episode (every forward of a sharded model needs every process). None otherwise: no collective."""
+        return self.dist.any if self.sharded else None
 
     # -- forwards ------------------------------------------------------------------------------------
     def forward(
@@ -345,6 +366,7 @@ class LMAgent(SB3Contract):
                 seed=self.seed * 1_000_003 + self.iteration,
                 options=options,
                 keep_hidden=keep_hidden,
+                lockstep=self.lockstep,
             )
         except TextgymError as exc:
             error = exc
@@ -447,16 +469,21 @@ class LMAgent(SB3Contract):
     # -- the optimizer step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> bool:
         """Backward through ``loss`` unless it is not finite (then the step will be skipped)."""
-        if not torch.isfinite(loss.detach()).all():
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if not finite:
             self._bad_loss = True
-            return False
+            if not self.sharded:  # sharded: the backward's reduce-scatter needs every process (skipped below)
+                return False
         self.accelerator.backward(loss)
-        return True
+        return finite
 
     def optimizer_step(self) -> bool:
         """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
         then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
-        norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        if self.sharded:  # DTensor and plain gradients together
+            norm = sharding.clip_grad_norm(self.params, self.config.max_grad_norm)
+        else:
+            norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
         bad = getattr(self, "_bad_loss", False) or not torch.isfinite(torch.as_tensor(norm)).all()
         bad = self.dist.any(bad)  # every process skips, or none: the weights stay identical
         self._bad_loss = False
@@ -468,7 +495,8 @@ class LMAgent(SB3Contract):
         return True
 
     def weights_are_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.params)
+        """This process's weights (its shards under sharding: combine over processes, as check_health does)."""
+        return all(bool(torch.isfinite(sharding.local(p)).all()) for p in self.params)
 
     def check_health(self, batch: RolloutBatch | None = None, collective: bool = True) -> None:
         """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows
@@ -477,7 +505,7 @@ class LMAgent(SB3Contract):
         this process alone (for code that runs on the main process only, such as saving)."""
         batch = batch if batch is not None else getattr(self, "_last_batch", None)
         finite = self.weights_are_finite()
-        if finite and batch is not None:
+        if finite and batch is not None and (collective or not self.sharded):  # a sharded forward: collective
             with torch.no_grad():
                 logits, _ = self.forward(self.rollout_model, batch.select(torch.arange(min(2, len(batch)))))
             finite = bool(torch.isfinite(logits).all())

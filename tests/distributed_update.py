@@ -3,6 +3,7 @@
 
     python tests/distributed_update.py AGENT BATCH.pt OUT.pt
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_update.py AGENT BATCH.pt OUT.pt
+    ACCELERATE_USE_FSDP=true python -m torch.distributed.run ...   # the same, sharded with FSDP2
 """
 
 import sys
@@ -47,8 +48,11 @@ def main() -> None:
     batch.ref_logprobs = agent.reference_logprobs(batch)
     batch.stats = agent.rollout_stats(batch)
     agent.train(agent.process(batch))
+    # sharded (ACCELERATE_USE_FSDP=true): every process gathers the full parameters from the shards
+    params = [p.full_tensor() if agent.sharded else p for p in agent.params]
+    print(f"rank {agent.dist.rank}: sharded={agent.sharded}")
     if agent.dist.is_main:
-        torch.save([p.detach().cpu() for p in agent.params], out)
+        torch.save([p.detach().cpu() for p in params], out)
     if torch.distributed.is_initialized():  # (the one-process reference run has no group)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
