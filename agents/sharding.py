@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +129,9 @@ def shard(model: nn.Module, settings: FSDPSettings) -> nn.Module:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); in place."""
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP2 warns that a module's output is a view (an in-place op on it would skip the backward's
+    # all-gather): the LM's sliced logits and the value head's squeeze are; textgym never updates them in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model
     names = set(settings.layer_classes or getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
@@ -136,6 +140,7 @@ def shard(model: nn.Module, settings: FSDPSettings) -> nn.Module:
             f"no {sorted(names) or 'decoder layer'} modules in {type(base).__name__} to shard: set "
             f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to its decoder layer class."
         )
+    _broadcast_from_main(model)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
@@ -146,7 +151,19 @@ def shard_module(module: nn.Module, settings: FSDPSettings) -> nn.Module:
     """``fully_shard`` a small module (a value head) as one unit; in place."""
     from torch.distributed.fsdp import fully_shard
 
+    _broadcast_from_main(module)
     return fully_shard(module, reshard_after_forward=settings.reshard_after_forward)
+
+
+def _broadcast_from_main(module: nn.Module) -> None:
+    """The main process's weights on every process, before each keeps its shard (DDP does the same when it
+    wraps a model): weights drawn at random per process, e.g. LoRA's A matrices under per-process seeds,
+    would otherwise make the shards of different models."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 def is_sharded(t: torch.Tensor) -> bool:

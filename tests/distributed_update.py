@@ -19,9 +19,12 @@ from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.agents.rollout_batch import RolloutBatch
 
+# one epoch, one minibatch: the same update whatever the split; micro-batches exercise accumulation
+PPO = dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learning_rate=1e-2)
 AGENTS = {
-    # one epoch, one minibatch: the same update whatever the split; micro-batches exercise accumulation
-    "lmppo": (LMPPO, dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learning_rate=1e-2)),
+    "lmppo": (LMPPO, PPO),
+    "lmppo-lora": (LMPPO, dict(PPO, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})),
+    "lmppo-bf16": (LMPPO, dict(PPO, bf16=True)),  # tests/test_distributed.py compares it with DDP's split
     "grpo": (
         GRPO,
         dict(
