@@ -29,6 +29,7 @@ from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tensorboard
+from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import logits_to_keep, rollout
@@ -191,42 +192,8 @@ class LMAgent(SB3Contract):
                 f"the env's batch (num_envs={env.num_envs}) must be a multiple of num_generations="
                 f"{self.group_size}: each prompt gets {self.group_size} completions."
             )
-        self._check_tokenizer(env)
+        check_tokenizer(self.rollout_model.config, self.policy_source, env)
         self.env = env
-
-    def _check_tokenizer(self, env: TextGenVectorEnv) -> None:
-        """The env must tokenize with the policy's tokenizer: same ids for the same text, same EOS."""
-        config = self.rollout_model.config
-        vocab = getattr(config, "vocab_size", None)
-        if vocab is None and hasattr(config, "get_text_config"):
-            vocab = config.get_text_config().vocab_size
-        mismatch = None
-        if vocab is not None and env.single_action_space.n > vocab:
-            mismatch = f"the env's vocabulary has {env.single_action_space.n} tokens, the policy's {vocab}"
-        elif self.policy_source is not None:
-            from textgym.models import load_tokenizer
-
-            try:
-                mine = load_tokenizer(self.policy_source)
-            except Exception:  # a policy directory without a tokenizer: nothing to compare with
-                mine = None
-            if mine is not None and mine is not env.tokenizer:
-                n = min(len(env.tokenizer), len(mine))  # a tokenizer may have gained a pad token
-                probe = sorted(set(range(min(n, 64))) | set(np.linspace(0, n - 1, 64).astype(int).tolist()))
-                same = mine.eos_token_id == env.eos_token_id
-                same = same and all(mine.decode([i]) == env.tokenizer.decode([i]) for i in probe)
-                if not same:
-                    mismatch = f"{self.policy_source!r} tokenizes differently from the env"
-        if mismatch is None:
-            eos = getattr(config, "eos_token_id", None)
-            eos = eos if isinstance(eos, (list, tuple)) else [eos]
-            if env.eos_token_id is not None and None not in eos and env.eos_token_id not in eos:
-                mismatch = f"the env's EOS id is {env.eos_token_id}, the policy's {eos}"
-        if mismatch:
-            raise ConfigError(
-                f"the env's tokenizer does not match the policy ({mismatch}): make the env with the policy's "
-                f"tokenizer, e.g. model={self.policy_source or '<the policy name>'!r}."
-            )
 
     def autocast(self) -> Any:
         """bf16 autocast on the agent's device when ``bf16`` is on (the training forwards run in it)."""
@@ -502,10 +469,13 @@ class LMAgent(SB3Contract):
         """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows
         of) ``batch`` are too: a diverged update (e.g. learning_rate=1e6) stops training here, with its
         cause, before a checkpoint is written or a rollout samples from NaN. ``collective=False`` checks
-        this process alone (for code that runs on the main process only, such as saving)."""
+        this process alone (for code that runs on the main process only, such as saving); a sharded agent's
+        check is always collective (each process holds shards; the forward needs all of them)."""
         batch = batch if batch is not None else getattr(self, "_last_batch", None)
         finite = self.weights_are_finite()
-        if finite and batch is not None and (collective or not self.sharded):  # a sharded forward: collective
+        if self.sharded:  # the forward below runs on every process or on none
+            finite = not self.dist.any(not finite)
+        if finite and batch is not None:
             with torch.no_grad():
                 logits, _ = self.forward(self.rollout_model, batch.select(torch.arange(min(2, len(batch)))))
             finite = bool(torch.isfinite(logits).all())

@@ -82,13 +82,16 @@ def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-def test_sharded_rollouts_run_in_lockstep_and_give_each_process_its_own_episodes():
+def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_every_process():
     # process 0's episodes end after 2 tokens, process 1's after up to 6; a process that stopped stepping
-    # would leave the other waiting in an all-gather forever: the timeout turns that hang into a failure
-    result = run_cmd([*TORCHRUN, str(HERE / "distributed_rollout.py")], fsdp=True, timeout=180)
+    # (or skipped a backward) would leave the other waiting in a collective forever: the timeout turns that
+    # hang into a failure. See tests/distributed_sharding.py.
+    result = run_cmd([*TORCHRUN, str(HERE / "distributed_sharding.py")], fsdp=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0: 4 episodes of up to 2 tokens, as unsharded" in result.stdout
     assert "rank 1: 4 episodes of up to 6 tokens, as unsharded" in result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: step skipped" in result.stdout and f"rank {rank}: not healthy" in result.stdout
 
 
 @pytest.fixture
