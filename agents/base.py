@@ -17,6 +17,7 @@ import copy
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -100,13 +101,14 @@ class LMAgent(SB3Contract):
                 model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **c.lora))
             # the reference, when needed, is the same weights with the adapter disabled
         elif self.uses_reference:
-            self.ref_policy = copy.deepcopy(model).requires_grad_(False).to(self.device)
+            self.ref_policy = copy.deepcopy(model).requires_grad_(False)
+            self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
         if self.sharded:  # every model and module: one kind of parameter (see agents/sharding.py)
-            model = sharding.shard(model.to(self.device), fsdp)
+            model = sharding.shard(model, fsdp, self.device)  # moved to the device one unit at a time
             if self.ref_policy is not None:
-                self.ref_policy = sharding.shard(self.ref_policy, fsdp)
-            modules = {k: sharding.shard_module(m.to(self.device), fsdp) for k, m in modules.items()}
+                self.ref_policy = sharding.shard(self.ref_policy, fsdp, self.device)
+            modules = {k: sharding.shard_module(m, fsdp, self.device) for k, m in modules.items()}
         params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
         try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
             optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
@@ -220,7 +222,7 @@ class LMAgent(SB3Contract):
         return stack
 
     @property
-    def lockstep(self) -> Any:
+    def lockstep(self) -> Callable[[bool], bool] | None:
         """For :func:`~textgym.sampling.rollout` under sharding: whether any process still has an active
         episode (every forward of a sharded model needs every process). None otherwise: no collective."""
         return self.dist.any if self.sharded else None
@@ -447,7 +449,7 @@ class LMAgent(SB3Contract):
     def optimizer_step(self) -> bool:
         """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
         then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
-        if self.sharded:  # DTensor and plain gradients together
+        if self.sharded:  # DTensor gradients: the norm over every process's shards
             norm = sharding.clip_grad_norm(self.params, self.config.max_grad_norm)
         else:
             norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)

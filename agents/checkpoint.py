@@ -49,7 +49,7 @@ def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
         "reference": sharding.full_state_dict(agent.ref_policy)
         if agent.policy_source is None and agent.ref_policy is not None
         else None,
-        "optimizer": sharding.full_optimizer_state(agent.optimizer),
+        "optimizer": sharding.full_optimizer_state(agent.optimizer, keep=agent.dist.is_main),
         "modules": {name: sharding.full_state_dict(module) for name, module in agent.modules.items()},
     }
     agent._gathered = full if agent.dist.is_main else None
@@ -136,8 +136,11 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
                 if source
                 else AutoModelForCausalLM.from_pretrained(path / "reference")
             )
-            reference = reference.requires_grad_(False).eval().to(agent.device)
-            agent.ref_policy = sharding.shard(reference, agent.fsdp) if agent.sharded else reference
+            reference = reference.requires_grad_(False).eval()
+            if agent.sharded:
+                agent.ref_policy = sharding.shard(reference, agent.fsdp, agent.device)
+            else:
+                agent.ref_policy = reference.to(agent.device)
         for name, module in agent.modules.items():
             weights = torch.load(path / f"{name}.pt", weights_only=True)
             if agent.sharded:

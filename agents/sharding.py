@@ -125,8 +125,11 @@ def accelerate_without_fsdp() -> Iterator[None]:
             os.environ["ACCELERATE_USE_FSDP"] = saved
 
 
-def shard(model: nn.Module, settings: FSDPSettings) -> nn.Module:
-    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); in place."""
+def shard(model: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.Module:
+    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); in place.
+
+    ``model`` may be on the CPU: each ``fully_shard`` call moves its unit's weights to ``device`` and keeps
+    this process's shard, so the device never holds more than one unit whole."""
     from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns that a module's output is a view (an in-place op on it would skip the backward's
@@ -140,30 +143,34 @@ def shard(model: nn.Module, settings: FSDPSettings) -> nn.Module:
             f"no {sorted(names) or 'decoder layer'} modules in {type(base).__name__} to shard: set "
             f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to its decoder layer class."
         )
-    _broadcast_from_main(model)
+    _broadcast_from_main(model, device)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
     return model
 
 
-def shard_module(module: nn.Module, settings: FSDPSettings) -> nn.Module:
+def shard_module(module: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.Module:
     """``fully_shard`` a small module (a value head) as one unit; in place."""
     from torch.distributed.fsdp import fully_shard
 
-    _broadcast_from_main(module)
+    _broadcast_from_main(module, device)
     return fully_shard(module, reshard_after_forward=settings.reshard_after_forward)
 
 
-def _broadcast_from_main(module: nn.Module) -> None:
+def _broadcast_from_main(module: nn.Module, device: torch.device) -> None:
     """The main process's weights on every process, before each keeps its shard (DDP does the same when it
     wraps a model): weights drawn at random per process, e.g. LoRA's A matrices under per-process seeds,
-    would otherwise make the shards of different models."""
+    would otherwise make the shards of different models. One tensor at a time passes through ``device``
+    (NCCL broadcasts device tensors only)."""
     import torch.distributed as dist
 
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            on_device = tensor.data.to(device)
+            dist.broadcast(on_device, src=0)
+            if on_device is not tensor.data:
+                tensor.data.copy_(on_device)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -211,15 +218,19 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict with every sharded state tensor gathered whole (collective): the same
-    layout as an unsharded optimizer's, so a checkpoint resumes sharded or not."""
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[str, Any] | None:
+    """The optimizer's state dict with every sharded state tensor gathered whole (collective), on the CPU
+    of the process that ``keep``s it (the others return None): the same layout as an unsharded optimizer's,
+    so a checkpoint resumes sharded or not. One tensor at a time is whole on the device."""
     state = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own: build new ones
-    state["state"] = {
-        index: {k: v.full_tensor().cpu() if is_sharded(v) else v for k, v in entry.items()}
-        for index, entry in state["state"].items()
-    }
-    return state
+    whole = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            value = value.full_tensor() if is_sharded(value) else value  # every process takes part
+            if keep:
+                whole.setdefault(index, {})[key] = value.cpu() if isinstance(value, torch.Tensor) else value
+    state["state"] = whole
+    return state if keep else None
 
 
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

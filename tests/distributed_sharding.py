@@ -64,9 +64,9 @@ def main() -> None:
         agent.check_health(batch)
     except TrainingError:
         print(f"rank {rank}: not healthy", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns before the group ends: the agent is freed while it is alive
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort

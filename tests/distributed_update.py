@@ -56,10 +56,10 @@ def main() -> None:
     print(f"rank {agent.dist.rank}: sharded={agent.sharded}")
     if agent.dist.is_main:
         torch.save([p.detach().cpu() for p in params], out)
-    if torch.distributed.is_initialized():  # (the one-process reference run has no group)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns before the group ends: the agent's DDP modules are freed while it is alive
+    if torch.distributed.is_initialized():  # (the one-process reference run has no group)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
