@@ -5,7 +5,7 @@ Asked for the way accelerate asks for it: ``ACCELERATE_USE_FSDP=true`` in the en
 with the variable set do the same). textgym applies ``fully_shard`` itself, on CPUs (gloo) and GPUs alike:
 accelerate never shards on CPUs, and on GPUs its own FSDP wrapping would take the policy out of textgym's
 hands (the rollout's KV-cached forwards, the reference, the checkpoint format). The ``Accelerator`` is made
-with the variable hidden, so it only runs the process group and the data-parallel small modules.
+with the variable hidden, so it only runs the process group and wraps the optimizer.
 
 What is sharded: the policy and a separate reference copy, one FSDP unit per decoder layer and one at the
 root; and the agent's small modules (LMPPO's value head), each one unit. Sharding a ``Linear(hidden, 1)``
