@@ -17,17 +17,20 @@ import copy
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
+from textgym.agents import sharding
 from textgym.agents.distributed import Collective, cpu_has_native_bf16, refuse_sharding
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tensorboard
+from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import logits_to_keep, rollout
@@ -70,12 +73,15 @@ class LMAgent(SB3Contract):
             )
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
-        refuse_sharding()
-        self.accelerator = Accelerator(cpu=not on_gpu)
+        fsdp = sharding.fsdp_requested()  # textgym shards itself: see agents/sharding.py
+        with sharding.accelerate_without_fsdp():
+            self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
         refuse_sharding(self.accelerator)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
+        self.sharded = fsdp is not None and self.dist.world > 1  # one process: nothing to shard
+        self.fsdp = fsdp
         if self.dist.world > 1:  # each process its share of the machine's cores
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
             torch.set_num_threads(
@@ -95,14 +101,23 @@ class LMAgent(SB3Contract):
                 model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **c.lora))
             # the reference, when needed, is the same weights with the adapter disabled
         elif self.uses_reference:
-            self.ref_policy = copy.deepcopy(model).requires_grad_(False).to(self.device)
+            self.ref_policy = copy.deepcopy(model).requires_grad_(False)
+            self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
+        if self.sharded:  # every model and module: one kind of parameter (see agents/sharding.py)
+            model = sharding.shard(model, fsdp, self.device)  # moved to the device one unit at a time
+            if self.ref_policy is not None:
+                self.ref_policy = sharding.shard(self.ref_policy, fsdp, self.device)
+            modules = {k: sharding.shard_module(m, fsdp, self.device) for k, m in modules.items()}
         params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
         try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
             optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
         except (RuntimeError, TypeError):
             optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
-        prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
+        if self.sharded:
+            prepared = [model, *modules.values(), self.accelerator.prepare(optimizer)]
+        else:
+            prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
         self.policy, self.optimizer = prepared[0], prepared[-1]  # the policy is DDP-wrapped under torchrun
         self.modules: dict[str, nn.Module] = dict(zip(modules, prepared[1:-1]))
         self.params = params
@@ -179,42 +194,8 @@ class LMAgent(SB3Contract):
                 f"the env's batch (num_envs={env.num_envs}) must be a multiple of num_generations="
                 f"{self.group_size}: each prompt gets {self.group_size} completions."
             )
-        self._check_tokenizer(env)
+        check_tokenizer(self.rollout_model.config, self.policy_source, env)
         self.env = env
-
-    def _check_tokenizer(self, env: TextGenVectorEnv) -> None:
-        """The env must tokenize with the policy's tokenizer: same ids for the same text, same EOS."""
-        config = self.rollout_model.config
-        vocab = getattr(config, "vocab_size", None)
-        if vocab is None and hasattr(config, "get_text_config"):
-            vocab = config.get_text_config().vocab_size
-        mismatch = None
-        if vocab is not None and env.single_action_space.n > vocab:
-            mismatch = f"the env's vocabulary has {env.single_action_space.n} tokens, the policy's {vocab}"
-        elif self.policy_source is not None:
-            from textgym.models import load_tokenizer
-
-            try:
-                mine = load_tokenizer(self.policy_source)
-            except Exception:  # a policy directory without a tokenizer: nothing to compare with
-                mine = None
-            if mine is not None and mine is not env.tokenizer:
-                n = min(len(env.tokenizer), len(mine))  # a tokenizer may have gained a pad token
-                probe = sorted(set(range(min(n, 64))) | set(np.linspace(0, n - 1, 64).astype(int).tolist()))
-                same = mine.eos_token_id == env.eos_token_id
-                same = same and all(mine.decode([i]) == env.tokenizer.decode([i]) for i in probe)
-                if not same:
-                    mismatch = f"{self.policy_source!r} tokenizes differently from the env"
-        if mismatch is None:
-            eos = getattr(config, "eos_token_id", None)
-            eos = eos if isinstance(eos, (list, tuple)) else [eos]
-            if env.eos_token_id is not None and None not in eos and env.eos_token_id not in eos:
-                mismatch = f"the env's EOS id is {env.eos_token_id}, the policy's {eos}"
-        if mismatch:
-            raise ConfigError(
-                f"the env's tokenizer does not match the policy ({mismatch}): make the env with the policy's "
-                f"tokenizer, e.g. model={self.policy_source or '<the policy name>'!r}."
-            )
 
     def autocast(self) -> Any:
         """bf16 autocast on the agent's device when ``bf16`` is on (the training forwards run in it)."""
@@ -232,10 +213,19 @@ class LMAgent(SB3Contract):
         import contextlib
 
         stack = contextlib.ExitStack()
-        if self.dist.world > 1 and not last:
-            for module in (self.policy, *self.modules.values()):
+        for module in (self.policy, *self.modules.values()):
+            if self.sharded:  # FSDP2: gradients reduce-scatter after the last micro-batch only
+                module.set_requires_gradient_sync(last)
+                stack.callback(module.set_requires_gradient_sync, True)
+            elif self.dist.world > 1 and not last:
                 stack.enter_context(self.accelerator.no_sync(module))
         return stack
+
+    @property
+    def lockstep(self) -> Callable[[bool], bool] | None:
+        """For :func:`~textgym.sampling.rollout` under sharding: whether any process still has an active
+        episode (every forward of a sharded model needs every process). None otherwise: no collective."""
+        return self.dist.any if self.sharded else None
 
     # -- forwards ------------------------------------------------------------------------------------
     def forward(
@@ -345,6 +335,7 @@ class LMAgent(SB3Contract):
                 seed=self.seed * 1_000_003 + self.iteration,
                 options=options,
                 keep_hidden=keep_hidden,
+                lockstep=self.lockstep,
             )
         except TextgymError as exc:
             error = exc
@@ -447,16 +438,21 @@ class LMAgent(SB3Contract):
     # -- the optimizer step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> bool:
         """Backward through ``loss`` unless it is not finite (then the step will be skipped)."""
-        if not torch.isfinite(loss.detach()).all():
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if not finite:
             self._bad_loss = True
-            return False
+            if not self.sharded:  # sharded: the backward's reduce-scatter needs every process (skipped below)
+                return False
         self.accelerator.backward(loss)
-        return True
+        return finite
 
     def optimizer_step(self) -> bool:
         """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
         then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
-        norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        if self.sharded:  # DTensor gradients: the norm over every process's shards
+            norm = sharding.clip_grad_norm(self.params, self.config.max_grad_norm)
+        else:
+            norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
         bad = getattr(self, "_bad_loss", False) or not torch.isfinite(torch.as_tensor(norm)).all()
         bad = self.dist.any(bad)  # every process skips, or none: the weights stay identical
         self._bad_loss = False
@@ -468,15 +464,19 @@ class LMAgent(SB3Contract):
         return True
 
     def weights_are_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.params)
+        """This process's weights (its shards under sharding: combine over processes, as check_health does)."""
+        return all(bool(torch.isfinite(sharding.local(p)).all()) for p in self.params)
 
     def check_health(self, batch: RolloutBatch | None = None, collective: bool = True) -> None:
         """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows
         of) ``batch`` are too: a diverged update (e.g. learning_rate=1e6) stops training here, with its
         cause, before a checkpoint is written or a rollout samples from NaN. ``collective=False`` checks
-        this process alone (for code that runs on the main process only, such as saving)."""
+        this process alone (for code that runs on the main process only, such as saving); a sharded agent's
+        check is always collective (each process holds shards; the forward needs all of them)."""
         batch = batch if batch is not None else getattr(self, "_last_batch", None)
         finite = self.weights_are_finite()
+        if self.sharded:  # the forward below runs on every process or on none
+            finite = not self.dist.any(not finite)
         if finite and batch is not None:
             with torch.no_grad():
                 logits, _ = self.forward(self.rollout_model, batch.select(torch.arange(min(2, len(batch)))))

@@ -4,6 +4,10 @@ Layout: ``policy/`` (Hugging Face format; the adapter alone with LoRA, the base 
 ``reference/`` (only when the policy was given as an object), ``<module>.pt`` per trainable module (e.g. the
 value head), ``optimizer.pt`` and ``state.json`` (agent name, config, counters, history, extra state).
 Tensors are loaded with ``weights_only=True``.
+
+Under sharding (:mod:`textgym.agents.sharding`) the full weights and optimizer state are gathered by every
+process (:func:`gather_checkpoint`) and written by the main one, in the same layout: a checkpoint of a
+sharded run is a normal Hugging Face directory that one process loads, and resumes sharded or not.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from textgym.agents import sharding
 from textgym.agents.rollout_batch import RunningMoments
 from textgym.errors import ConfigError, TrainingError
 
@@ -29,15 +34,45 @@ def checkpoint_path(path: str | Path) -> Path:
     return path.with_suffix("") if path.suffix == ".zip" else path
 
 
+def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
+    """Under sharding, on every process: check the policy's health and gather what :func:`save_checkpoint`
+    writes (the full policy, reference and optimizer state, on the CPU); the main process keeps it for its
+    next save. None (nothing to do) without sharding."""
+    if not agent.sharded:
+        return None
+    try:
+        agent.check_health()  # collective: its forward needs every process
+    except TrainingError as exc:
+        raise TrainingError(f"{exc} No checkpoint was written; the last good one is kept.") from None
+    full = {
+        "policy": sharding.full_state_dict(agent.policy),
+        "reference": sharding.full_state_dict(agent.ref_policy)
+        if agent.policy_source is None and agent.ref_policy is not None
+        else None,
+        "optimizer": sharding.full_optimizer_state(agent.optimizer, keep=agent.dist.is_main),
+        "modules": {name: sharding.full_state_dict(module) for name, module in agent.modules.items()},
+    }
+    agent._gathered = full if agent.dist.is_main else None
+    return full
+
+
 def save_checkpoint(agent: LMAgent, path: Path) -> None:
     from textgym.models import atomic_build_dir
 
-    try:
-        agent.check_health(collective=False)  # saving runs on the main process only
-    except TrainingError as exc:
-        raise TrainingError(
-            f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
-        ) from None
+    full, agent._gathered = getattr(agent, "_gathered", None), None
+    if agent.sharded:
+        if full is None:  # not gathered beforehand: every process is in this save
+            full = gather_checkpoint(agent)
+        if not agent.dist.is_main:
+            return
+    else:
+        full = {"policy": None, "reference": None, "optimizer": None, "modules": {}}
+        try:
+            agent.check_health(collective=False)  # saving runs on the main process only
+        except TrainingError as exc:
+            raise TrainingError(
+                f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
+            ) from None
     policy = agent.accelerator.unwrap_model(agent.policy)
     if agent.policy_source is None and agent.config.lora is not None:
         raise ConfigError(
@@ -45,12 +80,13 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
         )
 
     def build(out: Path) -> None:
-        policy.save_pretrained(out / "policy")
+        policy.save_pretrained(out / "policy", state_dict=full["policy"])
         if agent.policy_source is None and agent.ref_policy is not None:
-            agent.ref_policy.save_pretrained(out / "reference")
+            agent.ref_policy.save_pretrained(out / "reference", state_dict=full["reference"])
         for name, module in agent.modules.items():
-            torch.save(agent.accelerator.unwrap_model(module).state_dict(), out / f"{name}.pt")
-        torch.save(agent.optimizer.state_dict(), out / "optimizer.pt")
+            weights = full["modules"].get(name) or agent.accelerator.unwrap_model(module).state_dict()
+            torch.save(weights, out / f"{name}.pt")
+        torch.save(full["optimizer"] or agent.optimizer.state_dict(), out / "optimizer.pt")
         state = {
             "agent": agent.name,
             "config": asdict(agent.config),
@@ -100,11 +136,22 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
                 if source
                 else AutoModelForCausalLM.from_pretrained(path / "reference")
             )
-            agent.ref_policy = reference.requires_grad_(False).eval().to(agent.device)
+            reference = reference.requires_grad_(False).eval()
+            if agent.sharded:
+                agent.ref_policy = sharding.shard(reference, agent.fsdp, agent.device)
+            else:
+                agent.ref_policy = reference.to(agent.device)
         for name, module in agent.modules.items():
             weights = torch.load(path / f"{name}.pt", weights_only=True)
-            agent.accelerator.unwrap_model(module).load_state_dict(weights)
-        agent.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            if agent.sharded:
+                sharding.load_full_state_dict(module, weights)
+            else:
+                agent.accelerator.unwrap_model(module).load_state_dict(weights)
+        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+        if agent.sharded:  # a full state dict: each process takes its shard
+            sharding.load_full_optimizer_state(agent.optimizer, optimizer_state)
+        else:
+            agent.optimizer.load_state_dict(optimizer_state)
         agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
         agent.skipped_steps = state.get("skipped_steps", 0)
         agent.score_moments = RunningMoments(**state["score_moments"])

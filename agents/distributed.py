@@ -1,14 +1,13 @@
 """What LM agents need to train data-parallel under ``torchrun`` / ``accelerate launch``: statistics over all
 processes' episodes, sums for global normalisers, and errors that stop every process instead of leaving
 the others waiting in a collective forever; and the launcher and device checks made before training
-(sharding refused, bf16 only where the CPU computes it natively).
+(another sharding engine than textgym's own refused, bf16 only where the CPU computes it natively).
 
 With one process every function is the identity, so single-process code paths are unchanged.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -111,22 +110,14 @@ def cpu_has_native_bf16() -> bool:
 SHARDING_ENGINES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
 
 
-def refuse_sharding(accelerator: Any = None) -> None:
-    """Refuse an accelerate config that asks for sharded training (FSDP, DeepSpeed, Megatron-LM).
-
-    The launcher's environment is read before the ``Accelerator`` exists (on CPUs accelerate ignores
-    ``ACCELERATE_USE_FSDP`` and quietly trains data-parallel; without the deepspeed package it fails on an
-    import), then the ``Accelerator``'s own view: a run that asked for sharding never gets something else."""
-    if accelerator is not None:
-        kind = accelerator.distributed_type.value
-        engine = kind if kind in SHARDING_ENGINES else None
-    else:
-        flags = (os.environ.get(f"ACCELERATE_USE_{e}", "false").lower() for e in SHARDING_ENGINES)
-        engine = next((e for e, flag in zip(SHARDING_ENGINES, flags) if flag in ("1", "true")), None)
-    if engine is not None:  # see docs/distributed.md
+def refuse_sharding(accelerator: Any) -> None:
+    """Refuse an ``Accelerator`` that shards by itself (DeepSpeed, Megatron-LM, or its own FSDP wrapping):
+    textgym's LM agents shard with their own FSDP2 (:mod:`textgym.agents.sharding`), which asks for it
+    before the ``Accelerator`` exists, so a run never gets some other engine than it asked for."""
+    kind = accelerator.distributed_type.value
+    if kind in SHARDING_ENGINES:  # see docs/distributed.md
         raise ConfigError(
-            f"{engine} (sharded training) is not supported by textgym's LM agents yet: their rollouts stop "
-            f"each process when its own episodes end, which sharded forwards cannot do. Train data-parallel "
-            f"(a plain multi-GPU accelerate config or torchrun) and, for a large policy, use LoRA "
-            f"(lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
+            f"the Accelerator is set up for {kind}, which textgym's LM agents do not use: they shard with their "
+            f"own FSDP2 (ACCELERATE_USE_FSDP=true with fsdp_version: 2, e.g. examples/accelerate/fsdp.yaml) "
+            f"or train data-parallel (a plain multi-GPU accelerate config or torchrun)."
         )

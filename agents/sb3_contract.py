@@ -204,7 +204,8 @@ class SB3Contract:
         episode_start: Any = None,
         deterministic: bool = False,
     ) -> tuple[np.ndarray, Any]:
-        """The next token for each observation (a full forward; for generation, ``rollout`` is faster)."""
+        """The next token for each observation (a full forward; for generation, ``rollout`` is faster). A
+        sharded agent's forward gathers the weights from every process: call it on all of them."""
         ids = np.asarray(observation["input_ids"])
         single = ids.ndim == 1
         ids = torch.as_tensor(ids.reshape(-1, ids.shape[-1]), dtype=torch.long, device=self.device)
@@ -227,7 +228,8 @@ class SB3Contract:
     def save(self, path: str | os.PathLike) -> None:
         """Write a checkpoint directory atomically: the policy in Hugging Face format (the adapter with
         LoRA), the agent's modules, the optimizer, the counters, the config and the agent's extra state.
-        Refuses a diverged policy, so a broken run never overwrites a good checkpoint."""
+        Refuses a diverged policy, so a broken run never overwrites a good checkpoint. A sharded agent is
+        saved by every process calling ``save``: the full weights are gathered, the main process writes."""
         from textgym.agents.checkpoint import checkpoint_path, save_checkpoint
 
         save_checkpoint(self, checkpoint_path(path))

@@ -3,6 +3,7 @@
 
     python tests/distributed_update.py AGENT BATCH.pt OUT.pt
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_update.py AGENT BATCH.pt OUT.pt
+    ACCELERATE_USE_FSDP=true python -m torch.distributed.run ...   # the same, sharded with FSDP2
 """
 
 import sys
@@ -18,9 +19,12 @@ from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.agents.rollout_batch import RolloutBatch
 
+# one epoch, one minibatch: the same update whatever the split; micro-batches exercise accumulation
+PPO = dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learning_rate=1e-2)
 AGENTS = {
-    # one epoch, one minibatch: the same update whatever the split; micro-batches exercise accumulation
-    "lmppo": (LMPPO, dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learning_rate=1e-2)),
+    "lmppo": (LMPPO, PPO),
+    "lmppo-lora": (LMPPO, dict(PPO, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})),
+    "lmppo-bf16": (LMPPO, dict(PPO, bf16=True)),  # tests/test_distributed.py compares it with DDP's split
     "grpo": (
         GRPO,
         dict(
@@ -47,12 +51,15 @@ def main() -> None:
     batch.ref_logprobs = agent.reference_logprobs(batch)
     batch.stats = agent.rollout_stats(batch)
     agent.train(agent.process(batch))
+    # sharded (ACCELERATE_USE_FSDP=true): every process gathers the full parameters from the shards
+    params = [p.full_tensor() if agent.sharded else p for p in agent.params]
+    print(f"rank {agent.dist.rank}: sharded={agent.sharded}")
     if agent.dist.is_main:
-        torch.save([p.detach().cpu() for p in agent.params], out)
-    if torch.distributed.is_initialized():  # (the one-process reference run has no group)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
+        torch.save([p.detach().cpu() for p in params], out)
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns before the group ends: the agent's DDP modules are freed while it is alive
+    if torch.distributed.is_initialized():  # (the one-process reference run has no group)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort

@@ -124,11 +124,38 @@ def test_in_bf16_the_ratio_before_the_first_update_is_one_within_1e_2(cls, kwarg
     assert 0 < (ratio - 1).abs().max() < 1e-2  # not exactly 1: bf16 is really on
 
 
-@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
-def test_an_accelerate_config_asking_for_sharding_is_refused_not_silently_run_data_parallel(
-    engine, monkeypatch
-):
-    # On CPUs accelerate ignores ACCELERATE_USE_FSDP and trains data-parallel; textgym says so instead.
+@pytest.mark.parametrize("engine", ["DEEPSPEED", "MEGATRON_LM"])
+def test_an_accelerate_config_asking_for_deepspeed_or_megatron_is_refused(engine, monkeypatch):
+    # Without the deepspeed package accelerate would fail on an import; textgym names what it supports.
     monkeypatch.setenv(f"ACCELERATE_USE_{engine}", "true")
-    with pytest.raises(ConfigError, match=f"{engine} .sharded training. is not supported.*LoRA"):
+    with pytest.raises(ConfigError, match=f"{engine} .sharded training. is not supported.*FSDP2.*LoRA"):
         LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)])), verbose=0)
+
+
+@pytest.mark.parametrize(
+    "variable, value, key",
+    [
+        ("FSDP_VERSION", "1", "fsdp_version: 1"),
+        ("FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params: true"),
+        ("FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing: true"),
+        ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading: true"),
+        ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type: SHARDED_STATE_DICT"),
+        ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+        ("FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules: lm_head"),
+        ("ACCELERATE_MIXED_PRECISION", "bf16", "mixed_precision: bf16"),
+    ],
+)
+def test_fsdp_options_textgym_does_not_honour_are_refused_by_name(variable, value, key, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"sets {key}, which textgym's FSDP does not honour"):
+        LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)])), verbose=0)
+
+
+def test_fsdp_in_one_process_trains_unsharded(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # one process holds the whole model anyway
+    agent = LMPPO(
+        char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)]), n=4), verbose=0
+    )
+    assert not agent.sharded
+    iterations(agent, 1)

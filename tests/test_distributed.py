@@ -1,4 +1,5 @@
-"""Data-parallel training on two CPU processes (gloo), as `torchrun --nproc_per_node 2 -m textgym train` runs it."""
+"""Data-parallel and sharded (FSDP2) training on two CPU processes (gloo), as `torchrun --nproc_per_node 2 -m
+textgym train` runs it (with ACCELERATE_USE_FSDP=true for sharding)."""
 
 import csv
 import json
@@ -9,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lm_helpers import char_llama, copy_run_config, make_env
+from lm_helpers import char_llama, copy_run_config, csv_rows, make_env
+from transformers import AutoModelForCausalLM
 
+from textgym.agents.distributed import cpu_has_native_bf16
 from textgym.agents.ppo import LMPPO
 from textgym.cli import main
 from textgym.config import load_config
@@ -25,26 +28,70 @@ COPY = copy_run_config(total_timesteps=96)
 TOLERANCE = 1e-4
 
 
-def run_cmd(cmd, **kwargs):
+def run_cmd(cmd, fsdp=False, timeout=600, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, **kwargs)
+    env.pop("ACCELERATE_USE_FSDP", None)
+    if fsdp:  # what `accelerate launch --config_file examples/accelerate/fsdp.yaml` sets
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
 
 
-@pytest.mark.parametrize("agent", ["lmppo", "grpo"])
-def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_batch(tmp_path, agent):
+@pytest.fixture(scope="module")
+def batch_file(tmp_path_factory):
+    """One fixed batch of 16 episodes for the update scripts."""
     batch, _ = LMPPO(char_llama(), make_env(16), seed=3, verbose=0).generate()
     fields = ("query_ids", "query_mask", "response_ids", "response_mask", "logprobs", "scores", "truncated")
-    torch.save({k: getattr(batch, k) for k in fields}, tmp_path / "batch.pt")
-    script = [str(HERE / "distributed_update.py"), agent, str(tmp_path / "batch.pt")]
-    single = run_cmd([sys.executable, *script, str(tmp_path / "one.pt")])
-    assert single.returncode == 0, single.stderr
-    split = run_cmd([*TORCHRUN, *script, str(tmp_path / "two.pt")])
-    assert split.returncode == 0, split.stderr
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    path = tmp_path_factory.mktemp("batch") / "batch.pt"
+    torch.save({k: getattr(batch, k) for k in fields}, path)
+    return path
+
+
+def update(agent, batch_file, out, processes, fsdp=False):
+    """Run tests/distributed_update.py; returns the updated parameters."""
+    script = [str(HERE / "distributed_update.py"), agent, str(batch_file), str(out)]
+    result = run_cmd([*TORCHRUN, *script] if processes == 2 else [sys.executable, *script], fsdp=fsdp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"sharded={fsdp and processes == 2}" in result.stdout  # the run was (or was not) sharded
+    return torch.load(out)
+
+
+@pytest.mark.parametrize(
+    "agent, fsdp",
+    [("lmppo", False), ("grpo", False), ("lmppo", True), ("grpo", True), ("lmppo-lora", True)],
+    ids=["lmppo", "grpo", "lmppo-fsdp", "grpo-fsdp", "lmppo-lora-fsdp"],
+)
+def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_batch(
+    tmp_path, batch_file, agent, fsdp
+):
+    one = update(agent, batch_file, tmp_path / "one.pt", processes=1)
+    two = update(agent, batch_file, tmp_path / "two.pt", processes=2, fsdp=fsdp)
     initial = [p.detach() for p in char_llama().parameters()]
-    assert any(not torch.equal(a, b) for a, b in zip(one, initial))  # the update changed the weights
+    if "lora" not in agent:
+        assert any(not torch.equal(a, b) for a, b in zip(one, initial))  # the update changed the weights
+    assert len(one) == len(two)
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 = true needs a CPU with native bf16")
+def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file):
+    # bf16 rounds the whole batch and each half differently (~1e-2 here), so the reference is DDP's split
+    ddp = update("lmppo-bf16", batch_file, tmp_path / "ddp.pt", processes=2)
+    fsdp = update("lmppo-bf16", batch_file, tmp_path / "fsdp.pt", processes=2, fsdp=True)
+    for a, b in zip(ddp, fsdp):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_every_process():
+    # process 0's episodes end after 2 tokens, process 1's after up to 6; a process that stopped stepping
+    # (or skipped a backward) would leave the other waiting in a collective forever: the timeout turns that
+    # hang into a failure. See tests/distributed_sharding.py.
+    result = run_cmd([*TORCHRUN, str(HERE / "distributed_sharding.py")], fsdp=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0: 4 episodes of up to 2 tokens, as unsharded" in result.stdout
+    assert "rank 1: 4 episodes of up to 6 tokens, as unsharded" in result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: step skipped" in result.stdout and f"rank {rank}: not healthy" in result.stdout
 
 
 @pytest.fixture
@@ -72,6 +119,66 @@ def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_epi
     assert resumed.returncode == 0, resumed.stderr  # run.processes = 2: relaunched with two processes
     again = run_cmd([*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.processes=1"])
     assert again.returncode != 0
+
+
+REQUESTED = """
+import os
+from textgym.agents.sharding import fsdp_requested
+print(f"process {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {fsdp_requested()}")
+"""
+
+
+def test_accelerate_launch_with_the_shipped_fsdp_config_starts_two_processes_asking_for_fsdp2(tmp_path):
+    (tmp_path / "requested.py").write_text(REQUESTED)
+    config = HERE.parent / "examples" / "accelerate" / "fsdp.yaml"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    result = run_cmd([*launch, str(tmp_path / "requested.py")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):  # on CPUs as on GPUs, and none of its options refused
+        assert f"process {rank} of 2: FSDPSettings(reshard_after_forward=True" in result.stdout
+
+
+EVAL = """
+[eval]
+every = 2
+prompts = "copy-heldout"
+episodes = 4
+"""
+
+
+def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_resumes(tmp_path):
+    (tmp_path / "copy.toml").write_text(COPY + EVAL)  # [eval]: held-out rollouts on every process too
+    out = tmp_path / "run"
+    cmd = [
+        *TORCHRUN,
+        "-m",
+        "textgym",
+        "train",
+        str(tmp_path / "copy.toml"),
+        "--set",
+        f"run.output_dir='{out}'",
+    ]
+    result = run_cmd(cmd, fsdp=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("the policy is sharded over 2 processes (FSDP2)") == 1
+    assert len(csv_rows(out / "metrics.csv")) == 3
+    assert [r["iteration"] for r in csv_rows(out / "eval.csv")] == ["0", "2", "3"]  # every 2, and at the end
+    assert (out / "samples_before.jsonl").is_file() and (out / "samples_after.jsonl").is_file()
+    # the checkpoint is a plain Hugging Face model and optimizer state, loaded by one process
+    policy = AutoModelForCausalLM.from_pretrained(out / "checkpoint" / "policy")
+    assert policy.config.architectures == ["LlamaForCausalLM"]
+    agent = LMPPO.load(out / "checkpoint")
+    assert not agent.sharded and agent.iteration == 3
+    for a, b in zip(agent.policy.parameters(), policy.parameters()):
+        assert torch.equal(a, b)
+    optimizer = torch.load(out / "checkpoint" / "optimizer.pt", weights_only=True)
+    shapes = [p.shape for p in agent.params]
+    assert [optimizer["state"][i]["exp_avg"].shape for i in range(len(shapes))] == shapes  # whole, not shards
+    resumed = run_cmd([*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=160"],
+                      fsdp=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > 3
+    assert LMPPO.load(out / "checkpoint").iteration > 3
 
 
 def test_resuming_with_another_number_of_processes_is_refused(config, tmp_path):

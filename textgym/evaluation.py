@@ -292,6 +292,7 @@ class Evaluator:
                 temperature=agent.config.temperature,
                 seed=self.spec["seed"] + round_,
                 options={"prompts": prompts},
+                lockstep=agent.lockstep,  # sharded: every process evaluates, in step (same prompts, seeds)
             )
             batch = RolloutBatch.from_rollout(r)
             with torch.no_grad():

@@ -16,6 +16,8 @@ log-probs against that forward).
 from __future__ import annotations
 
 import inspect
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +54,15 @@ def rollout(
     seed: int | None = None,
     options: dict[str, Any] | None = None,
     keep_hidden: bool = False,
+    lockstep: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Run one episode in every sub-env of ``env`` (``autoreset_mode="Disabled"``), ``model`` choosing the
-    tokens. ``temperature=0`` is greedy decoding (log-probs are then taken at temperature 1)."""
+    tokens. ``temperature=0`` is greedy decoding (log-probs are then taken at temperature 1).
+
+    ``lockstep`` (a sharded model, whose every forward needs every process): called each step with whether
+    this process still has an active episode, it returns whether any process has. A process whose episodes
+    have ended keeps feeding pad tokens (results discarded) until none has, so all run the same forwards;
+    its episodes are exactly those it gets without ``lockstep``."""
     import torch
 
     if env.autoreset_mode.value != "Disabled":
@@ -81,7 +89,7 @@ def rollout(
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
     multi_turn = env.responder is not None
-    with torch.inference_mode():
+    with _no_grad(model):
         out = model(
             input_ids=query_ids[:, start:].to(device),
             attention_mask=mask,
@@ -94,8 +102,24 @@ def rollout(
         # transformers 5.x names the KV cache `cache`, older versions `past_key_values`; the model takes it
         # back under the name it returned it (wrappers such as peft pass unknown keywords through).
         cache_key = "cache" if "cache" in out else "past_key_values"
-        for _ in range(T):
+        # (lockstep: until no process has an active episode, however many tokens its episodes may have)
+        for _ in range(T) if lockstep is None else itertools.count():
             active_np = env.active
+            if not active_np.any():  # lockstep only: the other processes' episodes go on
+                if not lockstep(False):
+                    break
+                tokens = torch.full((n,), env.pad_token_id, dtype=torch.long)
+                mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+                out = model(
+                    input_ids=tokens[:, None].to(device),
+                    attention_mask=mask,
+                    position_ids=next_position,
+                    use_cache=True,
+                    output_hidden_states=keep_hidden,
+                    **{cache_key: out[cache_key]},
+                )
+                next_position = next_position + 1
+                continue
             active = torch.from_numpy(active_np).to(device)
             logits = out.logits[:, -1, : env.single_action_space.n].float()  # (N, V), on the device
             if scale != 1.0:
@@ -127,7 +151,7 @@ def rollout(
             scores += rewards  # turn rewards on the steps that end turns, the stack's total on the last
             for i in np.flatnonzero(terminated | truncated):
                 infos[i] = _episode_info(step_infos, i, scores[i])
-            if not env.active.any():
+            if not (env.active.any() if lockstep is None else lockstep(bool(env.active.any()))):
                 break
             new_length = length + active_np  # each active row wrote its token...
             if multi_turn:  # ...and, where a turn ended, the environment's reply after it
@@ -175,6 +199,18 @@ def rollout(
         infos,
         action_mask,
     )
+
+
+def _no_grad(model: Any) -> Any:
+    """``inference_mode``, except for an FSDP-sharded model: the parameters it all-gathers in an inference
+    context would be inference tensors, which its later training forwards cannot reuse."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed support
+        return torch.inference_mode()
+    return torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()
 
 
 def _turn_chunk(

@@ -273,6 +273,7 @@ def _run_native(
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
 
+    from textgym.agents.checkpoint import gather_checkpoint
     from textgym.diagnostics import training_callbacks
     from textgym.sampling import rollout
 
@@ -285,6 +286,8 @@ def _run_native(
     else:
         agent = agent_class(policy, env, **hyperparameters)
     dist = agent.dist  # with one process every collective below is a no-op
+    if agent.sharded:
+        dist.on_main(lambda: print(f"textgym: the policy is sharded over {dist.world} processes (FSDP2)"))
 
     def resumed() -> None:
         dropped = rd.truncate_samples(agent.iteration)
@@ -295,26 +298,37 @@ def _run_native(
         )
 
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        return rollout(agent.rollout_model, sample_env, temperature=agent.config.temperature, seed=seed).infos
+        temperature, lockstep = agent.config.temperature, agent.lockstep
+        return rollout(
+            agent.rollout_model, sample_env, temperature=temperature, seed=seed, lockstep=lockstep
+        ).infos
+
+    def samples() -> Any:
+        """The sample table, for the main process to write. Sharded, every process rolls it out (each
+        forward gathers the weights from all) and the function returns it; else the main process alone."""
+        rows = _sample_table(generate, config) if agent.sharded else None
+        return lambda: rows if rows is not None else _sample_table(generate, config)
 
     if resuming:
         dist.on_main(resumed)
     else:
-        dist.on_main(
-            lambda: _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
-        )
+        before = samples()
+        dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))
 
     class Recorder(BaseCallback):
         def _on_step(self) -> bool:
             model = self.model
             stop = dist.any(flag.stop)  # every process stops after the same iteration
+            checkpoint = model.iteration % run["checkpoint_every"] == 0 or stop
+            if checkpoint:
+                gather_checkpoint(model)  # sharded: every process gathers the weights (else nothing)
 
             def record() -> None:
                 rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
                 rd.write_metrics(model.history)
                 crash_point("after-metrics")
                 tqdm.write(_iteration_line(model.history[-1], model.num_timesteps))
-                if model.iteration % run["checkpoint_every"] == 0 or stop:
+                if checkpoint:
                     rd.write_checkpoint(model.save)
 
             dist.on_main(record)
@@ -331,24 +345,26 @@ def _run_native(
                 tb_log_name="run",
             )
     stopped = dist.any(flag.stop)
+    gather_checkpoint(agent)
     dist.on_main(lambda: rd.write_checkpoint(agent.save))
-    return dist.on_main(lambda: _finish(rd, agent.history, stopped, config, generate, has_kl=True)) or rd.path
+    after = samples() if not stopped else None
+    return dist.on_main(lambda: _finish(rd, agent.history, stopped, after, has_kl=True)) or rd.path
 
 
 def _finish(
     rd: RunDir,
     history: list[dict[str, Any]],
     stopped: bool,
-    config: dict[str, Any],
-    generate: Any,
+    samples: Any,
     has_kl: bool,
 ) -> Path:
+    """The plot and, unless ``stopped``, the after-training sample table (``samples()``) and summary."""
     if history:
         plot(rd.path / "reward_kl.png", history, "reward", "kl" if has_kl else None)
     if stopped:
         print(f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {rd.path}")
         return rd.path
-    _report(rd, "samples_after.jsonl", _sample_table(generate, config), "after training")
+    _report(rd, "samples_after.jsonl", samples(), "after training")
     _print_trend(history, "reward")
     print(f"textgym: run directory {rd.path}")
     return rd.path
@@ -440,4 +456,4 @@ def _run_sb3(
                 remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, tb_log_name="run"
             )
     rd.write_checkpoint(save)
-    return _finish(rd, history, flag.stop, config, generate, has_kl=False)
+    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), has_kl=False)

@@ -1,0 +1,249 @@
+"""Sharded training of the LM agents with PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Asked for the way accelerate asks for it: ``ACCELERATE_USE_FSDP=true`` in the environment, which
+``accelerate launch --config_file examples/accelerate/fsdp.yaml`` sets (torchrun or ``run.processes = N``
+with the variable set do the same). textgym applies ``fully_shard`` itself, on CPUs (gloo) and GPUs alike:
+accelerate never shards on CPUs, and on GPUs its own FSDP wrapping would take the policy out of textgym's
+hands (the rollout's KV-cached forwards, the reference, the checkpoint format). The ``Accelerator`` is made
+with the variable hidden, so it only runs the process group and wraps the optimizer.
+
+What is sharded: the policy and a separate reference copy, one FSDP unit per decoder layer and one at the
+root; and the agent's small modules (LMPPO's value head), each one unit. Sharding a ``Linear(hidden, 1)``
+saves no memory, but it makes every trainable parameter a DTensor: one optimizer parameter group (the fused
+AdamW kernel refuses DTensors and plain tensors together), one gradient-sync switch for accumulation, and
+one way to gather and load checkpoints. Its cost is one tiny all-gather per value-head forward.
+
+Every forward of a sharded model all-gathers its parameters, so every process must run the same number of
+them: rollouts run in lockstep (``rollout(..., lockstep=...)``), sample tables and evaluations run on every
+process, and checkpoints gather the full weights collectively before the main process writes them.
+
+The accelerate config's FSDP options that textgym does not honour are refused by name (see
+:func:`fsdp_requested`), never ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from textgym.errors import ConfigError
+
+__all__ = ["FSDPSettings", "accelerate_without_fsdp", "clip_grad_norm", "fsdp_requested", "full_optimizer_state",
+           "full_state_dict", "load_full_optimizer_state", "load_full_state_dict", "local", "shard",
+           "shard_module"]  # fmt: skip
+
+
+def _flag(name: str, default: str = "false") -> str:
+    return os.environ.get(name, default).strip().lower()
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """What textgym honours of an accelerate FSDP config."""
+
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (FULL_SHARD; False: SHARD_GRAD_OP)."""
+    layer_classes: tuple[str, ...] = ()
+    """Class names of the modules that get their own FSDP unit (empty: the model's ``_no_split_modules``)."""
+
+
+# accelerate config key -> (environment variable, the values textgym refuses, why)
+_REFUSED = (
+    ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", ("true", "1"), "CPU offload is not supported"),
+    ("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", ("true", "1"),
+     "activation checkpointing is not supported"),
+    ("fsdp_activation_checkpointing_offload", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", ("true", "1"),
+     "activation checkpointing is not supported"),
+    ("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", ("true", "1"),
+     "every process loads the whole model before sharding it"),
+    ("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", ("sharded_state_dict", "local_state_dict"),
+     "checkpoints are always one full Hugging Face directory (FULL_STATE_DICT)"),
+    ("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", ("size_based_wrap", "no_wrap"),
+     "textgym wraps each decoder layer (TRANSFORMER_BASED_WRAP)"),
+)  # fmt: skip
+
+
+def fsdp_requested() -> FSDPSettings | None:
+    """The FSDP settings the environment asks for (``ACCELERATE_USE_FSDP=true``), None without it.
+
+    Raises:
+        ConfigError: for DeepSpeed or Megatron-LM, FSDP version 1, or an FSDP option textgym does not honour.
+    """
+    for engine in ("DEEPSPEED", "MEGATRON_LM"):
+        if _flag(f"ACCELERATE_USE_{engine}") in ("1", "true"):
+            raise ConfigError(
+                f"{engine} (sharded training) is not supported by textgym's LM agents: shard with FSDP2 instead "
+                f"(an accelerate config with distributed_type: FSDP and fsdp_version: 2, e.g. "
+                f"examples/accelerate/fsdp.yaml; see docs/distributed.md), or train data-parallel with LoRA "
+                f"(lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
+            )
+    if _flag("ACCELERATE_USE_FSDP") not in ("1", "true"):
+        return None
+
+    def refuse(key: str, value: str, why: str) -> ConfigError:
+        return ConfigError(
+            f"the accelerate config sets {key}: {value}, which textgym's FSDP does not honour ({why}); remove it "
+            f"(see examples/accelerate/fsdp.yaml)."
+        )
+
+    version = _flag("FSDP_VERSION", "2")
+    if version != "2":
+        raise refuse("fsdp_version", version, "textgym shards with FSDP2 only; set fsdp_version: 2")
+    for key, var, refused, why in _REFUSED:
+        if _flag(var) in refused:
+            raise refuse(key, os.environ[var], why)
+    if os.environ.get("FSDP_IGNORED_MODULES"):
+        raise refuse("fsdp_ignored_modules", os.environ["FSDP_IGNORED_MODULES"], "every module is sharded")
+    precision = _flag("ACCELERATE_MIXED_PRECISION", "no")
+    if precision not in ("no", ""):
+        raise refuse("mixed_precision", precision, "use the agent's bf16 = true: textgym's own autocast")
+    reshard = _flag("FSDP_RESHARD_AFTER_FORWARD", "true")
+    if reshard not in ("true", "1", "full_shard", "false", "0", "shard_grad_op"):
+        raise refuse("fsdp_reshard_after_forward", reshard, "it takes true or false")
+    classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "")
+    return FSDPSettings(
+        reshard_after_forward=reshard in ("true", "1", "full_shard"),
+        layer_classes=tuple(c.strip() for c in classes.split(",") if c.strip()),
+    )
+
+
+@contextlib.contextmanager
+def accelerate_without_fsdp() -> Iterator[None]:
+    """Hide ``ACCELERATE_USE_FSDP`` while an ``Accelerator`` is made: textgym shards itself (module doc)."""
+    saved = os.environ.pop("ACCELERATE_USE_FSDP", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = saved
+
+
+def shard(model: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.Module:
+    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); in place.
+
+    ``model`` may be on the CPU: each ``fully_shard`` call moves its unit's weights to ``device`` and keeps
+    this process's shard, so the device never holds more than one unit whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 warns that a module's output is a view (an in-place op on it would skip the backward's
+    # all-gather): the LM's sliced logits and the value head's squeeze are; textgym never updates them in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped model
+    names = set(settings.layer_classes or getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(
+            f"no {sorted(names) or 'decoder layer'} modules in {type(base).__name__} to shard: set "
+            f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to its decoder layer class."
+        )
+    _broadcast_from_main(model, device)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=settings.reshard_after_forward)
+    fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
+    return model
+
+
+def shard_module(module: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.Module:
+    """``fully_shard`` a small module (a value head) as one unit; in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    _broadcast_from_main(module, device)
+    return fully_shard(module, reshard_after_forward=settings.reshard_after_forward)
+
+
+def _broadcast_from_main(module: nn.Module, device: torch.device) -> None:
+    """The main process's weights on every process, before each keeps its shard (DDP does the same when it
+    wraps a model): weights drawn at random per process, e.g. LoRA's A matrices under per-process seeds,
+    would otherwise make the shards of different models. One tensor at a time passes through ``device``
+    (NCCL broadcasts device tensors only)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            on_device = tensor.data.to(device)
+            dist.broadcast(on_device, src=0)
+            if on_device is not tensor.data:
+                tensor.data.copy_(on_device)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded tensor (the tensor itself otherwise)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over sharded (DTensor) and data-parallel gradients together: the norm of each
+    kind is taken apart (a DTensor's over every process's shard), then they are combined. Returns the
+    total norm, the same on every process."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for g in grads if is_sharded(g)]
+    replicated = [g for g in grads if not is_sharded(g)]
+    norms = []
+    if sharded:
+        norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor().cpu())
+    if replicated:
+        norms.append(torch.nn.utils.get_total_norm(replicated).cpu())
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded model's full state dict on the CPU (collective: every process calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into a sharded model; every process passes the whole dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict[str, Any] | None:
+    """The optimizer's state dict with every sharded state tensor gathered whole (collective), on the CPU
+    of the process that ``keep``s it (the others return None): the same layout as an unsharded optimizer's,
+    so a checkpoint resumes sharded or not. One tensor at a time is whole on the device."""
+    state = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own: build new ones
+    whole = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            value = value.full_tensor() if is_sharded(value) else value  # every process takes part
+            if keep:
+                whole.setdefault(index, {})[key] = value.cpu() if isinstance(value, torch.Tensor) else value
+    state["state"] = whole
+    return state if keep else None
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a full optimizer state dict (:func:`full_optimizer_state`) into an optimizer over sharded
+    parameters: each state tensor of a sharded parameter is cut to this process's shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        if not is_sharded(param):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                entry[key] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    optimizer.load_state_dict(state)

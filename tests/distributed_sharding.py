@@ -1,0 +1,72 @@
+"""What sharding changes in an LM agent, on two processes (launched by ``torch.distributed.run`` with
+``ACCELERATE_USE_FSDP=true``; tests/test_distributed.py runs it):
+
+- a rollout on every process in lockstep, against the same rollout unsharded: process 0's episodes end after
+  2 tokens, process 1's after up to 6, so process 0 must keep stepping its sharded model until process 1 is
+  done, and each must get exactly the episodes it gets alone;
+- a loss that is not finite on one process only: every process still runs the backward (its reduce-scatter
+  needs all) and every process skips the step;
+- a weight that is not finite in one process's shard only: every process's health check fails.
+
+    ACCELERATE_USE_FSDP=true python -m torch.distributed.run --nproc_per_node 2 tests/distributed_sharding.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lm_helpers import char_llama, make_env
+
+from textgym.agents.ppo import LMPPO
+from textgym.agents.sharding import local
+from textgym.errors import TrainingError
+from textgym.sampling import rollout
+
+
+def main() -> None:
+    agent = LMPPO(char_llama(), None, seed=0, verbose=0)
+    if not agent.sharded:
+        raise SystemExit("the policy is not sharded: run under torchrun with ACCELERATE_USE_FSDP=true")
+    rank = agent.dist.rank
+    tokens = 2 if rank == 0 else 6  # the episodes end on different steps
+
+    def episodes(model, lockstep):
+        return rollout(
+            model, make_env(4, max_new_tokens=tokens), seed=11 + rank, keep_hidden=True, lockstep=lockstep
+        )
+
+    sharded = episodes(agent.rollout_model, agent.lockstep)
+    alone = episodes(char_llama(), None)
+    assert sharded.infos == alone.infos, (sharded.infos, alone.infos)
+    assert torch.equal(sharded.response_ids, alone.response_ids)
+    torch.testing.assert_close(sharded.logprobs, alone.logprobs)
+    torch.testing.assert_close(sharded.hidden, alone.hidden)
+    print(f"rank {rank}: {len(sharded.infos)} episodes of up to {tokens} tokens, as unsharded", flush=True)
+
+    agent.set_env(make_env(4))
+    batch, _ = agent.generate()
+    weights = [local(p).clone() for p in agent.params]
+    with agent.accumulating(last=True):
+        logprobs, _, _ = agent.policy_logprobs(batch)
+        finite = agent.backward(logprobs.sum() * (float("nan") if rank == 1 else 1.0))
+    assert finite == (rank == 0)
+    assert not agent.optimizer_step() and agent.skipped_steps == 1
+    assert all(torch.equal(w, local(p)) for w, p in zip(weights, agent.params))
+    print(f"rank {rank}: step skipped", flush=True)
+
+    with torch.no_grad():
+        if rank == 1:
+            local(agent.params[0]).fill_(float("nan"))  # a row of the embeddings in its shard only
+    try:
+        agent.check_health(batch)
+    except TrainingError:
+        print(f"rank {rank}: not healthy", flush=True)
+
+
+if __name__ == "__main__":
+    main()  # returns before the group ends: the agent is freed while it is alive
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
