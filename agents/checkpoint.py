@@ -56,6 +56,13 @@ def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
     return full
 
 
+def _saves_itself(tokenizer: Any) -> bool:
+    """A Hugging Face tokenizer (the test models' character tokenizer is not one, and has no files)."""
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(tokenizer, PreTrainedTokenizerBase)
+
+
 def save_checkpoint(agent: LMAgent, path: Path) -> None:
     from textgym.models import atomic_build_dir
 
@@ -81,6 +88,9 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
 
     def build(out: Path) -> None:
         policy.save_pretrained(out / "policy", state_dict=full["policy"])
+        tokenizer = getattr(agent.env, "tokenizer", None)
+        if agent.config.lora is None and _saves_itself(tokenizer):  # policy/: a model directory of its own
+            tokenizer.save_pretrained(out / "policy")  # (`textgym sample --model RUN/checkpoint/policy`)
         if agent.policy_source is None and agent.ref_policy is not None:
             agent.ref_policy.save_pretrained(out / "reference", state_dict=full["reference"])
         for name, module in agent.modules.items():

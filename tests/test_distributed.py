@@ -117,6 +117,7 @@ def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_epi
         [sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=200"]
     )
     assert resumed.returncode == 0, resumed.stderr  # run.processes = 2: relaunched with two processes
+    assert int(csv_rows(out / "metrics.csv")[-1]["timesteps"]) >= 200  # with the resume's --set
     again = run_cmd([*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.processes=1"])
     assert again.returncode != 0
 

@@ -17,6 +17,7 @@ from textgym.agents.base import COMMON_STATS
 from textgym.agents.ppo import LMPPO, LMPPOConfig
 from textgym.agents.ppo_core import logprobs_from_logits
 from textgym.errors import ConfigError
+from textgym.models import load_model
 from textgym.sb3 import TextGymVecEnv
 
 FAST = dict(learning_rate=3e-3, kl_coef=0.0, verbose=0)
@@ -194,6 +195,17 @@ def test_score_shaping_order():
     shaped = agent.shape_scores(torch.tensor([0.5, 0.5]), truncated=torch.tensor([True, False]))
     assert shaped.tolist() == [-1.0, 1.0]  # (0.5 - 1) * 2 = -1; 0.5 * 2 = 1, under the clip
     assert json.dumps(agent.config.__dict__)  # the config is JSON-serialisable for checkpoints
+
+
+def test_a_checkpoints_policy_is_a_model_directory_with_its_tokenizer(tmp_path):
+    env = TextGenVectorEnv(
+        num_envs=2, model="tiny-random-llama", prompts=["Hi", "Why?"], max_new_tokens=4,
+        rewards=[{"name": "sentiment"}], autoreset_mode="Disabled",
+    )  # fmt: skip
+    LMPPO("tiny-random-llama", env, seed=0, **FAST).save(tmp_path / "run")
+    model, tokenizer = load_model(tmp_path / "run" / "policy")  # what `textgym sample --model` loads
+    assert tokenizer("Why?").input_ids == env.tokenizer("Why?").input_ids
+    assert tokenizer.pad_token_id == env.pad_token_id and model.config.vocab_size == len(tokenizer)
 
 
 def test_lora_checkpoint_round_trip_by_model_name(tmp_path):

@@ -8,6 +8,7 @@ checks the same settings (:func:`check_processes`) so a bad split fails everywhe
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,10 @@ def check_processes(
         )
 
 
-def launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
+def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Sequence[str] = ()) -> Path:
     """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
-    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs)."""
+    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs). The processes
+    resume the run directory; a resume's ``overrides`` (``--set``) are passed on to them."""
     import subprocess
     import sys
 
@@ -106,6 +108,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool) -> Path:
         rd.write_config(config)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
+    if resuming:  # a new run's overrides are in the config.toml written above
+        cmd += [arg for override in overrides for arg in ("--set", override)]
     print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
     # Where this process's output is redirected (textgym bench writes each run's to its train.log), the
     # processes' output goes there too, not to the console.

@@ -140,7 +140,7 @@ def run(
         hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     config["run"]["output_dir"] = str(run_dir)
     if world == 1 and config["run"]["processes"] > 1:
-        return launch(config, run_dir, resume is not None)
+        return launch(config, run_dir, resume is not None, overrides)
     rd = RunDir(run_dir)
     resuming, created = resume is not None, False
     main = rank() == 0
