@@ -117,7 +117,9 @@ def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_
     time.sleep(0.05)
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in output, output
+    # 130, or ended by SIGINT right after the one-line message (a shell reports that as 130 too): seen once
+    # in a fresh-clone CI run under load, as in the start-up test below
+    assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in output, output
     assert "textgym: aborted" in output
     assert is_complete(out / "checkpoint")
 
