@@ -42,10 +42,16 @@ def init_process_group() -> None:
 
 def end_process_group() -> None:
     """Leave the process group before the interpreter exits: a gloo group torn down by the interpreter's
-    shutdown can abort the process ("terminate called without an active exception")."""
+    shutdown can abort the process ("terminate called without an active exception"). So can a DDP model
+    freed after the group ends: the training's callbacks and closures form reference cycles that keep the
+    agent's Accelerator (and the DDP-wrapped modules it holds) alive until a garbage collection, so one
+    runs first, while the group still exists."""
+    import gc
+
     import torch.distributed
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
