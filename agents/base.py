@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from textgym.agents import sharding
-from textgym.agents.distributed import Collective, cpu_has_native_bf16, refuse_sharding
+from textgym.agents.distributed import Collective, cpu_has_native_bf16
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
@@ -77,11 +77,10 @@ class LMAgent(SB3Contract):
         with sharding.accelerate_without_fsdp():
             self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
-        refuse_sharding(self.accelerator)
+        sharding.refuse_accelerate_sharding(self.accelerator)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
-        self.sharded = fsdp is not None and self.dist.world > 1  # one process: nothing to shard
-        self.fsdp = fsdp
+        self.fsdp = fsdp if self.dist.world > 1 else None  # one process: nothing to shard
         if self.dist.world > 1:  # each process its share of the machine's cores
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
             torch.set_num_threads(
@@ -220,6 +219,11 @@ class LMAgent(SB3Contract):
             elif self.dist.world > 1 and not last:
                 stack.enter_context(self.accelerator.no_sync(module))
         return stack
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy is sharded with FSDP2 (asked for, and more than one process)."""
+        return self.fsdp is not None
 
     @property
     def lockstep(self) -> Callable[[bool], bool] | None:

@@ -1,7 +1,7 @@
 """What LM agents need to train data-parallel under ``torchrun`` / ``accelerate launch``: statistics over all
 processes' episodes, sums for global normalisers, and errors that stop every process instead of leaving
 the others waiting in a collective forever; and the launcher and device checks made before training
-(another sharding engine than textgym's own refused, bf16 only where the CPU computes it natively).
+(bf16 only where the CPU computes it natively).
 
 With one process every function is the identity, so single-process code paths are unchanged.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from textgym.errors import ConfigError, TextgymError, TrainingError
+from textgym.errors import TextgymError, TrainingError
 
 
 class Collective:
@@ -105,19 +105,3 @@ def cpu_has_native_bf16() -> bool:
     if "flags" not in flags:  # not x86 (e.g. ARM: bf16 support differs per core; torch decides)
         return True
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-SHARDING_ENGINES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
-
-
-def refuse_sharding(accelerator: Any) -> None:
-    """Refuse an ``Accelerator`` that shards by itself (DeepSpeed, Megatron-LM, or its own FSDP wrapping):
-    textgym's LM agents shard with their own FSDP2 (:mod:`textgym.agents.sharding`), which asks for it
-    before the ``Accelerator`` exists, so a run never gets some other engine than it asked for."""
-    kind = accelerator.distributed_type.value
-    if kind in SHARDING_ENGINES:  # see docs/distributed.md
-        raise ConfigError(
-            f"the Accelerator is set up for {kind}, which textgym's LM agents do not use: they shard with their "
-            f"own FSDP2 (ACCELERATE_USE_FSDP=true with fsdp_version: 2, e.g. examples/accelerate/fsdp.yaml) "
-            f"or train data-parallel (a plain multi-GPU accelerate config or torchrun)."
-        )

@@ -35,9 +35,20 @@ from torch import nn
 
 from textgym.errors import ConfigError
 
-__all__ = ["FSDPSettings", "accelerate_without_fsdp", "clip_grad_norm", "fsdp_requested", "full_optimizer_state",
-           "full_state_dict", "load_full_optimizer_state", "load_full_state_dict", "local", "shard",
-           "shard_module"]  # fmt: skip
+__all__ = [
+    "FSDPSettings",
+    "accelerate_without_fsdp",
+    "clip_grad_norm",
+    "fsdp_requested",
+    "full_optimizer_state",
+    "full_state_dict",
+    "load_full_optimizer_state",
+    "load_full_state_dict",
+    "local",
+    "refuse_accelerate_sharding",
+    "shard",
+    "shard_module",
+]  # fmt: skip
 
 
 def _flag(name: str, default: str = "false") -> str:
@@ -112,6 +123,22 @@ def fsdp_requested() -> FSDPSettings | None:
         reshard_after_forward=reshard in ("true", "1", "full_shard"),
         layer_classes=tuple(c.strip() for c in classes.split(",") if c.strip()),
     )
+
+
+SHARDING_ENGINES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+
+
+def refuse_accelerate_sharding(accelerator: Any) -> None:
+    """Refuse an ``Accelerator`` that shards by itself (DeepSpeed, Megatron-LM, or its own FSDP wrapping):
+    textgym's LM agents shard with their own FSDP2, asked for (:func:`fsdp_requested`) before the
+    ``Accelerator`` exists, so a run never gets some other engine than it asked for."""
+    kind = accelerator.distributed_type.value
+    if kind in SHARDING_ENGINES:  # see docs/distributed.md
+        raise ConfigError(
+            f"the Accelerator is set up for {kind}, which textgym's LM agents do not use: they shard with their "
+            f"own FSDP2 (ACCELERATE_USE_FSDP=true with fsdp_version: 2, e.g. examples/accelerate/fsdp.yaml) "
+            f"or train data-parallel (a plain multi-GPU accelerate config or torchrun)."
+        )
 
 
 @contextlib.contextmanager
