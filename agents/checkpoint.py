@@ -5,9 +5,10 @@ Layout: ``policy/`` (Hugging Face format; the adapter alone with LoRA, the base 
 value head), ``optimizer.pt`` and ``state.json`` (agent name, config, counters, history, extra state).
 Tensors are loaded with ``weights_only=True``.
 
-Under sharding (:mod:`textgym.agents.sharding`) the full weights and optimizer state are gathered by every
-process (:func:`gather_checkpoint`) and written by the main one, in the same layout: a checkpoint of a
-sharded run is a normal Hugging Face directory that one process loads, and resumes sharded or not.
+Under sharding (FSDP2, :mod:`textgym.agents.sharding`; DeepSpeed ZeRO-3, :mod:`textgym.agents.zero3`) the
+full weights and optimizer state are gathered by every process (:func:`gather_checkpoint`) and written by the
+main one, in the same layout: a checkpoint of a sharded run is a normal Hugging Face directory that one
+process loads, and resumes sharded or not.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from textgym.agents import sharding
+from textgym.agents import sharding, zero3
 from textgym.agents.rollout_batch import RunningMoments
 from textgym.errors import ConfigError, TrainingError
 
@@ -44,13 +45,17 @@ def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
         agent.check_health()  # collective: its forward needs every process
     except TrainingError as exc:
         raise TrainingError(f"{exc} No checkpoint was written; the last good one is kept.") from None
+    keep = agent.dist.is_main
+    engine: Any = zero3 if agent.zero3 is not None else sharding  # FSDP2's or DeepSpeed's gathers
     full = {
-        "policy": sharding.full_state_dict(agent.policy),
-        "reference": sharding.full_state_dict(agent.ref_policy)
+        "policy": engine.full_state_dict(agent.rollout_model),
+        "reference": engine.full_state_dict(agent.ref_policy)
         if agent.policy_source is None and agent.ref_policy is not None
         else None,
-        "optimizer": sharding.full_optimizer_state(agent.optimizer, keep=agent.dist.is_main),
-        "modules": {name: sharding.full_state_dict(module) for name, module in agent.modules.items()},
+        "optimizer": zero3.full_optimizer_state(agent.optimizer, agent.params, keep)
+        if agent.zero3 is not None
+        else sharding.full_optimizer_state(agent.optimizer, keep),
+        "modules": {name: engine.full_state_dict(module) for name, module in agent.modules.items()},
     }
     agent._gathered = full if agent.dist.is_main else None
     return full
@@ -80,7 +85,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
             raise TrainingError(
                 f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
             ) from None
-    policy = agent.accelerator.unwrap_model(agent.policy)
+    policy = agent.rollout_model
     if agent.policy_source is None and agent.config.lora is not None:
         raise ConfigError(
             "saving a LoRA policy needs the base model given by name or path, not as an object."
@@ -94,7 +99,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
         if agent.policy_source is None and agent.ref_policy is not None:
             agent.ref_policy.save_pretrained(out / "reference", state_dict=full["reference"])
         for name, module in agent.modules.items():
-            weights = full["modules"].get(name) or agent.accelerator.unwrap_model(module).state_dict()
+            weights = full["modules"].get(name) or agent.unwrap(module).state_dict()
             torch.save(weights, out / f"{name}.pt")
         torch.save(full["optimizer"] or agent.optimizer.state_dict(), out / "optimizer.pt")
         state = {
@@ -147,18 +152,24 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
                 else AutoModelForCausalLM.from_pretrained(path / "reference")
             )
             reference = reference.requires_grad_(False).eval()
-            if agent.sharded:
+            if agent.zero3 is not None:
+                agent.ref_policy = zero3.reference(reference, agent.zero3, agent.dist.world, agent.device)
+            elif agent.fsdp is not None:
                 agent.ref_policy = sharding.shard(reference, agent.fsdp, agent.device)
             else:
                 agent.ref_policy = reference.to(agent.device)
         for name, module in agent.modules.items():
             weights = torch.load(path / f"{name}.pt", weights_only=True)
-            if agent.sharded:
+            if agent.zero3 is not None:
+                zero3.load_full_state_dict(module, weights)
+            elif agent.fsdp is not None:
                 sharding.load_full_state_dict(module, weights)
             else:
-                agent.accelerator.unwrap_model(module).load_state_dict(weights)
+                agent.unwrap(module).load_state_dict(weights)
         optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
-        if agent.sharded:  # a full state dict: each process takes its shard
+        if agent.zero3 is not None:  # a full state dict: each process takes its shard
+            zero3.load_full_optimizer_state(agent.optimizer, agent.params, optimizer_state)
+        elif agent.fsdp is not None:
             sharding.load_full_optimizer_state(agent.optimizer, optimizer_state)
         else:
             agent.optimizer.load_state_dict(optimizer_state)

@@ -156,9 +156,7 @@ class LMPPO(LMAgent):
         with torch.no_grad():
             if hidden is None:
                 _, hidden = self.forward(self.rollout_model, batch, hidden=True)
-            values = (
-                self.accelerator.unwrap_model(self.value_head)(hidden.to(self.device)).float().cpu() * mask
-            )
+            values = self.unwrap(self.value_head)(hidden.to(self.device)).float().cpu() * mask
         # KL, score and GAE over each row's agent tokens compacted to the front (identity without replies)
         order = agent_first_order(mask)
         compact = lambda x: x.gather(1, order)  # noqa: E731

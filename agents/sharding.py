@@ -37,11 +37,13 @@ from textgym.errors import ConfigError
 
 __all__ = [
     "FSDPSettings",
-    "accelerate_without_fsdp",
+    "accelerate_without_sharding",
+    "broadcast_from_main",
     "clip_grad_norm",
     "fsdp_requested",
     "full_optimizer_state",
     "full_state_dict",
+    "full_tensor",
     "load_full_optimizer_state",
     "load_full_state_dict",
     "local",
@@ -85,16 +87,15 @@ def fsdp_requested() -> FSDPSettings | None:
     """The FSDP settings the environment asks for (``ACCELERATE_USE_FSDP=true``), None without it.
 
     Raises:
-        ConfigError: for DeepSpeed or Megatron-LM, FSDP version 1, or an FSDP option textgym does not honour.
+        ConfigError: for Megatron-LM, FSDP version 1, or an FSDP option textgym does not honour.
     """
-    for engine in ("DEEPSPEED", "MEGATRON_LM"):
-        if _flag(f"ACCELERATE_USE_{engine}") in ("1", "true"):
-            raise ConfigError(
-                f"{engine} (sharded training) is not supported by textgym's LM agents: shard with FSDP2 instead "
-                f"(an accelerate config with distributed_type: FSDP and fsdp_version: 2, e.g. "
-                f"examples/accelerate/fsdp.yaml; see docs/distributed.md), or train data-parallel with LoRA "
-                f"(lora = {{r = 16}}): the reference is then the adapter-disabled model, no second copy."
-            )
+    if _flag("ACCELERATE_USE_MEGATRON_LM") in ("1", "true"):
+        raise ConfigError(
+            "Megatron-LM (tensor and pipeline parallelism) is not supported by textgym's LM agents: shard with "
+            "FSDP2 (an accelerate config with distributed_type: FSDP and fsdp_version: 2, e.g. "
+            "examples/accelerate/fsdp.yaml) or DeepSpeed ZeRO-3 (examples/accelerate/zero3.yaml); see "
+            "docs/distributed.md."
+        )
     if _flag("ACCELERATE_USE_FSDP") not in ("1", "true"):
         return None
 
@@ -130,26 +131,28 @@ SHARDING_ENGINES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
 
 def refuse_accelerate_sharding(accelerator: Any) -> None:
     """Refuse an ``Accelerator`` that shards by itself (DeepSpeed, Megatron-LM, or its own FSDP wrapping):
-    textgym's LM agents shard with their own FSDP2, asked for (:func:`fsdp_requested`) before the
-    ``Accelerator`` exists, so a run never gets some other engine than it asked for."""
+    textgym's LM agents start FSDP2 or DeepSpeed ZeRO-3 themselves, asked for (:func:`fsdp_requested`,
+    :func:`~textgym.agents.zero3.zero3_requested`) before the ``Accelerator`` exists, so a run never gets some
+    other engine than it asked for."""
     kind = accelerator.distributed_type.value
     if kind in SHARDING_ENGINES:  # see docs/distributed.md
         raise ConfigError(
-            f"the Accelerator is set up for {kind}, which textgym's LM agents do not use: they shard with their "
-            f"own FSDP2 (ACCELERATE_USE_FSDP=true with fsdp_version: 2, e.g. examples/accelerate/fsdp.yaml) "
-            f"or train data-parallel (a plain multi-GPU accelerate config or torchrun)."
+            f"the Accelerator is set up for {kind}, which textgym's LM agents do not use: they start their own "
+            f"FSDP2 (examples/accelerate/fsdp.yaml) or DeepSpeed ZeRO-3 (examples/accelerate/zero3.yaml), or "
+            f"train data-parallel (a plain multi-GPU accelerate config or torchrun)."
         )
 
 
 @contextlib.contextmanager
-def accelerate_without_fsdp() -> Iterator[None]:
-    """Hide ``ACCELERATE_USE_FSDP`` while an ``Accelerator`` is made: textgym shards itself (module doc)."""
-    saved = os.environ.pop("ACCELERATE_USE_FSDP", None)
+def accelerate_without_sharding() -> Iterator[None]:
+    """Hide ``ACCELERATE_USE_FSDP`` and ``ACCELERATE_USE_DEEPSPEED`` while an ``Accelerator`` is made: textgym
+    shards itself (module doc; :mod:`textgym.agents.zero3`)."""
+    names = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ["ACCELERATE_USE_FSDP"] = saved
+        os.environ.update(saved)
 
 
 def shard(model: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.Module:
@@ -170,7 +173,7 @@ def shard(model: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.
             f"no {sorted(names) or 'decoder layer'} modules in {type(base).__name__} to shard: set "
             f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to its decoder layer class."
         )
-    _broadcast_from_main(model, device)
+    broadcast_from_main(model, device)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
@@ -181,11 +184,11 @@ def shard_module(module: nn.Module, settings: FSDPSettings, device: torch.device
     """``fully_shard`` a small module (a value head) as one unit; in place."""
     from torch.distributed.fsdp import fully_shard
 
-    _broadcast_from_main(module, device)
+    broadcast_from_main(module, device)
     return fully_shard(module, reshard_after_forward=settings.reshard_after_forward)
 
 
-def _broadcast_from_main(module: nn.Module, device: torch.device) -> None:
+def broadcast_from_main(module: nn.Module, device: torch.device) -> None:
     """The main process's weights on every process, before each keeps its shard (DDP does the same when it
     wraps a model): weights drawn at random per process, e.g. LoRA's A matrices under per-process seeds,
     would otherwise make the shards of different models. One tensor at a time passes through ``device``
@@ -207,8 +210,20 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a sharded tensor (the tensor itself otherwise)."""
+    """This process's part of a sharded tensor (FSDP2's DTensor, or a DeepSpeed ZeRO-3 parameter's flat
+    shard); the tensor itself otherwise."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor
     return t.to_local() if is_sharded(t) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded one, gathered from every process (collective); the tensor otherwise."""
+    if hasattr(t, "ds_id"):
+        from textgym.agents.zero3 import full_tensor as gather
+
+        return gather(t)
+    return t.full_tensor() if is_sharded(t) else t
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

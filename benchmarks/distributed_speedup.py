@@ -1,6 +1,7 @@
 """Two processes against one at equal total batch: ``textgym train`` with LMPPO on SmolLM2-135M, once in one
-process (all cores) and once under ``torchrun --nproc_per_node 2`` (half the cores each), seconds per
-iteration from each run's metrics (the first iteration, a warm-up, left out).
+process (all cores) and under ``torchrun --nproc_per_node 2`` (half the cores each): data-parallel, sharded
+with FSDP2, and sharded with DeepSpeed ZeRO-3. Seconds per iteration from each run's metrics (the first
+iteration, a warm-up, left out).
 
     python -m benchmarks.distributed_speedup [--iterations 4] [--quick]
 """
@@ -40,9 +41,18 @@ micro_batch_size = {micro}
 """
 
 
-def train(config: Path, out: Path, processes: int) -> list[dict[str, str]]:
+# what `accelerate launch --config_file examples/accelerate/{fsdp,zero3}.yaml` sets
+SHARDING = {
+    None: {},
+    "fsdp": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+    "zero3": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+}
+
+
+def train(config: Path, out: Path, processes: int, shard: str | None = None) -> list[dict[str, str]]:
     cores = os.cpu_count() or 1
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(max(1, cores // processes))}
+    env.update(SHARDING[shard])
     launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                         "--standalone", f"--nproc_per_node={processes}"]  # fmt: skip
     cmd = [*launcher, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'"]
@@ -65,11 +75,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "run.toml"
         config.write_text(CONFIG.format(tokens=tokens, batch=batch, length=length, model=model, micro=micro))
-        for processes in (1, 2):
-            metrics = train(config, Path(tmp) / f"p{processes}", processes)
+        for processes, shard in ((1, None), (2, None), (2, "fsdp"), (2, "zero3")):
+            metrics = train(config, Path(tmp) / f"p{processes}{shard}", processes, shard)
             times = [float(m["time/iteration"]) for m in metrics[1:]] or [float(metrics[0]["time/iteration"])]
-            rows[processes] = {"iteration_s": median(times), "iterations": len(metrics), "times": times}
-            print(processes, rows[processes], flush=True)
+            key = shard or processes
+            rows[key] = {"iteration_s": median(times), "iterations": len(metrics), "times": times}
+            print(key, rows[key], flush=True)
     write_result(
         "distributed_speedup",
         {
@@ -83,6 +94,8 @@ def main() -> None:
             ),
             "one_process": rows[1],
             "two_processes": rows[2],
+            "two_processes_fsdp2": rows["fsdp"],
+            "two_processes_zero3": rows["zero3"],
             "speedup": rows[1]["iteration_s"] / rows[2]["iteration_s"],
         },
     )

@@ -197,13 +197,21 @@ def distributed_section(d: dict | None) -> list[str]:
         "| processes | seconds per iteration | iterations |",
         "|---|---|---|",
         f"| 1 | {one['iteration_s']:.1f} | {one['iterations']} |",
-        f"| 2 | {two['iteration_s']:.1f} | {two['iterations']} |",
+        f"| 2, data-parallel | {two['iteration_s']:.1f} | {two['iterations']} |",
+        *[
+            f"| 2, sharded with {name} | {d[key]['iteration_s']:.1f} | {d[key]['iterations']} |"
+            for key, name in (("two_processes_fsdp2", "FSDP2"), ("two_processes_zero3", "DeepSpeed ZeRO-3"))
+            if key in d
+        ],
         "",
         f"Speed-up: **{d['speedup']:.2f}x**. On two cores this is well below 2x: one process already uses "
         "both cores through torch's threads, so a second process adds no compute; it only splits the work "
         "differently and adds the gradient all-reduce (135M parameters over gloo, every optimizer step) and the "
         "gathers of statistics. Data parallelism pays where each process has its own device or its own "
-        "cores: see docs/distributed.md.",
+        "cores: see docs/distributed.md. Sharding trades more communication for memory: every forward and "
+        "backward gathers each layer's weights from the other process (and every rollout step is a forward), "
+        "so on one machine's CPUs it is slower than data parallelism; it is for policies whose weights, "
+        "gradients and AdamW state do not fit one device.",
         "",
     ]
 

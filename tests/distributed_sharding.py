@@ -1,5 +1,6 @@
 """What sharding changes in an LM agent, on two processes (launched by ``torch.distributed.run`` with
-``ACCELERATE_USE_FSDP=true``; tests/test_distributed.py runs it):
+``ACCELERATE_USE_FSDP=true`` for FSDP2, or ``ACCELERATE_USE_DEEPSPEED=true`` for DeepSpeed ZeRO-3;
+tests/test_distributed.py runs it with each):
 
 - a rollout on every process in lockstep, against the same rollout unsharded: process 0's episodes end after
   2 tokens, process 1's after up to 6, so process 0 must keep stepping its sharded model until process 1 is
@@ -30,6 +31,7 @@ def main() -> None:
     agent = LMPPO(char_llama(), None, seed=0, verbose=0)
     if not agent.sharded:
         raise SystemExit("the policy is not sharded: run under torchrun with ACCELERATE_USE_FSDP=true")
+    print(f"rank {agent.dist.rank}: sharded with {agent.sharding_engine}", flush=True)
     rank = agent.dist.rank
     tokens = 2 if rank == 0 else 6  # the episodes end on different steps
 

@@ -1,6 +1,8 @@
 """What LMAgent gives every LM agent: reward composition over the whole batch, schedules, guards."""
 
+import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -124,32 +126,103 @@ def test_in_bf16_the_ratio_before_the_first_update_is_one_within_1e_2(cls, kwarg
     assert 0 < (ratio - 1).abs().max() < 1e-2  # not exactly 1: bf16 is really on
 
 
-@pytest.mark.parametrize("engine", ["DEEPSPEED", "MEGATRON_LM"])
-def test_an_accelerate_config_asking_for_deepspeed_or_megatron_is_refused(engine, monkeypatch):
-    # Without the deepspeed package accelerate would fail on an import; textgym names what it supports.
-    monkeypatch.setenv(f"ACCELERATE_USE_{engine}", "true")
-    with pytest.raises(ConfigError, match=f"{engine} .sharded training. is not supported.*FSDP2.*LoRA"):
+def test_an_accelerate_config_asking_for_megatron_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_MEGATRON_LM", "true")
+    with pytest.raises(ConfigError, match="Megatron-LM .* is not supported.*FSDP2.*ZeRO-3"):
         LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)])), verbose=0)
+
+
+def sharded_agent():
+    return LMPPO(
+        char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)]), n=4), verbose=0
+    )
+
+
+ZERO3 = ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed ZeRO-3")
+FSDP = ("ACCELERATE_USE_FSDP", "FSDP")
 
 
 @pytest.mark.parametrize(
-    "variable, value, key",
+    "engine, variable, value, key",
     [
-        ("FSDP_VERSION", "1", "fsdp_version: 1"),
-        ("FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params: true"),
-        ("FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing: true"),
-        ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading: true"),
-        ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type: SHARDED_STATE_DICT"),
-        ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
-        ("FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules: lm_head"),
-        ("ACCELERATE_MIXED_PRECISION", "bf16", "mixed_precision: bf16"),
+        (ZERO3, "ACCELERATE_DEEPSPEED_ZERO_STAGE", "2", "zero_stage: 2"),
+        (ZERO3, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu", "offload_optimizer_device: cpu"),
+        (ZERO3, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "nvme", "offload_param_device: nvme"),
+        (ZERO3, "ACCELERATE_GRADIENT_CLIPPING", "1.0", "gradient_clipping: 1.0"),
+        (ZERO3, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4", "gradient_accumulation_steps: 4"),
+        (ZERO3, "ACCELERATE_MIXED_PRECISION", "bf16", "mixed_precision: bf16"),
+        (ZERO3, "ACCELERATE_DEEPSPEED_ZERO3_INIT", "true", "zero3_init_flag: true"),
+        (ZERO3, "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "true", "zero3_save_16bit_model: true"),
+        (FSDP, "FSDP_VERSION", "1", "fsdp_version: 1"),
+        (FSDP, "FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params: true"),
+        (FSDP, "FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing: true"),
+        (FSDP, "FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading: true"),
+        (FSDP, "FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type: SHARDED_STATE_DICT"),
+        (FSDP, "FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+        (FSDP, "FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules: lm_head"),
+        (FSDP, "ACCELERATE_MIXED_PRECISION", "bf16", "mixed_precision: bf16"),
     ],
 )
-def test_fsdp_options_textgym_does_not_honour_are_refused_by_name(variable, value, key, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+def test_sharding_options_textgym_does_not_honour_are_refused_by_name(
+    engine, variable, value, key, monkeypatch
+):
+    monkeypatch.setenv(engine[0], "true")
     monkeypatch.setenv(variable, value)
-    with pytest.raises(ConfigError, match=f"sets {key}, which textgym's FSDP does not honour"):
-        LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)])), verbose=0)
+    with pytest.raises(ConfigError, match=f"sets {key}, which textgym's {engine[1]} does not honour"):
+        sharded_agent()
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"optimizer": {"type": "AdamW"}}, "optimizer"),
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"gradient_clipping": 1.0}, "gradient_clipping"),
+        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param_device"),
+    ],
+)
+def test_a_deepspeed_config_file_setting_what_textgym_owns_is_refused_by_name(
+    section, key, tmp_path, monkeypatch
+):
+    (tmp_path / "ds.json").write_text(json.dumps(section))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    with pytest.raises(ConfigError, match=f"sets {key}: .*does not honour"):
+        sharded_agent()
+
+
+def test_a_deepspeed_config_file_of_auto_values_passes_its_zero_section_on(tmp_path, monkeypatch):
+    from textgym.agents.zero3 import zero3_requested
+
+    config = {  # what DeepSpeed's and TRL's example configs hold
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_prefetch_bucket_size": "auto"},
+    }  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    assert zero3_requested() == config["zero_optimization"]
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="cannot read the DeepSpeed config .*missing.json"):
+        zero3_requested()
+
+
+def test_deepspeed_asked_for_without_the_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    with pytest.raises(
+        ConfigError, match="asks for DeepSpeed, which is not installed: `pip install --no-build"
+    ):
+        sharded_agent()
+
+
+def test_deepspeed_in_one_process_trains_unsharded(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    agent = sharded_agent()
+    assert not agent.sharded and agent.sharding_engine is None
 
 
 def test_fsdp_in_one_process_trains_unsharded(monkeypatch):

@@ -1,5 +1,6 @@
-"""Data-parallel and sharded (FSDP2) training on two CPU processes (gloo), as `torchrun --nproc_per_node 2 -m
-textgym train` runs it (with ACCELERATE_USE_FSDP=true for sharding)."""
+"""Data-parallel and sharded (FSDP2, DeepSpeed ZeRO-3) training on two CPU processes (gloo), as `torchrun
+--nproc_per_node 2 -m textgym train` runs it (with ACCELERATE_USE_FSDP=true or ACCELERATE_USE_DEEPSPEED=true
+for sharding, as `accelerate launch` with the shipped configs sets them)."""
 
 import csv
 import json
@@ -28,11 +29,20 @@ COPY = copy_run_config(total_timesteps=96)
 TOLERANCE = 1e-4
 
 
-def run_cmd(cmd, fsdp=False, timeout=600, **kwargs):
+# what `accelerate launch --config_file examples/accelerate/{fsdp,zero3}.yaml` sets
+SHARDING = {
+    None: {},
+    "fsdp": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+    "zero3": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+}
+ENGINE = {None: None, "fsdp": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}
+
+
+def run_cmd(cmd, shard=None, timeout=600, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("ACCELERATE_USE_FSDP", None)
-    if fsdp:  # what `accelerate launch --config_file examples/accelerate/fsdp.yaml` sets
-        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    for variable in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(variable, None)
+    env.update(SHARDING[shard])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
 
 
@@ -46,48 +56,79 @@ def batch_file(tmp_path_factory):
     return path
 
 
-def update(agent, batch_file, out, processes, fsdp=False):
+def update(agent, batch_file, out, processes, shard=None, *options):
     """Run tests/distributed_update.py; returns the updated parameters."""
-    script = [str(HERE / "distributed_update.py"), agent, str(batch_file), str(out)]
-    result = run_cmd([*TORCHRUN, *script] if processes == 2 else [sys.executable, *script], fsdp=fsdp)
+    script = [str(HERE / "distributed_update.py"), agent, str(batch_file), str(out), *map(str, options)]
+    result = run_cmd([*TORCHRUN, *script] if processes == 2 else [sys.executable, *script], shard=shard)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"sharded={fsdp and processes == 2}" in result.stdout  # the run was (or was not) sharded
+    assert f"sharded={ENGINE[shard] if processes == 2 else None}" in result.stdout  # how it really ran
     return torch.load(out)
 
 
-@pytest.mark.parametrize(
-    "agent, fsdp",
-    [("lmppo", False), ("grpo", False), ("lmppo", True), ("grpo", True), ("lmppo-lora", True)],
-    ids=["lmppo", "grpo", "lmppo-fsdp", "grpo-fsdp", "lmppo-lora-fsdp"],
-)
-def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_batch(
-    tmp_path, batch_file, agent, fsdp
-):
-    one = update(agent, batch_file, tmp_path / "one.pt", processes=1)
-    two = update(agent, batch_file, tmp_path / "two.pt", processes=2, fsdp=fsdp)
-    initial = [p.detach() for p in char_llama().parameters()]
-    if "lora" not in agent:
-        assert any(not torch.equal(a, b) for a, b in zip(one, initial))  # the update changed the weights
+def assert_close(one, two):
     assert len(one) == len(two)
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "agent, shard",
+    [("lmppo", None), ("grpo", None), ("lmppo", "fsdp"), ("grpo", "fsdp"), ("lmppo-lora", "fsdp"),
+     ("grpo", "zero3"), ("lmppo-lora", "zero3")],
+    ids=["lmppo", "grpo", "lmppo-fsdp", "grpo-fsdp", "lmppo-lora-fsdp", "grpo-zero3", "lmppo-lora-zero3"],
+)  # fmt: skip
+def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_batch(
+    tmp_path, batch_file, agent, shard
+):
+    one = update(agent, batch_file, tmp_path / "one.pt", processes=1)
+    two = update(agent, batch_file, tmp_path / "two.pt", 2, shard)
+    initial = [p.detach() for p in char_llama().parameters()]
+    if "lora" not in agent:
+        assert any(not torch.equal(a, b) for a, b in zip(one, initial))  # the update changed the weights
+    assert_close(one, two)
+
+
+def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_next_update(
+    tmp_path, batch_file
+):
+    # LMPPO under ZeRO-3: the first update equals one process's, and its gathered checkpoint (weights, value
+    # head, AdamW moments and step) equals one process's checkpoint; then an unsharded checkpoint loaded into
+    # ZeRO-3 shards gives the same second update as one process (the moments and step count decide AdamW's).
+    one = update("lmppo", batch_file, tmp_path / "one.pt", 1, None, "--save", tmp_path / "one")
+    two = update("lmppo", batch_file, tmp_path / "two.pt", 2, "zero3", "--save", tmp_path / "two")
+    assert_close(one, two)
+    saved = [torch.load(tmp_path / d / "optimizer.pt", weights_only=True) for d in ("one", "two")]
+    assert saved[1]["param_groups"] == saved[0]["param_groups"]
+    assert saved[1]["state"].keys() == saved[0]["state"].keys()
+    for index, entry in saved[0]["state"].items():
+        assert float(entry["step"]) == float(saved[1]["state"][index]["step"]) == 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(saved[1]["state"][index][key], entry[key], atol=1e-6, rtol=0)
+    heads = [torch.load(tmp_path / d / "value_head.pt", weights_only=True) for d in ("one", "two")]
+    assert_close(list(heads[0].values()), list(heads[1].values()))
+    again = update("lmppo", batch_file, tmp_path / "again1.pt", 1, None, "--load", tmp_path / "one")
+    sharded = update("lmppo", batch_file, tmp_path / "again2.pt", 2, "zero3", "--load", tmp_path / "one")
+    assert any(not torch.equal(a, b) for a, b in zip(again, one))  # the second update moved the weights
+    assert_close(again, sharded)
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 = true needs a CPU with native bf16")
 def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file):
     # bf16 rounds the whole batch and each half differently (~1e-2 here), so the reference is DDP's split
     ddp = update("lmppo-bf16", batch_file, tmp_path / "ddp.pt", processes=2)
-    fsdp = update("lmppo-bf16", batch_file, tmp_path / "fsdp.pt", processes=2, fsdp=True)
+    fsdp = update("lmppo-bf16", batch_file, tmp_path / "fsdp.pt", 2, "fsdp")
     for a, b in zip(ddp, fsdp):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_every_process():
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_every_process(shard):
     # process 0's episodes end after 2 tokens, process 1's after up to 6; a process that stopped stepping
     # (or skipped a backward) would leave the other waiting in a collective forever: the timeout turns that
     # hang into a failure. See tests/distributed_sharding.py.
-    result = run_cmd([*TORCHRUN, str(HERE / "distributed_sharding.py")], fsdp=True, timeout=180)
+    result = run_cmd([*TORCHRUN, str(HERE / "distributed_sharding.py")], shard=shard, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"rank 0: sharded with {ENGINE[shard]}" in result.stdout
     assert "rank 0: 4 episodes of up to 2 tokens, as unsharded" in result.stdout
     assert "rank 1: 4 episodes of up to 6 tokens, as unsharded" in result.stdout
     for rank in (0, 1):
@@ -125,18 +166,25 @@ def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_epi
 REQUESTED = """
 import os
 from textgym.agents.sharding import fsdp_requested
-print(f"process {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {fsdp_requested()}")
+from textgym.agents.zero3 import zero3_requested
+print(f"process {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {fsdp_requested()} {zero3_requested()}")
 """
 
 
-def test_accelerate_launch_with_the_shipped_fsdp_config_starts_two_processes_asking_for_fsdp2(tmp_path):
+@pytest.mark.parametrize(
+    "name, asks",
+    [("fsdp", "FSDPSettings(reshard_after_forward=True"), ("zero3", "None {'stage': 3}")],
+)
+def test_accelerate_launch_with_a_shipped_config_starts_two_processes_asking_for_its_engine(
+    name, asks, tmp_path
+):
     (tmp_path / "requested.py").write_text(REQUESTED)
-    config = HERE.parent / "examples" / "accelerate" / "fsdp.yaml"
+    config = HERE.parent / "examples" / "accelerate" / f"{name}.yaml"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     result = run_cmd([*launch, str(tmp_path / "requested.py")])
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):  # on CPUs as on GPUs, and none of its options refused
-        assert f"process {rank} of 2: FSDPSettings(reshard_after_forward=True" in result.stdout
+        assert f"process {rank} of 2: {asks}" in result.stdout
 
 
 EVAL = """
@@ -147,7 +195,8 @@ episodes = 4
 """
 
 
-def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_resumes(tmp_path):
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_resumes(tmp_path, shard):
     (tmp_path / "copy.toml").write_text(COPY + EVAL)  # [eval]: held-out rollouts on every process too
     out = tmp_path / "run"
     cmd = [
@@ -159,9 +208,9 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
         "--set",
         f"run.output_dir='{out}'",
     ]
-    result = run_cmd(cmd, fsdp=True)
+    result = run_cmd(cmd, shard=shard)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("the policy is sharded over 2 processes (FSDP2)") == 1
+    assert result.stdout.count(f"the policy is sharded over 2 processes ({ENGINE[shard]})") == 1
     assert len(csv_rows(out / "metrics.csv")) == 3
     assert [r["iteration"] for r in csv_rows(out / "eval.csv")] == ["0", "2", "3"]  # every 2, and at the end
     assert (out / "samples_before.jsonl").is_file() and (out / "samples_after.jsonl").is_file()
@@ -176,7 +225,7 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     shapes = [p.shape for p in agent.params]
     assert [optimizer["state"][i]["exp_avg"].shape for i in range(len(shapes))] == shapes  # whole, not shards
     resumed = run_cmd([*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=160"],
-                      fsdp=True)  # fmt: skip
+                      shard=shard)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > 3
     assert LMPPO.load(out / "checkpoint").iteration > 3

@@ -58,7 +58,9 @@ def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int)
         from textgym.sampling import rollout
 
         temperature = 0.0 if deterministic else model.config.temperature
-        return rollout(model.policy, env, temperature=temperature, seed=seed, lockstep=model.lockstep).infos
+        return rollout(
+            model.rollout_model, env, temperature=temperature, seed=seed, lockstep=model.lockstep
+        ).infos
     obs, _ = env.reset(seed=seed)
     done = np.zeros(env.num_envs, dtype=bool)
     episodes: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]

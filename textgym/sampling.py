@@ -202,10 +202,13 @@ def rollout(
 
 
 def _no_grad(model: Any) -> Any:
-    """``inference_mode``, except for an FSDP-sharded model: the parameters it all-gathers in an inference
-    context would be inference tensors, which its later training forwards cannot reuse."""
+    """``inference_mode``, except for a sharded model (FSDP2 or DeepSpeed ZeRO-3): the parameters it
+    all-gathers in an inference context would be inference tensors, which its later training forwards
+    cannot reuse."""
     import torch
 
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 (without importing deepspeed)
+        return torch.no_grad()
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without distributed support

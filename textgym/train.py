@@ -287,7 +287,11 @@ def _run_native(
         agent = agent_class(policy, env, **hyperparameters)
     dist = agent.dist  # with one process every collective below is a no-op
     if agent.sharded:
-        dist.on_main(lambda: print(f"textgym: the policy is sharded over {dist.world} processes (FSDP2)"))
+        dist.on_main(
+            lambda: print(
+                f"textgym: the policy is sharded over {dist.world} processes ({agent.sharding_engine})"
+            )
+        )
 
     def resumed() -> None:
         dropped = rd.truncate_samples(agent.iteration)

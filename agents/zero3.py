@@ -1,0 +1,315 @@
+"""Sharded training of the LM agents with DeepSpeed ZeRO stage 3.
+
+Asked for the way accelerate asks for it: ``ACCELERATE_USE_DEEPSPEED=true`` in the environment, which
+``accelerate launch --config_file examples/accelerate/zero3.yaml`` sets with ``ACCELERATE_DEEPSPEED_*``
+variables (or a DeepSpeed JSON file in ``ACCELERATE_DEEPSPEED_CONFIG_FILE``). As with FSDP2
+(:mod:`textgym.agents.sharding`), textgym starts the engine itself and the ``Accelerator`` is made with the
+variable hidden: accelerate's DeepSpeed set-up counts one process per machine when there is no GPU, and its
+wrapping would take over the policy's forwards and the checkpoint format.
+
+One ``DeepSpeedEngine`` trains the policy and the agent's modules (LMPPO's value head) together, as one
+:class:`EngineModel` whose forward is the policy's; training forwards go through the engine (it counts the
+micro-batches a step accumulates), rollouts and reference passes call the policy directly. A separate
+reference copy gets an engine without an optimizer. Every forward gathers its weights from every process, so
+rollouts, evaluations and checkpoints run on every process in lockstep, as under FSDP2.
+
+textgym keeps its own meaning of the settings the engine would otherwise own: the agent's AdamW and
+``learning_rate``, its ``max_grad_norm`` (the engine's ``gradient_clipping``), its micro-batches (the engine's
+accumulation boundary is set per backward) and its ``bf16`` autocast. A config that sets any of those, or
+asks for offloading, is refused by name, never ignored. A step whose gradient norm is not finite is skipped
+by the engine on every process; textgym counts it.
+
+Checkpoints are gathered whole (weights and AdamW moments, one parameter at a time) and written by the main
+process in the unsharded layout, so a ZeRO-3 run's checkpoint loads in one process and resumes sharded or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from textgym.errors import ConfigError
+
+__all__ = [
+    "EngineModel",
+    "full_optimizer_state",
+    "full_state_dict",
+    "initialize",
+    "is_zero3",
+    "load_full_optimizer_state",
+    "load_full_state_dict",
+    "reference",
+    "zero3_requested",
+]
+
+INSTALL = "pip install --no-build-isolation deepspeed"  # build isolation would fetch another torch
+# What textgym sets itself, by DeepSpeed config key (the values "auto" and absent are accepted).
+_OWNED = {
+    "gradient_clipping": "the agent's max_grad_norm",
+    "gradient_accumulation_steps": "the agent's micro_batch_size (micro-batches per optimizer step)",
+    "optimizer": "the agent's AdamW with learning_rate",
+    "scheduler": "the agent's lr_schedule",
+    "fp16": "the agent's bf16 = true (textgym's own autocast)",
+    "bf16": "the agent's bf16 = true (textgym's own autocast)",
+}
+_IGNORABLE = {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown",
+              "zero_allow_untested_optimizer"}  # fmt: skip
+
+
+def _refuse(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(
+        f"the accelerate config sets {key}: {value}, which textgym's DeepSpeed ZeRO-3 does not honour ({why}); "
+        f"remove it (see examples/accelerate/zero3.yaml and docs/distributed.md)."
+    )
+
+
+def _unset(key: str, value: Any) -> bool:
+    """Whether a DeepSpeed config value leaves the setting to textgym."""
+    if value in ("auto", None) or (key == "gradient_accumulation_steps" and value == 1):
+        return True
+    return isinstance(value, dict) and str(value.get("enabled", True)).lower() in ("false", "auto")
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip().lower()
+
+
+def zero3_requested() -> dict[str, Any] | None:
+    """The ``zero_optimization`` section the environment asks for (``ACCELERATE_USE_DEEPSPEED=true``), None
+    without it.
+
+    Raises:
+        ConfigError: without the deepspeed package; for a ZeRO stage other than 3, offloading, or a setting
+            textgym owns (see the module doc).
+    """
+    if _env("ACCELERATE_USE_DEEPSPEED") not in ("1", "true"):
+        return None
+    if not torch.cuda.is_available():  # said, not guessed: DeepSpeed warns when it has to guess
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"the accelerate config asks for DeepSpeed, which is not installed: `{INSTALL}` (or shard with "
+            f"FSDP2: examples/accelerate/fsdp.yaml, which needs nothing beyond torch)."
+        ) from None
+    config: dict[str, Any] = {}
+    if path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        try:
+            config = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the DeepSpeed config {path!r}: {exc}") from None
+    for key, value in config.items():
+        if key in _OWNED and not _unset(key, value):
+            raise _refuse(key, value, f"textgym sets it: {_OWNED[key]}")
+        if key not in _OWNED and key not in _IGNORABLE and key != "zero_optimization":
+            raise _refuse(key, value, "textgym passes only zero_optimization on to the engine")
+    zero = dict(config.get("zero_optimization", {}))
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or zero.get("stage", 3)
+    if str(stage) != "3":
+        raise _refuse("zero_stage", stage, "textgym shards with ZeRO stage 3 only; set zero_stage: 3")
+    for key, var in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                     ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):  # fmt: skip
+        section = zero.get(key.removesuffix("_device"), {})
+        device = _env(var) or str(section.get("device", "none")).lower()
+        if device not in ("", "none"):
+            raise _refuse(key, device, "offloading is not supported")
+    for key, var, why in (
+        ("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", "every process loads the whole model before sharding it"),
+        ("zero3_save_16bit_model", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+         "checkpoints are always one full-precision Hugging Face directory"),
+    ):  # fmt: skip
+        if _env(var) in ("1", "true"):
+            raise _refuse(key, "true", why)
+    clipping = _env("ACCELERATE_GRADIENT_CLIPPING")
+    if clipping not in ("", "none", "auto"):
+        raise _refuse("gradient_clipping", clipping, f"textgym sets it: {_OWNED['gradient_clipping']}")
+    accumulation = _env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if accumulation not in ("", "1", "auto"):
+        raise _refuse("gradient_accumulation_steps", accumulation, _OWNED["gradient_accumulation_steps"])
+    precision = _env("ACCELERATE_MIXED_PRECISION")
+    if precision not in ("", "no"):
+        raise _refuse("mixed_precision", precision, "use the agent's bf16 = true: textgym's own autocast")
+    zero["stage"] = 3
+    return zero
+
+
+def _quiet() -> None:
+    """DeepSpeed logs its whole configuration at INFO on every process; keep its warnings."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def _engine_config(zero: dict[str, Any], world: int, max_grad_norm: float | None = None) -> dict[str, Any]:
+    config = {
+        # nominal: textgym feeds the engine its own micro-batches; DeepSpeed checks these add up
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # torch's AdamW: the CPU and GPUs alike, no compiled ops
+        "steps_per_print": 2**31 - 1,
+    }
+    if max_grad_norm is not None:
+        config["gradient_clipping"] = max_grad_norm
+    return config
+
+
+class EngineModel(nn.Module):
+    """The policy and the agent's modules as one model (an engine trains one); its forward is the policy's."""
+
+    def __init__(self, policy: nn.Module, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.policy = policy
+        self.extra = nn.ModuleDict(modules)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.policy(*args, **kwargs)
+
+
+def initialize(
+    model: nn.Module, modules: dict[str, nn.Module], zero: dict[str, Any], learning_rate: float,
+    max_grad_norm: float, world: int, device: torch.device,
+) -> tuple[Any, Any, list[nn.Parameter]]:  # fmt: skip
+    """Start the training engine over ``model`` and ``modules`` with torch's AdamW. Returns the engine, its
+    optimizer and the trainable parameters (in the order of an unsharded agent's optimizer: the policy's,
+    then each module's), now ZeRO-3 parameters that each hold one shard (``ds_tensor``)."""
+    import deepspeed
+
+    from textgym.agents.sharding import broadcast_from_main
+
+    _quiet()
+    box = EngineModel(model, modules)
+    broadcast_from_main(box, device)  # e.g. LoRA's random init under per-process seeds
+    params = [p for p in box.parameters() if p.requires_grad]
+    try:  # fused, as an unsharded agent's: the same kernel, and checkpoints that say the same
+        optimizer = torch.optim.AdamW(params, lr=learning_rate, fused=True)
+    except (RuntimeError, TypeError):
+        optimizer = torch.optim.AdamW(params, lr=learning_rate)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=box,
+        optimizer=optimizer,
+        config=_engine_config(zero, world, max_grad_norm),
+        dist_init_required=False,
+    )
+    return engine, optimizer, params
+
+
+def reference(model: nn.Module, zero: dict[str, Any], world: int, device: torch.device) -> nn.Module:
+    """A frozen reference copy sharded the same way (an engine without an optimizer); returns the model."""
+    import deepspeed
+
+    from textgym.agents.sharding import broadcast_from_main
+
+    _quiet()
+    broadcast_from_main(model, device)
+    engine, *_ = deepspeed.initialize(
+        model=model, config=_engine_config(zero, world), dist_init_required=False
+    )
+    return engine.module
+
+
+def is_zero3(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "ds_id")
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter, gathered from every process (collective), as a new tensor."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.detach().clone()
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full state dict on the CPU (collective: every process calls it)."""
+    return {
+        name: (full_tensor(t) if is_zero3(t) else t.detach()).cpu()
+        for name, t in module.state_dict(keep_vars=True).items()
+    }
+
+
+def _set_local(param: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+    """Write this process's part of a whole ``value`` into the optimizer's fp32 shard of ``param`` (its
+    master weights, or the moment ``key``). DeepSpeed's own full-tensor setter fails on the padded shard of a
+    parameter smaller than the number of processes; its local getter returns a view, written in place."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    target = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
+    start = torch.distributed.get_rank() * param.ds_tensor.numel()  # every shard is that long, padded
+    part = value.flatten()[start : start + target.numel()]  # shorter (or empty) in the padding
+    with torch.no_grad():
+        target[: part.numel()].copy_(part.to(target.device, target.dtype))
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict into a module of the engine: the weights forwards use, and the optimizer's fp32
+    master copy that the next step updates (collective)."""
+    import deepspeed
+
+    params = dict(module.named_parameters())
+    for name, value in state.items():
+        param = params[name]
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                param.data.copy_(value)
+        if param.requires_grad:
+            _set_local(param, value)
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def full_optimizer_state(optimizer: Any, params: list[nn.Parameter], keep: bool) -> dict[str, Any] | None:
+    """AdamW's state as an unsharded agent's ``optimizer.state_dict()`` holds it (indexed by ``params``),
+    gathered whole (collective), on the CPU of the process that ``keep``s it (the others return None)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    inner = optimizer.optimizer  # torch's AdamW over the engine's flat fp32 shards
+    steps = [s["step"] for s in inner.state.values() if "step" in s]
+    state: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(params):
+        moments = {key: safe_get_full_optimizer_state(param, key) for key in _MOMENTS}
+        if keep and steps:
+            entry = {key: value.view(param.ds_shape).cpu() for key, value in moments.items()}
+            state[index] = {"step": steps[0].detach().clone().cpu(), **entry}
+    if not keep:
+        return None
+    group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+
+
+def load_full_optimizer_state(optimizer: Any, params: list[nn.Parameter], state: dict[str, Any]) -> None:
+    """Load a full AdamW state dict (an unsharded agent's, or :func:`full_optimizer_state`'s): each process
+    keeps its shard of the moments; the step count and hyperparameters go to every flat group."""
+    inner = optimizer.optimizer
+    entries = {int(k): v for k, v in state["state"].items()}
+    if not entries:  # saved before the first step: nothing to restore
+        return
+    if len(entries) != len(params):
+        raise ConfigError(
+            f"the optimizer state holds {len(entries)} parameters; this agent trains {len(params)}."
+        )
+    step = next(iter(entries.values()))["step"]
+    saved = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+    for group in inner.param_groups:  # one group (textgym's AdamW has one)
+        group.update({k: v for k, v in saved.items() if k in group})
+    on_device = saved.get("fused") or saved.get("capturable")
+    # AdamW makes its state at its first step: make it now, to fill. The engine steps its flat fp32 shards
+    # one at a time through the AdamW, whose param_groups hold none of them in between.
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        inner.state[flat] = {
+            "step": step.detach().clone().float().to(flat.device if on_device else "cpu"),
+            **{key: torch.zeros_like(flat) for key in _MOMENTS},
+        }
+    for index, param in enumerate(params):
+        for key in _MOMENTS:
+            _set_local(param, entries[index][key], key)
