@@ -74,7 +74,12 @@ class LMAgent(SB3Contract):
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
         # textgym shards itself: see agents/sharding.py (FSDP2) and agents/zero3.py (DeepSpeed ZeRO-3)
-        zero, fsdp = zero3.zero3_requested(), sharding.fsdp_requested()
+        zero, fsdp = zero3.zero3_requested(on_gpu), sharding.fsdp_requested()
+        if zero is not None and fsdp is not None:
+            raise ConfigError(
+                "the environment asks for both FSDP (ACCELERATE_USE_FSDP) and DeepSpeed "
+                "(ACCELERATE_USE_DEEPSPEED): set one."
+            )
         with sharding.accelerate_without_sharding():
             self.accelerator = Accelerator(cpu=not on_gpu)
         self.bf16 = bool(bf16)
@@ -109,7 +114,14 @@ class LMAgent(SB3Contract):
             if self.ref_policy is not None:
                 self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.dist.world, self.device)
             self.engine, self.optimizer, params = zero3.initialize(
-                model, modules, self.zero3, c.learning_rate, c.max_grad_norm, self.dist.world, self.device
+                model,
+                modules,
+                self.zero3,
+                c.learning_rate,
+                c.max_grad_norm,
+                self.dist.world,
+                self.device,
+                bf16,
             )
             self.policy = self.engine  # training forwards go through the engine; rollouts: rollout_model
             self.modules = dict(self.engine.module.extra.items())

@@ -46,16 +46,23 @@ def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
     except TrainingError as exc:
         raise TrainingError(f"{exc} No checkpoint was written; the last good one is kept.") from None
     keep = agent.dist.is_main
-    engine: Any = zero3 if agent.zero3 is not None else sharding  # FSDP2's or DeepSpeed's gathers
+
+    def gather(module: Any) -> Any:  # FSDP2's gather keeps the result on the main process only
+        return (
+            zero3.full_state_dict(module, keep)
+            if agent.zero3 is not None
+            else sharding.full_state_dict(module)
+        )
+
     full = {
-        "policy": engine.full_state_dict(agent.rollout_model),
-        "reference": engine.full_state_dict(agent.ref_policy)
+        "policy": gather(agent.rollout_model),
+        "reference": gather(agent.ref_policy)
         if agent.policy_source is None and agent.ref_policy is not None
         else None,
         "optimizer": zero3.full_optimizer_state(agent.optimizer, agent.params, keep)
         if agent.zero3 is not None
         else sharding.full_optimizer_state(agent.optimizer, keep),
-        "modules": {name: engine.full_state_dict(module) for name, module in agent.modules.items()},
+        "modules": {name: gather(module) for name, module in agent.modules.items()},
     }
     agent._gathered = full if agent.dist.is_main else None
     return full
@@ -152,8 +159,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
                 else AutoModelForCausalLM.from_pretrained(path / "reference")
             )
             reference = reference.requires_grad_(False).eval()
-            if agent.zero3 is not None:
-                agent.ref_policy = zero3.reference(reference, agent.zero3, agent.dist.world, agent.device)
+            if agent.zero3 is not None:  # into the agent's engine: a second one would never be freed
+                zero3.load_full_state_dict(agent.ref_policy, dict(reference.named_parameters()))
             elif agent.fsdp is not None:
                 agent.ref_policy = sharding.shard(reference, agent.fsdp, agent.device)
             else:

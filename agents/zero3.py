@@ -47,7 +47,7 @@ __all__ = [
     "zero3_requested",
 ]
 
-INSTALL = "pip install --no-build-isolation deepspeed"  # build isolation would fetch another torch
+INSTALL = "pip install --no-build-isolation 'deepspeed>=0.19.8'"  # build isolation would fetch another torch
 # What textgym sets itself, by DeepSpeed config key (the values "auto" and absent are accepted).
 _OWNED = {
     "gradient_clipping": "the agent's max_grad_norm",
@@ -79,7 +79,7 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip().lower()
 
 
-def zero3_requested() -> dict[str, Any] | None:
+def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     """The ``zero_optimization`` section the environment asks for (``ACCELERATE_USE_DEEPSPEED=true``), None
     without it.
 
@@ -89,8 +89,13 @@ def zero3_requested() -> dict[str, Any] | None:
     """
     if _env("ACCELERATE_USE_DEEPSPEED") not in ("1", "true"):
         return None
-    if not torch.cuda.is_available():  # said, not guessed: DeepSpeed warns when it has to guess
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed picks its device once per process, from this variable or by guessing: the agent's device
+    accelerator = "cuda" if on_gpu else "cpu"
+    if os.environ.setdefault("DS_ACCELERATOR", accelerator) != accelerator:
+        raise ConfigError(
+            f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} in the environment, but the agent trains on "
+            f"{accelerator} (its device setting): unset DS_ACCELERATOR or set it to {accelerator}."
+        )
     try:
         import deepspeed  # noqa: F401
     except ImportError:
@@ -164,41 +169,59 @@ def _engine_config(zero: dict[str, Any], world: int, max_grad_norm: float | None
 
 
 class EngineModel(nn.Module):
-    """The policy and the agent's modules as one model (an engine trains one); its forward is the policy's."""
+    """The policy and the agent's modules as one model (an engine trains one); its forward is the policy's,
+    in the agent's bf16 autocast (the engine's forward turns an autocast from outside it off)."""
 
-    def __init__(self, policy: nn.Module, modules: dict[str, nn.Module]):
+    def __init__(self, policy: nn.Module, modules: dict[str, nn.Module], device_type: str, bf16: bool):
         super().__init__()
         self.policy = policy
         self.extra = nn.ModuleDict(modules)
+        self.device_type, self.bf16 = device_type, bf16
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.policy(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self.policy(*args, **kwargs)
+
+
+def _partition(module: nn.Module, config: dict[str, Any], device: torch.device) -> None:
+    """Turn ``module``'s parameters into ZeRO-3 ones, in place, one at a time: each goes to ``device``
+    whole, then keeps this process's shard, so the device never holds the whole model (the engine would
+    move it there whole). The main process's weights first, on every process (e.g. LoRA's random init
+    under per-process seeds). Buffers (rotary frequencies) are small and go to the device whole."""
+    import deepspeed
+
+    from textgym.agents.sharding import broadcast_from_main
+
+    broadcast_from_main(module, device)
+    deepspeed.init_distributed()  # DeepSpeed's view of the process group torch already runs
+    # mem_efficient_linear would replace torch.nn.functional.linear for the whole process
+    deepspeed.zero.Init(module=module, config_dict_or_path=config, mem_efficient_linear=False)
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
 
 
 def initialize(
     model: nn.Module, modules: dict[str, nn.Module], zero: dict[str, Any], learning_rate: float,
-    max_grad_norm: float, world: int, device: torch.device,
+    max_grad_norm: float, world: int, device: torch.device, bf16: bool,
 ) -> tuple[Any, Any, list[nn.Parameter]]:  # fmt: skip
     """Start the training engine over ``model`` and ``modules`` with torch's AdamW. Returns the engine, its
     optimizer and the trainable parameters (in the order of an unsharded agent's optimizer: the policy's,
     then each module's), now ZeRO-3 parameters that each hold one shard (``ds_tensor``)."""
     import deepspeed
 
-    from textgym.agents.sharding import broadcast_from_main
-
     _quiet()
-    box = EngineModel(model, modules)
-    broadcast_from_main(box, device)  # e.g. LoRA's random init under per-process seeds
+    box = EngineModel(model, modules, device.type, bf16)
+    config = _engine_config(zero, world, max_grad_norm)
+    _partition(box, config, device)
     params = [p for p in box.parameters() if p.requires_grad]
     try:  # fused, as an unsharded agent's: the same kernel, and checkpoints that say the same
         optimizer = torch.optim.AdamW(params, lr=learning_rate, fused=True)
     except (RuntimeError, TypeError):
         optimizer = torch.optim.AdamW(params, lr=learning_rate)
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=box,
-        optimizer=optimizer,
-        config=_engine_config(zero, world, max_grad_norm),
-        dist_init_required=False,
+        model=box, optimizer=optimizer, config=config, dist_init_required=False
     )
     return engine, optimizer, params
 
@@ -207,13 +230,10 @@ def reference(model: nn.Module, zero: dict[str, Any], world: int, device: torch.
     """A frozen reference copy sharded the same way (an engine without an optimizer); returns the model."""
     import deepspeed
 
-    from textgym.agents.sharding import broadcast_from_main
-
     _quiet()
-    broadcast_from_main(model, device)
-    engine, *_ = deepspeed.initialize(
-        model=model, config=_engine_config(zero, world), dist_init_required=False
-    )
+    config = _engine_config(zero, world)
+    _partition(model, config, device)
+    engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
     return engine.module
 
 
@@ -229,12 +249,15 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
         return param.detach().clone()
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's full state dict on the CPU (collective: every process calls it)."""
-    return {
-        name: (full_tensor(t) if is_zero3(t) else t.detach()).cpu()
-        for name, t in module.state_dict(keep_vars=True).items()
-    }
+def full_state_dict(module: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+    """The module's full state dict on the CPU of the process that ``keep``s it (the others return None),
+    gathered one parameter at a time (collective: every process calls it)."""
+    state = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        whole = full_tensor(t) if is_zero3(t) else t.detach()  # every process takes part in the gather
+        if keep:
+            state[name] = whole.cpu()
+    return state if keep else None
 
 
 def _set_local(param: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
@@ -274,11 +297,11 @@ def full_optimizer_state(optimizer: Any, params: list[nn.Parameter], keep: bool)
     from deepspeed.utils import safe_get_full_optimizer_state
 
     inner = optimizer.optimizer  # torch's AdamW over the engine's flat fp32 shards
-    steps = [s["step"] for s in inner.state.values() if "step" in s]
+    steps = [s["step"] for s in inner.state.values() if "step" in s]  # the same on every process
     state: dict[int, dict[str, Any]] = {}
-    for index, param in enumerate(params):
+    for index, param in enumerate(params if steps else ()):  # no step yet: AdamW has no state to gather
         moments = {key: safe_get_full_optimizer_state(param, key) for key in _MOMENTS}
-        if keep and steps:
+        if keep:
             entry = {key: value.view(param.ds_shape).cpu() for key, value in moments.items()}
             state[index] = {"step": steps[0].detach().clone().cpu(), **entry}
     if not keep:

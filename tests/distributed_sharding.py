@@ -7,12 +7,14 @@ tests/test_distributed.py runs it with each):
   done, and each must get exactly the episodes it gets alone;
 - a loss that is not finite on one process only: every process still runs the backward (its reduce-scatter
   needs all) and every process skips the step;
-- a weight that is not finite in one process's shard only: every process's health check fails.
+- a weight that is not finite in one process's shard only: every process's health check fails;
+- a checkpoint saved before any optimizer step: the optimizer has no state yet, and the save has none.
 
     ACCELERATE_USE_FSDP=true python -m torch.distributed.run --nproc_per_node 2 tests/distributed_sharding.py
 """
 
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +34,13 @@ def main() -> None:
     if not agent.sharded:
         raise SystemExit("the policy is not sharded: run under torchrun with ACCELERATE_USE_FSDP=true")
     print(f"rank {agent.dist.rank}: sharded with {agent.sharding_engine}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(agent.dist.gather_objects([tmp])[0]) / "before"  # the main process's: only it writes
+        agent.save(path)  # every process: the gather is collective
+        if agent.dist.is_main:
+            assert torch.load(path / "optimizer.pt", weights_only=True)["state"] == {}
+        torch.distributed.barrier()  # the main process's directory stays until every process is done
+    print(f"rank {agent.dist.rank}: saved before any step", flush=True)
     rank = agent.dist.rank
     tokens = 2 if rank == 0 else 6  # the episodes end on different steps
 

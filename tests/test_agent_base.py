@@ -218,6 +218,13 @@ def test_deepspeed_asked_for_without_the_package_says_how_to_install_it(monkeypa
         sharded_agent()
 
 
+def test_asking_for_fsdp_and_deepspeed_at_once_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match="asks for both FSDP .* and DeepSpeed .*: set one"):
+        sharded_agent()
+
+
 def test_deepspeed_in_one_process_trains_unsharded(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
