@@ -113,11 +113,12 @@ def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_ne
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 = true needs a CPU with native bf16")
-def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file):
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file, shard):
     # bf16 rounds the whole batch and each half differently (~1e-2 here), so the reference is DDP's split
     ddp = update("lmppo-bf16", batch_file, tmp_path / "ddp.pt", processes=2)
-    fsdp = update("lmppo-bf16", batch_file, tmp_path / "fsdp.pt", 2, "fsdp")
-    for a, b in zip(ddp, fsdp):
+    sharded = update("lmppo-bf16", batch_file, tmp_path / "sharded.pt", 2, shard)
+    for a, b in zip(ddp, sharded):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
