@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from textgym.agents import sharding, zero3
+from textgym.agents.batch_checks import batch_statistics, check_totals, recombine_totals
 from textgym.agents.distributed import Collective, cpu_has_native_bf16
 from textgym.agents.lm_config import LMAgentConfig, make_config
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
@@ -396,23 +396,11 @@ class LMAgent(SB3Contract):
         t_rollout = time.perf_counter() - start
         t_reward = env.reward_seconds - reward_before
         if getattr(stack, "aggregate", "sum") != "sum":
-            # normalize_then_sum standardises each component over a batch: the env saw only the episodes that
-            # ended on the same step, so the totals are recombined over the whole rollout (the training signal).
-            components = {
-                name: np.array(
-                    [np.nan if (v := e["reward_components"][name]) is None else v for e in r.infos]
-                )
-                for name in stack.names
-            }
-            # a multi-turn episode's return also holds its turn rewards
-            turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in r.infos])
-            r.scores = stack.combine(components) + turn_rewards
-            for episode, total in zip(r.infos, r.scores):
-                episode["reward"] = float(total)
+            recombine_totals(stack, r)
         batch = RolloutBatch.from_rollout(r)
         error = None
         try:
-            self._check_scores(batch.raw_scores, r.infos)
+            check_totals(batch.raw_scores, r.infos, self.config.max_abs_score)
         except TrainingError as exc:
             error = exc
         self.dist.agree(error)
@@ -438,55 +426,7 @@ class LMAgent(SB3Contract):
 
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
         """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""
-        d = self.dist
-        scores = d.gather(batch.raw_scores.double())
-        groups = scores.view(-1, self.group_size) if self.group_size > 1 else scores.view(1, -1)
-        mask = batch.action_mask.float()  # the agent's tokens (a multi-turn episode's replies are not)
-        stats = {
-            "reward": float(scores.mean()),
-            "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-            "frac_reward_zero_std": float((groups.max(1).values == groups.min(1).values).double().mean()),
-            "kl": math.nan,
-            "completions/mean_length": float(d.gather(mask.sum(1)).mean()),
-            "completions/clipped_ratio": float(d.gather(batch.truncated.double()).mean()),
-        }
-        if batch.ref_logprobs is not None:
-            stats["kl"] = float(d.gather(((batch.logprobs - batch.ref_logprobs) * mask).sum(1)).mean())
-        names = list(batch.episodes[0]["reward_components"]) if batch.episodes else []
-        if names:
-            local = torch.tensor(
-                [
-                    [math.nan if (v := e["reward_components"][n]) is None else v for n in names]
-                    for e in batch.episodes
-                ],
-                dtype=torch.float64,
-            )  # (N, K); NaN = not applicable
-            values = d.gather(local).numpy()
-            for k, name in enumerate(names):
-                applicable = values[:, k][
-                    ~np.isnan(values[:, k])
-                ]  # not applicable: left out of the statistics
-                stats[f"rewards/{name}/mean"] = float(applicable.mean()) if len(applicable) else math.nan
-                stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else 0.0
-        return stats
-
-    def _check_scores(self, raw: torch.Tensor, episodes: list[dict[str, Any]]) -> None:
-        """Stop before an absurd score reaches the losses, naming the plugin that produced it."""
-        limit = self.config.max_abs_score
-        bad = (~torch.isfinite(raw)) | (raw.abs() > limit)
-        if not bad.any():
-            return
-        i = int(bad.nonzero()[0])
-        episode = episodes[i]
-        components = {k: v for k, v in episode["reward_components"].items() if v is not None}
-        culprit = max(components, key=lambda k: abs(components[k]), default=None)
-        where = f"for completion {episode['completion'][:50]!r}"
-        cause = f"reward plugin {culprit!r} returned {components[culprit]:.3g} {where}: " if culprit else ""
-        raise TrainingError(
-            f"{cause}the reward-stack total {float(raw[i]):.3g} is beyond max_abs_score={limit:g}. Fix or rescale "
-            "that reward (its weight, score_scale), or raise max_abs_score if such values are meant. Training "
-            "stopped before the update: the weights and checkpoints are untouched."
-        )
+        return batch_statistics(batch, self.dist, self.group_size)
 
     # -- the optimizer step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> bool:
@@ -496,9 +436,7 @@ class LMAgent(SB3Contract):
             self._bad_loss = True
             if not self.sharded:  # sharded: the backward's reduce-scatter needs every process (skipped below)
                 return False
-        if (
-            self.zero3 is not None
-        ):  # NaN gradients everywhere: the engine then skips the step on every process
+        if self.zero3 is not None:  # a loss that is not finite: NaN gradients, a step the engine skips
             self.engine.backward(loss if finite else loss * math.nan, scale_wrt_gas=False)
         else:
             self.accelerator.backward(loss)

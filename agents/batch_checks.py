@@ -1,0 +1,85 @@
+"""What an LM agent works out from a batch of episodes before its update: the totals of a
+``normalize_then_sum`` reward stack over the whole rollout, the check that no total is absurd, and the
+common statistics over every process's episodes."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from textgym.errors import TrainingError
+
+if TYPE_CHECKING:
+    from textgym.agents.distributed import Collective
+    from textgym.agents.rollout_batch import RolloutBatch
+
+__all__ = ["batch_statistics", "check_totals", "recombine_totals"]
+
+
+def recombine_totals(stack: Any, rollout: Any) -> None:
+    """Recompute each episode's total over the whole rollout, in place. ``normalize_then_sum`` standardises
+    each component over a batch: the env saw only the episodes that ended on the same step, so the totals
+    are recombined over the whole rollout (the training signal)."""
+    components = {
+        name: np.array([np.nan if (v := e["reward_components"][name]) is None else v for e in rollout.infos])
+        for name in stack.names
+    }
+    # a multi-turn episode's return also holds its turn rewards
+    turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in rollout.infos])
+    rollout.scores = stack.combine(components) + turn_rewards
+    for episode, total in zip(rollout.infos, rollout.scores):
+        episode["reward"] = float(total)
+
+
+def check_totals(raw: torch.Tensor, episodes: list[dict[str, Any]], limit: float) -> None:
+    """Stop before an absurd score (not finite, or beyond ``limit`` = ``max_abs_score``) reaches the losses,
+    naming the plugin that produced it."""
+    bad = (~torch.isfinite(raw)) | (raw.abs() > limit)
+    if not bad.any():
+        return
+    i = int(bad.nonzero()[0])
+    episode = episodes[i]
+    components = {k: v for k, v in episode["reward_components"].items() if v is not None}
+    culprit = max(components, key=lambda k: abs(components[k]), default=None)
+    where = f"for completion {episode['completion'][:50]!r}"
+    cause = f"reward plugin {culprit!r} returned {components[culprit]:.3g} {where}: " if culprit else ""
+    raise TrainingError(
+        f"{cause}the reward-stack total {float(raw[i]):.3g} is beyond max_abs_score={limit:g}. Fix or rescale "
+        "that reward (its weight, score_scale), or raise max_abs_score if such values are meant. Training "
+        "stopped before the update: the weights and checkpoints are untouched."
+    )
+
+
+def batch_statistics(batch: RolloutBatch, dist: Collective, group_size: int) -> dict[str, float]:
+    """The common statistics of a batch (``COMMON_STATS``), over every process's episodes."""
+    scores = dist.gather(batch.raw_scores.double())
+    groups = scores.view(-1, group_size) if group_size > 1 else scores.view(1, -1)
+    mask = batch.action_mask.float()  # the agent's tokens (a multi-turn episode's replies are not)
+    stats = {
+        "reward": float(scores.mean()),
+        "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "frac_reward_zero_std": float((groups.max(1).values == groups.min(1).values).double().mean()),
+        "kl": math.nan,
+        "completions/mean_length": float(dist.gather(mask.sum(1)).mean()),
+        "completions/clipped_ratio": float(dist.gather(batch.truncated.double()).mean()),
+    }
+    if batch.ref_logprobs is not None:
+        stats["kl"] = float(dist.gather(((batch.logprobs - batch.ref_logprobs) * mask).sum(1)).mean())
+    names = list(batch.episodes[0]["reward_components"]) if batch.episodes else []
+    if names:
+        local = torch.tensor(
+            [
+                [math.nan if (v := e["reward_components"][n]) is None else v for n in names]
+                for e in batch.episodes
+            ],
+            dtype=torch.float64,
+        )  # (N, K); NaN = not applicable
+        values = dist.gather(local).numpy()
+        for k, name in enumerate(names):
+            applicable = values[:, k][~np.isnan(values[:, k])]  # not applicable: left out of the statistics
+            stats[f"rewards/{name}/mean"] = float(applicable.mean()) if len(applicable) else math.nan
+            stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else 0.0
+    return stats
