@@ -74,6 +74,10 @@ class LMAgent(SB3Contract):
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
         # textgym shards itself: see agents/sharding.py (FSDP2) and agents/zero3.py (DeepSpeed ZeRO-3)
+        if not torch.cuda.is_available():  # what DeepSpeed would guess, said: transformers' save_pretrained
+            os.environ.setdefault(
+                "DS_ACCELERATOR", "cpu"
+            )  # imports it when installed, and it warns on guessing
         zero, fsdp = zero3.zero3_requested(on_gpu), sharding.fsdp_requested()
         if zero is not None and fsdp is not None:
             raise ConfigError(
@@ -112,16 +116,9 @@ class LMAgent(SB3Contract):
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
         if self.zero3 is not None:  # one engine trains the policy and the modules (agents/zero3.py)
             if self.ref_policy is not None:
-                self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.dist.world, self.device)
+                self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.device)
             self.engine, self.optimizer, params = zero3.initialize(
-                model,
-                modules,
-                self.zero3,
-                c.learning_rate,
-                c.max_grad_norm,
-                self.dist.world,
-                self.device,
-                bf16,
+                model, modules, self.zero3, c.learning_rate, c.max_grad_norm, self.device, bf16
             )
             self.policy = self.engine  # training forwards go through the engine; rollouts: rollout_model
             self.modules = dict(self.engine.module.extra.items())

@@ -119,6 +119,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
             "score_moments": asdict(agent.score_moments),
             "extra": agent.extra_state(),
             "history": agent.history,
+            "sharding": agent.sharding_engine,  # how the run was trained (a resume may differ: it is said)
         }
         (out / "state.json").write_text(json.dumps(state, indent=2))
 
@@ -184,6 +185,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.skipped_steps = state.get("skipped_steps", 0)
         agent.score_moments = RunningMoments(**state["score_moments"])
         agent.history = state["history"]
+        agent.trained_sharding = state.get("sharding")
         agent.load_extra_state(state.get("extra", {}))
     except (ConfigError, TrainingError):
         raise

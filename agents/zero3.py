@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,7 @@ __all__ = [
     "zero3_requested",
 ]
 
-INSTALL = "pip install --no-build-isolation 'deepspeed>=0.19.8'"  # build isolation would fetch another torch
+INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed>=0.19.8'"  # build isolation would fetch another torch
 # What textgym sets itself, by DeepSpeed config key (the values "auto" and absent are accepted).
 _OWNED = {
     "gradient_clipping": "the agent's max_grad_norm",
@@ -61,10 +63,10 @@ _IGNORABLE = {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_p
               "zero_allow_untested_optimizer"}  # fmt: skip
 
 
-def _refuse(key: str, value: Any, why: str) -> ConfigError:
+def _refuse(key: str, value: Any, why: str, where: str = "the accelerate config") -> ConfigError:
     return ConfigError(
-        f"the accelerate config sets {key}: {value}, which textgym's DeepSpeed ZeRO-3 does not honour ({why}); "
-        f"remove it (see examples/accelerate/zero3.yaml and docs/distributed.md)."
+        f"{where} sets {key}: {value}, which textgym's DeepSpeed ZeRO-3 does not honour ({why}). See "
+        f"examples/accelerate/zero3.yaml and docs/distributed.md."
     )
 
 
@@ -81,11 +83,12 @@ def _env(name: str) -> str:
 
 def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     """The ``zero_optimization`` section the environment asks for (``ACCELERATE_USE_DEEPSPEED=true``), None
-    without it.
+    without it. ``accelerate launch`` passes the config's ``deepspeed_config`` as ``ACCELERATE_*`` variables
+    and a ``deepspeed_config_file`` as a path: both are checked.
 
     Raises:
-        ConfigError: without the deepspeed package; for a ZeRO stage other than 3, offloading, or a setting
-            textgym owns (see the module doc).
+        ConfigError: without the deepspeed package (or, on CPUs, a C++ compiler); for a ZeRO stage other
+            than 3, offloading, or a setting textgym owns (see the module doc).
     """
     if _env("ACCELERATE_USE_DEEPSPEED") not in ("1", "true"):
         return None
@@ -103,43 +106,65 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
             f"the accelerate config asks for DeepSpeed, which is not installed: `{INSTALL}` (or shard with "
             f"FSDP2: examples/accelerate/fsdp.yaml, which needs nothing beyond torch)."
         ) from None
+    if not on_gpu and not shutil.which(os.environ.get("CXX", "c++")):
+        raise ConfigError(
+            "DeepSpeed on CPUs compiles a small communication op at first use, and no C++ compiler was found "
+            f"({os.environ.get('CXX', 'c++')!r}): install one (e.g. apt-get install g++) or set CXX."
+        )
     config: dict[str, Any] = {}
+    where = "the accelerate config"
     if path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        where = f"the DeepSpeed config {path}"
         try:
             config = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the DeepSpeed config {path!r}: {exc}") from None
     for key, value in config.items():
         if key in _OWNED and not _unset(key, value):
-            raise _refuse(key, value, f"textgym sets it: {_OWNED[key]}")
+            raise _refuse(key, value, f"textgym sets it: {_OWNED[key]}; remove it", where)
         if key not in _OWNED and key not in _IGNORABLE and key != "zero_optimization":
-            raise _refuse(key, value, "textgym passes only zero_optimization on to the engine")
+            raise _refuse(
+                key, value, "textgym passes only zero_optimization on to the engine; remove it", where
+            )
     zero = dict(config.get("zero_optimization", {}))
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or zero.get("stage", 3)
-    if str(stage) != "3":
-        raise _refuse("zero_stage", stage, "textgym shards with ZeRO stage 3 only; set zero_stage: 3")
+    # each setting from the accelerate config (a variable) and from the file: both must agree with textgym
+    stages = {
+        ("the accelerate config", _env("ACCELERATE_DEEPSPEED_ZERO_STAGE")),
+        (where, str(zero.get("stage", ""))),
+    }
+    for source, stage in stages:
+        if stage not in ("", "3"):
+            raise _refuse("zero_stage", stage, "textgym shards with ZeRO stage 3 only: set it to 3", source)
     for key, var in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
                      ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):  # fmt: skip
-        section = zero.get(key.removesuffix("_device"), {})
-        device = _env(var) or str(section.get("device", "none")).lower()
-        if device not in ("", "none"):
-            raise _refuse(key, device, "offloading is not supported")
+        section = zero.get(key.removesuffix("_device")) or {}
+        for source, device in (("the accelerate config", _env(var)), (where, str(section.get("device", "")))):
+            if device.lower() not in ("", "none"):
+                raise _refuse(key, device, "offloading is not supported: set it to none", source)
     for key, var, why in (
         ("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", "every process loads the whole model before sharding it"),
         ("zero3_save_16bit_model", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
          "checkpoints are always one full-precision Hugging Face directory"),
     ):  # fmt: skip
         if _env(var) in ("1", "true"):
-            raise _refuse(key, "true", why)
+            raise _refuse(key, "true", f"{why}; set it to false")
     clipping = _env("ACCELERATE_GRADIENT_CLIPPING")
     if clipping not in ("", "none", "auto"):
-        raise _refuse("gradient_clipping", clipping, f"textgym sets it: {_OWNED['gradient_clipping']}")
+        raise _refuse(
+            "gradient_clipping", clipping, f"textgym sets it: {_OWNED['gradient_clipping']}; remove it"
+        )
     accumulation = _env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     if accumulation not in ("", "1", "auto"):
-        raise _refuse("gradient_accumulation_steps", accumulation, _OWNED["gradient_accumulation_steps"])
+        raise _refuse(
+            "gradient_accumulation_steps",
+            accumulation,
+            f"{_OWNED['gradient_accumulation_steps']}; set it to 1",
+        )
     precision = _env("ACCELERATE_MIXED_PRECISION")
     if precision not in ("", "no"):
-        raise _refuse("mixed_precision", precision, "use the agent's bf16 = true: textgym's own autocast")
+        raise _refuse(
+            "mixed_precision", precision, "use the agent's bf16 = true, textgym's own autocast; set no"
+        )
     zero["stage"] = 3
     return zero
 
@@ -151,14 +176,20 @@ def _quiet() -> None:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls these torch collectives by their old names, once per gather: hundreds a run
+    warnings.filterwarnings(
+        "ignore",
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        FutureWarning,
+    )
 
 
-def _engine_config(zero: dict[str, Any], world: int, max_grad_norm: float | None = None) -> dict[str, Any]:
+def _engine_config(zero: dict[str, Any], max_grad_norm: float | None = None) -> dict[str, Any]:
     config = {
         # nominal: textgym feeds the engine its own micro-batches; DeepSpeed checks these add up
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": world,
+        "train_batch_size": torch.distributed.get_world_size(),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # torch's AdamW: the CPU and GPUs alike, no compiled ops
         "steps_per_print": 2**31 - 1,
@@ -204,7 +235,7 @@ def _partition(module: nn.Module, config: dict[str, Any], device: torch.device) 
 
 def initialize(
     model: nn.Module, modules: dict[str, nn.Module], zero: dict[str, Any], learning_rate: float,
-    max_grad_norm: float, world: int, device: torch.device, bf16: bool,
+    max_grad_norm: float, device: torch.device, bf16: bool,
 ) -> tuple[Any, Any, list[nn.Parameter]]:  # fmt: skip
     """Start the training engine over ``model`` and ``modules`` with torch's AdamW. Returns the engine, its
     optimizer and the trainable parameters (in the order of an unsharded agent's optimizer: the policy's,
@@ -213,7 +244,7 @@ def initialize(
 
     _quiet()
     box = EngineModel(model, modules, device.type, bf16)
-    config = _engine_config(zero, world, max_grad_norm)
+    config = _engine_config(zero, max_grad_norm)
     _partition(box, config, device)
     params = [p for p in box.parameters() if p.requires_grad]
     try:  # fused, as an unsharded agent's: the same kernel, and checkpoints that say the same
@@ -226,12 +257,12 @@ def initialize(
     return engine, optimizer, params
 
 
-def reference(model: nn.Module, zero: dict[str, Any], world: int, device: torch.device) -> nn.Module:
+def reference(model: nn.Module, zero: dict[str, Any], device: torch.device) -> nn.Module:
     """A frozen reference copy sharded the same way (an engine without an optimizer); returns the model."""
     import deepspeed
 
     _quiet()
-    config = _engine_config(zero, world)
+    config = _engine_config(zero)
     _partition(model, config, device)
     engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
     return engine.module
@@ -251,12 +282,15 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 
 def full_state_dict(module: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
     """The module's full state dict on the CPU of the process that ``keep``s it (the others return None),
-    gathered one parameter at a time (collective: every process calls it)."""
-    state = {}
+    gathered one parameter at a time (collective: every process calls it). Tied weights (the embeddings and
+    the LM head) stay one tensor, so ``save_pretrained`` writes them once, as for an unsharded model."""
+    state, seen = {}, {}
     for name, t in module.state_dict(keep_vars=True).items():
-        whole = full_tensor(t) if is_zero3(t) else t.detach()  # every process takes part in the gather
+        if id(t) not in seen:
+            whole = full_tensor(t) if is_zero3(t) else t.detach()  # every process takes part in the gather
+            seen[id(t)] = whole.cpu() if keep else None
         if keep:
-            state[name] = whole.cpu()
+            state[name] = seen[id(t)]
     return state if keep else None
 
 

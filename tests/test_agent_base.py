@@ -180,6 +180,7 @@ def test_sharding_options_textgym_does_not_honour_are_refused_by_name(
         ({"gradient_clipping": 1.0}, "gradient_clipping"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param_device"),
+        ({"zero_optimization": {"stage": 2}}, "zero_stage"),
     ],
 )
 def test_a_deepspeed_config_file_setting_what_textgym_owns_is_refused_by_name(
@@ -188,7 +189,10 @@ def test_a_deepspeed_config_file_setting_what_textgym_owns_is_refused_by_name(
     (tmp_path / "ds.json").write_text(json.dumps(section))
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
-    with pytest.raises(ConfigError, match=f"sets {key}: .*does not honour"):
+    # what the shipped zero3.yaml passes beside a deepspeed_config_file: the file must still be checked
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+    with pytest.raises(ConfigError, match=f"the DeepSpeed config .*ds.json sets {key}: .*does not honour"):
         sharded_agent()
 
 
@@ -213,7 +217,17 @@ def test_deepspeed_asked_for_without_the_package_says_how_to_install_it(monkeypa
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
     with pytest.raises(
-        ConfigError, match="asks for DeepSpeed, which is not installed: `pip install --no-build"
+        ConfigError,
+        match="asks for DeepSpeed, which is not installed: `DS_BUILD_OPS=0 pip install --no-build",
+    ):
+        sharded_agent()
+
+
+def test_deepspeed_on_cpus_without_a_compiler_says_so(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # DeepSpeed compiles its CPU communication op with it
+    with pytest.raises(
+        ConfigError, match="no C\\+\\+ compiler was found .*/nonexistent/c\\+\\+.*install one"
     ):
         sharded_agent()
 

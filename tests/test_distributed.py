@@ -191,6 +191,29 @@ def test_accelerate_launch_with_a_shipped_config_starts_two_processes_asking_for
         assert f"process {rank} of 2: {asks}" in result.stdout
 
 
+SAVE_TIED = """
+import sys
+from textgym.agents.ppo import LMPPO
+LMPPO("tiny-random-llama", None, seed=0, verbose=0).save(sys.argv[1])  # its LM head is its embeddings
+"""
+
+
+def test_a_zero3_checkpoint_of_tied_weights_holds_what_one_process_writes(tmp_path):
+    from safetensors import safe_open
+
+    (tmp_path / "save.py").write_text(SAVE_TIED)
+    for cmd, out, shard in (([sys.executable], "one", None), (TORCHRUN, "two", "zero3")):
+        result = run_cmd([*cmd, str(tmp_path / "save.py"), str(tmp_path / out)], shard=shard)
+        assert result.returncode == 0, result.stderr[-3000:]
+    tensors = {}
+    for out in ("one", "two"):
+        with safe_open(tmp_path / out / "policy" / "model.safetensors", "pt") as f:
+            tensors[out] = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (not iterable)
+    assert tensors["two"].keys() == tensors["one"].keys()  # the tied LM head is written once, as unsharded
+    for key, value in tensors["one"].items():
+        assert torch.equal(tensors["two"][key], value)
+
+
 EVAL = """
 [eval]
 every = 2
@@ -232,7 +255,14 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
                       shard=shard)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > 3
+    assert "this resume is" not in resumed.stdout  # sharded as it was trained: nothing to say
     assert LMPPO.load(out / "checkpoint").iteration > 3
+    # without the sharding variables the checkpoint resumes data-parallel, and the run says so
+    plain = run_cmd(
+        [*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=200"]
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert f"was trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
 def test_resuming_with_another_number_of_processes_is_refused(config, tmp_path):

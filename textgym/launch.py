@@ -78,12 +78,19 @@ def check_processes(
     run, env = config["run"], config["env"]
     if world > 1:
         if resuming and run["processes"] != world:
+            how = (
+                f"textgym train --resume {run['output_dir']}, without a launcher"
+                if run["processes"] == 1
+                else f"torchrun --nproc_per_node {run['processes']}"
+            )
             raise ConfigError(
                 f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
-                f"(torchrun --nproc_per_node {run['processes']}), not {world}: the seeds and the batch split depend on it."
+                f"({how}), not {world}: the seeds and the batch split depend on it."
             )
         if not is_lm_agent(agent_class):
-            raise ConfigError("Stable-Baselines3 agents train in one process; run them without torchrun.")
+            raise ConfigError(
+                "Stable-Baselines3 agents train in one process; run them without torchrun or accelerate launch."
+            )
         run["processes"] = world
     if env["num_envs"] % run["processes"]:
         raise ConfigError(

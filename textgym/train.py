@@ -292,6 +292,15 @@ def _run_native(
                 f"textgym: the policy is sharded over {dist.world} processes ({agent.sharding_engine})"
             )
         )
+    trained = getattr(agent, "trained_sharding", None)
+    if resuming and trained != agent.sharding_engine:  # the checkpoint resumes either way: say which
+        dist.on_main(
+            lambda: print(
+                f"textgym: {rd.path} was trained {f'sharded with {trained}' if trained else 'unsharded'}; this "
+                f"resume is {f'sharded with {agent.sharding_engine}' if agent.sharded else 'not sharded'} "
+                f"({SHARDING_HOW})"
+            )
+        )
 
     def resumed() -> None:
         dropped = rd.truncate_samples(agent.iteration)
@@ -352,7 +361,16 @@ def _run_native(
     gather_checkpoint(agent)
     dist.on_main(lambda: rd.write_checkpoint(agent.save))
     after = samples() if not stopped else None
-    return dist.on_main(lambda: _finish(rd, agent.history, stopped, after, has_kl=True)) or rd.path
+    return (
+        dist.on_main(lambda: _finish(rd, agent.history, stopped, after, True, agent.sharding_engine))
+        or rd.path
+    )
+
+
+SHARDING_HOW = (
+    "sharding follows the launch: the same accelerate launch --config_file, or ACCELERATE_USE_FSDP=true or "
+    "ACCELERATE_USE_DEEPSPEED=true in the environment; see docs/distributed.md"
+)
 
 
 def _finish(
@@ -361,12 +379,16 @@ def _finish(
     stopped: bool,
     samples: Any,
     has_kl: bool,
+    sharding: str | None = None,
 ) -> Path:
     """The plot and, unless ``stopped``, the after-training sample table (``samples()``) and summary."""
     if history:
         plot(rd.path / "reward_kl.png", history, "reward", "kl" if has_kl else None)
     if stopped:
-        print(f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {rd.path}")
+        again = f" (sharded with {sharding}: {SHARDING_HOW})" if sharding else ""
+        print(
+            f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {rd.path}{again}"
+        )
         return rd.path
     _report(rd, "samples_after.jsonl", samples(), "after training")
     _print_trend(history, "reward")
@@ -460,4 +482,4 @@ def _run_sb3(
                 remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, tb_log_name="run"
             )
     rd.write_checkpoint(save)
-    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), has_kl=False)
+    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), False)
