@@ -185,7 +185,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.skipped_steps = state.get("skipped_steps", 0)
         agent.score_moments = RunningMoments(**state["score_moments"])
         agent.history = state["history"]
-        agent.trained_sharding = state.get("sharding")
+        agent.trained_sharding = state.get("sharding", agent.sharding_engine)  # older checkpoints: unknown
         agent.load_extra_state(state.get("extra", {}))
     except (ConfigError, TrainingError):
         raise

@@ -193,8 +193,18 @@ def test_accelerate_launch_with_a_shipped_config_starts_two_processes_asking_for
 
 SAVE_TIED = """
 import sys
+import torch.distributed
 from textgym.agents.ppo import LMPPO
-LMPPO("tiny-random-llama", None, seed=0, verbose=0).save(sys.argv[1])  # its LM head is its embeddings
+
+
+def main():  # the agent is freed before the process group ends (a gloo group left to shutdown can abort)
+    LMPPO("tiny-random-llama", None, seed=0, verbose=0).save(sys.argv[1])  # its LM head is its embeddings
+
+
+main()
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """
 
 
