@@ -232,6 +232,15 @@ def test_deepspeed_on_cpus_without_a_compiler_says_so(monkeypatch):
         sharded_agent()
 
 
+def test_a_deepspeed_device_other_than_the_agents_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # the agent trains on the CPU here
+    with pytest.raises(
+        ConfigError, match="DS_ACCELERATOR=cuda in the environment, but the agent trains on cpu"
+    ):
+        sharded_agent()
+
+
 def test_asking_for_fsdp_and_deepspeed_at_once_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
