@@ -74,10 +74,6 @@ class LMAgent(SB3Contract):
         # bf16 autocast is textgym's own (see autocast()): the Accelerator's mixed-precision setting is a
         # process-wide singleton, which would forbid two agents of different precision in one process.
         # textgym shards itself: see agents/sharding.py (FSDP2) and agents/zero3.py (DeepSpeed ZeRO-3)
-        if not torch.cuda.is_available():  # what DeepSpeed would guess, said: transformers' save_pretrained
-            os.environ.setdefault(
-                "DS_ACCELERATOR", "cpu"
-            )  # imports it when installed, and it warns on guessing
         zero, fsdp = zero3.zero3_requested(on_gpu), sharding.fsdp_requested()
         if zero is not None and fsdp is not None:
             raise ConfigError(
@@ -118,7 +114,7 @@ class LMAgent(SB3Contract):
             if self.ref_policy is not None:
                 self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.device)
             self.engine, self.optimizer, params = zero3.initialize(
-                model, modules, self.zero3, c.learning_rate, c.max_grad_norm, self.device, bf16
+                model, modules, self.zero3, self._adamw, c.max_grad_norm, self.device, bf16
             )
             self.policy = self.engine  # training forwards go through the engine; rollouts: rollout_model
             self.modules = dict(self.engine.module.extra.items())
@@ -142,23 +138,26 @@ class LMAgent(SB3Contract):
     ) -> tuple[Any, Any, dict[str, nn.Module], list[nn.Parameter]]:
         """Shard with FSDP2 when asked, make the AdamW, and let accelerate wrap them (DDP under torchrun).
         Returns the policy, the optimizer, the modules and the trainable parameters."""
-        c = self.config
         if self.fsdp is not None:  # every model and module: one kind of parameter (see agents/sharding.py)
             model = sharding.shard(model, self.fsdp, self.device)  # to the device one unit at a time
             if self.ref_policy is not None:
                 self.ref_policy = sharding.shard(self.ref_policy, self.fsdp, self.device)
             modules = {k: sharding.shard_module(m, self.fsdp, self.device) for k, m in modules.items()}
         params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
-        try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
-            optimizer = torch.optim.AdamW(params, lr=c.learning_rate, fused=True)
-        except (RuntimeError, TypeError):
-            optimizer = torch.optim.AdamW(params, lr=c.learning_rate)
+        optimizer = self._adamw(params)
         if self.fsdp is not None:
             prepared = [model, *modules.values(), self.accelerator.prepare(optimizer)]
         else:
             prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
         # the policy is DDP-wrapped under torchrun
         return prepared[0], prepared[-1], dict(zip(modules, prepared[1:-1])), params
+
+    def _adamw(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The agent's AdamW, sharded or not (DeepSpeed steps its shards through this one too)."""
+        try:  # the fused kernel is ~3x faster per step on the CPU (and on GPUs) than the default
+            return torch.optim.AdamW(params, lr=self.config.learning_rate, fused=True)
+        except (RuntimeError, TypeError):
+            return torch.optim.AdamW(params, lr=self.config.learning_rate)
 
     # -- what subclasses implement -------------------------------------------------------------------
     @property

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from textgym.agents import zero3
+from textgym.agents.zero3 import is_zero3
 from textgym.errors import ConfigError
 
 __all__ = [
@@ -212,17 +214,15 @@ def is_sharded(t: torch.Tensor) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a sharded tensor (FSDP2's DTensor, or a DeepSpeed ZeRO-3 parameter's flat
     shard); the tensor itself otherwise."""
-    if hasattr(t, "ds_tensor"):
+    if is_zero3(t):
         return t.ds_tensor
     return t.to_local() if is_sharded(t) else t
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded one, gathered from every process (collective); the tensor otherwise."""
-    if hasattr(t, "ds_id"):
-        from textgym.agents.zero3 import full_tensor as gather
-
-        return gather(t)
+    if is_zero3(t):
+        return zero3.full_tensor(t)
     return t.full_tensor() if is_sharded(t) else t
 
 

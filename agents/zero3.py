@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +84,17 @@ def _env(name: str) -> str:
 
 def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     """The ``zero_optimization`` section the environment asks for (``ACCELERATE_USE_DEEPSPEED=true``), None
-    without it. ``accelerate launch`` passes the config's ``deepspeed_config`` as ``ACCELERATE_*`` variables
+    without it (on a machine without GPUs, ``DS_ACCELERATOR`` is set to ``cpu`` either way). ``accelerate launch`` passes the config's ``deepspeed_config`` as ``ACCELERATE_*`` variables
     and a ``deepspeed_config_file`` as a path: both are checked.
 
     Raises:
         ConfigError: without the deepspeed package (or, on CPUs, a C++ compiler); for a ZeRO stage other
             than 3, offloading, or a setting textgym owns (see the module doc).
     """
+    if not torch.cuda.is_available():  # DeepSpeed's own guess, said: it warns when it guesses, and
+        os.environ.setdefault(
+            "DS_ACCELERATOR", "cpu"
+        )  # transformers' save_pretrained imports it when installed
     if _env("ACCELERATE_USE_DEEPSPEED") not in ("1", "true"):
         return None
     # DeepSpeed picks its device once per process, from this variable or by guessing: the agent's device
@@ -234,10 +239,12 @@ def _partition(module: nn.Module, config: dict[str, Any], device: torch.device) 
 
 
 def initialize(
-    model: nn.Module, modules: dict[str, nn.Module], zero: dict[str, Any], learning_rate: float,
-    max_grad_norm: float, device: torch.device, bf16: bool,
+    model: nn.Module, modules: dict[str, nn.Module], zero: dict[str, Any],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], max_grad_norm: float,
+    device: torch.device, bf16: bool,
 ) -> tuple[Any, Any, list[nn.Parameter]]:  # fmt: skip
-    """Start the training engine over ``model`` and ``modules`` with torch's AdamW. Returns the engine, its
+    """Start the training engine over ``model`` and ``modules`` with the agent's optimizer (``make_optimizer``
+    over the trainable parameters: the same AdamW as unsharded, so checkpoints agree). Returns the engine, its
     optimizer and the trainable parameters (in the order of an unsharded agent's optimizer: the policy's,
     then each module's), now ZeRO-3 parameters that each hold one shard (``ds_tensor``)."""
     import deepspeed
@@ -247,12 +254,8 @@ def initialize(
     config = _engine_config(zero, max_grad_norm)
     _partition(box, config, device)
     params = [p for p in box.parameters() if p.requires_grad]
-    try:  # fused, as an unsharded agent's: the same kernel, and checkpoints that say the same
-        optimizer = torch.optim.AdamW(params, lr=learning_rate, fused=True)
-    except (RuntimeError, TypeError):
-        optimizer = torch.optim.AdamW(params, lr=learning_rate)
     engine, optimizer, _, _ = deepspeed.initialize(
-        model=box, optimizer=optimizer, config=config, dist_init_required=False
+        model=box, optimizer=make_optimizer(params), config=config, dist_init_required=False
     )
     return engine, optimizer, params
 

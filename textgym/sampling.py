@@ -207,7 +207,7 @@ def _no_grad(model: Any) -> Any:
     cannot reuse."""
     import torch
 
-    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 (without importing deepspeed)
+    if hasattr(next(model.parameters()), "ds_id"):  # ZeRO-3 converts every parameter (no deepspeed import)
         return torch.no_grad()
     try:
         from torch.distributed.fsdp import FSDPModule
