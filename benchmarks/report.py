@@ -49,15 +49,19 @@ update further, but it is not used here because the comparison holds the setting
 
 REWARD_NOTES = """\
 How. The former `fluency` ran the trunk and the LM head (576 x 49,152, a fifth of SmolLM2's weights)
-over every position of padded batches and built a (B, W, 49,152) log-softmax. Now rows are sorted by
-length, the prefix that a batch's prompts share (the chat template's system prompt; the whole prompt when
-a group method scores several completions of one prompt) runs once, the head runs only on the positions
-that predict a completion token, and log p = logit - logsumexp. `rm_score` sorts and shares the prefix
+over every position of padded batches of 16 and built a (B, W, 49,152) log-softmax. Now rows are sorted
+by length into batches of 32, the prefix that a batch's prompts share (the chat template's system prompt;
+the whole prompt when a group method scores several completions of one prompt) runs once, the head runs
+only on the positions that predict a completion token, and log p = logit - logsumexp, taken 32 rows at a
+time so that each pass over the logits reads them from the cache. `rm_score` sorts and shares the prefix
 the same way (its score head is already tiny); `similarity` (MiniLM, bidirectional, so no prefix to share)
 sorts and embeds each distinct text once. In fp32 the trunk's matmuls over the tokens that remain are
 the floor, so the speed-up stays near the ratio of the work above, and that ratio depends on how much the
-prompts share (nothing shared: the *no shared prefix* column). Past that, bf16 is the lever (this CPU has
-avx512_bf16); it is on by default on GPUs only, because it moves the scores.
+prompts share (nothing shared: the *no shared prefix* column). Past that, bf16 is the lever: this CPU has
+AMX, which runs bf16 matmuls several times faster than fp32. With `bf16 = true` the three plugins store
+their linear layers' weights in bf16 once, at load, instead of letting autocast cast them at every call
+(the scores are bit for bit those of autocast over fp32 weights; a test checks it). bf16 is on by default
+on GPUs only, because it moves the scores.
 """
 
 
@@ -111,7 +115,7 @@ def reward_section(w: dict) -> list[str]:
     lines += [
         "",
         "The model-based rewards, each variant timed in the same run, alternating within every repetition. "
-        "*before*: the former code on the same loaded model (padded batches in arrival order, no shared "
+        "*before*: the former code on the same loaded model (padded batches in arrival order, of 16 for `fluency`, no shared "
         "prefix, and for `fluency` logits and a log-softmax over the 49,152-token vocabulary at every "
         "position). *no shared prefix*: the current code with `share_prefix = false`. *bf16*: the current "
         "code with `bf16 = true` (autocast; the default on GPUs, opt-in on the CPU). The last columns give "

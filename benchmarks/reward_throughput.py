@@ -48,12 +48,16 @@ def batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[start : start + size] for start in range(0, len(items), size)]
 
 
+FLUENCY_BATCH_BEFORE = 16  # the former default batch size
+
+
 def fluency_before(reward: Any, samples: Sequence[Sample]) -> list[float]:
-    """``fluency`` before: padded batches in arrival order, logits and a (B, W, V) log-softmax everywhere."""
+    """``fluency`` before: padded batches of 16 in arrival order, logits and a (B, W, V) log-softmax
+    everywhere."""
     import torch
 
     out: list[float] = []
-    for batch in batches(samples, reward.batch_size):
+    for batch in batches(samples, FLUENCY_BATCH_BEFORE):
         pairs = [reward._ids(s) for s in batch]
         width = max(len(p) + len(c) for p, c in pairs)
         ids = torch.full((len(pairs), width), reward.tokenizer.pad_token_id, dtype=torch.long)
@@ -116,7 +120,7 @@ def fluency_work(reward: Any, samples: Sequence[Sample]) -> dict[str, float]:
     from textgym.scoring import length_sorted_batches
 
     pairs = [reward._ids(s) for s in samples]
-    before = sum(len(b) * max(len(p) + len(c) for p, c in b) for b in batches(pairs, reward.batch_size))
+    before = sum(len(b) * max(len(p) + len(c) for p, c in b) for b in batches(pairs, FLUENCY_BATCH_BEFORE))
     trunk = head = 0
     for rows in length_sorted_batches([len(p) + len(c) for p, c in pairs], reward.batch_size):
         prefix, ids, _, predicts = reward._layout([pairs[i] for i in rows])

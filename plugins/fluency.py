@@ -9,6 +9,7 @@ from textgym import Sample, hookimpl
 from textgym.sampling import logits_to_keep
 from textgym.scoring import (
     autocast,
+    bf16_linears,
     chat_prompt,
     check_positive,
     distinct_n,
@@ -22,6 +23,7 @@ from textgym.scoring import (
 )
 
 HEAD_CHUNK = 2048  # positions per LM-head call: bounds the (N, V) logits at 2048 x V floats
+LSE_ROWS = 32  # logits rows per logsumexp: 32 x 49,152 floats (6 MB) stay in the CPU's cache between passes
 
 
 class Fluency:
@@ -52,7 +54,7 @@ class Fluency:
         chat_template: bool | str = "auto",
         repetition_penalty: float = 0.0,
         n: int = 2,
-        batch_size: int = 16,
+        batch_size: int = 32,
         max_length: int = 512,
         device: str = "auto",
         bf16: bool | None = None,
@@ -69,6 +71,8 @@ class Fluency:
         self.bf16 = resolve_bf16(bf16, self.device)
         self.share_prefix = share_prefix
         self.split = lm_head_split(self.model)  # (trunk, head), or None: the model's own forward
+        if self.bf16:
+            bf16_linears(self.model)  # after lm_head_split, whose check runs outside autocast
         self.chat = uses_chat_template(self.tokenizer, chat_template)
         self.repetition_penalty, self.n = repetition_penalty, n
         self.batch_size, self.max_length = batch_size, max_length
@@ -158,11 +162,16 @@ class Fluency:
 
 
 def token_logprobs(logits: Any, tokens: Any) -> Any:
-    """log p(token) = logit - logsumexp(logits) from (N, V) logits: no (N, V) log-softmax tensor."""
+    """log p(token) = logit - logsumexp(logits) from (N, V) logits, with no (N, V) log-softmax tensor. It
+    runs LSE_ROWS rows at a time, so that logsumexp's passes over a chunk (max, exp, sum) read it from the
+    cache rather than from memory: 3x faster than one pass over 1,700 x 49,152 logits, the same values."""
     import torch
 
-    logits = logits.float()
-    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)  # (N,)
+    chunks = []
+    for rows, targets in zip(logits.split(LSE_ROWS), tokens.split(LSE_ROWS)):
+        rows = rows.float()
+        chunks.append(rows.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(rows, -1))
+    return torch.cat(chunks)  # (N,)
 
 
 @hookimpl

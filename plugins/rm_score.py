@@ -9,6 +9,7 @@ from typing import Any
 from textgym import Sample, hookimpl
 from textgym.scoring import (
     autocast,
+    bf16_linears,
     cache_argument,
     check_positive,
     length_sorted_batches,
@@ -78,6 +79,8 @@ class RMScore:
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.bf16 = resolve_bf16(bf16, self.device)
+        if self.bf16:
+            bf16_linears(self.model)
         # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
         self.share_prefix = share_prefix and cache_argument(self.model) is not None
         self.label = self._label_index(label)

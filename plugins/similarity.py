@@ -7,7 +7,14 @@ from typing import Any
 
 from textgym import Sample, hookimpl
 from textgym.errors import RewardError
-from textgym.scoring import autocast, check_positive, length_sorted_batches, resolve_bf16, resolve_device
+from textgym.scoring import (
+    autocast,
+    bf16_linears,
+    check_positive,
+    length_sorted_batches,
+    resolve_bf16,
+    resolve_device,
+)
 
 
 def minilm_dir() -> str:
@@ -46,6 +53,8 @@ class Similarity:
         self.bf16 = resolve_bf16(bf16, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path).to(self.device).eval()
+        if self.bf16:
+            bf16_linears(self.model)
         self.target, self.reference_key = target, reference_key
         self.batch_size, self.max_length = batch_size, max_length
         self._cache: dict[str, Any] = {}

@@ -111,6 +111,34 @@ def test_fluency_bf16_is_opt_in_on_the_cpu_and_close(tiny):
     np.testing.assert_allclose(a, b, rtol=0, atol=0.05)
 
 
+def linear_dtypes(model):
+    return {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("name", ["fluency", "rm_score", "similarity"])
+def test_bf16_casts_the_linear_weights_once_and_scores_as_autocast_did(name, tiny, reward_model_dir):
+    kwargs = {"fluency": {"model": "tiny-random-llama"}, "rm_score": {"model": reward_model_dir}}.get(
+        name, {}
+    )
+    samples = [s(x.completion, prompt=x.prompt, reference="A cat is sitting on a mat.") for x in SAMPLES]
+    cast = make_reward(name, bf16=True, **kwargs)
+    per_call = make_reward(name, **kwargs)
+    per_call.bf16 = True  # autocast over fp32 weights, cast again at every call
+    assert linear_dtypes(cast.model) == {torch.bfloat16} and linear_dtypes(per_call.model) == {torch.float32}
+    assert cast.model.get_input_embeddings().weight.dtype == torch.float32  # autocast never casts it
+    assert cast(samples) == per_call(samples)  # bit for bit
+
+
+def test_token_logprobs_in_chunks_equal_a_log_softmax():
+    from textgym.plugins.fluency import LSE_ROWS, token_logprobs
+
+    torch.manual_seed(0)
+    logits, tokens = torch.randn(3 * LSE_ROWS + 5, 1000) * 4, torch.randint(0, 1000, (3 * LSE_ROWS + 5,))
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, tokens), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(token_logprobs(logits.bfloat16(), tokens), expected, rtol=0, atol=0.1)
+
+
 def test_bf16_default_and_bad_values():
     assert resolve_bf16(None, "cpu") is False
     assert resolve_bf16(None, "cuda") is True and resolve_bf16(None, "cuda:1") is True

@@ -44,6 +44,22 @@ def autocast(device: str, bf16: bool) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
+def bf16_linears(model: Any) -> None:
+    """Store the weights and biases of ``model``'s linear layers in bf16, once, for a frozen model that runs
+    under bf16 :func:`autocast`. Autocast would cast them from fp32 at every call (on a 2-core CPU with
+    AMX, a quarter of a bf16 ``fluency`` call); cast ahead, every result is bit for bit the same. A weight
+    that a linear layer shares with another module (the LM head tied to the input embedding) is untied
+    first: the embedding keeps its fp32 table, which autocast never casts."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            for name in ("weight", "bias"):
+                value = getattr(module, name)
+                if value is not None and value.dtype == torch.float32:
+                    setattr(module, name, torch.nn.Parameter(value.detach().bfloat16(), requires_grad=False))
+
+
 def check_positive(**values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
