@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from textgym.agents import sharding, zero3
+from textgym.agents import precision, sharding, zero3
 from textgym.agents.batch_checks import batch_statistics, check_totals, recombine_totals
 from textgym.agents.distributed import Collective, cpu_has_native_bf16
 from textgym.agents.lm_config import LMAgentConfig, make_config
@@ -33,7 +33,7 @@ from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tenso
 from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
-from textgym.sampling import logits_to_keep, rollout
+from textgym.sampling import Rollout, logits_to_keep, rollout
 
 __all__ = [
     "COMMON_STATS",
@@ -275,6 +275,13 @@ class LMAgent(SB3Contract):
         episode (every forward of a sharded model needs every process). None otherwise: no collective."""
         return self.dist.any if self.sharded else None
 
+    def rollout(self, env: TextGenVectorEnv, **kwargs: Any) -> Rollout:
+        """:func:`~textgym.sampling.rollout` of the policy on ``env`` in the agent's precision (see
+        agents/precision.py), in lockstep when sharded. ``kwargs`` go to the rollout."""
+        model = self.rollout_model
+        with self.autocast(), precision.bf16_linear_weights(model, self.bf16 and not self.sharded):
+            return rollout(model, env, lockstep=self.lockstep, **kwargs)
+
     # -- forwards ------------------------------------------------------------------------------------
     def forward(
         self, model: Any, batch: RolloutBatch, hidden: bool = False
@@ -310,23 +317,30 @@ class LMAgent(SB3Contract):
             entropy = entropy_from_logits(logits, self.config.temperature)
         return logprobs, entropy, last_hidden
 
+    def sequence_logprobs(
+        self, model: Any, batch: RolloutBatch, hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (N, T) of the response tokens under ``model`` at the sampling temperature (0 on
+        environment tokens), and its last hidden states (N, T, H) if asked: whole-sequence forwards without
+        gradients in the agent's precision, one micro-batch at a time."""
+        chunks, states = [], []
+        step = self.config.micro_batch_size or len(batch)
+        for start in range(0, len(batch), step):
+            mb = batch.select(torch.arange(start, min(start + step, len(batch))))
+            with torch.no_grad():
+                with self.autocast():
+                    logits, last_hidden = self.forward(model, mb, hidden=hidden)
+                tokens = mb.response_ids.to(self.device)
+                chunks.append(logprobs_from_logits(logits, tokens, self.config.temperature).cpu())
+            states.append(last_hidden)
+        return torch.cat(chunks) * batch.action_mask, torch.cat(states) if hidden else None
+
     def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs (N, T) of the response tokens under the reference, at the sampling temperature."""
-        chunks = []
-        step = self.config.micro_batch_size or len(batch)
-        with torch.no_grad():
-            for start in range(0, len(batch), step):
-                mb = batch.select(torch.arange(start, min(start + step, len(batch))))
-                if self.ref_policy is None:  # LoRA: the same weights with the adapter disabled
-                    with self.rollout_model.disable_adapter():
-                        logits, _ = self.forward(self.rollout_model, mb)
-                else:
-                    logits, _ = self.forward(self.ref_policy, mb)
-                logprobs = logprobs_from_logits(
-                    logits, mb.response_ids.to(self.device), self.config.temperature
-                )
-                chunks.append(logprobs.cpu())
-        return torch.cat(chunks) * batch.action_mask  # environment tokens are not actions: no KL there
+        if self.ref_policy is None:  # LoRA: the same weights with the adapter disabled
+            with self.rollout_model.disable_adapter():
+                return self.sequence_logprobs(self.rollout_model, batch)[0]
+        return self.sequence_logprobs(self.ref_policy, batch)[0]
 
     def sequence_kl(self, batch: RolloutBatch) -> torch.Tensor:
         """KL(policy || reference) per completion (N,): the sum over its tokens of log pi - log pi_ref for the
@@ -341,12 +355,10 @@ class LMAgent(SB3Contract):
                 self._kl_reference = (
                     self._load_policy(self.policy_source).requires_grad_(False).to(self.device)
                 )
-            with torch.no_grad():
-                logits, _ = self.forward(self._kl_reference, batch)
-            ref = logprobs_from_logits(
-                logits, batch.response_ids.to(self.device), self.config.temperature
-            ).cpu()
-        return ((batch.logprobs - ref) * batch.action_mask).sum(1)
+            ref = self.sequence_logprobs(self._kl_reference, batch)[0]
+        # bf16: the policy's side from the same kind of forward as the reference's (agents/precision.py)
+        policy = self.sequence_logprobs(self.rollout_model, batch)[0] if self.bf16 else batch.logprobs
+        return ((policy - ref) * batch.action_mask).sum(1)
 
     # -- one batch of episodes -----------------------------------------------------------------------
     def shape_scores(self, raw: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
@@ -377,14 +389,12 @@ class LMAgent(SB3Contract):
         options = {"group_size": self.group_size} if self.group_size > 1 else None
         error, r = None, None
         try:  # a reward plugin may fail on one process only: all processes must learn of it (agree below)
-            r = rollout(
-                self.rollout_model,
+            r = self.rollout(
                 env,
                 temperature=self.config.temperature,
                 seed=self.seed * 1_000_003 + self.iteration,
                 options=options,
-                keep_hidden=keep_hidden,
-                lockstep=self.lockstep,
+                keep_hidden=keep_hidden and not self.bf16,  # bf16: from the forward below
             )
         except TextgymError as exc:
             error = exc
@@ -393,7 +403,10 @@ class LMAgent(SB3Contract):
         t_reward = env.reward_seconds - reward_before
         if getattr(stack, "aggregate", "sum") != "sum":
             recombine_totals(stack, r)
-        batch = RolloutBatch.from_rollout(r)
+        batch, hidden = RolloutBatch.from_rollout(r), r.hidden
+        if self.bf16:  # the behaviour log-probs from whole-sequence forwards, as training's (precision.py)
+            batch.logprobs, hidden = self.sequence_logprobs(self.rollout_model, batch, hidden=keep_hidden)
+            t_rollout = time.perf_counter() - start  # this forward counts as rollout time
         error = None
         try:
             check_totals(batch.raw_scores, r.infos, self.config.max_abs_score)
@@ -415,10 +428,8 @@ class LMAgent(SB3Contract):
                 "time/tokens_per_s": float(mask.sum()) / max(t_rollout, 1e-9),
             }
         )
-        self.last_episodes = self.dist.gather_objects(
-            r.infos
-        )  # every process's episodes (the main one writes)
-        return batch, r.hidden
+        self.last_episodes = self.dist.gather_objects(r.infos)  # every process's (the main one writes)
+        return batch, hidden
 
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
         """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""

@@ -153,7 +153,7 @@ class LMPPO(LMAgent):
         whitening is over every process's). ``hidden``: the rollout's last hidden states, recomputed if None."""
         c = self.config
         mask = batch.action_mask.float()  # agent tokens: a multi-turn episode's replies are observations
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():  # the values in the precision that training computes them in
             if hidden is None:
                 _, hidden = self.forward(self.rollout_model, batch, hidden=True)
             values = self.unwrap(self.value_head)(hidden.to(self.device)).float().cpu() * mask

@@ -1,6 +1,6 @@
-"""bf16 autocast against fp32 on this CPU, side by side: ``model.generate``, textgym's rollout (against
-``generate`` in the same precision), an LMPPO iteration, and how far the PPO ratio is from 1 before the first
-update when rollout and training both run in bf16.
+"""bf16 autocast against fp32 on this CPU, side by side: ``model.generate``, textgym's rollout as an agent
+runs it (against ``generate`` in the same precision; in bf16 also without the once-per-rollout cast of the
+linear weights), an LMPPO iteration, and how far the PPO ratio is from 1 before the first update.
 
     python -m benchmarks.bf16_cpu [--quick]
 """
@@ -15,6 +15,8 @@ import textgym
 from benchmarks.common import chat_prompts, left_padded_prompts, median, timed, write_result
 from textgym import TextGenVectorEnv
 from textgym.agents.ppo import LMPPO
+from textgym.agents.precision import bf16_linear_weights
+from textgym.agents.rollout_batch import RolloutBatch
 from textgym.sampling import rollout
 
 
@@ -38,8 +40,11 @@ def main() -> None:
                                   do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id)  # fmt: skip
 
-    def env_rollout(bf16: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    def env_rollout(bf16: bool, cast: bool = True):
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+            bf16_linear_weights(model, bf16 and cast),
+        ):
             return rollout(model, env, temperature=0, keep_hidden=True)
 
     times: dict[str, list[float]] = {}
@@ -50,10 +55,12 @@ def main() -> None:
             tag = "bf16" if bf16 else "fp32"
             times.setdefault(f"generate_{tag}", []).append(timed(lambda: generate(bf16))[0])
             times.setdefault(f"rollout_{tag}", []).append(timed(lambda: env_rollout(bf16))[0])
+        times.setdefault("rollout_autocast_only_bf16", []).append(timed(lambda: env_rollout(True, False))[0])
     result = {k: median(v) for k, v in times.items()}
 
     # An LMPPO iteration (16 x 24 tokens, 2 epochs, 2 minibatches, micro-batch 8) in each precision, and the
-    # ratio of training to rollout log-probs before any update.
+    # ratio of the training log-probs (the whole batch in one forward) to the behaviour log-probs (fp32: the
+    # rollout's; bf16: whole-sequence forwards in micro-batches of 8) before any update.
     train_env = TextGenVectorEnv(
         num_envs=4 if args.quick else 16, model=name, prompts="chat", max_new_tokens=4 if args.quick else 24,
         rewards=[{"name": "length_penalty", "target": 16}], autoreset_mode="Disabled",
@@ -66,6 +73,14 @@ def main() -> None:
             logprobs, _, _ = agent.policy_logprobs(batch_)
         ratio = (logprobs - batch_.logprobs).exp()[batch_.response_mask.bool()]
         result[f"ratio_max_abs_dev_{tag}"] = float((ratio - 1).abs().max())
+        result[f"ratio_mean_abs_dev_{tag}"] = float((ratio - 1).abs().mean())
+        if bf16:  # the rollout's own log-probs (token by token) against whole-sequence forwards of its tokens
+            own = RolloutBatch.from_rollout(agent.rollout(train_env, temperature=1.0, seed=1))
+            whole, _ = agent.sequence_logprobs(agent.rollout_model, own)
+            gap = (own.logprobs - whole)[own.action_mask.bool()].abs()
+            result.update(
+                rollout_vs_whole_max_bf16=float(gap.max()), rollout_vs_whole_mean_bf16=float(gap.mean())
+            )
         iteration = []
         for _ in range(2):
             agent.learn(1, reset_num_timesteps=False)

@@ -229,8 +229,10 @@ def bf16_section(b: dict | None) -> list[str]:
         "## bf16 against fp32 on this CPU",
         "",
         f"`python -m benchmarks.bf16_cpu`. {b['model']}, batch {b['batch']}, {b['new_tokens']} new tokens, "
-        "greedy; bf16 is `torch.autocast` (weights stay fp32). An LMPPO iteration is 16 episodes x 24 tokens, "
-        "2 epochs x 2 minibatches, micro-batch 8. Medians of alternated runs.",
+        "greedy; bf16 is `torch.autocast` over the fp32 weights, and textgym's rollout, as an agent runs it, "
+        "also casts the linear layers' weights to bf16 once per rollout (agents/precision.py). An LMPPO "
+        "iteration is 16 episodes x 24 tokens, 2 epochs x 2 minibatches, micro-batch 8. Medians of alternated "
+        "runs.",
         "",
         "| | fp32 (s) | bf16 (s) | fp32 / bf16 |",
         "|---|---|---|---|",
@@ -242,11 +244,27 @@ def bf16_section(b: dict | None) -> list[str]:
         f"**{b['iteration_fp32'] / b['iteration_bf16']:.2f}x** |",
         "",
         f"Rollout against `generate` in the same precision: {b['rollout_fp32'] / b['generate_fp32']:.2f} in "
-        f"fp32, {b['rollout_bf16'] / b['generate_bf16']:.2f} in bf16. The PPO ratio before the first update "
-        f"(rollout and training log-probs of the same tokens) is 1 within {b['ratio_max_abs_dev_fp32']:.1e} "
-        f"in fp32 and {b['ratio_max_abs_dev_bf16']:.1e} in bf16: bf16 rounds the two forwards (one "
-        "token at a time with a KV cache, then the whole sequence at once) differently. The default on CPUs "
-        "stays fp32 (`bf16 = false`); see docs/training.md for when to turn it on.",
+        f"fp32, {b['rollout_bf16'] / b['generate_bf16']:.2f} in bf16"
+        + (
+            f" (without the weight cast, autocast alone, the bf16 rollout took {b['rollout_autocast_only_bf16']:.2f} s)"
+            if "rollout_autocast_only_bf16" in b
+            else ""
+        )
+        + ". The PPO ratio before the first update (the training forward's log-probs over the whole batch "
+        "against the behaviour log-probs of the same tokens) is 1 within "
+        f"{b['ratio_max_abs_dev_fp32']:.1e} in fp32 (largest deviation over the tokens), where the behaviour "
+        f"log-probs are the rollout's own, and within {b['ratio_max_abs_dev_bf16']:.2f} in bf16"
+        + (
+            f" (mean {b['ratio_mean_abs_dev_bf16']:.3f}), where they come from whole-sequence forwards in "
+            "micro-batches of 8. That is bf16's rounding, which differs with the rows a forward holds. The "
+            "rollout's own bf16 log-probs differ from whole-sequence ones by as much (largest "
+            f"{b['rollout_vs_whole_max_bf16']:.2f}, mean {b['rollout_vs_whole_mean_bf16']:.3f}): recomputing "
+            "them does not remove that noise; it gives the behaviour, reference and training log-probs one "
+            "kind of forward, so that an unchanged policy's KL to the reference is exactly 0"
+            if "ratio_mean_abs_dev_bf16" in b
+            else ""
+        )
+        + ". The default on CPUs stays fp32 (`bf16 = false`); see docs/training.md for when to turn it on.",
         "",
     ]
 

@@ -55,12 +55,8 @@ def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int)
     from textgym.agent_config import is_lm_agent
 
     if is_lm_agent(type(model)) and env.autoreset_mode.value == "Disabled":
-        from textgym.sampling import rollout
-
         temperature = 0.0 if deterministic else model.config.temperature
-        return rollout(
-            model.rollout_model, env, temperature=temperature, seed=seed, lockstep=model.lockstep
-        ).infos
+        return model.rollout(env, temperature=temperature, seed=seed).infos
     obs, _ = env.reset(seed=seed)
     done = np.zeros(env.num_envs, dtype=bool)
     episodes: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]

@@ -269,7 +269,6 @@ class Evaluator:
         import torch
 
         from textgym.agents.rollout_batch import RolloutBatch
-        from textgym.sampling import rollout
 
         if self._env is None:
             self._env = gymnasium.make_vec(
@@ -286,13 +285,11 @@ class Evaluator:
         for round_ in range(math.ceil(n / env.num_envs)):
             # Explicit prompt indices and seeds: every evaluation sees the same prompts and random stream.
             prompts = [(round_ * env.num_envs + i) % env.num_prompts for i in range(env.num_envs)]
-            r = rollout(
-                agent.rollout_model,
+            r = agent.rollout(  # sharded: every process evaluates, in step (same prompts, seeds)
                 env,
                 temperature=agent.config.temperature,
                 seed=self.spec["seed"] + round_,
                 options={"prompts": prompts},
-                lockstep=agent.lockstep,  # sharded: every process evaluates, in step (same prompts, seeds)
             )
             batch = RolloutBatch.from_rollout(r)
             with torch.no_grad():

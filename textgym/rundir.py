@@ -28,6 +28,7 @@ MARKER = ".textgym-run"
 LOCK = ".lock"
 CHECKPOINT = "checkpoint"
 CRASH_VAR = "TEXTGYM_CRASH_AT"  # crash-consistency tests kill the process at a named point
+INTERRUPT_VAR = "TEXTGYM_INTERRUPT_AT"  # the Ctrl-C tests send the process SIGINT at a named point
 
 
 _crash_counts: dict[str, int] = {}
@@ -35,7 +36,10 @@ _crash_counts: dict[str, int] = {}
 
 def crash_point(name: str) -> None:
     """Kill this process with SIGKILL when ``$TEXTGYM_CRASH_AT`` is ``name`` or ``name:N`` (the N-th time
-    this point is reached): the crash-consistency tests use it to cut a run at exact moments."""
+    this point is reached): the crash-consistency tests use it to cut a run at exact moments. Send it
+    SIGINT (a Ctrl-C) when ``$TEXTGYM_INTERRUPT_AT`` is ``name``."""
+    if os.environ.get(INTERRUPT_VAR) == name:
+        signal.raise_signal(signal.SIGINT)
     wanted = os.environ.get(CRASH_VAR)
     if not wanted or wanted.partition(":")[0] != name:
         return

@@ -44,20 +44,26 @@ def autocast(device: str, bf16: bool) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
-def bf16_linears(model: Any) -> None:
-    """Store the weights and biases of ``model``'s linear layers in bf16, once, for a frozen model that runs
-    under bf16 :func:`autocast`. Autocast would cast them from fp32 at every call (on a 2-core CPU with
-    AMX, a quarter of a bf16 ``fluency`` call); cast ahead, every result is bit for bit the same. A weight
-    that a linear layer shares with another module (the LM head tied to the input embedding) is untied
-    first: the embedding keeps its fp32 table, which autocast never casts."""
+def bf16_linears(model: Any) -> list[tuple[Any, str, Any]]:
+    """Store the weights and biases of ``model``'s linear layers in bf16, for a model that runs under bf16
+    :func:`autocast`. Autocast would cast them from fp32 at every call (on a 2-core CPU with AMX, a
+    quarter of a bf16 ``fluency`` call, and a cast of every weight per token in a rollout); cast ahead,
+    every result is bit for bit the same. A weight that a linear layer shares with another module (the LM
+    head tied to the input embedding) is replaced in the linear layer only: the embedding keeps its fp32
+    table, which autocast never casts. Returns ``(module, name, fp32 parameter)`` for each replacement, to
+    put them back (:func:`textgym.agents.precision.bf16_linear_weights`)."""
     import torch
 
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            for name in ("weight", "bias"):
-                value = getattr(module, name)
-                if value is not None and value.dtype == torch.float32:
-                    setattr(module, name, torch.nn.Parameter(value.detach().bfloat16(), requires_grad=False))
+    replaced = []
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                for name in ("weight", "bias"):
+                    value = module._parameters.get(name)
+                    if value is not None and value.dtype == torch.float32:
+                        module._parameters[name] = torch.nn.Parameter(value.bfloat16(), requires_grad=False)
+                        replaced.append((module, name, value))
+    return replaced
 
 
 def check_positive(**values: Any) -> None:

@@ -275,7 +275,6 @@ def _run_native(
 
     from textgym.agents.checkpoint import gather_checkpoint
     from textgym.diagnostics import training_callbacks
-    from textgym.sampling import rollout
 
     run = config["run"]
     diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
@@ -285,6 +284,7 @@ def _run_native(
         agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
     else:
         agent = agent_class(policy, env, **hyperparameters)
+    crash_point("start-up")  # the model and the env are loaded; training has not begun
     dist = agent.dist  # with one process every collective below is a no-op
     if agent.sharded:
         dist.on_main(
@@ -311,10 +311,7 @@ def _run_native(
         )
 
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        temperature, lockstep = agent.config.temperature, agent.lockstep
-        return rollout(
-            agent.rollout_model, sample_env, temperature=temperature, seed=seed, lockstep=lockstep
-        ).infos
+        return agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed).infos
 
     def samples() -> Any:
         """The sample table, for the main process to write. Sharded, every process rolls it out (each

@@ -1,0 +1,39 @@
+"""bf16 in the agent's forwards without gradients: the rollout, the behaviour log-probs, the reference.
+
+Under ``bf16 = true`` (the default on GPUs) every forward of the policy runs in bf16 autocast, not only the
+training one: the rollout samples from the model in the precision it is trained in, at bf16's speed.
+
+- A rollout calls the model once per token, and autocast would cast every fp32 weight to bf16 at each
+  call. :func:`bf16_linear_weights` casts each linear layer's weight once per rollout instead (the results
+  are bit for bit autocast's), while the fp32 parameters that the optimizer steps stay untouched.
+- The PPO ratio and the KL penalty compare log-probs of the sampled tokens. bf16 rounds a forward
+  differently with its shape: the rollout's token-by-token forwards against a KV cache, a whole-sequence
+  forward, and forwards over different rows all disagree a little (in fp32 within about 2e-5; in bf16 on a
+  CPU by 0.03 in the mean per token, docs/performance.md). So in bf16 the agent takes the behaviour
+  log-probs (and LMPPO's values) again from whole-sequence forwards without gradients, as TRL does: the
+  behaviour, reference and training log-probs then come from one kind of forward, and an unchanged policy's
+  KL to the reference is exactly 0. The noise between micro-batches of different rows remains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+from textgym.scoring import bf16_linears
+
+
+@contextlib.contextmanager
+def bf16_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within the block, ``model``'s linear layers hold bf16 copies of their fp32 weights and biases, made
+    once on entry (one more bf16 copy of those weights in memory); on exit the fp32 parameters are back in
+    place, the same objects. Only for forwards under bf16 autocast, and not for a sharded model, whose
+    parameters are shards."""
+    replaced = bf16_linears(model) if enabled else []
+    try:
+        yield
+    finally:
+        for module, name, value in replaced:
+            module._parameters[name] = value
