@@ -224,8 +224,11 @@ class LMAgent(SB3Contract):
         self.env = env
 
     def autocast(self) -> Any:
-        """bf16 autocast on the agent's device when ``bf16`` is on (the training forwards run in it)."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        """bf16 autocast on the agent's device when ``bf16`` is on (the policy's forwards run in it). Sharded,
+        without autocast's cache of cast weights, which would keep a bf16 copy of every gathered unit."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=not self.sharded
+        )
 
     @property
     def rollout_model(self) -> Any:
@@ -279,8 +282,8 @@ class LMAgent(SB3Contract):
         """:func:`~textgym.sampling.rollout` of the policy on ``env`` in the agent's precision (see
         agents/precision.py), in lockstep when sharded. ``kwargs`` go to the rollout."""
         model = self.rollout_model
-        with self.autocast(), precision.bf16_linear_weights(model, self.bf16 and not self.sharded):
-            return rollout(model, env, lockstep=self.lockstep, **kwargs)
+        with precision.bf16_linear_weights(model, self.bf16 and not self.sharded):
+            return rollout(model, env, lockstep=self.lockstep, precision=self.autocast, **kwargs)
 
     # -- forwards ------------------------------------------------------------------------------------
     def forward(

@@ -60,7 +60,7 @@ def require_tensorboard(what: str) -> None:
 class SB3Contract:
     """``learn``, ``predict``, ``save``, ``load`` and the logger, as Stable-Baselines3 users expect them."""
 
-    # set by LMAgent.__init__; collect_rollouts, train, check_health and rollout_model are LMAgent's too
+    # set by LMAgent.__init__; collect_rollouts, train, check_health, rollout_model and autocast are LMAgent's too
     name: str
     config: Any
     env: TextGenVectorEnv | None
@@ -213,7 +213,7 @@ class SB3Contract:
         mask = mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # (N,) index of each row's newest token
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():  # the agent's precision, as in its rollouts
             logits = self.rollout_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         logits = logits[torch.arange(len(ids)), last].float()  # (N, V)
         if self.env is not None:

@@ -142,6 +142,9 @@ def test_in_bf16_the_rollout_samples_in_bf16_and_the_behaviour_logprobs_are_a_tr
     with torch.no_grad():
         logprobs, _, _ = agent.policy_logprobs(batch)
     assert torch.equal(logprobs * batch.action_mask, batch.logprobs)
+    seen.clear()
+    agent.predict(agent.env.reset(seed=0)[0])  # SB3's predict: in the agent's precision too
+    assert seen == [(True, torch.float32)]
 
 
 @needs_bf16
@@ -165,6 +168,49 @@ def test_bf16_linear_weights_give_autocasts_rollout_and_put_the_parameters_back(
         raise RuntimeError("inside")
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied again
+
+
+def test_a_cast_that_fails_halfway_leaves_the_model_as_it_was():
+    from textgym.scoring import bf16_linears
+
+    class OutOfMemory(dict):  # the third layer's bf16 copy cannot be made
+        def __setitem__(self, key, value):
+            if value.dtype == torch.bfloat16:
+                raise RuntimeError("out of memory")
+            super().__setitem__(key, value)
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    before = list(model.parameters())
+    model[2]._parameters = OutOfMemory(model[2]._parameters)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bf16_linears(model)
+    assert list(model.parameters()) == before and {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@needs_bf16
+def test_rewards_score_outside_the_agents_bf16_autocast():
+    """The autocast covers the policy's forwards only: a reward, and a built-in one left in fp32, runs in
+    its own precision."""
+    seen = []
+
+    def probe(samples):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return [0.0] * len(samples)
+
+    env = TextGenVectorEnv(
+        num_envs=4, model="tiny-random-llama", prompts="chat", max_new_tokens=4, autoreset_mode="Disabled",
+        rewards=RewardStack([(FunctionReward("probe", probe), 1.0)]),
+    )  # fmt: skip
+    GRPO("tiny-random-llama", env, bf16=True, num_generations=2, verbose=0).generate()
+    assert seen and not any(seen)
+
+
+def test_a_sharded_agents_autocast_keeps_no_cast_weights(monkeypatch):
+    """Sharded, autocast's cache would hold a bf16 copy of every unit gathered in one autocast region."""
+    agent = LMPPO(char_llama(), make_env(n=4), verbose=0)
+    assert agent.autocast()._cache_enabled
+    monkeypatch.setattr(LMPPO, "sharded", property(lambda self: True))
+    assert not agent.autocast()._cache_enabled
 
 
 @needs_bf16

@@ -129,6 +129,13 @@ def test_bf16_casts_the_linear_weights_once_and_scores_as_autocast_did(name, tin
     assert cast(samples) == per_call(samples)  # bit for bit
 
 
+def test_a_reward_left_in_fp32_scores_in_fp32_inside_a_callers_bf16_autocast(tiny):
+    reward = make_reward("fluency", model="tiny-random-llama")
+    expected = reward(SAMPLES)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert reward(SAMPLES) == expected
+
+
 def test_token_logprobs_in_chunks_equal_a_log_softmax():
     from textgym.plugins.fluency import LSE_ROWS, token_logprobs
 

@@ -15,6 +15,7 @@ log-probs against that forward).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from collections.abc import Callable
@@ -55,6 +56,7 @@ def rollout(
     options: dict[str, Any] | None = None,
     keep_hidden: bool = False,
     lockstep: Callable[[bool], bool] | None = None,
+    precision: Callable[[], Any] = contextlib.nullcontext,
 ) -> Rollout:
     """Run one episode in every sub-env of ``env`` (``autoreset_mode="Disabled"``), ``model`` choosing the
     tokens. ``temperature=0`` is greedy decoding (log-probs are then taken at temperature 1).
@@ -62,7 +64,10 @@ def rollout(
     ``lockstep`` (a sharded model, whose every forward needs every process): called each step with whether
     this process still has an active episode, it returns whether any process has. A process whose episodes
     have ended keeps feeding pad tokens (results discarded) until none has, so all run the same forwards;
-    its episodes are exactly those it gets without ``lockstep``."""
+    its episodes are exactly those it gets without ``lockstep``.
+
+    ``precision``: a context for each forward of ``model`` (an agent's bf16 autocast). The env and its
+    rewards run outside it, in their own precision."""
     import torch
 
     if env.autoreset_mode.value != "Disabled":
@@ -89,8 +94,13 @@ def rollout(
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
     multi_turn = env.responder is not None
+
+    def forward(**kwargs: Any) -> Any:
+        with precision():
+            return model(**kwargs)
+
     with _no_grad(model):
-        out = model(
+        out = forward(
             input_ids=query_ids[:, start:].to(device),
             attention_mask=mask,
             position_ids=positions,
@@ -110,7 +120,7 @@ def rollout(
                     break
                 tokens = torch.full((n,), env.pad_token_id, dtype=torch.long)
                 mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
-                out = model(
+                out = forward(
                     input_ids=tokens[:, None].to(device),
                     attention_mask=mask,
                     position_ids=next_position,
@@ -168,7 +178,7 @@ def rollout(
                 mask = torch.cat([mask, feed_mask.to(device)], dim=1)
                 keep = logits_to_keep(model, 1)
             length = np.where(active_np, new_length, length)
-            out = model(
+            out = forward(
                 input_ids=feed.to(device),
                 attention_mask=mask,
                 position_ids=feed_positions.to(device),

@@ -37,11 +37,11 @@ def resolve_bf16(bf16: bool | None, device: str) -> bool:
 
 
 def autocast(device: str, bf16: bool) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on ``device`` when ``bf16``, else autocast off there: a reward scores in its own
+    precision, whatever autocast its caller runs in."""
     import torch
 
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def bf16_linears(model: Any) -> list[tuple[Any, str, Any]]:
@@ -55,14 +55,21 @@ def bf16_linears(model: Any) -> list[tuple[Any, str, Any]]:
     import torch
 
     replaced = []
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                for name in ("weight", "bias"):
-                    value = module._parameters.get(name)
-                    if value is not None and value.dtype == torch.float32:
-                        module._parameters[name] = torch.nn.Parameter(value.bfloat16(), requires_grad=False)
-                        replaced.append((module, name, value))
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    for name in ("weight", "bias"):
+                        value = module._parameters.get(name)
+                        if value is not None and value.dtype == torch.float32:
+                            module._parameters[name] = torch.nn.Parameter(
+                                value.bfloat16(), requires_grad=False
+                            )
+                            replaced.append((module, name, value))
+    except BaseException:  # out of memory halfway, or a Ctrl-C: the model as it was, not half cast
+        for module, name, value in replaced:
+            module._parameters[name] = value
+        raise
     return replaced
 
 
