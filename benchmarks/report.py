@@ -58,7 +58,7 @@ the same way (its score head is already tiny); `similarity` (MiniLM, bidirection
 sorts and embeds each distinct text once. In fp32 the trunk's matmuls over the tokens that remain are
 the floor, so the speed-up stays near the ratio of the work above, and that ratio depends on how much the
 prompts share (nothing shared: the *no shared prefix* column). Past that, bf16 is the lever: this CPU has
-AMX, which runs bf16 matmuls several times faster than fp32. With `bf16 = true` the three plugins store
+AMX, matrix instructions for bf16. With `bf16 = true` the three plugins store
 their linear layers' weights in bf16 once, at load, instead of letting autocast cast them at every call
 (the scores are bit for bit those of autocast over fp32 weights; a test checks it). bf16 is on by default
 on GPUs only, because it moves the scores.

@@ -47,7 +47,7 @@ def autocast(device: str, bf16: bool) -> contextlib.AbstractContextManager[Any]:
 def bf16_linears(model: Any) -> list[tuple[Any, str, Any]]:
     """Store the weights and biases of ``model``'s linear layers in bf16, for a model that runs under bf16
     :func:`autocast`. Autocast would cast them from fp32 at every call (on a 2-core CPU with AMX, a
-    quarter of a bf16 ``fluency`` call, and a cast of every weight per token in a rollout); cast ahead,
+    fifth of a bf16 ``fluency`` call, and a cast of every weight per token in a rollout); cast ahead,
     every result is bit for bit the same. A weight that a linear layer shares with another module (the LM
     head tied to the input embedding) is replaced in the linear layer only: the embedding keeps its fp32
     table, which autocast never casts. Returns ``(module, name, fp32 parameter)`` for each replacement, to
