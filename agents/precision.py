@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from textgym.scoring import bf16_linears
+from textgym.scoring import bf16_linears, restore_linears
 
 
 @contextlib.contextmanager
@@ -35,5 +35,4 @@ def bf16_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[None
     try:
         yield
     finally:
-        for module, name, value in replaced:
-            module._parameters[name] = value
+        restore_linears(replaced)

@@ -50,8 +50,8 @@ def bf16_linears(model: Any) -> list[tuple[Any, str, Any]]:
     fifth of a bf16 ``fluency`` call, and a cast of every weight per token in a rollout); cast ahead,
     every result is bit for bit the same. A weight that a linear layer shares with another module (the LM
     head tied to the input embedding) is replaced in the linear layer only: the embedding keeps its fp32
-    table, which autocast never casts. Returns ``(module, name, fp32 parameter)`` for each replacement, to
-    put them back (:func:`textgym.agents.precision.bf16_linear_weights`)."""
+    table, which autocast never casts. Returns ``(module, name, fp32 parameter)`` for each replacement, for
+    :func:`restore_linears` (:func:`textgym.agents.precision.bf16_linear_weights`)."""
     import torch
 
     replaced = []
@@ -67,10 +67,15 @@ def bf16_linears(model: Any) -> list[tuple[Any, str, Any]]:
                             )
                             replaced.append((module, name, value))
     except BaseException:  # out of memory halfway, or a Ctrl-C: the model as it was, not half cast
-        for module, name, value in replaced:
-            module._parameters[name] = value
+        restore_linears(replaced)
         raise
     return replaced
+
+
+def restore_linears(replaced: list[tuple[Any, str, Any]]) -> None:
+    """Put back the fp32 parameters that :func:`bf16_linears` replaced (the same objects)."""
+    for module, name, value in replaced:
+        module._parameters[name] = value
 
 
 def check_positive(**values: Any) -> None:

@@ -358,10 +358,11 @@ def _run_native(
     gather_checkpoint(agent)
     dist.on_main(lambda: rd.write_checkpoint(agent.save))
     after = samples() if not stopped else None
-    return (
-        dist.on_main(lambda: _finish(rd, agent.history, stopped, after, True, agent.sharding_engine))
-        or rd.path
-    )
+
+    def finish() -> Path:
+        return _finish(rd, agent.history, stopped, after, has_kl=True, sharding=agent.sharding_engine)
+
+    return dist.on_main(finish) or rd.path
 
 
 SHARDING_HOW = (
@@ -479,4 +480,4 @@ def _run_sb3(
                 remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, tb_log_name="run"
             )
     rd.write_checkpoint(save)
-    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), False)
+    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), has_kl=False)
