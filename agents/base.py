@@ -5,16 +5,16 @@
 implements those two and, if it has them, extra modules (a value head) and extra state. The base owns the
 rest: loading the policy (zoo name, directory or model object), LoRA, the reference model (a frozen copy, the
 adapter-disabled model, or none when the agent does not need one), ``accelerate``, the optimizer, seeding,
-the forward over prompt + response, reference log-probs, score shaping, guards against non-finite values,
-and, through the :class:`~textgym.agents.sb3_contract.SB3Contract` mixin, SB3's user contract (``learn``
-with callbacks, logger and progress bar, ``predict``, atomic ``save``, ``load``) and the one metrics schema
-every agent logs (:data:`COMMON_STATS`).
+the forward over prompt + response, reference log-probs and score shaping. Two mixins add the rest:
+:class:`~textgym.agents.update_guards.UpdateGuards`, the guards against non-finite losses, gradients and
+weights; :class:`~textgym.agents.sb3_contract.SB3Contract`, SB3's user contract (``learn`` with callbacks,
+logger and progress bar, ``predict``, atomic ``save``, ``load``) and the one metrics schema every agent
+logs (:data:`COMMON_STATS`).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from collections.abc import Callable
@@ -31,6 +31,7 @@ from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tensorboard
 from textgym.agents.tokenizer_check import check_tokenizer
+from textgym.agents.update_guards import UpdateGuards
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import Rollout, logits_to_keep, rollout
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-class LMAgent(SB3Contract):
+class LMAgent(SB3Contract, UpdateGuards):
     """Base class of textgym's LM agents. See the module docstring for the template.
 
     Args:
@@ -437,73 +438,3 @@ class LMAgent(SB3Contract):
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
         """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""
         return batch_statistics(batch, self.dist, self.group_size)
-
-    # -- the optimizer step --------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> bool:
-        """Backward through ``loss`` unless it is not finite (then the step will be skipped)."""
-        finite = bool(torch.isfinite(loss.detach()).all())
-        if not finite:
-            self._bad_loss = True
-            if not self.sharded:  # sharded: the backward's reduce-scatter needs every process (skipped below)
-                return False
-        if self.zero3 is not None:  # a loss that is not finite: NaN gradients, a step the engine skips
-            self.engine.backward(loss if finite else loss * math.nan, scale_wrt_gas=False)
-        else:
-            self.accelerator.backward(loss)
-        return finite
-
-    def optimizer_step(self) -> bool:
-        """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
-        then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
-        if self.zero3 is not None:  # the engine clips to max_grad_norm and skips a non-finite norm itself
-            self.engine.step()
-            self._bad_loss = False
-            if self.optimizer.overflow:
-                self.skipped_steps += 1
-                return False
-            return True
-        if self.sharded:  # DTensor gradients: the norm over every process's shards
-            norm = sharding.clip_grad_norm(self.params, self.config.max_grad_norm)
-        else:
-            norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
-        bad = getattr(self, "_bad_loss", False) or not torch.isfinite(torch.as_tensor(norm)).all()
-        bad = self.dist.any(bad)  # every process skips, or none: the weights stay identical
-        self._bad_loss = False
-        if bad:
-            self.optimizer.zero_grad()
-            self.skipped_steps += 1
-            return False
-        self.optimizer.step()
-        return True
-
-    def weights_are_finite(self) -> bool:
-        """This process's weights (its shards under sharding: combine over processes, as check_health does)."""
-        return all(bool(torch.isfinite(sharding.local(p)).all()) for p in self.params)
-
-    def check_health(self, batch: RolloutBatch | None = None, collective: bool = True) -> None:
-        """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows
-        of) ``batch`` are too: a diverged update (e.g. learning_rate=1e6) stops training here, with its
-        cause, before a checkpoint is written or a rollout samples from NaN. ``collective=False`` checks
-        this process alone (for code that runs on the main process only, such as saving); a sharded agent's
-        check is always collective (each process holds shards; the forward needs all of them)."""
-        batch = batch if batch is not None else getattr(self, "_last_batch", None)
-        finite = self.weights_are_finite()
-        if self.sharded:  # the forward below runs on every process or on none
-            finite = not self.dist.any(not finite)
-        if finite and batch is not None:
-            with torch.no_grad():
-                logits, _ = self.forward(self.rollout_model, batch.select(torch.arange(min(2, len(batch)))))
-            finite = bool(torch.isfinite(logits).all())
-        if collective:
-            finite = not self.dist.any(not finite)
-        if not finite:
-            raise TrainingError(
-                f"the policy's weights or outputs are no longer finite after iteration {self.iteration}: the "
-                f"update diverged (learning_rate={self.config.learning_rate:g}"
-                + (
-                    f", {self.skipped_steps} optimizer steps skipped for non-finite losses or gradients"
-                    if self.skipped_steps
-                    else ""
-                )
-                + "). Lower the learning rate (or max_grad_norm) and resume from the last checkpoint."
-            )
