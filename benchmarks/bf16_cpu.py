@@ -40,12 +40,12 @@ def main() -> None:
                                   do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id)  # fmt: skip
 
-    def env_rollout(bf16: bool, cast: bool = True):
-        with (
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
-            bf16_linear_weights(model, bf16 and cast),
-        ):
-            return rollout(model, env, temperature=0, keep_hidden=True)
+    def env_rollout(bf16: bool, cast: bool = True):  # as LMAgent.rollout runs it: autocast per forward
+        def precision():
+            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+        with bf16_linear_weights(model, bf16 and cast):
+            return rollout(model, env, temperature=0, keep_hidden=True, precision=precision)
 
     times: dict[str, list[float]] = {}
     for bf16 in (False, True):

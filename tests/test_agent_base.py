@@ -133,10 +133,8 @@ def test_in_bf16_the_rollout_samples_in_bf16_and_the_behaviour_logprobs_are_a_tr
         lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), m.weight.dtype))
     )
     batch, _ = agent.generate()
-    assert set(seen[:-1]) == {(True, torch.bfloat16)} and seen[-1] == (
-        True,
-        torch.float32,
-    )  # last: the whole sequence
+    assert set(seen[:-1]) == {(True, torch.bfloat16)}  # the rollout's forwards, on the cast weights
+    assert seen[-1] == (True, torch.float32)  # the whole-sequence forward, on the fp32 parameters
     for name, p in agent.rollout_model.named_parameters():  # the fp32 parameters are back, unchanged
         assert p is params[name][0] and p.dtype == torch.float32 and torch.equal(p, params[name][1])
     with torch.no_grad():
@@ -158,9 +156,8 @@ def test_bf16_linear_weights_give_autocasts_rollout_and_put_the_parameters_back(
         expected = rollout(model, env, seed=3)
         with bf16_linear_weights(model):
             assert model.get_output_embeddings().weight.dtype == torch.bfloat16
-            assert (
-                model.get_input_embeddings().weight.dtype == torch.float32
-            )  # tied: the embedding keeps fp32
+            # tied: the embedding keeps fp32
+            assert model.get_input_embeddings().weight.dtype == torch.float32
             got = rollout(model, env, seed=3)
     assert [e["completion"] for e in got.infos] == [e["completion"] for e in expected.infos]
     assert torch.equal(got.logprobs, expected.logprobs)  # bit for bit
@@ -189,8 +186,8 @@ def test_a_cast_that_fails_halfway_leaves_the_model_as_it_was():
 
 @needs_bf16
 def test_rewards_score_outside_the_agents_bf16_autocast():
-    """The autocast covers the policy's forwards only: a reward, and a built-in one left in fp32, runs in
-    its own precision."""
+    """The autocast covers the policy's forwards only: a reward runs in its own precision (a built-in one
+    left in fp32 stays fp32 even inside a caller's autocast: tests/test_reward_speed.py)."""
     seen = []
 
     def probe(samples):
