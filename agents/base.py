@@ -292,7 +292,8 @@ class LMAgent(SB3Contract, UpdateGuards):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over prompt + response: the logits that chose each response token (N, T, V), and
         the last hidden states they came from (N, T, H) if asked."""
-        # Prompts are left-padded to max_prompt_tokens; columns that are padding in every row are dropped.
+        # Prompts are left-padded to max_prompt_tokens; columns that are padding in every row are dropped
+        # (the batch lives on the host: reading its mask waits for no device work).
         start = int(batch.query_mask.any(0).long().argmax())
         query_ids, query_mask = batch.query_ids[:, start:], batch.query_mask[:, start:]
         ids = torch.cat([query_ids, batch.response_ids], dim=1).to(self.device)  # (N, P'+T)

@@ -91,9 +91,10 @@ class GroupAgent(LMAgent):
 
     def loss(
         self, mb: GroupBatch, logprobs: torch.Tensor, totals: dict[str, Any]
-    ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """The loss of micro-batch ``mb`` (its share of the optimizer step's, see ``totals``) and statistics
-        as (sum, count) pairs, averaged over the update."""
+        as (sum, count) pairs, averaged over the update. Keep them tensors (``x.sum()``, not ``float(...)``):
+        they are read once, when the update ends, not once per micro-batch (each read waits for the GPU)."""
         raise NotImplementedError
 
     def collect_rollouts(self) -> GroupBatch:
@@ -125,12 +126,13 @@ class GroupAgent(LMAgent):
         mb_size = math.ceil(n / c.steps_per_generation)
         micro = c.micro_batch_size or mb_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
-        sums: dict[str, list[float]] = {}
+        # statistics stay tensors on the device until the update ends: no host read per micro-batch
+        sums: dict[str, list[torch.Tensor | float]] = {}
 
-        def add(name: str, total: float, count: float) -> None:
+        def add(name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
             acc = sums.setdefault(name, [0.0, 0.0])
-            acc[0] += total
-            acc[1] += count
+            acc[0] = acc[0] + total
+            acc[1] = acc[1] + count
 
         for _ in range(c.num_iterations):
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
@@ -143,19 +145,17 @@ class GroupAgent(LMAgent):
                     "max_completion_length": batch.response_ids.shape[1],
                     "world": self.dist.world,
                 }
-                step_loss = 0.0
                 for k, micro_inds in enumerate(micros):
                     mb = batch.select(micro_inds)
                     with self.accumulating(last=k == len(micros) - 1):
                         logprobs, entropy, _ = self.policy_logprobs(mb)
                         loss, stats = self.loss(mb, logprobs, totals)
                         self.backward(loss)
-                    step_loss += float(loss.detach())
                     mask = mb.action_mask.to(entropy.device).float()
-                    add("entropy", float((entropy * mask).sum()), float(mask.sum()))
+                    add("entropy", (entropy.detach() * mask).sum(), mask.sum())
+                    add("loss", loss.detach(), k == len(micros) - 1)  # per step: its micro-batches' sum
                     for name, (total, count) in stats.items():
                         add(name, total, count)
-                add("loss", step_loss, 1)
                 self.optimizer_step()
         totals = {name: (float(self.dist.sum(t)), float(self.dist.sum(c))) for name, (t, c) in sums.items()}
         return {name: t / c if c else math.nan for name, (t, c) in totals.items()}

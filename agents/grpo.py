@@ -64,7 +64,7 @@ class GRPO(GroupAgent):
 
     def loss(
         self, mb: GroupBatch, logprobs: torch.Tensor, totals: dict[str, Any]
-    ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         c = self.config
         mask = mb.loss_mask.to(logprobs.device).float()
         per_token, low, high = clipped_surrogate(
@@ -77,7 +77,7 @@ class GRPO(GroupAgent):
         if c.beta:
             kl = k3_kl(logprobs, mb.ref_logprobs.to(logprobs.device))
             per_token = per_token + c.beta * kl
-            stats["kl_k3_per_token"] = (float((kl.detach() * mask).sum()), float(mask.sum()))
+            stats["kl_k3_per_token"] = ((kl.detach() * mask).sum(), mask.sum())
         loss = aggregate_loss(
             per_token,
             mask,
@@ -90,8 +90,8 @@ class GRPO(GroupAgent):
             loss = loss / totals["num_micro_batches"]
         else:  # a global normaliser: x world size, as data-parallel training averages the processes' gradients
             loss = loss * totals["world"]
-        tokens = float(mask.sum())
-        stats["clip_ratio/low_mean"] = (float((low & mask.bool()).sum()), tokens)
-        stats["clip_ratio/high_mean"] = (float((high & mask.bool()).sum()), tokens)
-        stats["clip_ratio/region_mean"] = (float(((low | high) & mask.bool()).sum()), tokens)
+        tokens, counted = mask.sum(), mask.bool()
+        stats["clip_ratio/low_mean"] = ((low & counted).sum(), tokens)
+        stats["clip_ratio/high_mean"] = ((high & counted).sum(), tokens)
+        stats["clip_ratio/region_mean"] = (((low | high) & counted).sum(), tokens)
         return loss, stats

@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -193,7 +192,9 @@ class LMPPO(LMAgent):
         mb_size = math.ceil(n / c.n_minibatches)
         micro = c.micro_batch_size or mb_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
-        logs: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent")}
+        logs: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent")
+        }
         ratios = []
         for _ in range(c.n_epochs):
             epoch_kls = []
@@ -228,26 +229,28 @@ class LMPPO(LMAgent):
                         loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
                         # x world size: data-parallel training averages the processes' gradients
                         self.backward(loss * mask.sum() / mb_tokens.to(loss.device) * self.dist.world)
+                    # statistics stay tensors on the device until the update ends: no host read per micro-batch
                     with torch.no_grad():
-                        ratio = (logprobs - old["logprobs"]).exp()[mask.bool()]
-                    ratios.append(ratio.cpu())
+                        ratios.append((logprobs - old["logprobs"]).exp()[mask.bool()])
                     for key, value in zip(
                         ("pg", "vf", "clip", "vfclip", "approxkl", "ent"),
                         (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, entropy),
                     ):
-                        logs[key].append(float(value.detach()))
-                    epoch_kls.append(float(approx_kl.detach()))
+                        logs[key].append(value.detach().double())
+                    epoch_kls.append(approx_kl.detach())
                 self.optimizer_step()
-            # every process stops the epochs together
-            if c.target_kl is not None and self.dist.any(np.mean(epoch_kls) > 1.5 * c.target_kl):
+            # every process stops the epochs together (one host read per epoch, with a target only)
+            if c.target_kl is not None and self.dist.any(
+                float(torch.stack(epoch_kls).mean()) > 1.5 * c.target_kl
+            ):
                 break
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
-        all_ratios = self.dist.gather_objects([torch.cat(ratios)])
+        all_ratios = self.dist.gather_objects([torch.cat(ratios).cpu()])
         all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else torch.cat(ratios)
         mask = batch.action_mask.float()
         var_returns = masked_var(self.dist.gather(batch.returns), self.dist.gather(mask))
         residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))
-        means = {k: float(self.dist.sum(np.mean(v)) / self.dist.world) for k, v in logs.items()}
+        means = {k: float(self.dist.sum(torch.stack(v).mean()) / self.dist.world) for k, v in logs.items()}
         return {
             "entropy": means["ent"],
             "loss/policy_avg": means["pg"],

@@ -55,7 +55,7 @@ class RLOO(GroupAgent):
 
     def loss(
         self, mb: GroupBatch, logprobs: torch.Tensor, totals: dict[str, Any]
-    ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         c = self.config
         device = logprobs.device
         mask = mb.loss_mask.to(device).float()
@@ -64,10 +64,10 @@ class RLOO(GroupAgent):
         )
         counted = mask.sum(-1) > 0  # a masked (truncated) completion takes no part
         loss = (per_sequence * counted).sum() / totals["num_sequences"] * totals["world"]
-        n = float(counted.sum())
+        n = counted.sum()
         stats = {
-            "clip_ratio/low_mean": (float((low & counted).sum()), n),
-            "clip_ratio/high_mean": (float((high & counted).sum()), n),
-            "clip_ratio/region_mean": (float(((low | high) & counted).sum()), n),
+            "clip_ratio/low_mean": ((low & counted).sum(), n),
+            "clip_ratio/high_mean": ((high & counted).sum(), n),
+            "clip_ratio/region_mean": (((low | high) & counted).sum(), n),
         }
         return loss, stats

@@ -30,25 +30,27 @@ class UpdateGuards:
     iteration: int
     skipped_steps: int
 
-    def backward(self, loss: torch.Tensor) -> bool:
-        """Backward through ``loss`` unless it is not finite (then the step will be skipped)."""
-        finite = bool(torch.isfinite(loss.detach()).all())
-        if not finite:
-            self._bad_loss = True
-            if not self.sharded:  # sharded: the backward's reduce-scatter needs every process (skipped below)
-                return False
-        if self.zero3 is not None:  # a loss that is not finite: NaN gradients, a step the engine skips
-            self.engine.backward(loss if finite else loss * math.nan, scale_wrt_gas=False)
-        else:
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward through ``loss``; :meth:`optimizer_step` then skips the step if this loss was not finite.
+        Nothing is read back to the host here (no device sync per micro-batch): returns whether the loss was
+        finite as a 0-dim tensor on its device."""
+        finite = torch.isfinite(loss.detach()).all()
+        if self.zero3 is not None:  # x NaN: the engine skips a step whose gradient norm is not finite
+            self.engine.backward(
+                loss * torch.where(finite, 1.0, math.nan).to(loss.dtype), scale_wrt_gas=False
+            )
+        else:  # the step's losses, read with its gradient norm
+            previous = getattr(self, "_losses_finite", None)
+            self._losses_finite = finite if previous is None else previous & finite
             self.accelerator.backward(loss)
         return finite
 
     def optimizer_step(self) -> bool:
         """Clip and apply the accumulated gradients, unless a loss or the gradient norm was not finite:
-        then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped."""
+        then the step is skipped and counted (``train/skipped_steps``). Returns whether it stepped. Reading
+        that back is the step's one device sync."""
         if self.zero3 is not None:  # the engine clips to max_grad_norm and skips a non-finite norm itself
             self.engine.step()
-            self._bad_loss = False
             if self.optimizer.overflow:
                 self.skipped_steps += 1
                 return False
@@ -57,10 +59,11 @@ class UpdateGuards:
             norm = sharding.clip_grad_norm(self.params, self.config.max_grad_norm)
         else:
             norm = self.accelerator.clip_grad_norm_(self.params, self.config.max_grad_norm)
-        bad = getattr(self, "_bad_loss", False) or not torch.isfinite(torch.as_tensor(norm)).all()
-        bad = self.dist.any(bad)  # every process skips, or none: the weights stay identical
-        self._bad_loss = False
-        if bad:
+        ok = torch.isfinite(torch.as_tensor(norm)).all()
+        losses, self._losses_finite = getattr(self, "_losses_finite", None), None
+        if losses is not None:
+            ok = ok & losses.to(ok.device)
+        if self.dist.any(not ok):  # every process skips, or none: the weights stay identical
             self.optimizer.zero_grad()
             self.skipped_steps += 1
             return False
@@ -69,7 +72,9 @@ class UpdateGuards:
 
     def weights_are_finite(self) -> bool:
         """This process's weights (its shards under sharding: combine over processes, as check_health does)."""
-        return all(bool(torch.isfinite(sharding.local(p)).all()) for p in self.params)
+        return bool(
+            torch.stack([torch.isfinite(sharding.local(p)).all() for p in self.params]).all()
+        )  # one sync
 
     def check_health(self, batch: RolloutBatch | None = None, collective: bool = True) -> None:
         """Raise :class:`TrainingError` unless the weights are finite and the policy's logits on (two rows

@@ -75,8 +75,10 @@ def rollout(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, not {temperature}.")
     device = next(model.parameters()).device
-    # Sampling stays on the model's device: per step only the N chosen tokens cross to the host (the env
-    # needs them); logits, log-probs and hidden states stay where the model wrote them.
+    # Sampling stays on the model's device. Per step one transfer, the N chosen tokens down (the env needs
+    # them), and on the steps where an episode or a turn ended a second, the rows' state up (which rows are
+    # active, where their next token goes); otherwise the device advances that state itself. Logits,
+    # log-probs, hidden states and the tokens fed back stay where the model wrote them.
     generator = torch.Generator(device=device)
     generator.manual_seed(0 if seed is None else seed)
     obs, _ = env.reset(seed=seed, options=options)
@@ -94,6 +96,8 @@ def rollout(
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
     multi_turn = env.responder is not None
+    every_row = torch.arange(n, device=device)
+    state_np, state = None, None  # (2, N) active flags and next-token columns: the host's copy, the device's
 
     def forward(**kwargs: Any) -> Any:
         with precision():
@@ -118,10 +122,9 @@ def rollout(
             if not active_np.any():  # lockstep only: the other processes' episodes go on
                 if not lockstep(False):
                     break
-                tokens = torch.full((n,), env.pad_token_id, dtype=torch.long)
                 mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
                 out = forward(
-                    input_ids=tokens[:, None].to(device),
+                    input_ids=torch.full((n, 1), env.pad_token_id, dtype=torch.long, device=device),
                     attention_mask=mask,
                     position_ids=next_position,
                     use_cache=True,
@@ -130,7 +133,10 @@ def rollout(
                 )
                 next_position = next_position + 1
                 continue
-            active = torch.from_numpy(active_np).to(device)
+            wanted = np.stack([active_np, np.minimum(length, T - 1)])
+            if state_np is None or not np.array_equal(wanted, state_np):
+                state_np, state = wanted, torch.from_numpy(wanted).to(device)
+            active, cols = state[0].bool(), state[1]  # (a row that has ended keeps its values below)
             logits = out.logits[:, -1, : env.single_action_space.n].float()  # (N, V), on the device
             if scale != 1.0:
                 logits = logits / scale
@@ -146,18 +152,17 @@ def rollout(
                 probs = torch.where(ok, probs, 1.0)  # sampled anyway (uniform); the rollout fails at its end
                 tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             tokens = torch.where(active, tokens, env.pad_token_id)
-            rows = torch.from_numpy(np.flatnonzero(active_np)).to(device)
-            cols = torch.from_numpy(length[active_np]).to(device)
             # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step
             chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
-            logprobs[rows, cols] = (chosen - torch.logsumexp(logits, -1))[rows]
+            step_logprobs = chosen - torch.logsumexp(logits, -1)
+            logprobs[every_row, cols] = torch.where(active, step_logprobs, logprobs[every_row, cols])
             if keep_hidden:
                 h = out.hidden_states[-1][:, -1].float()  # (N, H)
                 if hidden is None:
                     hidden = torch.zeros(n, T, h.shape[-1], device=device)
-                hidden[rows, cols] = h[rows]
-            tokens = tokens.cpu()  # the step's one transfer to the host
-            obs, rewards, terminated, truncated, step_infos = env.step(tokens.numpy())
+                hidden[every_row, cols] = torch.where(active[:, None], h, hidden[every_row, cols])
+            step_tokens = tokens.cpu().numpy()  # the step's one transfer to the host
+            obs, rewards, terminated, truncated, step_infos = env.step(step_tokens)
             scores += rewards  # turn rewards on the steps that end turns, the stack's total on the last
             for i in np.flatnonzero(terminated | truncated):
                 infos[i] = _episode_info(step_infos, i, scores[i])
@@ -168,26 +173,29 @@ def rollout(
                 new_length = obs["attention_mask"][:, P:].sum(1).astype(np.int64)
             # environment tokens appended after each row's agent token (rows still in their episode)
             extra = np.where(env.active, new_length - length - 1, 0)
-            if not extra.any():
+            if not extra.any():  # one new token per row, already on the device
                 mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
                 feed, feed_positions, keep = tokens[:, None], next_position, {}
-            else:
-                feed, feed_mask, feed_positions = _turn_chunk(
-                    obs["input_ids"], P + length, 1 + extra, env.pad_token_id, next_position
-                )
-                mask = torch.cat([mask, feed_mask.to(device)], dim=1)
+                next_position = next_position + 1
+                # each active row's next token goes one column on: predicted on both sides, no transfer
+                state_np = np.stack([state_np[0], np.minimum(state_np[1] + state_np[0], T - 1)])
+                state = torch.stack([state[0], (state[1] + state[0]).clamp(max=T - 1)])
+            else:  # a turn ended: its chunk comes from the env's record, on the host
+                chunk = _turn_chunk(obs["input_ids"], P + length, 1 + extra, env.pad_token_id, next_position)
+                feed, feed_mask, feed_positions = (x.to(device) for x in chunk)
+                mask = torch.cat([mask, feed_mask], dim=1)
                 keep = logits_to_keep(model, 1)
+                next_position = next_position + torch.from_numpy(1 + extra)[:, None].to(device)
             length = np.where(active_np, new_length, length)
             out = forward(
-                input_ids=feed.to(device),
+                input_ids=feed,
                 attention_mask=mask,
-                position_ids=feed_positions.to(device),
+                position_ids=feed_positions,
                 use_cache=True,
                 output_hidden_states=keep_hidden,
                 **{cache_key: out[cache_key]},
                 **keep,
             )
-            next_position = next_position + torch.from_numpy(1 + extra)[:, None].to(next_position.device)
     if not bool(finite):
         raise TrainingError("the model's next-token distribution is not finite; its weights have diverged.")
     logprobs = logprobs.cpu()
