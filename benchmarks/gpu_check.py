@@ -2,19 +2,30 @@
 device, written as one JSON file.
 
     python -m benchmarks.gpu_check                       # on the GPU: SmolLM2, batches 64 and 256, bf16
-    python -m benchmarks.gpu_check --device cpu --model tiny-random-llama --batches 4 --new-tokens 4
+    python -m benchmarks.gpu_check --device cpu --model tiny-random-llama --batches 8 --new-tokens 4
 
 Both sides sample on the device with the same settings (greedy, so they write the same tokens); the env side
 keeps the hidden states for the value head, as LMPPO does. Per agent: seconds per iteration after a warm-up
-one, and peak device memory (GPU) or peak resident memory (CPU).
+one, peak device memory (GPU) or peak resident memory (CPU), and the iteration's logged statistics. On a GPU,
+each side also counts the host syncs it forces (``torch.cuda.set_sync_debug_mode``), in a separate untimed
+call. ``--random-weights`` takes the architecture and tokenizer of a model directory with fresh weights (for
+a machine that cannot install the model's weights; the tokens, not the weights, set the cost). A measurement
+that fails is recorded with its traceback and the others still run; the file is rewritten after each one.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
+import tempfile
 import time
+import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +47,37 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def count_syncs(fn: Callable[[], Any], device: str) -> int | None:
+    """How many synchronizing CUDA operations ``fn`` runs (None off the GPU, where nothing syncs)."""
+    if not device.startswith("cuda"):
+        return None
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def with_random_weights(model_dir: str, seed: int = 0) -> str:
+    """A copy of ``model_dir``'s config and tokenizer files with freshly initialised weights (seed ``seed``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = Path(model_dir)
+    out = Path(tempfile.mkdtemp(prefix="textgym-random-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".gguf")):
+            shutil.copy(path, out / path.name)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32)
+    model.save_pretrained(out)
+    return str(out)
+
+
 def make_env(model: str, tokenizer, batch: int, new_tokens: int) -> TextGenVectorEnv:
     prompts = [tokenizer.decode(ids) for ids in chat_prompts(tokenizer, batch)]
     return TextGenVectorEnv(
@@ -44,11 +86,11 @@ def make_env(model: str, tokenizer, batch: int, new_tokens: int) -> TextGenVecto
     )  # fmt: skip
 
 
-def rollout_vs_generate(args, model, tokenizer, batch: int) -> dict:
+def rollout_vs_generate(args, model, tokenizer, batch: int, bf16: bool) -> dict:
     env = make_env(args.model, tokenizer, batch, args.new_tokens)
     input_ids, mask = left_padded_prompts(env, tokenizer.pad_token_id)
     input_ids, mask = input_ids.to(args.device), mask.to(args.device)
-    autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16)
+    autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=bf16)
 
     def generate():
         with torch.inference_mode(), autocast:
@@ -74,10 +116,16 @@ def rollout_vs_generate(args, model, tokenizer, batch: int) -> dict:
     g, r = median(times["generate"]), median(times["rollout"])
     return {
         "batch": batch,
+        "bf16": bf16,
         "generate_s": g,
         "rollout_s": r,
         "ratio": r / g,
         "rollout_tokens_per_s": tokens / r,
+        "tokens": tokens,
+        "syncs": {
+            "generate": count_syncs(generate, args.device),
+            "rollout": count_syncs(env_rollout, args.device),
+        },
     }
 
 
@@ -88,6 +136,7 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     tokenizer = textgym.load_tokenizer(args.model)
     env = make_env(args.model, tokenizer, batch, args.new_tokens)
     if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     hyperparameters = {**hyperparameters, "micro_batch_size": min(args.micro_batch, batch)}
     agent = cls(
@@ -101,14 +150,33 @@ def agent_iteration(args, name: str, batch: int) -> dict:
         sync(args.device)
         times.append(time.perf_counter() - start)
     memory = torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else peak_rss_mb()
-    return {"agent": name, "batch": batch, "iteration_s": times[-1], "peak_memory_mb": memory,
-            "breakdown": {k: v for k, v in agent.history[-1].items() if k.startswith("time/")}}  # fmt: skip
+    stats = agent.history[-1]
+    syncs = count_syncs(lambda: agent.learn(1, reset_num_timesteps=False), args.device)
+    return {
+        "agent": name,
+        "batch": batch,
+        "iteration_s": times[-1],
+        "peak_memory_mb": memory,
+        "syncs_per_iteration": syncs,
+        "breakdown": {k: v for k, v in stats.items() if k.startswith("time/")},
+        "stats": {k: v for k, v in stats.items() if not k.startswith("time/")},
+    }
+
+
+def attempt(fn: Callable[[], dict], **labels: Any) -> dict:
+    """``fn()``'s result, or ``labels`` with the error and its traceback (the other measurements still run)."""
+    try:
+        return fn()
+    except Exception as exc:
+        traceback.print_exc()
+        return {**labels, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--random-weights", action="store_true", help="--model's architecture, fresh weights")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -116,31 +184,36 @@ def main() -> None:
     parser.add_argument(
         "--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for GPUs"
     )
+    parser.add_argument("--also-fp32-rollout", action="store_true", help="rollout vs generate in fp32 too")
     parser.add_argument("--skip-rollout", action="store_true", help="only the agents' iterations")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
     args = parser.parse_args()
     if args.bf16 is None:
         args.bf16 = args.device.startswith("cuda")
-    result = {
-        "machine": machine(),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "rollout": [],
-        "agents": [],
-    }
+    result: dict[str, Any] = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
+    result.update(weights="random (seed 0)" if args.random_weights else "trained", rollout=[], agents=[])
+    if args.random_weights:
+        args.model = with_random_weights(args.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(section: str, item: dict) -> None:
+        result[section].append(item)
+        print({k: v for k, v in item.items() if k != "traceback"}, flush=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
     if not args.skip_rollout:  # (skipped, the process's peak memory is the agents' alone)
         model, tokenizer = textgym.load_model(args.model)
         model.to(args.device)
-        for batch in args.batches:
-            result["rollout"].append(rollout_vs_generate(args, model, tokenizer, batch))
-            print(result["rollout"][-1], flush=True)
+        precisions = [args.bf16] + ([False] if args.also_fp32_rollout and args.bf16 else [])
+        for bf16 in precisions:
+            for batch in args.batches:
+                record("rollout", attempt(lambda: rollout_vs_generate(args, model, tokenizer, batch, bf16),
+                                          batch=batch, bf16=bf16))  # fmt: skip
         del model
     for name in args.agents:
         for batch in args.batches:
-            result["agents"].append(agent_iteration(args, name, batch))
-            print(result["agents"][-1], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+            record("agents", attempt(lambda: agent_iteration(args, name, batch), agent=name, batch=batch))
     print(f"wrote {args.out}")
 
 

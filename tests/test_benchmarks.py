@@ -40,14 +40,23 @@ def test_quick_multiturn_benchmark_runs_and_reports(tmp_path):
 
 
 def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
+    """As on a machine that cannot install the model's weights: a model directory's architecture and
+    tokenizer, with fresh weights (``--random-weights``)."""
+    import textgym
+
+    model, tokenizer = textgym.load_model("tiny-random-llama")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", "tiny-random-llama",
-         "--batches", "8", "--new-tokens", "4", "--repeats", "1", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", str(tmp_path / "model"),
+         "--random-weights", "--batches", "8", "--new-tokens", "4", "--repeats", "1", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     check = json.loads(out.read_text())
+    assert check["weights"] == "random (seed 0)" and check["args"]["random_weights"] == "True"
+    assert not [row for row in check["rollout"] + check["agents"] if "error" in row]
     assert [row["batch"] for row in check["rollout"]] == [8] and check["rollout"][0]["ratio"] > 0
     assert {row["agent"] for row in check["agents"]} == {"lmppo", "grpo", "grpo-beta0", "rloo"}
     assert all(row["peak_memory_mb"] > 0 and row["iteration_s"] > 0 for row in check["agents"])
