@@ -230,8 +230,8 @@ class LMPPO(LMAgent):
                         # x world size: data-parallel training averages the processes' gradients
                         self.backward(loss * mask.sum() / mb_tokens.to(loss.device) * self.dist.world)
                     # statistics stay tensors on the device until the update ends: no host read per micro-batch
-                    with torch.no_grad():
-                        ratios.append((logprobs - old["logprobs"]).exp()[mask.bool()])
+                    with torch.no_grad():  # (selecting the masked tokens here would sync: at the end)
+                        ratios.append(((logprobs - old["logprobs"]).exp(), mask.bool()))
                     for key, value in zip(
                         ("pg", "vf", "clip", "vfclip", "approxkl", "ent"),
                         (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, entropy),
@@ -245,8 +245,10 @@ class LMPPO(LMAgent):
             ):
                 break
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
-        all_ratios = self.dist.gather_objects([torch.cat(ratios).cpu()])
-        all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else torch.cat(ratios)
+        # the agent's tokens, selected once for the whole update (one sync); every micro-batch has T columns
+        ratios = torch.cat([r for r, _ in ratios])[torch.cat([m for _, m in ratios])].cpu()
+        all_ratios = self.dist.gather_objects([ratios])
+        all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else ratios
         mask = batch.action_mask.float()
         var_returns = masked_var(self.dist.gather(batch.returns), self.dist.gather(mask))
         residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))

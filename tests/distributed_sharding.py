@@ -1,6 +1,6 @@
 """What sharding changes in an LM agent, on two processes (launched by ``torch.distributed.run`` with
-``ACCELERATE_USE_FSDP=true`` for FSDP2, or ``ACCELERATE_USE_DEEPSPEED=true`` for DeepSpeed ZeRO-3;
-tests/test_distributed.py runs it with each):
+``ACCELERATE_USE_FSDP=true`` for FSDP2, or ``ACCELERATE_USE_DEEPSPEED=true`` for DeepSpeed ZeRO-3, or with
+``--ddp`` and neither, for plain data-parallel training; tests/test_distributed.py runs it with each):
 
 - a rollout on every process in lockstep, against the same rollout unsharded: process 0's episodes end after
   2 tokens, process 1's after up to 6, so process 0 must keep stepping its sharded model until process 1 is
@@ -31,7 +31,7 @@ from textgym.sampling import rollout
 
 def main() -> None:
     agent = LMPPO(char_llama(), None, seed=0, verbose=0)
-    if not agent.sharded:
+    if not agent.sharded and "--ddp" not in sys.argv:
         raise SystemExit("the policy is not sharded: run under torchrun with ACCELERATE_USE_FSDP=true")
     print(f"rank {agent.dist.rank}: sharded with {agent.sharding_engine}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -122,12 +122,13 @@ def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+@pytest.mark.parametrize("shard", [None, "fsdp", "zero3"], ids=["ddp", "fsdp", "zero3"])
 def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_every_process(shard):
     # process 0's episodes end after 2 tokens, process 1's after up to 6; a process that stopped stepping
     # (or skipped a backward) would leave the other waiting in a collective forever: the timeout turns that
     # hang into a failure. See tests/distributed_sharding.py.
-    result = run_cmd([*TORCHRUN, str(HERE / "distributed_sharding.py")], shard=shard, timeout=180)
+    script = [str(HERE / "distributed_sharding.py"), *(["--ddp"] if shard is None else [])]
+    result = run_cmd([*TORCHRUN, *script], shard=shard, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"rank 0: sharded with {ENGINE[shard]}" in result.stdout
     assert (

@@ -1,8 +1,10 @@
-"""On a GPU, every read of a device tensor by the host (``float(t)``, ``bool(t)``, ``t.item()``, ``t.cpu()``)
-and every copy from host memory (``t.to(device)``) waits for the device to finish its queued work. The rollout
-and the updates keep those out of their inner loops: a rollout step makes two, as ``generate()`` does, and an
-update's host reads do not grow with its micro-batches. These tests count the calls textgym's own code makes
-(not torch's or transformers'); ``benchmarks/gpu_check.py`` counts the syncs themselves on a GPU."""
+"""On a GPU, every read of a device tensor by the host (``float(t)``, ``bool(t)``, ``t.item()``, ``t.cpu()``,
+selecting with a boolean mask, whose result size the host must learn) and every copy from host memory
+(``t.to(device)``) waits for the device to finish its queued work. A rollout step makes one such crossing, or
+two after a step on which an episode ended; an update's reads do not grow with its micro-batches. (Its
+copies do: each micro-batch's rows go from the host-resident batch to the device.) These tests count the
+calls textgym's own code makes (not torch's or transformers'); ``benchmarks/gpu_check.py`` counts the syncs
+themselves on a GPU."""
 
 import sys
 from collections import Counter
@@ -18,14 +20,13 @@ from textgym.agents.ppo import LMPPO
 from textgym.agents.rloo import RLOO
 from textgym.sampling import rollout
 
-CROSSINGS = ("__float__", "__bool__", "__int__", "__index__", "item", "tolist", "cpu", "to")
+CROSSINGS = ("__float__", "__bool__", "__int__", "__index__", "item", "tolist", "cpu", "to", "__getitem__")
 PACKAGE = (Path(textgym.__file__).parent, Path(sys.modules[LMPPO.__module__].__file__).parent)
 
 
 @pytest.fixture
 def crossings(monkeypatch):
-    """A Counter of host-device crossings (by method) called from files under ``PACKAGE``'s directories;
-    ``.to`` counts only moves to a device, not dtype casts."""
+    """A Counter of host-device crossings (by method) called from files under ``PACKAGE``'s directories."""
     counts = Counter()
     ours = {}
 
@@ -40,9 +41,12 @@ def crossings(monkeypatch):
         original = getattr(torch.Tensor, method)
 
         def counted(self, *args, _original=original, _method=method, **kwargs):
-            moves = _method != "to" or isinstance(
-                args[0] if args else kwargs.get("device"), (str, torch.device)
-            )
+            if _method == "to":  # a move to a device, not a dtype cast
+                moves = isinstance(args[0] if args else kwargs.get("device"), (str, torch.device))
+            elif _method == "__getitem__":  # a boolean mask: the result's size comes from the device
+                moves = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool
+            else:
+                moves = True
             if moves and ours_called(sys._getframe(1)):
                 counts[_method] += 1
             return _original(self, *args, **kwargs)
@@ -69,7 +73,7 @@ def test_a_rollout_step_crosses_between_host_and_device_once_unless_an_episode_e
     assert 0 < ended["ended"] < steps["step"], "the rollout must have steps with and without an ending"
     downloads = steps["step"] + 1  # + the log-probs at the end
     uploads = 2 + ended["ended"]  # the prompts and the first state, + the state after each ending
-    assert crossings["cpu"] == downloads and crossings["to"] <= uploads, (dict(crossings), steps, ended)
+    assert crossings["cpu"] == downloads and crossings["to"] == uploads, (dict(crossings), steps, ended)
     # once per rollout: the prompt columns to drop (a host tensor), whether the logits stayed finite
     assert sum(crossings.values()) - crossings["cpu"] - crossings["to"] <= 2, dict(crossings)
 
