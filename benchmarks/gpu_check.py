@@ -5,7 +5,8 @@ device, written as one JSON file.
     python -m benchmarks.gpu_check --device cpu --model tiny-random-llama --batches 8 --new-tokens 4
 
 Both sides sample on the device with the same settings (greedy, so they write the same tokens); the env side
-keeps the hidden states for the value head, as LMPPO does. Per agent: seconds per iteration after a warm-up
+keeps the hidden states for the value head, as LMPPO does. With ``--also-fp32-rollout`` both sides also run
+without autocast, each repetition running every side in every precision in turn. Per agent: seconds per iteration after a warm-up
 one, peak device memory (GPU) or peak resident memory (CPU), and the iteration's logged statistics. On a GPU,
 each side also counts the host syncs it forces (``torch.cuda.set_sync_debug_mode``), in a separate untimed
 call. ``--random-weights`` takes the architecture and tokenizer of a model directory with fresh weights (for
@@ -86,47 +87,58 @@ def make_env(model: str, tokenizer, batch: int, new_tokens: int) -> TextGenVecto
     )  # fmt: skip
 
 
-def rollout_vs_generate(args, model, tokenizer, batch: int, bf16: bool) -> dict:
+def rollout_vs_generate(args, model, tokenizer, batch: int, precisions: list[bool]) -> list[dict]:
+    """One row per precision (bf16 autocast or not). Within each repetition every side in every precision
+    runs in turn, so that the machine's drift falls on all of them alike."""
     env = make_env(args.model, tokenizer, batch, args.new_tokens)
     input_ids, mask = left_padded_prompts(env, tokenizer.pad_token_id)
     input_ids, mask = input_ids.to(args.device), mask.to(args.device)
-    autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=bf16)
+    calls = {}
+    for bf16 in precisions:
+        autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=bf16)
 
-    def generate():
-        with torch.inference_mode(), autocast:
-            return model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                  do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        def generate(autocast=autocast):
+            with torch.inference_mode(), autocast:
+                return model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                                      do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                      eos_token_id=tokenizer.eos_token_id)  # fmt: skip
 
-    def env_rollout():
-        with autocast:
-            return rollout(model, env, temperature=0, keep_hidden=True)
+        def env_rollout(autocast=autocast):
+            with autocast:
+                return rollout(model, env, temperature=0, keep_hidden=True)
 
-    times = {"generate": [], "rollout": []}
-    generate(), env_rollout()  # warm-up
+        calls[bf16, "generate"], calls[bf16, "rollout"] = generate, env_rollout
+    for fn in calls.values():  # warm-up
+        fn()
+    times: dict[tuple[bool, str], list[float]] = {key: [] for key in calls}
+    tokens = {}
     for _ in range(args.repeats):
-        for name, fn in (("generate", generate), ("rollout", env_rollout)):
+        for key, fn in calls.items():
             sync(args.device)
             start = time.perf_counter()
             out = fn()
             sync(args.device)
-            times[name].append(time.perf_counter() - start)
-            if name == "rollout":
-                tokens = int(out.response_mask.sum())
-    g, r = median(times["generate"]), median(times["rollout"])
-    return {
-        "batch": batch,
-        "bf16": bf16,
-        "generate_s": g,
-        "rollout_s": r,
-        "ratio": r / g,
-        "rollout_tokens_per_s": tokens / r,
-        "tokens": tokens,
-        "syncs": {
-            "generate": count_syncs(generate, args.device),
-            "rollout": count_syncs(env_rollout, args.device),
-        },
-    }
+            times[key].append(time.perf_counter() - start)
+            if key[1] == "rollout":
+                tokens[key[0]] = int(out.response_mask.sum())
+    rows = []
+    for bf16 in precisions:
+        g, r = median(times[bf16, "generate"]), median(times[bf16, "rollout"])
+        rows.append({
+            "batch": batch,
+            "bf16": bf16,
+            "interleaved": True,  # with the other precisions' runs, repetition by repetition
+            "generate_s": g,
+            "rollout_s": r,
+            "ratio": r / g,
+            "rollout_tokens_per_s": tokens[bf16] / r,
+            "tokens": tokens[bf16],
+            "syncs": {
+                "generate": count_syncs(calls[bf16, "generate"], args.device),
+                "rollout": count_syncs(calls[bf16, "rollout"], args.device),
+            },
+        })  # fmt: skip
+    return rows
 
 
 def agent_iteration(args, name: str, batch: int) -> dict:
@@ -163,7 +175,7 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     }
 
 
-def attempt(fn: Callable[[], dict], **labels: Any) -> dict:
+def attempt(fn: Callable[[], Any], **labels: Any) -> Any:
     """``fn()``'s result, or ``labels`` with the error and its traceback (the other measurements still run)."""
     try:
         return fn()
@@ -180,7 +192,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--agents", nargs="+", default=list(AGENTS))
+    parser.add_argument("--agents", nargs="*", default=list(AGENTS), help="none: the rollout alone")
     parser.add_argument(
         "--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for GPUs"
     )
@@ -206,10 +218,12 @@ def main() -> None:
         model, tokenizer = textgym.load_model(args.model)
         model.to(args.device)
         precisions = [args.bf16] + ([False] if args.also_fp32_rollout and args.bf16 else [])
-        for bf16 in precisions:
-            for batch in args.batches:
-                record("rollout", attempt(lambda: rollout_vs_generate(args, model, tokenizer, batch, bf16),
-                                          batch=batch, bf16=bf16))  # fmt: skip
+        for batch in args.batches:
+            rows = attempt(
+                lambda: rollout_vs_generate(args, model, tokenizer, batch, precisions), batch=batch
+            )
+            for row in rows if isinstance(rows, list) else [rows]:
+                record("rollout", row)
         del model
     for name in args.agents:
         for batch in args.batches:

@@ -386,8 +386,13 @@ def gpu_section(
                     if hi != lo and generate_times(hi, True) and generate_times(hi, False)
                     else f"batch {lo}. "
                 )
-                + "The precisions ran one after the other, bf16 first, not interleaved, so this is a lead, not a "
-                "verdict. bf16 stays the GPU default, for its memory and for models whose matrix products, not "
+                + (
+                    ""
+                    if all(row.get("interleaved") for r in runs for row in r["rollout"])
+                    else "The precisions ran one after the other, bf16 first, not interleaved, so this is a lead, "
+                    "not a verdict. "
+                )
+                + "bf16 stays the GPU default, for its memory and for models whose matrix products, not "
                 "kernel launches, set the pace; that case (a 1-8B policy on a GPU) is not measured here."
             )
         lines.append("")

@@ -60,3 +60,21 @@ def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
     assert [row["batch"] for row in check["rollout"]] == [8] and check["rollout"][0]["ratio"] > 0
     assert {row["agent"] for row in check["agents"]} == {"lmppo", "grpo", "grpo-beta0", "rloo"}
     assert all(row["peak_memory_mb"] > 0 and row["iteration_s"] > 0 for row in check["agents"])
+
+
+def test_the_gpu_checks_precisions_alternate_within_each_repetition(tmp_path):
+    """--also-fp32-rollout times bf16 and fp32 in the same repetitions (bf16 autocast runs on any CPU,
+    emulated where it is not native; the agents, which refuse that, are left out)."""
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", "tiny-random-llama",
+         "--bf16", "--also-fp32-rollout", "--agents", "--batches", "2", "--new-tokens", "3", "--repeats", "2",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    check = json.loads(out.read_text())
+    assert [(row["batch"], row["bf16"], row["interleaved"]) for row in check["rollout"]] == [
+        (2, True, True), (2, False, True)
+    ]  # fmt: skip
+    assert check["agents"] == [] and all(row["tokens"] > 0 for row in check["rollout"])
