@@ -21,7 +21,6 @@ import atexit
 import json
 import shutil
 import tempfile
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 import textgym
-from benchmarks.common import chat_prompts, left_padded_prompts, machine, median, peak_rss_mb
+from benchmarks.common import chat_prompts, left_padded_prompts, machine, median, peak_rss_mb, timed
 from textgym import TextGenVectorEnv
 from textgym.sampling import rollout
 
@@ -46,6 +45,18 @@ AGENTS = {
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def timed_on(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``common.timed`` for work queued on ``device``: the seconds until it has finished, and its result."""
+
+    def finished() -> Any:
+        out = fn()
+        sync(device)
+        return out
+
+    sync(device)
+    return timed(finished)
 
 
 def count_syncs(fn: Callable[[], Any], device: str) -> int | None:
@@ -114,11 +125,8 @@ def rollout_vs_generate(args, model, tokenizer, batch: int, precisions: list[boo
     tokens = {}
     for _ in range(args.repeats):
         for key, fn in calls.items():
-            sync(args.device)
-            start = time.perf_counter()
-            out = fn()
-            sync(args.device)
-            times[key].append(time.perf_counter() - start)
+            seconds, out = timed_on(args.device, fn)
+            times[key].append(seconds)
             if key[1] == "rollout":
                 tokens[key[0]] = int(out.response_mask.sum())
     rows = []
@@ -154,13 +162,8 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     agent = cls(
         args.model, env, device=args.device, bf16=args.bf16, verbose=0, learning_rate=1e-6, **hyperparameters
     )
-    times = []
-    for _ in range(2):  # a warm-up iteration, then the measured one
-        sync(args.device)
-        start = time.perf_counter()
-        agent.learn(1, reset_num_timesteps=False)
-        sync(args.device)
-        times.append(time.perf_counter() - start)
+    # a warm-up iteration, then the measured one
+    times = [timed_on(args.device, lambda: agent.learn(1, reset_num_timesteps=False))[0] for _ in range(2)]
     memory = torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else peak_rss_mb()
     stats = agent.history[-1]
     syncs = count_syncs(lambda: agent.learn(1, reset_num_timesteps=False), args.device)
