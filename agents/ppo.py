@@ -195,7 +195,7 @@ class LMPPO(LMAgent):
         logs: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent")
         }
-        ratios = []
+        ratio_chunks = []  # (ratios, mask) per micro-batch, on the device
         for _ in range(c.n_epochs):
             epoch_kls = []
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
@@ -231,7 +231,7 @@ class LMPPO(LMAgent):
                         self.backward(loss * mask.sum() / mb_tokens.to(loss.device) * self.dist.world)
                     # statistics stay tensors on the device until the update ends: no host read per micro-batch
                     with torch.no_grad():  # (selecting the masked tokens here would sync: at the end)
-                        ratios.append(((logprobs - old["logprobs"]).exp(), mask.bool()))
+                        ratio_chunks.append(((logprobs - old["logprobs"]).exp(), mask.bool()))
                     for key, value in zip(
                         ("pg", "vf", "clip", "vfclip", "approxkl", "ent"),
                         (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, entropy),
@@ -246,7 +246,7 @@ class LMPPO(LMAgent):
                 break
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
         # the agent's tokens, selected once for the whole update (one sync); every micro-batch has T columns
-        ratios = torch.cat([r for r, _ in ratios])[torch.cat([m for _, m in ratios])].cpu()
+        ratios = torch.cat([r for r, _ in ratio_chunks])[torch.cat([m for _, m in ratio_chunks])].cpu()
         all_ratios = self.dist.gather_objects([ratios])
         all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else ratios
         mask = batch.action_mask.float()
