@@ -167,6 +167,86 @@ def test_bf16_linear_weights_give_autocasts_rollout_and_put_the_parameters_back(
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied again
 
 
+def lora_model(**config):
+    """tiny-random-llama with a LoRA adapter whose B is not zero, so that the adapter changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    from textgym.models import load_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        load_model("tiny-random-llama")[0], LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **config)
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "lora_magnitude" in name:
+                parameter.normal_(0, 0.5)
+    return model.eval()
+
+
+def test_a_lora_rollout_samples_from_the_adapters_folded_into_the_bf16_copy():
+    """In the bf16 copy the adapters are folded into the base weights and switched off: the logits are
+    those of peft's own merge under autocast (bit for bit), not those of the base model; on exit the
+    fp32 parameters and the adapters are back."""
+    import copy
+
+    from textgym.agents.precision import bf16_linear_weights, foldable_lora_layers
+
+    model = lora_model()
+    layers = foldable_lora_layers(model)
+    assert len(layers) == 2 * model.config.num_hidden_layers
+    merged = copy.deepcopy(model).merge_and_unload()
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    before = dict(model.named_parameters())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, through = merged(ids).logits, model(ids).logits
+        with model.disable_adapter():
+            base = model(ids).logits
+        with bf16_linear_weights(model):
+            got = model(ids).logits
+            assert all(
+                m.disable_adapters and m.get_base_layer().weight.dtype == torch.bfloat16 for m in layers
+            )
+    assert torch.equal(got, expected)
+    assert (got - base).abs().max() > 20 * (got - through).abs().max()  # the adapter is in, up to bf16
+    assert dict(model.named_parameters()) == before and {p.dtype for p in before.values()} == {torch.float32}
+    assert not any(m.disable_adapters for m in layers)
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"use_dora": True}, {"modules_to_save": ["lm_head"]}, {"trainable_token_indices": [1, 2]}],
+    ids=["dora", "modules_to_save", "trainable_tokens"],
+)
+def test_an_adapter_that_is_not_plain_lora_is_not_folded(config):
+    """DoRA rescales the folded weight's columns, and with the adapters off peft runs the original of a
+    module it trains a copy of: neither is a change of the base weights alone, so the rollout runs through
+    the adapters (with the other weights still cast once)."""
+    from textgym.agents.precision import bf16_linear_weights, foldable_lora_layers
+
+    model = lora_model(**config)
+    assert foldable_lora_layers(model) == [] and any(hasattr(m, "lora_A") for m in model.modules())
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), bf16_linear_weights(model):
+        assert not any(m.disable_adapters for m in model.modules() if hasattr(m, "lora_A"))
+        assert torch.isfinite(model(ids).logits).all()
+
+
+@needs_bf16
+def test_a_bf16_lora_agent_rolls_out_with_the_adapters_folded_and_learns_through_them():
+    seen = []
+    agent = GRPO(
+        "tiny-random-llama", tiny_env(n=4, tokens=4), num_generations=4, bf16=True, verbose=0,
+        lora={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+    )  # fmt: skip
+    layer = next(m for m in agent.rollout_model.modules() if hasattr(m, "lora_A"))
+    layer.register_forward_hook(lambda m, args, out: seen.append(m.disable_adapters))
+    agent.learn(16)
+    assert True in seen and False in seen  # folded while sampling, through the adapter in the updates
+    assert any(p.grad is not None for n, p in agent.rollout_model.named_parameters() if "lora_" in n)
+
+
 def test_a_cast_that_fails_halfway_leaves_the_model_as_it_was():
     from textgym.scoring import bf16_linears
 
