@@ -10,7 +10,9 @@ without autocast, each repetition running every side in every precision in turn.
 one, peak device memory (GPU) or peak resident memory (CPU), and the iteration's logged statistics. On a GPU,
 each side also counts the host syncs it forces (``torch.cuda.set_sync_debug_mode``), in a separate untimed
 call. ``--random-weights`` takes the architecture and tokenizer of a model directory with fresh weights (for
-a machine that cannot install the model's weights; the tokens, not the weights, set the cost). A measurement
+a machine that cannot install the model's weights; the tokens, not the weights, set the cost), and
+``--override`` changes its config (a larger policy of the same family). The LoRA agents (``lmppo-lora``,
+``grpo-lora``) also time their bf16 rollout with the adapters folded against through them. A measurement
 that fails is recorded with its traceback and the others still run; the file is rewritten after each one.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import shutil
 import tempfile
@@ -34,12 +37,23 @@ from benchmarks.common import chat_prompts, left_padded_prompts, machine, median
 from textgym import TextGenVectorEnv
 from textgym.sampling import rollout
 
+LORA = {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 AGENTS = {
     "lmppo": ("textgym.agents.ppo:LMPPO", dict(n_epochs=1, n_minibatches=1, micro_batch_size=32)),
     "grpo": ("textgym.agents.grpo:GRPO", dict(num_generations=8, beta=0.04, micro_batch_size=32)),
     "grpo-beta0": ("textgym.agents.grpo:GRPO", dict(num_generations=8, beta=0.0, micro_batch_size=32)),
     "rloo": ("textgym.agents.rloo:RLOO", dict(num_generations=8, micro_batch_size=32)),
+    # LoRA: the adapter trains; the reference is the same model with the adapter disabled
+    "lmppo-lora": (
+        "textgym.agents.ppo:LMPPO",
+        dict(n_epochs=1, n_minibatches=1, micro_batch_size=32, lora=LORA),
+    ),
+    "grpo-lora": (
+        "textgym.agents.grpo:GRPO",
+        dict(num_generations=8, beta=0.04, micro_batch_size=32, lora=LORA),
+    ),
 }
+DEFAULT_AGENTS = ["lmppo", "grpo", "grpo-beta0", "rloo"]
 
 
 def sync(device: str) -> None:
@@ -74,8 +88,9 @@ def count_syncs(fn: Callable[[], Any], device: str) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def with_random_weights(model_dir: str, seed: int = 0) -> str:
-    """A copy of ``model_dir``'s config and tokenizer files with freshly initialised weights (seed ``seed``)."""
+def with_random_weights(model_dir: str, device: str, override: dict[str, Any], seed: int = 0) -> str:
+    """A copy of ``model_dir``'s config (with the fields in ``override`` changed) and tokenizer files, with
+    freshly initialised weights (seed ``seed``; initialised on ``device``, which is fast for a large model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = Path(model_dir)
@@ -85,7 +100,9 @@ def with_random_weights(model_dir: str, seed: int = 0) -> str:
         if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".gguf")):
             shutil.copy(path, out / path.name)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32)
+    with torch.device(device):
+        config = AutoConfig.from_pretrained(src, **override)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     return str(out)
 
@@ -155,6 +172,7 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     cls = getattr(__import__(module, fromlist=[attribute]), attribute)
     tokenizer = textgym.load_tokenizer(args.model)
     env = make_env(args.model, tokenizer, batch, args.new_tokens)
+    gc.collect()  # the agent measured before this one, freed (agents hold reference cycles)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -166,16 +184,40 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     times = [timed_on(args.device, lambda: agent.learn(1, reset_num_timesteps=False))[0] for _ in range(2)]
     memory = torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else peak_rss_mb()
     stats = agent.history[-1]
+    weights = list(agent.policy.parameters()) + [p for m in agent.modules.values() for p in m.parameters()]
     syncs = count_syncs(lambda: agent.learn(1, reset_num_timesteps=False), args.device)
+    folding = lora_fold_comparison(agent, args.device, args.repeats) if "lora" in name and args.bf16 else {}
     return {
+        **folding,
         "agent": name,
         "batch": batch,
         "iteration_s": times[-1],
         "peak_memory_mb": memory,
+        "parameters": sum(p.numel() for p in weights),
+        "trainable_parameters": sum(p.numel() for p in weights if p.requires_grad),
         "syncs_per_iteration": syncs,
         "breakdown": {k: v for k, v in stats.items() if k.startswith("time/")},
         "stats": {k: v for k, v in stats.items() if not k.startswith("time/")},
     }
+
+
+def lora_fold_comparison(agent: Any, device: str, repeats: int) -> dict[str, float]:
+    """A LoRA agent's rollout (greedy, its precision) as it runs, in bf16 with the adapters folded into
+    the weight copy (agents/precision.py), against the same rollout through the adapters (the fold switched
+    off here): median seconds of each, the two alternating."""
+    from textgym.agents import precision
+
+    fold = precision.foldable_lora_layers
+    sides = {"folded": fold, "adapters": lambda model: []}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, choose in sides.items():
+            precision.foldable_lora_layers = choose
+            try:
+                times[name].append(timed_on(device, lambda: agent.rollout(agent.env, temperature=0))[0])
+            finally:
+                precision.foldable_lora_layers = fold
+    return {f"rollout_{name}_s": median(t) for name, t in times.items()}
 
 
 def attempt(fn: Callable[[], Any], **labels: Any) -> Any:
@@ -192,10 +234,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--random-weights", action="store_true", help="--model's architecture, fresh weights")
+    parser.add_argument(
+        "--override",
+        type=json.loads,
+        default={},
+        help="with --random-weights: config fields to change (JSON)",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--agents", nargs="*", default=list(AGENTS), help="none: the rollout alone")
+    parser.add_argument(
+        "--agents", nargs="*", default=DEFAULT_AGENTS, choices=list(AGENTS), help="none: the rollout alone"
+    )
     parser.add_argument(
         "--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for GPUs"
     )
@@ -208,8 +258,10 @@ def main() -> None:
         args.bf16 = args.device.startswith("cuda")
     result: dict[str, Any] = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(weights="random (seed 0)" if args.random_weights else "trained", rollout=[], agents=[])
+    if args.override and not args.random_weights:
+        parser.error("--override changes the architecture: it needs --random-weights")
     if args.random_weights:
-        args.model = with_random_weights(args.model)
+        args.model = with_random_weights(args.model, args.device, args.override)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def record(section: str, item: dict) -> None:

@@ -271,11 +271,20 @@ def bf16_section(b: dict | None) -> list[str]:
 
 
 def gpu_section(
-    g: dict | None, before: dict | None = None, micro: dict | None = None, train_rows: list | None = None
+    g: dict | None,
+    before: dict | None = None,
+    micro: dict | None = None,
+    train_rows: list | None = None,
+    interleaved: dict | None = None,
+    big: list[dict] | None = None,
+    lora: list[dict] | None = None,
 ) -> list[str]:
     """From gpu_check.json and, where present, gpu_check_before.json (the same check on the code before the
-    rollout and the updates stopped reading back per step and per micro-batch), gpu_check_micro256.json and
-    gpu_train_copy.csv (a short `textgym train` on the same GPU)."""
+    rollout and the updates stopped reading back per step and per micro-batch), gpu_check_micro256.json,
+    gpu_train_copy.csv (a short `textgym train` on the same GPU), gpu_check_interleaved.json (the rollout
+    alone, bf16 and fp32 interleaved), and the larger policies' runs: ``big`` (rollout, full and LoRA
+    agents) and ``lora`` (LoRA agents, each after the one before was freed, with the rollout folded and
+    not)."""
     lines = ["## On a GPU", ""]
     if not g or g["args"].get("device", "cpu") == "cpu":
         return [
@@ -287,8 +296,13 @@ def gpu_section(
             "",
         ]
     m, tokens = g["machine"], int(g["args"]["new_tokens"])
-    runs = [r for r in (before, g) if r]
-    rollout = [row for row in g["rollout"] if "error" not in row]
+    runs = [r for r in (before, g, interleaved) if r]
+    larger = [r for r in big or [] if r]
+    shown = interleaved or g  # the table's SmolLM2 rows: both precisions, interleaved, where measured
+    rollout = [row for row in shown["rollout"] if "error" not in row]
+    sized = [(policy_size(shown), row) for row in rollout] + [
+        (policy_size(r), row) for r in larger for row in r["rollout"] if "error" not in row
+    ]
     agents = [row for row in g["agents"] if "error" not in row]
     micro_rows = [row for row in (micro or {}).get("agents", []) if "error" not in row]
     failed = [row for row in g["rollout"] + g["agents"] if "error" in row]
@@ -307,8 +321,8 @@ def gpu_section(
     batches = sorted({row["batch"] for row in rollout})
     lines += [
         f"Measured on one {m.get('cuda')} (torch {m['torch']}, transformers {m.get('transformers')}, Python "
-        f"{m['python']}, {m['cpu_count']} CPU cores), with `benchmarks/gpu_check.py`; the last run's files are "
-        "`benchmarks/results/gpu_check.json` and `benchmarks/results/gpu_check_micro256.json`."
+        f"{m['python']}, {m['cpu_count']} CPU cores), with `benchmarks/gpu_check.py`; its files are "
+        "`benchmarks/results/gpu_check*.json`."
         + (
             " The model's package could not be installed on that machine, so the model is the architecture and "
             "tokenizer of `--model` with freshly initialised weights (`--random-weights`): a forward costs what "
@@ -324,9 +338,17 @@ def gpu_section(
         "",
         "<!-- not run: needs a GPU and a model directory (DIR) -->",
         "```bash",
-        "python -m benchmarks.gpu_check --model DIR --random-weights --also-fp32-rollout   # DIR: a model directory",
+        "python -m benchmarks.gpu_check --model DIR --random-weights   # DIR: a model directory",
         "python -m benchmarks.gpu_check --model DIR --random-weights --skip-rollout --agents lmppo grpo \\",
         "    --batches 256 --micro-batch 256 --out benchmarks/results/gpu_check_micro256.json",
+        "python -m benchmarks.gpu_check --model DIR --random-weights --also-fp32-rollout --agents \\",
+        "    --out benchmarks/results/gpu_check_interleaved.json",
+        "# a larger policy: SmolLM2-1.7B's shape (DIR: SmolLM2-135M's config and tokenizer)",
+        'SHAPE=\'{"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32, "rope_theta": 130000}\'',
+        'python -m benchmarks.gpu_check --model DIR --random-weights --override "$SHAPE" --batches 64 \\',
+        "    --also-fp32-rollout --agents lmppo-lora grpo-lora lmppo --out benchmarks/results/gpu_check_1b7.json",
+        'python -m benchmarks.gpu_check --model DIR --random-weights --override "$SHAPE" --batches 64 \\',
+        "    --skip-rollout --agents grpo-lora lmppo-lora --out benchmarks/results/gpu_check_lora_1b7.json",
         "```",
         "",
     ]
@@ -339,13 +361,13 @@ def gpu_section(
         f"**Rollout against `generate`**, {tokens} new tokens, greedy, medians of {g['args']['repeats']}. *syncs*: "
         "the host-device syncs in one call, counted by `torch.cuda.set_sync_debug_mode`.",
         "",
-        "| batch | precision | `generate` (s) | rollout (s) | rollout / `generate` | syncs, `generate` / rollout |",
-        "|---|---|---|---|---|---|",
+        "| policy | batch | precision | `generate` (s) | rollout (s) | rollout / `generate` | syncs, `generate` / rollout |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for row in rollout:
+    for size, row in sized:
         syncs = row.get("syncs") or {}
         lines.append(
-            f"| {row['batch']} | {'bf16 autocast' if row['bf16'] else 'fp32'} | {row['generate_s']:.2f} | "
+            f"| {size} | {row['batch']} | {'bf16 autocast' if row['bf16'] else 'fp32'} | {row['generate_s']:.2f} | "
             f"{row['rollout_s']:.2f} | {row['ratio']:.2f} | {syncs.get('generate')} / {syncs.get('rollout')} |"
         )
     lines.append("")
@@ -376,24 +398,39 @@ def gpu_section(
                 else ""
             )
         )
-        if generate_times(lo, True) and generate_times(lo, False):
+        precisions: dict[tuple[str, int], dict[bool, dict]] = {}
+        for size, row in sized:
+            if row.get("interleaved"):
+                precisions.setdefault((size, row["batch"]), {})[row["bf16"]] = row
+        both = [(key, rows[True], rows[False]) for key, rows in precisions.items() if len(rows) == 2]
+        if both:
+            gains = [(key, f["generate_s"] / b["generate_s"]) for key, b, f in both]
+            faster = [(key, gain) for key, gain in gains if gain >= 1.1]
             lines.append(
-                "- bf16 autocast did not make this small model's `generate` faster. It took "
-                f"{span(generate_times(lo, True))} in bf16 against {span(generate_times(lo, False))} in fp32 at "
-                + (
-                    f"batch {lo}, and {span(generate_times(hi, True))} against {span(generate_times(hi, False))} "
-                    f"at batch {hi}. "
-                    if hi != lo and generate_times(hi, True) and generate_times(hi, False)
-                    else f"batch {lo}. "
+                "- bf16 autocast against fp32, the two interleaved in every repetition (`generate`'s time): "
+                + "; ".join(
+                    f"{size} at batch {batch}, {b['generate_s']:.2f} s against {f['generate_s']:.2f} s"
+                    for (size, batch), b, f in both
                 )
+                + ". "
                 + (
-                    ""
-                    if all(row.get("interleaved") for r in runs for row in r["rollout"])
-                    else "The precisions ran one after the other, bf16 first, not interleaved, so this is a lead, "
-                    "not a verdict. "
+                    "bf16 paid only where matrix products, not kernel launches, set the pace: "
+                    + ", ".join(f"{gain:.2f}x for {size} at batch {batch}" for (size, batch), gain in faster)
+                    + ". bf16 stays the GPU default, for that and for its memory."
+                    if faster
+                    else "bf16 did not pay at these sizes, where kernel launches set the pace; it stays the GPU "
+                    "default for its memory."
                 )
-                + "bf16 stays the GPU default, for its memory and for models whose matrix products, not "
-                "kernel launches, set the pace; that case (a 1-8B policy on a GPU) is not measured here."
+            )
+            spans: dict[str, list[float]] = {}
+            for size, row in sized:
+                spans.setdefault(size, []).append(row["ratio"])
+            lines.append(
+                "- The rollout against `generate`: "
+                + "; ".join(f"{min(r):.2f}-{max(r):.2f}x for {size}" for size, r in spans.items())
+                + ". The gap shrinks as the policy grows, as a fixed host cost per step would (the env's own "
+                "step: stop checks, the rows' bookkeeping, between the GPU's steps), which a small policy's "
+                "forward does not hide. It is not profiled here."
             )
         lines.append("")
     names = {"lmppo": "LMPPO", "grpo": "GRPO", "grpo-beta0": "GRPO, beta = 0", "rloo": "RLOO"}
@@ -475,6 +512,7 @@ def gpu_section(
         "over a static KV cache are what would shorten it. textgym does not build them yet.",
         "",
     ]
+    lines += larger_policies(larger, [r for r in lora or [] if r])
     if train_rows:
         lines += [
             "`benchmarks/results/gpu_train_copy.csv` is the metrics file of `textgym train examples/copy.toml "
@@ -486,6 +524,99 @@ def gpu_section(
             "",
         ]
     return lines
+
+
+def policy_size(run: dict) -> str:
+    """A gpu_check run's policy, in words: its base parameter count where its agents recorded one, else the
+    model as named."""
+    counts = [
+        row["parameters"] - (row["trainable_parameters"] if "lora" in row["agent"] else 0)
+        for row in run.get("agents", [])
+        if "parameters" in row
+    ]
+    if not counts:
+        return "SmolLM2-135M"
+    return f"{min(counts) / 1e9:.2f}B" if min(counts) >= 1e9 else f"{min(counts) / 1e6:.0f}M"
+
+
+def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
+    """The LoRA agents (``lora``: each measured after the one before was freed) and full LMPPO (``big``)
+    on policies of 1-8B parameters."""
+    if not lora and not big:
+        return []
+    names = {"lmppo": "LMPPO", "lmppo-lora": "LMPPO, LoRA", "grpo-lora": "GRPO, LoRA"}
+    shapes = {2048: "SmolLM2-1.7B's shape", 4096: "Llama-3-8B's shape with SmolLM2's 49,152-token vocabulary"}
+    lines = [
+        "### Larger policies on one GPU",
+        "",
+        "The same check on two larger architectures with fresh weights (`--override`, the config fields "
+        "in each file's `args`): "
+        + "; ".join(
+            f"{policy_size(r)} parameters, "
+            + shapes.get(json_override(r).get("hidden_size"), "a changed SmolLM2 config")
+            for r in lora or big
+        )
+        + ". Batch 64, 32 tokens, bf16, micro-batch 32; LoRA r = 16 on the attention projections "
+        "(`q_proj`, `k_proj`, `v_proj`, `o_proj`), its reference the same model with the adapter off. The "
+        "LoRA rows come from runs that free each agent before measuring the next "
+        "(`gpu_check_lora_*.json`); the full LMPPO rows from an earlier run that did not (`gpu_check_1b7.json`, "
+        "`gpu_check_7b.json`), so their peak memory is not theirs alone and is left out.",
+        "",
+        "| policy | agent | trainable parameters | iteration (s) | rollout (s) | reference (s) | update (s) | peak GPU memory (GB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run, agents in [(r, ("grpo-lora", "lmppo-lora")) for r in lora] + [(r, ("lmppo",)) for r in big]:
+        for row in run["agents"]:
+            if row["agent"] not in agents:
+                continue
+            size = policy_size(run)
+            if "error" in row:
+                lines.append(f"| {size} | {names[row['agent']]} | all | out of memory | | | | |")
+                continue
+            t = row["breakdown"]
+            memory = f"{row['peak_memory_mb'] / 1024:.1f}" if "lora" in row["agent"] else "-"
+            trainable = f"{row['trainable_parameters'] / 1e6:.1f}M" if "lora" in row["agent"] else "all"
+            lines.append(
+                f"| {size} | {names[row['agent']]} | {trainable} | "
+                f"{row['iteration_s']:.2f} | {t['time/rollout']:.2f} | {t['time/reference']:.2f} | "
+                f"{t['time/update']:.2f} | {memory} |"
+            )
+    lines.append("")
+    failed = [r for r in big if any(row["agent"] == "lmppo" and "error" in row for row in r["agents"])]
+    for run in failed:
+        base = next(
+            x["parameters"] - x["trainable_parameters"] for x in run["agents"] if "lora" in x["agent"]
+        )
+        lines.append(
+            f"- Full LMPPO on the {policy_size(run)} policy ran out of the GPU's memory. It cannot fit: 16 bytes "
+            "per parameter for the fp32 weights, their gradients and AdamW's two moments, and 4 more for the "
+            f"reference copy, make {base * 20 / 1e9:.0f} GB before any activation (in that run an earlier agent "
+            "may also still have held memory). With LoRA the same policy trained in the memory shown above: "
+            "LoRA, or sharding over several GPUs (docs/distributed.md), is how such a policy fits."
+        )
+    folds = [(policy_size(r), row) for r in lora for row in r["agents"] if "rollout_folded_s" in row]
+    if folds:
+        lines.append(
+            "- A LoRA policy samples with its adapters folded into the rollout's bf16 weight copy "
+            "(agents/precision.py). Against the same rollout through the adapters, the two alternating in one "
+            "run: "
+            + "; ".join(
+                f"{names[row['agent']]} at {size}, {row['rollout_folded_s']:.2f} s against "
+                f"{row['rollout_adapters_s']:.2f} s ({row['rollout_adapters_s'] / row['rollout_folded_s']:.2f}x)"
+                for size, row in folds
+            )
+            + ". Through the adapters, every adapted projection adds two small matmuls, a scaling and an add "
+            "to each decoding step, which waits on kernel launches."
+        )
+    lines.append("")
+    return lines
+
+
+def json_override(run: dict) -> dict:
+    """The ``--override`` a gpu_check run was given (its args are stored as strings)."""
+    import ast
+
+    return ast.literal_eval(run["args"].get("override", "{}"))
 
 
 def load(name: str) -> dict | None:
@@ -651,7 +782,15 @@ def write_report(quick: bool = False) -> Path:
     lines += bf16_section(load("bf16_cpu"))
     train = results_dir() / "gpu_train_copy.csv"
     train_rows = list(csv.DictReader(train.open())) if train.exists() else None
-    lines += gpu_section(load("gpu_check"), load("gpu_check_before"), load("gpu_check_micro256"), train_rows)
+    lines += gpu_section(
+        load("gpu_check"),
+        load("gpu_check_before"),
+        load("gpu_check_micro256"),
+        train_rows,
+        interleaved=load("gpu_check_interleaved"),
+        big=[load("gpu_check_1b7"), load("gpu_check_7b")],
+        lora=[load("gpu_check_lora_1b7"), load("gpu_check_lora_7b")],
+    )
     lines.append(PROFILE_NOTES)
     path = results_dir() / "performance.md" if quick else ROOT / "docs" / "performance.md"
     path.write_text("\n".join(lines))

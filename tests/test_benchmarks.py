@@ -78,3 +78,88 @@ def test_the_gpu_checks_precisions_alternate_within_each_repetition(tmp_path):
         (2, True, True), (2, False, True)
     ]  # fmt: skip
     assert check["agents"] == [] and all(row["tokens"] > 0 for row in check["rollout"])
+
+
+def test_the_gpu_check_builds_a_changed_architecture_and_trains_lora_on_it(tmp_path):
+    """--override changes the fresh model's config (how the GPU check builds a policy larger than the
+    shipped one); the LoRA agents train the adapter alone, over the whole frozen model. In bf16 (where the
+    CPU has it natively) each also times its rollout with the adapters folded and through them."""
+    from transformers import AutoModelForCausalLM
+
+    import textgym
+    from textgym.agents.base import cpu_has_native_bf16
+
+    model, tokenizer = textgym.load_model("tiny-random-llama")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    layers = model.config.num_hidden_layers + 1
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", str(tmp_path / "model"),
+         "--random-weights", "--override", f'{{"num_hidden_layers": {layers}}}', "--skip-rollout",
+         "--agents", "lmppo-lora", "grpo-lora", "--batches", "8", "--new-tokens", "3", "--repeats", "1",
+         "--out", str(out), *(["--bf16"] if cpu_has_native_bf16() else [])],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    check = json.loads(out.read_text())
+    assert [row["agent"] for row in check["agents"]] == ["lmppo-lora", "grpo-lora"], check["agents"]
+    model.config.num_hidden_layers = layers
+    frozen = sum(p.numel() for p in AutoModelForCausalLM.from_config(model.config).parameters())
+    for row in check["agents"]:
+        assert row["parameters"] - row["trainable_parameters"] == frozen  # every base weight, frozen
+        assert 0 < row["trainable_parameters"] < frozen / 2
+        if cpu_has_native_bf16():
+            assert row["rollout_folded_s"] > 0 and row["rollout_adapters_s"] > 0
+
+
+def test_the_gpu_check_refuses_an_override_without_random_weights(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", "tiny-random-llama",
+         "--override", '{"num_hidden_layers": 3}', "--out", str(tmp_path / "x.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--override" in result.stderr and "--random-weights" in result.stderr
+
+
+def gpu_run(agents=(), rollout=(), override=None):
+    return {"args": {"override": str(override or {})}, "agents": list(agents), "rollout": list(rollout)}
+
+
+def test_the_gpu_report_on_larger_policies_says_what_its_files_show():
+    from benchmarks.report import larger_policies
+
+    breakdown = {"time/rollout": 1.0, "time/reference": 0.1, "time/update": 0.4}
+    lora = {"agent": "lmppo-lora", "batch": 64, "iteration_s": 1.5, "peak_memory_mb": 50 * 1024,
+            "parameters": 6_500_000_000 + 11_000_000, "trainable_parameters": 11_000_000,
+            "rollout_folded_s": 0.8, "rollout_adapters_s": 1.2, "breakdown": breakdown}  # fmt: skip
+    full = {"agent": "lmppo", "batch": 64, "error": "OutOfMemoryError: CUDA out of memory. Tried..."}
+    lines = larger_policies(
+        [gpu_run([lora, full], override={"hidden_size": 4096})],
+        [gpu_run([lora], override={"hidden_size": 4096})],
+    )
+    text = "\n".join(lines)
+    assert "6.50B parameters, Llama-3-8B's shape" in text
+    assert "| 6.50B | LMPPO, LoRA | 11.0M | 1.50 | 1.00 | 0.10 | 0.40 | 50.0 |" in text
+    assert "| 6.50B | LMPPO | all | out of memory |" in text
+    assert "make 130 GB before any activation" in text  # 20 bytes per parameter
+    assert "LMPPO, LoRA at 6.50B, 0.80 s against 1.20 s (1.50x)" in text
+
+
+def test_the_gpu_report_says_bf16_did_not_pay_when_no_size_gained():
+    from benchmarks.report import gpu_section
+
+    def row(batch, bf16, generate_s):
+        return {"batch": batch, "bf16": bf16, "interleaved": True, "generate_s": generate_s,
+                "rollout_s": generate_s, "ratio": 1.0, "syncs": {"generate": 71, "rollout": 70}}  # fmt: skip
+
+    machine = {"cuda": "GPU", "torch": "t", "transformers": "x", "python": "3", "cpu_count": 1}
+    g = {"machine": machine, "args": {"device": "cuda", "new_tokens": "32", "repeats": "3", "bf16": "True",
+         "micro_batch": "32"}, "rollout": [row(64, True, 1.0), row(64, False, 1.05)], "agents": []}  # fmt: skip
+    text = "\n".join(gpu_section(g))
+    assert "SmolLM2-135M at batch 64, 1.00 s against 1.05 s" in text
+    assert "bf16 did not pay at these sizes" in text and "bf16 paid only" not in text
+    g["rollout"][1]["generate_s"] = 1.8
+    assert "bf16 paid only where matrix products, not kernel launches, set the pace: 1.80x" in "\n".join(
+        gpu_section(g)
+    )
