@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +82,11 @@ class SB3Contract:
     # -- SB3's user contract -------------------------------------------------------------------------
     @property
     def logger(self) -> Any:
-        if self._logger is None:
-            from stable_baselines3.common.logger import configure
+        if self._logger is None:  # SB3's configure(None, ...) would leave an empty /tmp/SB3-<time> folder
+            from stable_baselines3.common.logger import HumanOutputFormat, Logger
 
-            self._logger = configure(None, ["stdout"] if self.config.verbose else [])
+            formats = [HumanOutputFormat(sys.stdout)] if self.config.verbose else []
+            self._logger = Logger(folder=None, output_formats=formats)
         return self._logger
 
     def set_logger(self, logger: Any) -> None:

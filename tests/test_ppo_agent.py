@@ -154,6 +154,21 @@ def test_logger_writes_trl_stat_names_and_reward_components(tmp_path):
         assert name in header, name
 
 
+@pytest.mark.parametrize("verbose", [0, 1])
+def test_training_without_tensorboard_log_leaves_no_folder_in_the_temp_dir(
+    tmp_path, monkeypatch, capsys, verbose
+):
+    """SB3's ``configure(None, ...)`` makes an empty ``SB3-<time>`` folder in the temp dir for every logger;
+    the agent's default logger writes to stdout (when verbose) and nowhere else."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    agent = LMPPO(char_llama(), make_env(), seed=0, **{**FAST, "verbose": verbose})
+    agent.learn(16 * 6)
+    assert list(tmp_path.iterdir()) == []
+    assert ("reward" in capsys.readouterr().out) == bool(verbose)
+
+
 def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
     base = char_llama()
     agent = LMPPO(
@@ -224,3 +239,12 @@ def test_lora_checkpoint_round_trip_by_model_name(tmp_path):
         agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
     )
     assert loaded.iteration == agent.iteration and loaded.ref_policy is None
+
+
+@pytest.mark.parametrize(("target_kl", "steps"), [(None, 8), (1e-9, 2)])
+def test_target_kl_stops_the_epochs_once_an_epochs_mean_approx_kl_passes_it(target_kl, steps):
+    """4 epochs of 2 minibatches: 8 optimizer steps, or 2 when the first epoch's mean approx-KL (above 0
+    once the first step has moved the policy) passes 1.5 x target_kl."""
+    agent = LMPPO(char_llama(), make_env(), seed=0, n_epochs=4, n_minibatches=2, target_kl=target_kl, **FAST)
+    agent.learn(1)  # one iteration
+    assert {int(state["step"]) for state in agent.optimizer.state.values()} == {steps}
