@@ -38,6 +38,7 @@ from textgym.agents.zero3 import is_zero3
 from textgym.errors import ConfigError
 
 __all__ = [
+    "ENGINE_ENVIRONMENT",
     "FSDPSettings",
     "accelerate_without_sharding",
     "broadcast_from_main",
@@ -53,6 +54,15 @@ __all__ = [
     "shard",
     "shard_module",
 ]  # fmt: skip
+
+
+ENGINE_ENVIRONMENT = {
+    "fsdp": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+    "zero3": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+}
+"""The environment that asks for each engine without an accelerate config file, for torchrun or
+``run.processes = N`` (the variables ``accelerate launch`` sets from examples/accelerate/fsdp.yaml and
+zero3.yaml)."""
 
 
 def _flag(name: str, default: str = "false") -> str:

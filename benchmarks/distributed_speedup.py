@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import ROOT, median, write_result
+from textgym.agents.sharding import ENGINE_ENVIRONMENT
 
 CONFIG = """
 [run]
@@ -42,11 +43,7 @@ micro_batch_size = {micro}
 
 
 # what `accelerate launch --config_file examples/accelerate/{fsdp,zero3}.yaml` sets
-SHARDING = {
-    None: {},
-    "fsdp": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
-    "zero3": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
-}
+SHARDING = {None: {}, **ENGINE_ENVIRONMENT}  # the environment that asks for each engine
 
 
 def train(config: Path, out: Path, processes: int, shard: str | None = None) -> list[dict[str, str]]:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from textgym.agents.distributed import cpu_has_native_bf16
 from textgym.agents.ppo import LMPPO
+from textgym.agents.sharding import ENGINE_ENVIRONMENT
 from textgym.cli import main
 from textgym.config import load_config
 
@@ -30,11 +31,7 @@ TOLERANCE = 1e-4
 
 
 # what `accelerate launch --config_file examples/accelerate/{fsdp,zero3}.yaml` sets
-SHARDING = {
-    None: {},
-    "fsdp": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
-    "zero3": {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
-}
+SHARDING = {None: {}, **ENGINE_ENVIRONMENT}  # the environment that asks for each engine
 ENGINE = {None: None, "fsdp": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}
 
 
@@ -196,6 +193,7 @@ SAVE_TIED = """
 import sys
 import torch.distributed
 from textgym.agents.ppo import LMPPO
+from textgym.agents.sharding import ENGINE_ENVIRONMENT
 
 
 def main():  # the agent is freed before the process group ends (a gloo group left to shutdown can abort)
@@ -331,3 +329,16 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(config, tmp_p
     assert main(["train", str(tmp_path / "grpo.toml"), "--agent", "grpo", "--set", "run.processes=2",
                  "--set", f"run.output_dir='{tmp_path / 'y'}'"]) == 2  # fmt: skip
     assert "not a multiple of num_generations=8" in capsys.readouterr().err
+
+
+def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, monkeypatch, capsys):
+    """Under run.processes = N the run directory is made before the processes start; when they refuse to
+    start (here an FSDP option textgym does not support, read by each process), it is removed again, as a
+    failed start in one process leaves none."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    out = tmp_path / "run"
+    code = main(["train", str(config), "--set", "run.processes=2", "--set", f"run.output_dir='{out}'"])
+    captured = capsys.readouterr()
+    assert code != 0 and "the 2-process run" in captured.err, captured.err[-2000:]
+    assert not out.exists()

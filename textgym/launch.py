@@ -107,6 +107,13 @@ def check_processes(
         )
 
 
+def discard_if_untrained(rd: RunDir, created: bool) -> None:
+    """Remove the run directory that :func:`launch` created when its processes stopped before the first
+    iteration was logged (a start they refused, say): as a failed start in one process leaves none."""
+    if created and not (rd.path / "metrics.csv").exists():
+        rd.remove()
+
+
 def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Sequence[str] = ()) -> Path:
     """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
     processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs). The processes
@@ -116,8 +123,9 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
 
     n = config["run"]["processes"]
     rd = RunDir(run_dir)
+    created = False
     if not resuming:
-        rd.create()
+        created = rd.create()
         rd.write_config(config)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
@@ -128,10 +136,15 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     # processes' output goes there too, not to the console.
     captured = sys.stdout is not sys.__stdout__
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True} if captured else {}
-    result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"}, **pipe)
+    try:
+        result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"}, **pipe)
+    except BaseException:  # a Ctrl-C here stops the processes too
+        discard_if_untrained(rd, created)
+        raise
     if captured:
         sys.stdout.write(result.stdout)
     if result.returncode != 0:
+        discard_if_untrained(rd, created)
         raise TrainingError(
             f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
         )
