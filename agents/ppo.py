@@ -197,7 +197,7 @@ class LMPPO(LMAgent):
         }
         ratio_chunks = []  # (ratios, mask) per micro-batch, on the device
         for _ in range(c.n_epochs):
-            epoch_kls = []
+            epoch_start = len(logs["approxkl"])  # this epoch's approx-KLs follow
             for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
                 self.optimizer.zero_grad()
                 # the minibatch's tokens on every process: each micro-batch's loss is its share of their mean
@@ -237,11 +237,10 @@ class LMPPO(LMAgent):
                         (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, entropy),
                     ):
                         logs[key].append(value.detach().double())
-                    epoch_kls.append(approx_kl.detach())
                 self.optimizer_step()
             # every process stops the epochs together (one host read per epoch, with a target only)
             if c.target_kl is not None and self.dist.any(
-                float(torch.stack(epoch_kls).mean()) > 1.5 * c.target_kl
+                float(torch.stack(logs["approxkl"][epoch_start:]).mean()) > 1.5 * c.target_kl
             ):
                 break
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
