@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from textgym.agents import precision, sharding, zero3
+from textgym.agents import lora, precision, sharding, zero3
 from textgym.agents.batch_checks import batch_statistics, check_totals, recombine_totals
 from textgym.agents.distributed import Collective, cpu_has_native_bf16
 from textgym.agents.lm_config import LMAgentConfig, make_config
@@ -99,7 +99,6 @@ class LMAgent(SB3Contract, UpdateGuards):
         set_seed(self.seed)
         self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
         model = self._load_policy(policy)
-        model.eval()  # dropout off: rollout and training log-probs must agree
         self.ref_policy = None
         if c.lora is not None:
             from peft import LoraConfig, PeftModel, get_peft_model
@@ -107,7 +106,8 @@ class LMAgent(SB3Contract, UpdateGuards):
             if not isinstance(model, PeftModel):
                 model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **c.lora))
             # the reference, when needed, is the same weights with the adapter disabled
-        elif self.uses_reference:
+        model.eval()  # dropout off, LoRA's included: rollout and training log-probs must agree
+        if c.lora is None and self.uses_reference:
             self.ref_policy = copy.deepcopy(model).requires_grad_(False)
             self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
@@ -343,7 +343,7 @@ class LMAgent(SB3Contract, UpdateGuards):
     def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs (N, T) of the response tokens under the reference, at the sampling temperature."""
         if self.ref_policy is None:  # LoRA: the same weights with the adapter disabled
-            with self.rollout_model.disable_adapter():
+            with lora.adapters_disabled(self.rollout_model):
                 return self.sequence_logprobs(self.rollout_model, batch)[0]
         return self.sequence_logprobs(self.ref_policy, batch)[0]
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from textgym.agents.lora import adapters_disabled, fold_lora, foldable_lora_layers
 from textgym.scoring import bf16_linears, restore_linears
 
 
@@ -44,67 +45,7 @@ def bf16_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[None
     replaced = fold_lora(folded) if folded else []
     try:
         replaced += bf16_linears(model)
-        with model.disable_adapter() if folded else contextlib.nullcontext():
+        with adapters_disabled(model) if folded else contextlib.nullcontext():
             yield
     finally:
         restore_linears(replaced)
-
-
-def foldable_lora_layers(model: nn.Module) -> list[nn.Module]:
-    """The LoRA layers of a peft ``model`` when every adapter layer in it is a plain LoRA ``Linear`` (no
-    DoRA or other variant, no LoRA bias, not merged, adapters on), whose effect is exactly a change of the
-    base weight; otherwise none (the rollout then runs through the adapters). A model with trained copies
-    of whole modules (``modules_to_save``, ``trainable_token_indices``) is not folded either: with the
-    adapters off, peft would run the original modules instead."""
-    try:
-        from peft import PeftModel
-        from peft.tuners.lora.layer import Linear as LoraLinear
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        from peft.utils import ModulesToSaveWrapper
-        from peft.utils import other as peft_utils
-    except ImportError:
-        return []
-    if not isinstance(model, PeftModel):
-        return []
-    # newer peft: the base class of ModulesToSaveWrapper and TrainableTokensWrapper
-    wrapper = getattr(peft_utils, "AuxiliaryTrainingWrapper", ModulesToSaveWrapper)
-    if any(isinstance(m, wrapper) for m in model.modules()):
-        return []
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-
-    def plain(layer: nn.Module) -> bool:
-        if type(layer) is not LoraLinear or layer.merged or layer.disable_adapters:
-            return False
-        active = [a for a in layer.active_adapters if a in layer.lora_A]
-        return all(
-            a not in getattr(layer, "lora_variant", {})
-            and not layer.use_dora.get(a, False)
-            and not getattr(layer, "lora_bias", {}).get(a, False)
-            for a in active
-        )
-
-    return layers if layers and all(map(plain, layers)) else []
-
-
-def fold_lora(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Give each LoRA layer's base ``Linear`` a bf16 weight with its active adapters folded in (computed in
-    fp32, outside any autocast, then cast); returns the replacements for
-    :func:`~textgym.scoring.restore_linears`."""
-    import torch
-
-    replaced = []
-    try:
-        for layer in layers:
-            base = layer.get_base_layer()
-            with torch.no_grad(), torch.autocast(base.weight.device.type, enabled=False):
-                weight = base._parameters["weight"]
-                folded = weight.detach().float()
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A:
-                        folded = folded + layer.get_delta_weight(adapter).float()
-            base._parameters["weight"] = nn.Parameter(folded.bfloat16(), requires_grad=False)
-            replaced.append((base, "weight", weight))
-    except BaseException:
-        restore_linears(replaced)
-        raise
-    return replaced

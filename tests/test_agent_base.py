@@ -190,7 +190,8 @@ def test_a_lora_rollout_samples_from_the_adapters_folded_into_the_bf16_copy():
     fp32 parameters and the adapters are back."""
     import copy
 
-    from textgym.agents.precision import bf16_linear_weights, foldable_lora_layers
+    from textgym.agents.lora import foldable_lora_layers
+    from textgym.agents.precision import bf16_linear_weights
 
     model = lora_model()
     layers = foldable_lora_layers(model)
@@ -223,7 +224,8 @@ def test_an_adapter_that_is_not_plain_lora_is_not_folded(config):
     """DoRA rescales the folded weight's columns, and with the adapters off peft runs the original of a
     module it trains a copy of: neither is a change of the base weights alone, so the rollout runs through
     the adapters (with the other weights still cast once)."""
-    from textgym.agents.precision import bf16_linear_weights, foldable_lora_layers
+    from textgym.agents.lora import foldable_lora_layers
+    from textgym.agents.precision import bf16_linear_weights
 
     model = lora_model(**config)
     assert foldable_lora_layers(model) == [] and any(hasattr(m, "lora_A") for m in model.modules())
@@ -231,6 +233,50 @@ def test_an_adapter_that_is_not_plain_lora_is_not_folded(config):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), bf16_linear_weights(model):
         assert not any(m.disable_adapters for m in model.modules() if hasattr(m, "lora_A"))
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_a_lora_layer_over_a_scaled_linear_is_not_folded():
+    """peft wraps any ``nn.Linear`` subclass (transformers' FP8 and quantized linears among them) in a
+    plain LoRA layer; a fold of the weight alone would drop such a layer's own scales."""
+    from peft import LoraConfig, get_peft_model
+
+    from textgym.agents.lora import foldable_lora_layers
+
+    class ScaledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 4.0
+
+    plain = get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), LoraConfig(r=2, target_modules=["0"]))
+    scaled = get_peft_model(torch.nn.Sequential(ScaledLinear(8, 8)), LoraConfig(r=2, target_modules=["0"]))
+    assert len(foldable_lora_layers(plain)) == 1 and foldable_lora_layers(scaled) == []
+
+
+def test_switching_the_adapters_off_leaves_every_requires_grad_as_it_was():
+    """peft's disable_adapter() turns requires_grad on for the active adapters' weights on exit, a frozen
+    one's too; the reference pass and the folded rollout must not unfreeze what the user froze."""
+    from textgym.agents.lora import adapters_disabled
+    from textgym.agents.precision import bf16_linear_weights
+
+    model = lora_model()
+    frozen = [p for n, p in model.named_parameters() if "lora_A" in n]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    with adapters_disabled(model):
+        pass
+    with bf16_linear_weights(model):
+        pass
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+
+
+def test_a_lora_policy_with_dropout_runs_in_eval_mode():
+    """The adapters' dropout is off, like the model's: the rollout (folded or not) and the training
+    forwards compute the same function."""
+    agent = GRPO(
+        "tiny-random-llama", tiny_env(n=4, tokens=4), num_generations=4, verbose=0,
+        lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
+    )  # fmt: skip
+    assert not [n for n, m in agent.rollout_model.named_modules() if m.training]
 
 
 @needs_bf16
