@@ -58,6 +58,14 @@ def require_tensorboard(what: str) -> None:
         ) from None
 
 
+def folderless_logger(verbose: int) -> Any:
+    """SB3's ``Logger`` writing to stdout when ``verbose``, and to no folder: SB3's own default,
+    ``configure(None, ...)``, makes an empty ``SB3-<time>`` folder in the temp dir for every logger."""
+    from stable_baselines3.common.logger import HumanOutputFormat, Logger
+
+    return Logger(folder=None, output_formats=[HumanOutputFormat(sys.stdout)] if verbose else [])
+
+
 class SB3Contract:
     """``learn``, ``predict``, ``save``, ``load`` and the logger, as Stable-Baselines3 users expect them."""
 
@@ -82,11 +90,8 @@ class SB3Contract:
     # -- SB3's user contract -------------------------------------------------------------------------
     @property
     def logger(self) -> Any:
-        if self._logger is None:  # SB3's configure(None, ...) would leave an empty /tmp/SB3-<time> folder
-            from stable_baselines3.common.logger import HumanOutputFormat, Logger
-
-            formats = [HumanOutputFormat(sys.stdout)] if self.config.verbose else []
-            self._logger = Logger(folder=None, output_formats=formats)
+        if self._logger is None:
+            self._logger = folderless_logger(self.config.verbose)
         return self._logger
 
     def set_logger(self, logger: Any) -> None:

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -106,7 +107,10 @@ def test_unknown_agent_name_suggests(config, capsys):
     assert "unknown agent 'lmpo'. Did you mean 'lmppo'?" in capsys.readouterr().err
 
 
-def test_sb3_ppo_trains_the_copy_env_through_the_same_command(tmp_path, capsys):
+def test_sb3_ppo_trains_the_copy_env_through_the_same_command(tmp_path, capsys, monkeypatch):
+    temp = tmp_path / "temp"  # SB3's default logger would leave an empty SB3-<time> folder here
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     args = ["train", "--agent", "sb3-ppo", "--set", f"run.output_dir='{tmp_path / 'sb3'}'",
             "--set", "env.id='textgym/Copy-v0'", "--set", "run.total_timesteps=2048",
             "--set", "agent.n_steps=128", "--set", "agent.batch_size=256", "--set", "agent.verbose=0"]  # fmt: skip
@@ -121,6 +125,7 @@ def test_sb3_ppo_trains_the_copy_env_through_the_same_command(tmp_path, capsys):
     assert len(csv_rows(run_dir / "metrics.csv")) == 2  # 8 envs x 128 steps = 1024 per rollout
     assert main(["train", "--resume", str(run_dir), "--set", "run.total_timesteps=4096"]) == 0
     assert len(csv_rows(run_dir / "metrics.csv")) == 4
+    assert list(temp.iterdir()) == []
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(config, tmp_path):

@@ -474,6 +474,10 @@ def _run_sb3(
                 rd.write_checkpoint(save)
 
     remaining = run["total_timesteps"] - agent.num_timesteps
+    if agent.tensorboard_log is None:  # SB3's default logger would leave an empty folder in the temp dir
+        from textgym.agents.sb3_contract import folderless_logger
+
+        agent.set_logger(folderless_logger(agent.verbose))
     with StopFlag() as flag:
         if remaining > 0:
             agent.learn(
