@@ -193,7 +193,6 @@ SAVE_TIED = """
 import sys
 import torch.distributed
 from textgym.agents.ppo import LMPPO
-from textgym.agents.sharding import ENGINE_ENVIRONMENT
 
 
 def main():  # the agent is freed before the process group ends (a gloo group left to shutdown can abort)

@@ -107,13 +107,6 @@ def check_processes(
         )
 
 
-def discard_if_untrained(rd: RunDir, created: bool) -> None:
-    """Remove the run directory that :func:`launch` created when its processes stopped before the first
-    iteration was logged (a start they refused, say): as a failed start in one process leaves none."""
-    if created and not (rd.path / "metrics.csv").exists():
-        rd.remove()
-
-
 def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Sequence[str] = ()) -> Path:
     """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
     processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs). The processes
@@ -139,12 +132,12 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     try:
         result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"}, **pipe)
     except BaseException:  # a Ctrl-C here stops the processes too
-        discard_if_untrained(rd, created)
+        rd.discard_failed_start(created)
         raise
     if captured:
         sys.stdout.write(result.stdout)
     if result.returncode != 0:
-        discard_if_untrained(rd, created)
+        rd.discard_failed_start(created)  # a start the processes refused, say
         raise TrainingError(
             f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
         )

@@ -132,6 +132,12 @@ class RunDir:
         self.unlock()
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def discard_failed_start(self, created: bool) -> None:
+        """Remove the directory a start ``created`` when it failed before its first iteration was logged: a
+        start that fails leaves nothing behind."""
+        if created and not (self.path / "metrics.csv").exists():
+            self.remove()
+
     # -- checkpoints -----------------------------------------------------------------------------------
     def recover_checkpoint(self) -> Path | None:
         """The last complete checkpoint, restored from a temporary if a swap was cut by a kill; stale

@@ -172,8 +172,8 @@ def run(
     try:
         return trainer(agent_class, policy, hyperparameters, config, rd, resuming)
     except BaseException:
-        if main and resume is None and created and not (run_dir / "metrics.csv").exists():
-            rd.remove()  # a start that failed before the first iteration leaves nothing behind
+        if main:
+            rd.discard_failed_start(created)
         raise
     finally:
         rd.unlock()
