@@ -310,13 +310,6 @@ def gpu_section(
         row["stats"].get("completions/clipped_ratio") == 1.0 for row in agents if "stats" in row
     )
 
-    def generate_times(batch: int, bf16: bool) -> list[float]:
-        return [row["generate_s"] for r in runs for row in r["rollout"]
-                if row.get("batch") == batch and row.get("bf16") == bf16 and "error" not in row]  # fmt: skip
-
-    def span(times: list[float]) -> str:
-        return f"{min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else f"{times[0]:.2f} s"
-
     step_ms = [row["generate_s"] / tokens * 1000 for r in runs for row in r["rollout"] if "error" not in row]
     batches = sorted({row["batch"] for row in rollout})
     lines += [
@@ -436,7 +429,7 @@ def gpu_section(
                 "log-probs, and the hidden states kept for the value head."
             )
         lines.append("")
-    names = {"lmppo": "LMPPO", "grpo": "GRPO", "grpo-beta0": "GRPO, beta = 0", "rloo": "RLOO"}
+    names = AGENT_NAMES
     lines += [
         f"**One iteration of each agent** (after a warm-up one; {'bf16' if g['args']['bf16'] == 'True' else 'fp32'}; "
         f"micro-batch {g['args']['micro_batch']} unless stated; GRPO and RLOO 8 completions per prompt; *syncs*: in "
@@ -448,7 +441,7 @@ def gpu_section(
     rows = [(row, "") for row in agents] + [
         (row, f", micro-batch {micro['args']['micro_batch']}") for row in micro_rows
     ]
-    order = list(names)
+    order = list(AGENT_NAMES)
     rows.sort(key=lambda item: (order.index(item[0]["agent"]) if item[0]["agent"] in order else len(order),
                                 item[0]["agent"], item[0]["batch"], item[1]))  # fmt: skip
     for row, label in rows:
@@ -529,17 +522,28 @@ def gpu_section(
     return lines
 
 
-def policy_size(run: dict) -> str:
-    """A gpu_check run's policy, in words: its base parameter count where its agents recorded one, else the
-    model as named."""
+AGENT_NAMES = {"lmppo": "LMPPO", "grpo": "GRPO", "grpo-beta0": "GRPO, beta = 0", "rloo": "RLOO",
+               "lmppo-lora": "LMPPO, LoRA", "grpo-lora": "GRPO, LoRA"}  # fmt: skip
+
+
+def base_parameters(run: dict) -> int | None:
+    """The parameters of a gpu_check run's policy, without adapters or value head (the fewest any of its
+    agents recorded), or None where none recorded a count."""
     counts = [
         row["parameters"] - (row["trainable_parameters"] if "lora" in row["agent"] else 0)
         for row in run.get("agents", [])
         if "parameters" in row
     ]
-    if not counts:
+    return min(counts, default=None)
+
+
+def policy_size(run: dict) -> str:
+    """A gpu_check run's policy, in words: its parameter count where its agents recorded one, else the
+    model as named."""
+    count = base_parameters(run)
+    if count is None:
         return "SmolLM2-135M"
-    return f"{min(counts) / 1e9:.2f}B" if min(counts) >= 1e9 else f"{min(counts) / 1e6:.0f}M"
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.0f}M"
 
 
 def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
@@ -547,7 +551,7 @@ def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
     on policies of 1-8B parameters."""
     if not lora and not big:
         return []
-    names = {"lmppo": "LMPPO", "lmppo-lora": "LMPPO, LoRA", "grpo-lora": "GRPO, LoRA"}
+    names = AGENT_NAMES
     shapes = {2048: "SmolLM2-1.7B's shape", 4096: "Llama-3-8B's shape with SmolLM2's 49,152-token vocabulary"}
     lines = [
         "### Larger policies on one GPU",
@@ -569,10 +573,10 @@ def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for run, agents in [(r, ("grpo-lora", "lmppo-lora")) for r in lora] + [(r, ("lmppo",)) for r in big]:
+        size = policy_size(run)
         for row in run["agents"]:
             if row["agent"] not in agents:
                 continue
-            size = policy_size(run)
             if "error" in row:
                 lines.append(f"| {size} | {names[row['agent']]} | all | out of memory | | | | |")
                 continue
@@ -587,9 +591,7 @@ def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
     lines.append("")
     failed = [r for r in big if any(row["agent"] == "lmppo" and "error" in row for row in r["agents"])]
     for run in failed:
-        base = next(
-            x["parameters"] - x["trainable_parameters"] for x in run["agents"] if "lora" in x["agent"]
-        )
+        base = base_parameters(run)
         lines.append(
             f"- Full LMPPO on the {policy_size(run)} policy ran out of the GPU's memory. It cannot fit: 16 bytes "
             "per parameter for the fp32 weights, their gradients and AdamW's two moments, and 4 more for the "
