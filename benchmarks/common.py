@@ -27,6 +27,22 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def time_sides(
+    sides: dict[str, Callable[[], Any]],
+    repeats: int,
+    timer: Callable[[Callable[[], Any]], tuple[float, Any]] = timed,
+) -> dict[str, float]:
+    """Median seconds of each side, the sides alternating within every repetition, after one warm-up.
+    ``timer``: how one call is timed (``timed``, or one that waits for a device's queued work)."""
+    for fn in sides.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            times[name].append(timer(fn)[0])
+    return {name: median(t) for name, t in times.items()}
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 import textgym
-from benchmarks.common import chat_prompts, left_padded_prompts, machine, median, peak_rss_mb, timed
+from benchmarks.common import (
+    chat_prompts,
+    left_padded_prompts,
+    machine,
+    median,
+    peak_rss_mb,
+    time_sides,
+    timed,
+)
 from textgym import TextGenVectorEnv
 from textgym.sampling import rollout
 
@@ -208,16 +216,17 @@ def lora_fold_comparison(agent: Any, device: str, repeats: int) -> dict[str, flo
     from textgym.agents import precision
 
     fold = precision.foldable_lora_layers
-    sides = {"folded": fold, "adapters": lambda model: []}
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, choose in sides.items():
-            precision.foldable_lora_layers = choose
-            try:
-                times[name].append(timed_on(device, lambda: agent.rollout(agent.env, temperature=0))[0])
-            finally:
-                precision.foldable_lora_layers = fold
-    return {f"rollout_{name}_s": median(t) for name, t in times.items()}
+
+    def rollout_with(choose: Callable[[Any], list]) -> Any:
+        precision.foldable_lora_layers = choose
+        try:
+            return agent.rollout(agent.env, temperature=0)
+        finally:
+            precision.foldable_lora_layers = fold
+
+    sides = {"folded": lambda: rollout_with(fold), "adapters": lambda: rollout_with(lambda model: [])}
+    times = time_sides(sides, repeats, timer=lambda fn: timed_on(device, fn))
+    return {f"rollout_{name}_s": seconds for name, seconds in times.items()}
 
 
 def attempt(fn: Callable[[], Any], **labels: Any) -> Any:

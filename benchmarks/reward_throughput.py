@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.common import median, timed, write_result
+from benchmarks.common import time_sides, write_result
 from textgym import Sample, make_reward
 from textgym.prompts import load_prompts
 
@@ -145,17 +145,6 @@ BEFORE: dict[str, Callable[[Any, Sequence[Sample]], list[float]]] = {
     "rm_score": rm_score_before,
     "similarity": similarity_before,
 }
-
-
-def time_sides(sides: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds of each side, the sides alternating within every repetition, after one warm-up."""
-    for fn in sides.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, fn in sides.items():
-            times[name].append(timed(fn)[0])
-    return {name: median(t) for name, t in times.items()}
 
 
 def max_difference(a: Sequence[float], b: Sequence[float]) -> float:
