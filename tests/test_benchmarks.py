@@ -39,14 +39,20 @@ def test_quick_multiturn_benchmark_runs_and_reports(tmp_path):
     assert "## Multi-turn rollout against `model.generate` turn by turn" in report
 
 
-def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
-    """As on a machine that cannot install the model's weights: a model directory's architecture and
-    tokenizer, with fresh weights (``--random-weights``)."""
+def saved_tiny_model(path):
+    """tiny-random-llama written to the model directory ``path`` (as ``--model DIR`` takes it); returns it."""
     import textgym
 
     model, tokenizer = textgym.load_model("tiny-random-llama")
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
+    """As on a machine that cannot install the model's weights: a model directory's architecture and
+    tokenizer, with fresh weights (``--random-weights``)."""
+    saved_tiny_model(tmp_path / "model")
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--model", str(tmp_path / "model"),
@@ -86,12 +92,9 @@ def test_the_gpu_check_builds_a_changed_architecture_and_trains_lora_on_it(tmp_p
     CPU has it natively) each also times its rollout with the adapters folded and through them."""
     from transformers import AutoModelForCausalLM
 
-    import textgym
     from textgym.agents.base import cpu_has_native_bf16
 
-    model, tokenizer = textgym.load_model("tiny-random-llama")
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    model = saved_tiny_model(tmp_path / "model")
     layers = model.config.num_hidden_layers + 1
     out = tmp_path / "gpu_check.json"
     result = subprocess.run(
