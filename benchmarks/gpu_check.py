@@ -51,17 +51,12 @@ AGENTS = {
     "grpo": ("textgym.agents.grpo:GRPO", dict(num_generations=8, beta=0.04, micro_batch_size=32)),
     "grpo-beta0": ("textgym.agents.grpo:GRPO", dict(num_generations=8, beta=0.0, micro_batch_size=32)),
     "rloo": ("textgym.agents.rloo:RLOO", dict(num_generations=8, micro_batch_size=32)),
-    # LoRA: the adapter trains; the reference is the same model with the adapter disabled
-    "lmppo-lora": (
-        "textgym.agents.ppo:LMPPO",
-        dict(n_epochs=1, n_minibatches=1, micro_batch_size=32, lora=LORA),
-    ),
-    "grpo-lora": (
-        "textgym.agents.grpo:GRPO",
-        dict(num_generations=8, beta=0.04, micro_batch_size=32, lora=LORA),
-    ),
 }
-DEFAULT_AGENTS = ["lmppo", "grpo", "grpo-beta0", "rloo"]
+DEFAULT_AGENTS = list(AGENTS)
+# LoRA: the adapter trains; the reference is the same model with the adapter disabled
+AGENTS.update(
+    {f"{name}-lora": (AGENTS[name][0], {**AGENTS[name][1], "lora": LORA}) for name in ("lmppo", "grpo")}
+)
 
 
 def sync(device: str) -> None:
