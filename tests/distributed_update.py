@@ -1,12 +1,17 @@
-"""One update of an LM agent on a fixed batch of episodes, in one process or split over several (launched by
-``torch.distributed.run``); writes the updated parameters. tests/test_distributed.py compares the two.
+"""One update of LM agents on a fixed batch of episodes, in one process or split over several (launched by
+``torch.distributed.run``); writes each agent's updated parameters. tests/test_distributed.py compares them.
 
-    python tests/distributed_update.py AGENT BATCH.pt OUT.pt [--load CHECKPOINT] [--save CHECKPOINT]
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_update.py AGENT BATCH.pt OUT.pt
+    python tests/distributed_update.py BATCH.pt OUT AGENT [AGENT ...] [--load DIR] [--save AGENT ...]
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_update.py BATCH.pt OUT AGENT ...
     ACCELERATE_USE_FSDP=true python -m torch.distributed.run ...   # the same, sharded with FSDP2
     ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_ZERO_STAGE=3 python -m torch.distributed.run ...  # ZeRO-3
+
+Each agent updates in turn, in the same processes, and writes OUT/AGENT.pt (its parameters after the update)
+and, for the agents named after --save, its checkpoint OUT/AGENT/; --load DIR starts each agent from the checkpoint DIR/AGENT/.
 """
 
+import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -41,15 +46,12 @@ AGENTS = {
 }
 
 
-def main() -> None:
-    name, batch_path, out, *options = sys.argv[1:]
-    options = dict(zip(options[::2], options[1::2]))
+def update(name: str, full: dict, out: Path, load: Path | None, save: bool) -> None:
     cls, hyperparameters = AGENTS[name]
-    if "--load" in options:  # the update continues a saved agent: its weights, value head and AdamW state
-        agent = cls.load(options["--load"])
+    if load is not None:  # the update continues a saved agent: its weights, value head and AdamW state
+        agent = cls.load(load / name)
     else:
         agent = cls(char_llama(), None, seed=0, verbose=0, **hyperparameters)
-    full = torch.load(batch_path, weights_only=True)
     world, rank = agent.dist.world, agent.dist.rank
     n = len(full["scores"]) // world
     rows = {k: v[rank * n : (rank + 1) * n] for k, v in full.items()}  # this process's share of the episodes
@@ -59,15 +61,30 @@ def main() -> None:
     agent.train(agent.process(batch))
     # sharded: every process gathers the full parameters from the shards
     params = [full_tensor(p) for p in agent.params]
-    print(f"rank {agent.dist.rank}: sharded={agent.sharding_engine}")
+    print(f"rank {agent.dist.rank}: {name} sharded={agent.sharding_engine}")
     if agent.dist.is_main:
-        torch.save([p.detach().cpu() for p in params], out)
-    if "--save" in options:  # every process: a sharded agent gathers its checkpoint collectively
-        agent.save(options["--save"])
+        torch.save([p.detach().cpu() for p in params], out / f"{name}.pt")
+    if save:  # every process: a sharded agent gathers its checkpoint collectively
+        agent.save(out / name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("batch", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("agents", nargs="+", choices=AGENTS)
+    parser.add_argument("--load", type=Path)
+    parser.add_argument("--save", nargs="+", default=[], choices=AGENTS)
+    args = parser.parse_args()
+    full = torch.load(args.batch, weights_only=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.agents:
+        update(name, full, args.out, args.load, name in args.save)
+        gc.collect()  # the agent (and its engine, under ZeRO-3) is freed before the next one is built
 
 
 if __name__ == "__main__":
-    main()  # returns before the group ends: the agent's DDP modules are freed while it is alive
+    main()  # returns before the group ends: the agents' DDP modules are freed while the group is alive
     if torch.distributed.is_initialized():  # (the one-process reference run has no group)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort

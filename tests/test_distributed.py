@@ -53,13 +53,50 @@ def batch_file(tmp_path_factory):
     return path
 
 
-def update(agent, batch_file, out, processes, shard=None, *options):
-    """Run tests/distributed_update.py; returns the updated parameters."""
-    script = [str(HERE / "distributed_update.py"), agent, str(batch_file), str(out), *map(str, options)]
+def update(batch_file, out, agents, processes, shard=None, *options):
+    """Run tests/distributed_update.py: each agent's update, in turn, in the same processes."""
+    script = [str(HERE / "distributed_update.py"), str(batch_file), str(out), *agents, *map(str, options)]
     result = run_cmd([*TORCHRUN, *script] if processes == 2 else [sys.executable, *script], shard=shard)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"sharded={ENGINE[shard] if processes == 2 else None}" in result.stdout  # how it really ran
-    return torch.load(out)
+    for agent in agents:  # how it really ran
+        assert f"{agent} sharded={ENGINE[shard] if processes == 2 else None}" in result.stdout
+    return out
+
+
+BF16 = ["lmppo-bf16"] if cpu_has_native_bf16() else []
+# what each launch updates: one process on the whole batch, and two processes per engine (None: DDP)
+LAUNCHES = {
+    "one": ["lmppo", "grpo", "lmppo-lora"],
+    None: ["lmppo", "grpo", *BF16],
+    "fsdp": ["lmppo", "grpo", "lmppo-lora", *BF16],
+    "zero3": ["lmppo", "grpo", "lmppo-lora", *BF16],
+}
+
+
+class Updates:
+    """The updates of tests/distributed_update.py, one launch per entry of LAUNCHES (LMPPO's checkpoint saved),
+    made the first time a test asks for it: a launch starts two or three Python processes, which costs
+    more than the updates in it."""
+
+    def __init__(self, batch_file, tmp_path_factory):
+        self.batch_file, self.tmp_path_factory, self.dirs = batch_file, tmp_path_factory, {}
+
+    def dir(self, launch):
+        if launch not in self.dirs:
+            out = self.tmp_path_factory.mktemp(f"update-{launch}")
+            processes, shard = (1, None) if launch == "one" else (2, launch)
+            self.dirs[launch] = update(
+                self.batch_file, out, LAUNCHES[launch], processes, shard, "--save", "lmppo"
+            )
+        return self.dirs[launch]
+
+    def params(self, launch, agent):
+        return torch.load(self.dir(launch) / f"{agent}.pt")
+
+
+@pytest.fixture(scope="module")
+def updates(batch_file, tmp_path_factory):
+    return Updates(batch_file, tmp_path_factory)
 
 
 def assert_close(one, two):
@@ -71,51 +108,47 @@ def assert_close(one, two):
 @pytest.mark.parametrize(
     "agent, shard",
     [("lmppo", None), ("grpo", None), ("lmppo", "fsdp"), ("grpo", "fsdp"), ("lmppo-lora", "fsdp"),
-     ("grpo", "zero3"), ("lmppo-lora", "zero3")],
-    ids=["lmppo", "grpo", "lmppo-fsdp", "grpo-fsdp", "lmppo-lora-fsdp", "grpo-zero3", "lmppo-lora-zero3"],
+     ("lmppo", "zero3"), ("grpo", "zero3"), ("lmppo-lora", "zero3")],
+    ids=["lmppo", "grpo", "lmppo-fsdp", "grpo-fsdp", "lmppo-lora-fsdp", "lmppo-zero3", "grpo-zero3",
+         "lmppo-lora-zero3"],
 )  # fmt: skip
-def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_batch(
-    tmp_path, batch_file, agent, shard
-):
-    one = update(agent, batch_file, tmp_path / "one.pt", processes=1)
-    two = update(agent, batch_file, tmp_path / "two.pt", 2, shard)
+def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_batch(updates, agent, shard):
+    one = updates.params("one", agent)
     initial = [p.detach() for p in char_llama().parameters()]
     if "lora" not in agent:
         assert any(not torch.equal(a, b) for a, b in zip(one, initial))  # the update changed the weights
-    assert_close(one, two)
+    assert_close(one, updates.params(shard, agent))
 
 
 def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_next_update(
-    tmp_path, batch_file
+    tmp_path, batch_file, updates
 ):
-    # LMPPO under ZeRO-3: the first update equals one process's, and its gathered checkpoint (weights, value
-    # head, AdamW moments and step) equals one process's checkpoint; then an unsharded checkpoint loaded into
-    # ZeRO-3 shards gives the same second update as one process (the moments and step count decide AdamW's).
-    one = update("lmppo", batch_file, tmp_path / "one.pt", 1, None, "--save", tmp_path / "one")
-    two = update("lmppo", batch_file, tmp_path / "two.pt", 2, "zero3", "--save", tmp_path / "two")
-    assert_close(one, two)
-    saved = [torch.load(tmp_path / d / "optimizer.pt", weights_only=True) for d in ("one", "two")]
+    # LMPPO under ZeRO-3 (its first update equals one process's: the test above): its gathered checkpoint
+    # (weights, value head, AdamW moments and step) equals one process's checkpoint; then an unsharded
+    # checkpoint loaded into ZeRO-3 shards gives the same second update as one process (the moments and step
+    # count decide AdamW's).
+    one, two = updates.dir("one") / "lmppo", updates.dir("zero3") / "lmppo"
+    saved = [torch.load(d / "optimizer.pt", weights_only=True) for d in (one, two)]
     assert saved[1]["param_groups"] == saved[0]["param_groups"]
     assert saved[1]["state"].keys() == saved[0]["state"].keys()
     for index, entry in saved[0]["state"].items():
         assert float(entry["step"]) == float(saved[1]["state"][index]["step"]) == 1
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(saved[1]["state"][index][key], entry[key], atol=1e-6, rtol=0)
-    heads = [torch.load(tmp_path / d / "value_head.pt", weights_only=True) for d in ("one", "two")]
+    heads = [torch.load(d / "value_head.pt", weights_only=True) for d in (one, two)]
     assert_close(list(heads[0].values()), list(heads[1].values()))
-    again = update("lmppo", batch_file, tmp_path / "again1.pt", 1, None, "--load", tmp_path / "one")
-    sharded = update("lmppo", batch_file, tmp_path / "again2.pt", 2, "zero3", "--load", tmp_path / "one")
-    assert any(not torch.equal(a, b) for a, b in zip(again, one))  # the second update moved the weights
+    again = update(batch_file, tmp_path / "again1", ["lmppo"], 1, None, "--load", updates.dir("one"))
+    sharded = update(batch_file, tmp_path / "again2", ["lmppo"], 2, "zero3", "--load", updates.dir("one"))
+    again, sharded = (torch.load(d / "lmppo.pt") for d in (again, sharded))
+    assert any(not torch.equal(a, b) for a, b in zip(again, updates.params("one", "lmppo")))  # it moved
     assert_close(again, sharded)
 
 
-@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 = true needs a CPU with native bf16")
+@pytest.mark.skipif(not BF16, reason="bf16 = true needs a CPU with native bf16")
 @pytest.mark.parametrize("shard", ["fsdp", "zero3"])
-def test_a_sharded_bf16_update_equals_the_data_parallel_one(tmp_path, batch_file, shard):
+def test_a_sharded_bf16_update_equals_the_data_parallel_one(updates, shard):
     # bf16 rounds the whole batch and each half differently (~1e-2 here), so the reference is DDP's split
-    ddp = update("lmppo-bf16", batch_file, tmp_path / "ddp.pt", processes=2)
-    sharded = update("lmppo-bf16", batch_file, tmp_path / "sharded.pt", 2, shard)
-    for a, b in zip(ddp, sharded):
+    for a, b in zip(updates.params(None, "lmppo-bf16"), updates.params(shard, "lmppo-bf16")):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
