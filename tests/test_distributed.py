@@ -5,6 +5,7 @@ for sharding, as `accelerate launch` with the shipped configs sets them)."""
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,10 +178,29 @@ def config(tmp_path):
     return path
 
 
-def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_episodes(config, tmp_path):
-    out = tmp_path / "run"
-    result = run_cmd([*TORCHRUN, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'"])
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """A short Copy-v0 run trained by two processes, made once: (its directory, the launch's result). A test
+    that changes the run works on a copy (``copy_run``)."""
+    path = tmp_path_factory.mktemp("two-process-run")
+    (path / "copy.toml").write_text(COPY)
+    out = path / "run"
+    result = run_cmd(
+        [*TORCHRUN, "-m", "textgym", "train", str(path / "copy.toml"), "--set", f"run.output_dir='{out}'"]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def copy_run(run, tmp_path):
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
+def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_episodes(
+    two_process_run, tmp_path
+):
+    trained, result = two_process_run
+    out = copy_run(trained, tmp_path)
     assert load_config(out / "config.toml")["run"]["processes"] == 2
     with open(out / "metrics.csv") as f:
         metrics = list(csv.DictReader(f))
@@ -306,15 +326,9 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     assert f"was trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
-def test_resuming_with_another_number_of_processes_is_refused(config, tmp_path):
-    out = tmp_path / "run"
-    assert (
-        run_cmd(
-            [*TORCHRUN, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'"]
-        ).returncode
-        == 0
-    )
-    three = [*TORCHRUN[:-1], "--nproc_per_node=4", "-m", "textgym", "train", "--resume", str(out)]
+def test_resuming_with_another_number_of_processes_is_refused(two_process_run, tmp_path):
+    out = copy_run(two_process_run[0], tmp_path)
+    three = [*TORCHRUN[:-1], "--nproc_per_node=3", "-m", "textgym", "train", "--resume", str(out)]
     result = run_cmd(three)
     assert (
         result.returncode != 0
