@@ -1,3 +1,4 @@
+import copy
 import importlib.util
 
 import pytest
@@ -5,6 +6,7 @@ import torch
 
 import textgym
 from textgym import models
+from textgym.agents.ppo import LMPPO
 from textgym.errors import ModelError, UnknownNameError
 from textgym.models import CharTokenizer, atomic_build_dir, check_pad_token
 
@@ -34,6 +36,19 @@ def test_local_model_directory_loads(tiny, tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     assert loaded_tok.pad_token_id == tok.pad_token_id
     assert textgym.load_tokenizer(str(tmp_path)).pad_token_id == tok.pad_token_id
+
+
+def test_a_bf16_checkpoint_loads_in_fp32_so_a_policy_trains_fp32_weights(tiny, tmp_path):
+    # transformers loads a checkpoint in the dtype it was saved in, and most hub checkpoints are bf16: an
+    # LMPPO policy (and its reference) would then train bf16 weights with bf16 AdamW moments, bf16 = false
+    model, tok = tiny
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert textgym.load_model(tmp_path)[0].dtype == torch.float32
+    assert textgym.load_model(tmp_path, dtype=torch.bfloat16)[0].dtype == torch.bfloat16  # when asked
+    agent = LMPPO(str(tmp_path), None, verbose=0)
+    assert {p.dtype for p in agent.params} == {torch.float32}
+    assert {p.dtype for p in agent.ref_policy.parameters()} == {torch.float32}
 
 
 def test_unknown_model_name_suggests_the_closest():

@@ -118,9 +118,14 @@ def smollm2_dir() -> Path:
 
 
 def _load_dir(path: Path | str, **kwargs: Any) -> tuple[Any, Any]:
+    import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = _tokenizer_from_dir(str(path))
+    # fp32 unless asked otherwise: transformers would load a checkpoint in the dtype it was saved in (most
+    # hub checkpoints are bf16), and a policy must train fp32 weights (bf16 = true is autocast over them),
+    # a reward model score in the precision its `bf16` setting says.
+    kwargs.setdefault("dtype", torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()  # dropout off: RL on language models assumes deterministic log-probs
     return model, tokenizer
@@ -244,7 +249,8 @@ def _is_tokenizer(obj: Any) -> bool:
 def load_model(name_or_path: str | os.PathLike = EMBEDDED, **kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a zoo name, a local Hugging Face model directory, or a hub id.
 
-    Keyword arguments (e.g. ``dtype``) go to ``from_pretrained``. The model is in eval mode.
+    Keyword arguments (e.g. ``dtype``) go to ``from_pretrained``. A model directory loads in fp32 unless
+    ``dtype`` says otherwise, whatever dtype it was saved in. The model is in eval mode.
     """
     from textgym import plugin_manager
 
