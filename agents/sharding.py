@@ -111,26 +111,33 @@ def fsdp_requested() -> FSDPSettings | None:
     if _flag("ACCELERATE_USE_FSDP") not in ("1", "true"):
         return None
 
-    def refuse(key: str, value: str, why: str) -> ConfigError:
+    def refuse(key: str, var: str, why: str, fix: str = "remove it") -> ConfigError:
+        # `accelerate launch` passes its config on as variables; a variable may also be set by hand
         return ConfigError(
-            f"the accelerate config sets {key}: {value}, which textgym's FSDP does not honour ({why}); remove it "
-            f"(see examples/accelerate/fsdp.yaml)."
+            f"the accelerate config (or the environment) sets {key}: {os.environ[var]} ({var}), which textgym's "
+            f"FSDP does not honour ({why}); {fix} (see examples/accelerate/fsdp.yaml)."
         )
 
-    version = _flag("FSDP_VERSION", "2")
-    if version != "2":
-        raise refuse("fsdp_version", version, "textgym shards with FSDP2 only; set fsdp_version: 2")
+    if _flag("FSDP_VERSION", "2") != "2":
+        raise refuse(
+            "fsdp_version", "FSDP_VERSION", "textgym shards with FSDP2 only",
+            "set fsdp_version: 2 (a config without an fsdp_version line gets accelerate's default, 1)",
+        )  # fmt: skip
     for key, var, refused, why in _REFUSED:
         if _flag(var) in refused:
-            raise refuse(key, os.environ[var], why)
+            raise refuse(key, var, why)
     if os.environ.get("FSDP_IGNORED_MODULES"):
-        raise refuse("fsdp_ignored_modules", os.environ["FSDP_IGNORED_MODULES"], "every module is sharded")
-    precision = _flag("ACCELERATE_MIXED_PRECISION", "no")
-    if precision not in ("no", ""):
-        raise refuse("mixed_precision", precision, "use the agent's bf16 = true: textgym's own autocast")
+        raise refuse("fsdp_ignored_modules", "FSDP_IGNORED_MODULES", "every module is sharded")
+    if _flag("ACCELERATE_MIXED_PRECISION", "no") not in ("no", ""):
+        raise refuse(
+            "mixed_precision", "ACCELERATE_MIXED_PRECISION", "textgym has its own autocast",
+            "use the agent's bf16 = true and mixed_precision: no",
+        )  # fmt: skip
     reshard = _flag("FSDP_RESHARD_AFTER_FORWARD", "true")
     if reshard not in ("true", "1", "full_shard", "false", "0", "shard_grad_op"):
-        raise refuse("fsdp_reshard_after_forward", reshard, "it takes true or false")
+        raise refuse(
+            "fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", "it takes true or false", "set one"
+        )
     classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "")
     return FSDPSettings(
         reshard_after_forward=reshard in ("true", "1", "full_shard"),

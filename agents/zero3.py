@@ -64,7 +64,11 @@ _IGNORABLE = {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_p
               "zero_allow_untested_optimizer"}  # fmt: skip
 
 
-def _refuse(key: str, value: Any, why: str, where: str = "the accelerate config") -> ConfigError:
+# `accelerate launch` passes its config on as ACCELERATE_* variables; a variable may also be set by hand
+ACCELERATE_CONFIG = "the accelerate config (or the environment)"
+
+
+def _refuse(key: str, value: Any, why: str, where: str = ACCELERATE_CONFIG) -> ConfigError:
     return ConfigError(
         f"{where} sets {key}: {value}, which textgym's DeepSpeed ZeRO-3 does not honour ({why}). See "
         f"examples/accelerate/zero3.yaml and docs/distributed.md."
@@ -117,7 +121,7 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
             f"({os.environ.get('CXX', 'c++')!r}): install one (e.g. apt-get install g++) or set CXX."
         )
     config: dict[str, Any] = {}
-    where = "the accelerate config"
+    where = ACCELERATE_CONFIG
     if path := os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         where = f"the DeepSpeed config {path}"
         try:
@@ -134,7 +138,7 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     zero = dict(config.get("zero_optimization", {}))
     # each setting from the accelerate config (a variable) and from the file: both must agree with textgym
     stages = {
-        ("the accelerate config", _env("ACCELERATE_DEEPSPEED_ZERO_STAGE")),
+        (ACCELERATE_CONFIG, _env("ACCELERATE_DEEPSPEED_ZERO_STAGE")),
         (where, str(zero.get("stage", ""))),
     }
     for source, stage in stages:
@@ -143,7 +147,7 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     for key, var in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
                      ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):  # fmt: skip
         section = zero.get(key.removesuffix("_device")) or {}
-        for source, device in (("the accelerate config", _env(var)), (where, str(section.get("device", "")))):
+        for source, device in ((ACCELERATE_CONFIG, _env(var)), (where, str(section.get("device", "")))):
             if device.lower() not in ("", "none"):
                 raise _refuse(key, device, "offloading is not supported: set it to none", source)
     for key, var, why in (

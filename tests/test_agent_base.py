@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -388,7 +389,27 @@ def test_sharding_options_textgym_does_not_honour_are_refused_by_name(
 ):
     monkeypatch.setenv(engine[0], "true")
     monkeypatch.setenv(variable, value)
-    with pytest.raises(ConfigError, match=f"sets {key}, which textgym's {engine[1]} does not honour"):
+    named = f"{key} ({variable})" if engine is FSDP else key  # FSDP's refusals name the variable too
+    with pytest.raises(
+        ConfigError, match=re.escape(f"sets {named}, which textgym's {engine[1]} does not honour")
+    ):
+        sharded_agent()
+
+
+def test_an_fsdp_config_without_fsdp_version_is_told_to_set_2(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")  # what `accelerate launch` sets for a config without the line
+    with pytest.raises(ConfigError, match=r"set fsdp_version: 2 \(a config without an fsdp_version line"):
+        sharded_agent()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_accelerate_mixed_precision_is_refused_without_sharding_too(precision, monkeypatch):
+    # an Accelerator made with it would wrap the training forward in accelerate's autocast, unasked
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+    with pytest.raises(
+        ConfigError, match=f"mixed_precision is '{precision}'.*bf16 = true, and mixed_precision: no"
+    ):
         sharded_agent()
 
 
