@@ -328,12 +328,25 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
 
 def test_resuming_with_another_number_of_processes_is_refused(two_process_run, tmp_path):
     out = copy_run(two_process_run[0], tmp_path)
-    three = [*TORCHRUN[:-1], "--nproc_per_node=3", "-m", "textgym", "train", "--resume", str(out)]
-    result = run_cmd(three)
+    for n in (3, 1):  # torchrun with one process is a launcher too: it must not start a second one inside
+        result = run_cmd(
+            [*TORCHRUN[:-1], f"--nproc_per_node={n}", "-m", "textgym", "train", "--resume", str(out)]
+        )
+        assert result.returncode != 0, result.stdout[-2000:]
+        assert "resume it with the same number (torchrun --nproc_per_node 2)" in result.stderr
+        assert "with 2 processes: torch.distributed.run" not in result.stdout
+
+
+def test_a_resume_that_sets_another_number_of_processes_is_refused(config, tmp_path, capsys):
+    out = tmp_path / "run"
     assert (
-        result.returncode != 0
-        and "resume it with the same number (torchrun --nproc_per_node 2)" in result.stderr
+        main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=16"])
+        == 0
     )
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--set", "run.processes=2"]) == 2
+    assert f"{out} was trained by 1 process(es); a resume keeps that number" in capsys.readouterr().err
+    assert load_config(out / "config.toml")["run"]["processes"] == 1
 
 
 FAILS_ON_RANK_1 = """
@@ -375,6 +388,10 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(config, tmp_p
     assert main(["train", str(tmp_path / "grpo.toml"), "--agent", "grpo", "--set", "run.processes=2",
                  "--set", f"run.output_dir='{tmp_path / 'y'}'"]) == 2  # fmt: skip
     assert "not a multiple of num_generations=8" in capsys.readouterr().err
+    assert main(["train", str(config), "--agent", "sb3-ppo", "--set", "run.processes=2",
+                 "--set", f"run.output_dir='{tmp_path / 'z'}'"]) == 2  # fmt: skip
+    assert "Stable-Baselines3 agents train in one process: set run.processes = 1" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "xyz")
 
 
 def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, monkeypatch, capsys):

@@ -164,7 +164,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(
             "give a config file to start a run, or --resume RUN_DIR to continue one (not both)."
         )
-    run(args.config, args.set, resume=args.resume, agent_name=args.agent)
+    run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
     return 0
 
 

@@ -68,7 +68,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:  # paths in a file mean the same from any working directory
         config = resolve_paths(config, Path(path).resolve().parent)
     for override in overrides:  # paths given on the command line are relative to the working directory
-        apply_override(config, override)
+        given: dict[str, Any] = {}
+        apply_override(given, override)
+        _merge(config, resolve_paths(given, Path.cwd()))
     return validate(config, source=str(path) if path else "the config")
 
 

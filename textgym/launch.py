@@ -17,7 +17,7 @@ from textgym.errors import ConfigError, TrainingError
 from textgym.rundir import RunDir
 
 __all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "init_process_group", "launch", "on_main",
-           "rank", "world_size"]  # fmt: skip
+           "rank", "under_launcher", "world_size"]  # fmt: skip
 
 LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
 
@@ -29,6 +29,12 @@ def world_size() -> int:
 
 def rank() -> int:
     return int(os.environ.get("RANK", 0))
+
+
+def under_launcher() -> bool:
+    """Whether a launcher (torchrun, accelerate's multi-process launch) started this process, even as the only
+    one: then the launcher, not ``run.processes``, decides how many processes train."""
+    return "WORLD_SIZE" in os.environ
 
 
 def init_process_group() -> None:
@@ -76,7 +82,7 @@ def check_processes(
     config: dict[str, Any], world: int, resuming: bool, agent_class: Any, hp: dict[str, Any]
 ) -> None:
     run, env = config["run"], config["env"]
-    if world > 1:
+    if world > 1 or under_launcher():
         if resuming and run["processes"] != world:
             how = (
                 f"textgym train --resume {run['output_dir']}, without a launcher"
@@ -87,11 +93,12 @@ def check_processes(
                 f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
                 f"({how}), not {world}: the seeds and the batch split depend on it."
             )
-        if not is_lm_agent(agent_class):
-            raise ConfigError(
-                "Stable-Baselines3 agents train in one process; run them without torchrun or accelerate launch."
-            )
         run["processes"] = world
+    if run["processes"] > 1 and not is_lm_agent(agent_class):
+        raise ConfigError(
+            "Stable-Baselines3 agents train in one process: set run.processes = 1, and run them without "
+            "torchrun or accelerate launch."
+        )
     if env["num_envs"] % run["processes"]:
         raise ConfigError(
             f"env.num_envs={env['num_envs']} does not split evenly over {run['processes']} processes: make it a "

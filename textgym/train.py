@@ -11,6 +11,7 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from textgym.launch import (
     launch,
     on_main,
     rank,
+    under_launcher,
     world_size,
 )
 from textgym.rundir import CHECKPOINT, RunDir, crash_point
@@ -102,8 +104,12 @@ def run(
     resume: str | Path | None = None,
     agent_name: str | None = None,
     config: dict[str, Any] | None = None,
+    plugins: Sequence[str] = (),
 ) -> Path:
     """Train as configured (a TOML file, or an already-parsed ``config`` dict); returns the run directory.
+
+    ``plugins`` (``textgym train --plugin FILE.py``) join ``run.plugins``: the run's config names every plugin
+    file it needs, for its resumes and for the processes of a ``run.processes = N`` launch.
 
     Everything is validated before the run directory is touched; a start that fails leaves no directory.
     """
@@ -112,6 +118,12 @@ def run(
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")
         config = load_config(run_dir / "config.toml", overrides)
+        trained_by = load_config(run_dir / "config.toml")["run"]["processes"]
+        if config["run"]["processes"] != trained_by:  # a --set of it
+            raise ConfigError(
+                f"{run_dir} was trained by {trained_by} process(es); a resume keeps that number, as the seeds "
+                f"and the batch split depend on it: drop run.processes={config['run']['processes']} from --set."
+            )
         if config["run"]["plugins"]:
             print(
                 f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
@@ -125,6 +137,12 @@ def run(
             config["agent"]["name"] = agent_name
         stem = Path(config_path).stem if config_path else "run"
         run_dir = Path(config["run"]["output_dir"] or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    for path in plugins:
+        path = str(Path(path).expanduser().resolve())
+        if path not in config["run"]["plugins"]:
+            config["run"]["plugins"].append(path)
+            if resume is not None:  # not in the saved config: the launched processes are told
+                overrides = [*overrides, f"run.plugins={json.dumps(config['run']['plugins'])}"]
     for path in config["run"]["plugins"]:
         plugin_manager.load_plugin_file(path)
     check_env_id(config["env"]["id"], config["run"]["allow_env_import"])
@@ -139,7 +157,7 @@ def run(
         require_tensorboard("run.report_to = ['tensorboard']")
         hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     config["run"]["output_dir"] = str(run_dir)
-    if world == 1 and config["run"]["processes"] > 1:
+    if world == 1 and config["run"]["processes"] > 1 and not under_launcher():
         return launch(config, run_dir, resume is not None, overrides)
     rd = RunDir(run_dir)
     resuming, created = resume is not None, False
