@@ -9,6 +9,13 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, results_dir
 
+# benchmarks/gpu_check.py's agents (its AGENTS), which its results do not record
+GPU_CHECK_AGENTS = (
+    "LMPPO one epoch of one minibatch (its default: 4 epochs), one completion per prompt; GRPO 8 completions "
+    "per prompt and beta = 0.04 (grpo-beta0: beta = 0, GRPO's default); RLOO 8 completions per prompt (its "
+    "default: 2), beta 0.05"
+)
+
 PROFILE_NOTES = """\
 ## Profile and fix
 
@@ -163,9 +170,10 @@ def agents_section(a: dict | None) -> list[str]:
         "",
         "`python benchmarks/run.py --only agents` (which runs `python -m benchmarks.gpu_check --device cpu "
         "--skip-rollout --agents NAME " + " ".join(a["settings"]) + "` once per agent, each in its own "
-        "process). One iteration of each agent after a warm-up one, with its defaults except those listed; "
-        "memory is the process's peak resident set (the model, its copies, the optimizer state and the "
-        "batch). GRPO and RLOO sample 8 completions per prompt; LMPPO one per prompt, with the same batch size.",
+        "process). One iteration of each agent after a warm-up one, with the check's settings: "
+        + GPU_CHECK_AGENTS
+        + "; memory is the process's peak resident set (the model, its copies, the optimizer state and the "
+        "batch).",
         "",
         "| agent | batch | seconds per iteration | peak memory (MB) | rollout (s) | update (s) |",
         "|---|---|---|---|---|---|",
@@ -232,8 +240,9 @@ def bf16_section(b: dict | None) -> list[str]:
         f"`python -m benchmarks.bf16_cpu`. {b['model']}, batch {b['batch']}, {b['new_tokens']} new tokens, "
         "greedy; bf16 is `torch.autocast` over the fp32 weights, and textgym's rollout, as an agent runs it, "
         "also casts the linear layers' weights to bf16 once per rollout (agents/precision.py). An LMPPO "
-        "iteration is 16 episodes x 24 tokens, 2 epochs x 2 minibatches, micro-batch 8. Medians of alternated "
-        "runs.",
+        "iteration is 16 episodes x 24 tokens, 2 epochs x 2 minibatches, micro-batch 8. `generate` and the "
+        "rollout: medians of alternated runs; the LMPPO iteration: one iteration in each precision, fp32 "
+        "first, so its ratio is one pair of measurements.",
         "",
         "| | fp32 (s) | bf16 (s) | fp32 / bf16 |",
         "|---|---|---|---|",
@@ -432,8 +441,8 @@ def gpu_section(
     names = AGENT_NAMES
     lines += [
         f"**One iteration of each agent** (after a warm-up one; {'bf16' if g['args']['bf16'] == 'True' else 'fp32'}; "
-        f"micro-batch {g['args']['micro_batch']} unless stated; GRPO and RLOO 8 completions per prompt; *syncs*: in "
-        "one more, untimed, iteration):",
+        f"micro-batch {g['args']['micro_batch']} unless stated; {GPU_CHECK_AGENTS}; *syncs*: in one more, untimed, "
+        "iteration):",
         "",
         "| agent | batch | iteration (s) | rollout (s) | reference (s) | update (s) | peak GPU memory (GB) | syncs |",
         "|---|---|---|---|---|---|---|---|",
@@ -515,8 +524,9 @@ def gpu_section(
             "--set agent.device=cuda --set run.total_timesteps=1200` on the same machine: the tiny "
             f"character-level Llama, {len(train_rows)} LMPPO iterations, {train_rows[-1]['timesteps']} tokens. "
             "The run completed and wrote its run directory, checkpoint included. The machine had one GPU, so "
-            "data-parallel training over several GPUs has not run there; it is the code path that the "
-            "two-process CPU tests check, with NCCL in place of gloo.",
+            "training over several GPUs (data-parallel, FSDP2 or ZeRO-3) has not run: the two-process CPU "
+            "tests check its logic, in fp32 and bf16, over gloo, but not NCCL's device-side collectives, "
+            "DeepSpeed's CUDA accelerator or its memory on GPUs.",
             "",
         ]
     return lines
@@ -552,7 +562,11 @@ def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
     if not lora and not big:
         return []
     names = AGENT_NAMES
-    shapes = {2048: "SmolLM2-1.7B's shape", 4096: "Llama-3-8B's shape with SmolLM2's 49,152-token vocabulary"}
+    shapes = {
+        2048: "SmolLM2-1.7B's shape",
+        4096: "Llama-3-8B's depth, width and MLP with SmolLM2's 64-wide attention heads (Llama-3-8B's are "
+        "128 wide) and its 49,152-token vocabulary",
+    }
     lines = [
         "### Larger policies on one GPU",
         "",
@@ -593,11 +607,11 @@ def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
     for run in failed:
         base = base_parameters(run)
         lines.append(
-            f"- Full LMPPO on the {policy_size(run)} policy ran out of the GPU's memory. It cannot fit: 16 bytes "
-            "per parameter for the fp32 weights, their gradients and AdamW's two moments, and 4 more for the "
-            f"reference copy, make {base * 20 / 1e9:.0f} GB before any activation (in that run an earlier agent "
-            "may also still have held memory). With LoRA the same policy trained in the memory shown above: "
-            "LoRA, or sharding over several GPUs (docs/distributed.md), is how such a policy fits."
+            f"- Full LMPPO on the {policy_size(run)} policy ran out of the GPU's memory, in a run where the "
+            "LoRA agents measured before it had not been freed, so this does not show that it cannot fit "
+            "alone. It would be tight at best: 16 bytes per parameter for the fp32 weights, their gradients "
+            f"and AdamW's two moments, and 4 more for the reference copy, make {base * 20 / 2**30:.0f} GiB of "
+            "the GPU's 140 before any activation. With LoRA the same policy trained in the memory shown above."
         )
     folds = [(policy_size(r), row) for r in lora for row in r["agents"] if "rollout_folded_s" in row]
     if folds:
