@@ -16,6 +16,7 @@ import pytest
 from lm_helpers import copy_run_config, csv_rows
 
 from textgym.cli import main
+from textgym.config import load_config
 from textgym.models import is_complete
 from textgym.rundir import INTERRUPT_VAR, RunDir
 from textgym.train import run
@@ -128,9 +129,11 @@ def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
     """The Ctrl-C arrives after the model and env have loaded, before training (a signal sent after a fixed
     sleep once landed after this small run had already finished, on a quiet machine)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", INTERRUPT_VAR: "start-up"}
+    # Ctrl-C's default action, as in a terminal: a test run started in the background by a shell without job
+    # control ignores SIGINT, and its child processes would inherit that
     proc = subprocess.run([sys.executable, "-m", "textgym", "train", str(config), "--set",
                            f"run.output_dir='{tmp_path / 'run'}'"], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+                          timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 130 and "Traceback" not in output, output
     assert "textgym: aborted" in output and "iter    1" not in output
@@ -328,6 +331,32 @@ def test_resume_announces_the_plugin_files_it_loads(config, tmp_path, capsys):
     capsys.readouterr()
     run(None, ["run.total_timesteps=40"], resume=out)
     assert f"loading the plugin files of {out}'s config: {tmp_path / 'rewards.py'}" in capsys.readouterr().out
+
+
+def test_plugin_files_from_the_command_line_are_recorded_for_resumes_and_launched_processes(
+    config, tmp_path, capsys, monkeypatch
+):
+    # --plugin, and a relative --set run.plugins, are paths from the working directory: the run's config
+    # must name them absolutely, or a resume (and every process of run.processes = N, which resumes the run
+    # directory) would not find the rewards they register
+    (tmp_path / "rewards.py").write_text("import textgym\n\n@textgym.reward('zero_a')\ndef zero_a(samples):\n"
+                                         "    return [0.0] * len(samples)\n")  # fmt: skip
+    (tmp_path / "more.py").write_text(
+        "import textgym\n\n@textgym.reward('zero_b')\ndef zero_b(samples):\n    return [0.0] * len(samples)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    for name, how in (("a", ["--plugin", "rewards.py"]), ("b", ["--set", "run.plugins=['more.py']"])):
+        out = tmp_path / name
+        assert main(["train", str(config), *how, "--set", f"run.output_dir='{out}'", "--set",
+                     "run.total_timesteps=16", "--set", f"env.rewards=[{{name='zero_{name}'}}]"]) == 0  # fmt: skip
+        file = "rewards.py" if name == "a" else "more.py"
+        assert load_config(out / "config.toml")["run"]["plugins"] == [str(tmp_path / file)]
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "a"), "--set", "run.total_timesteps=32"]) == 0
+    assert (
+        f"loading the plugin files of {tmp_path / 'a'}'s config: {tmp_path / 'rewards.py'}"
+        in capsys.readouterr().out
+    )
 
 
 class Exploit:
