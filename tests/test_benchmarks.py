@@ -142,10 +142,13 @@ def test_the_gpu_report_on_larger_policies_says_what_its_files_show():
         [gpu_run([lora], override={"hidden_size": 4096})],
     )
     text = "\n".join(lines)
-    assert "6.50B parameters, Llama-3-8B's shape" in text
+    assert (
+        "6.50B parameters, Llama-3-8B's depth, width and MLP with SmolLM2's 64-wide attention heads" in text
+    )
     assert "| 6.50B | LMPPO, LoRA | 11.0M | 1.50 | 1.00 | 0.10 | 0.40 | 50.0 |" in text
     assert "| 6.50B | LMPPO | all | out of memory |" in text
-    assert "make 130 GB before any activation" in text  # 20 bytes per parameter
+    assert "make 121 GiB of the GPU's 140 before any activation" in text  # 20 bytes per parameter
+    assert "does not show that it cannot fit alone" in text  # the run before it had not freed its agents
     assert "LMPPO, LoRA at 6.50B, 0.80 s against 1.20 s (1.50x)" in text
 
 
