@@ -204,7 +204,7 @@ def distributed_section(d: dict | None) -> list[str]:
         "`python -m benchmarks.distributed_speedup`. `textgym train` with LMPPO on "
         f"{s['model']}, a total batch of {s['total_batch']} episodes of {s['response_length']} tokens, "
         f"{s['ppo_epochs']} epochs x {s['minibatches']} minibatches (micro-batch {s['micro_batch']}): once in "
-        "one process with both cores, then with `run.processes = 2` (torchrun, gloo), each process with one "
+        "one process with both cores, then under `torchrun --standalone --nproc_per_node 2` (gloo), each process with one "
         "core and half the batch: data-parallel, and sharded with FSDP2 (`ACCELERATE_USE_FSDP=true`) and with "
         "DeepSpeed ZeRO-3 (`ACCELERATE_USE_DEEPSPEED=true`, ZeRO stage 3). Median seconds per iteration, the "
         "first (warm-up) iteration left out. Each run in turn, with nothing else running.",

@@ -6,8 +6,10 @@ import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import ENGINE_ENVIRONMENT
 from textgym.cli import main
 from textgym.config import load_config
+from textgym.rundir import RunDir
 
 HERE = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -326,6 +329,30 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     assert f"was trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
+def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(config, tmp_path):
+    # a terminal's Ctrl-C goes to every process of the group: textgym's own and the two it started
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
+           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.time() + 120
+    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, output
+    assert output.count("interrupted; checkpoint saved") == 1 and "Traceback" not in output, output
+    assert "error" not in output
+    assert RunDir(out).recover_checkpoint() is not None
+    done = len(csv_rows(out / "metrics.csv"))
+    resumed = run_cmd([sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set",
+                       f"run.total_timesteps={(done + 1) * 32}"])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > done
+
+
 def test_resuming_with_another_number_of_processes_is_refused(two_process_run, tmp_path):
     out = copy_run(two_process_run[0], tmp_path)
     for n in (3, 1):  # torchrun with one process is a launcher too: it must not start a second one inside
@@ -334,7 +361,7 @@ def test_resuming_with_another_number_of_processes_is_refused(two_process_run, t
         )
         assert result.returncode != 0, result.stdout[-2000:]
         assert "resume it with the same number (torchrun --nproc_per_node 2)" in result.stderr
-        assert "with 2 processes: torch.distributed.run" not in result.stdout
+        assert "with 2 processes on this machine" not in result.stdout
 
 
 def test_a_resume_that_sets_another_number_of_processes_is_refused(config, tmp_path, capsys):

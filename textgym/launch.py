@@ -7,7 +7,9 @@ checks the same settings (:func:`check_processes`) so a bad split fails everywhe
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -115,11 +117,17 @@ def check_processes(
 
 
 def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Sequence[str] = ()) -> Path:
-    """``run.processes = N`` without torchrun: prepare the run directory here, then train it with N
-    processes under ``torch.distributed.run`` (one machine; gloo on CPUs, NCCL on GPUs). The processes
-    resume the run directory; a resume's ``overrides`` (``--set``) are passed on to them."""
+    """``run.processes = N`` without a launcher: prepare the run directory here, then train it with N
+    processes on this machine (gloo on CPUs, NCCL on GPUs), started here with the environment torchrun would
+    give them. The processes resume the run directory; a resume's ``overrides`` (``--set``) are passed on.
+
+    textgym starts them itself, rather than through torchrun, for Ctrl-C: the terminal sends SIGINT to every
+    process of the group, and the processes finish their iteration and save (a second one aborts them). This
+    process only waits. torchrun would send them a second SIGINT of its own (an abort), and print a traceback.
+    """
     import subprocess
     import sys
+    import tempfile
 
     n = config["run"]["processes"]
     rd = RunDir(run_dir)
@@ -127,25 +135,90 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if not resuming:
         created = rd.create()
         rd.write_config(config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "textgym", "train", "--resume", str(run_dir)]  # fmt: skip
+    cmd = [sys.executable, "-m", "textgym", "train", "--resume", str(run_dir)]
     if resuming:  # a new run's overrides are in the config.toml written above
         cmd += [arg for override in overrides for arg in ("--set", override)]
-    print(f"textgym: training {run_dir} with {n} processes: {' '.join(cmd[2:])}", flush=True)
+    print(f"textgym: training {run_dir} with {n} processes on this machine", flush=True)
+    env = {**os.environ, LAUNCHED_VAR: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0"}  # fmt: skip
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     # Where this process's output is redirected (textgym bench writes each run's to its train.log), the
     # processes' output goes there too, not to the console.
     captured = sys.stdout is not sys.__stdout__
-    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True} if captured else {}
-    try:
-        result = subprocess.run(cmd, env={**os.environ, LAUNCHED_VAR: "1"}, **pipe)
-    except BaseException:  # a Ctrl-C here stops the processes too
-        rd.discard_failed_start(created)
-        raise
-    if captured:
-        sys.stdout.write(result.stdout)
-    if result.returncode != 0:
+    with tempfile.TemporaryFile("w+") if captured else contextlib.nullcontext() as log:
+        output = {"stdout": log, "stderr": subprocess.STDOUT} if captured else {}
+        processes: list[subprocess.Popen] = []
+        try:
+            for i in range(n):
+                processes.append(
+                    subprocess.Popen(cmd, env={**env, "RANK": str(i), "LOCAL_RANK": str(i)}, **output)
+                )
+            codes, signals = _wait(processes)
+        except BaseException:
+            for process in processes:
+                process.kill()
+            rd.discard_failed_start(created)
+            raise
+        if captured:
+            log.seek(0)
+            sys.stdout.write(log.read())
+    if signal.SIGINT in signals and all(code in (0, 130) for code in codes):
+        if any(codes):  # a second Ctrl-C (or one during start-up): the processes aborted
+            rd.discard_failed_start(created)
+            raise KeyboardInterrupt
+        return run_dir  # the processes finished their iteration and saved, as they said
+    if any(codes):
         rd.discard_failed_start(created)  # a start the processes refused, say
+        failed = next(i for i, code in enumerate(codes) if code)
         raise TrainingError(
-            f"the {n}-process run of {run_dir} failed (exit code {result.returncode}); see above."
+            f"the {n}-process run of {run_dir} failed (process {failed} exited with code {codes[failed]}); see "
+            f"above."
         )
     return run_dir
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# after one process fails, the others have this long to stop by themselves (textgym stops every process when
+# one fails) before they are killed: a process that died in a collective leaves the others waiting there
+GRACE_S = 60.0
+
+
+def _wait(processes: list[Any]) -> tuple[list[int], set[int]]:
+    """Wait for every process; returns their exit codes and the signals this process received meanwhile.
+    SIGINT and SIGTERM are not acted on here: the terminal sends a Ctrl-C to the processes too, and a SIGTERM
+    is passed on to them."""
+    import threading
+    import time
+
+    received: set[int] = set()
+
+    def note(signum: int, frame: Any) -> None:
+        received.add(signum)
+        if signum == signal.SIGTERM:
+            for process in processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failed_at = None
+        while any(p.poll() is None for p in processes):
+            if failed_at is None and any(p.returncode not in (None, 0) for p in processes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                for process in processes:
+                    process.kill()
+            time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in processes], received
