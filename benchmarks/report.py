@@ -444,7 +444,7 @@ def gpu_section(
         f"micro-batch {g['args']['micro_batch']} unless stated; {GPU_CHECK_AGENTS}; *syncs*: in one more, untimed, "
         "iteration):",
         "",
-        "| agent | batch | iteration (s) | rollout (s) | reference (s) | update (s) | peak GPU memory (GB) | syncs |",
+        "| agent | batch | iteration (s) | rollout (s) | reference (s) | update (s) | peak GPU memory (GiB) | syncs |",
         "|---|---|---|---|---|---|---|---|",
     ]
     rows = [(row, "") for row in agents] + [
@@ -462,8 +462,9 @@ def gpu_section(
         )
     lines += [
         "",
-        "(Peak memory is the process's, over everything it ran before; the checks run one after another in one "
-        "process, so a row can carry an earlier row's peak. *rollout* includes the behaviour log-prob forwards.)",
+        "(Peak memory: the most GPU memory allocated during each row's iteration, counting whatever the rows "
+        "before it had not freed: this run predates the check's garbage collection before each agent, so a row "
+        "can carry an earlier agent's memory. *rollout* includes the behaviour log-prob forwards.)",
     ]
     pairs = [(a, b) for a in (before or {}).get("agents", []) for b in agents
              if (a["agent"], a["batch"]) == (b["agent"], b["batch"]) and "error" not in a]  # fmt: skip
@@ -510,7 +511,7 @@ def gpu_section(
             f"{micro['args']['micro_batch']} instead of several of {g['args']['micro_batch']} takes LMPPO's "
             f"update from {small['breakdown']['time/update']:.2f} to {large['breakdown']['time/update']:.2f} s, "
             f"and its iteration from {small['iteration_s']:.2f} to {large['iteration_s']:.2f} s. It costs "
-            f"{large['peak_memory_mb'] / 1024:.0f} GB of memory at the peak."
+            f"{large['peak_memory_mb'] / 1024:.0f} GiB of memory at the peak."
         )
     lines += [
         f"- At this size the rollout is most of the iteration: {tokens} launch-bound decoding steps. CUDA graphs "
@@ -583,7 +584,7 @@ def larger_policies(big: list[dict], lora: list[dict]) -> list[str]:
         "(`gpu_check_lora_*.json`); the full LMPPO rows from an earlier run that did not (`gpu_check_1b7.json`, "
         "`gpu_check_7b.json`), so their peak memory is not theirs alone and is left out.",
         "",
-        "| policy | agent | trainable parameters | iteration (s) | rollout (s) | reference (s) | update (s) | peak GPU memory (GB) |",
+        "| policy | agent | trainable parameters | iteration (s) | rollout (s) | reference (s) | update (s) | peak GPU memory (GiB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for run, agents in [(r, ("grpo-lora", "lmppo-lora")) for r in lora] + [(r, ("lmppo",)) for r in big]:
