@@ -326,7 +326,7 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
         [*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=200"]
     )
     assert plain.returncode == 0, plain.stderr[-3000:]
-    assert f"was trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
+    assert f"was last trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
 def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(config, tmp_path):

@@ -314,7 +314,7 @@ def _run_native(
     if resuming and trained != agent.sharding_engine:  # the checkpoint resumes either way: say which
         dist.on_main(
             lambda: print(
-                f"textgym: {rd.path} was trained {f'sharded with {trained}' if trained else 'unsharded'}; this "
+                f"textgym: {rd.path} was last trained {f'sharded with {trained}' if trained else 'unsharded'}; this "
                 f"resume is {f'sharded with {agent.sharding_engine}' if agent.sharded else 'not sharded'} "
                 f"({SHARDING_HOW})"
             )
