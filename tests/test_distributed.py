@@ -344,6 +344,7 @@ def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(c
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, output
     assert output.count("interrupted; checkpoint saved") == 1 and "Traceback" not in output, output
+    assert output.count("Ctrl-C: stopping after this iteration") == 1  # the main process says it
     assert "error" not in output
     assert RunDir(out).recover_checkpoint() is not None
     done = len(csv_rows(out / "metrics.csv"))

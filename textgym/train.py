@@ -60,10 +60,11 @@ class StopFlag:
             raise KeyboardInterrupt
         self.stop = True
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(
-            f"\ntextgym: {name}: stopping after this iteration and saving a checkpoint (again to abort)",
-            flush=True,
-        )
+        if rank() == 0:  # every process gets the signal; the main one says what happens
+            print(
+                f"\ntextgym: {name}: stopping after this iteration and saving a checkpoint (again to abort)",
+                flush=True,
+            )
 
     def __exit__(self, *exc: Any) -> None:
         # After a first signal another one aborts at once (one line, exit 130) until the process ends, also
@@ -124,7 +125,7 @@ def run(
                 f"{run_dir} was trained by {trained_by} process(es); a resume keeps that number, as the seeds "
                 f"and the batch split depend on it: drop run.processes={config['run']['processes']} from --set."
             )
-        if config["run"]["plugins"]:
+        if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
             print(
                 f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
             )
