@@ -354,6 +354,27 @@ def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(c
     assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > done
 
 
+def test_a_second_ctrl_c_aborts_a_run_processes_2_run_in_one_line(config, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
+           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.time() + 120
+    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, output
+    assert output.count("textgym: aborted") == 1 and "Traceback" not in output and "failed" not in output, (
+        output
+    )
+    assert (out / "metrics.csv").is_file()  # a run that logged an iteration is kept
+
+
 def test_resuming_with_another_number_of_processes_is_refused(two_process_run, tmp_path):
     out = copy_run(two_process_run[0], tmp_path)
     for n in (3, 1):  # torchrun with one process is a launcher too: it must not start a second one inside

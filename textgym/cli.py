@@ -138,7 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"textgym: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
-        print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
+        import os
+
+        from textgym.launch import LAUNCHED_VAR, rank
+
+        if rank() == 0 and not os.environ.get(
+            LAUNCHED_VAR
+        ):  # said once: by the process that started the others
+            print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
         return 130
 
 
