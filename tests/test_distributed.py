@@ -329,9 +329,10 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     assert f"was last trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
-def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(config, tmp_path):
-    # a terminal's Ctrl-C goes to every process of the group: textgym's own and the two it started
-    out = tmp_path / "run"
+def interrupted_two_process_run(config, out, signals):
+    """A ``run.processes = 2`` run sent ``signals`` SIGINTs (50 ms apart) once its first iteration is logged, to
+    its whole process group, as a terminal's Ctrl-C is: textgym's own process and the two it started. Returns
+    the exit code and the output."""
     cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
            "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -340,9 +341,17 @@ def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(c
     deadline = time.time() + 120
     while not (out / "metrics.csv").is_file() and time.time() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
+    for i in range(signals):
+        time.sleep(0.05 * bool(i))
+        os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, output
+    return proc.returncode, output
+
+
+def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(config, tmp_path):
+    out = tmp_path / "run"
+    code, output = interrupted_two_process_run(config, out, signals=1)
+    assert code == 0, output
     assert output.count("interrupted; checkpoint saved") == 1 and "Traceback" not in output, output
     assert output.count("Ctrl-C: stopping after this iteration") == 1  # the main process says it
     assert "error" not in output
@@ -356,19 +365,8 @@ def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(c
 
 def test_a_second_ctrl_c_aborts_a_run_processes_2_run_in_one_line(config, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
-           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    deadline = time.time() + 120
-    while not (out / "metrics.csv").is_file() and time.time() < deadline:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
-    output, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 130, output
+    code, output = interrupted_two_process_run(config, out, signals=2)
+    assert code == 130, output
     assert output.count("textgym: aborted") == 1 and "Traceback" not in output and "failed" not in output, (
         output
     )
