@@ -1,7 +1,11 @@
-"""Matplotlib set-up shared by the plots of ``textgym train`` diagnostics and ``textgym bench``."""
+"""Matplotlib set-up shared by the plots of ``textgym train`` diagnostics and ``textgym bench``, and the
+training curves every ``textgym train`` run draws (``reward_kl.png``)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -32,3 +36,24 @@ def fit(fig: Any, bottom: float = 0.6, top: float = 0.4, left: float = 0.65) -> 
         wspace=gap_w / max(axes_w, 0.5),
         hspace=gap_h / max(axes_h, 0.5),
     )
+
+
+def training_curves(
+    path: Path, history: Sequence[dict[str, Any]], score_key: str, kl_key: str | None
+) -> None:
+    """The score (and, where any iteration logged one, the KL) per generated token, one panel each."""
+    plt = pyplot()
+    steps = [row["timesteps"] for row in history]
+    has_kl = kl_key is not None and any(math.isfinite(row.get(kl_key, math.nan)) for row in history)
+    panels = [(score_key, "reward (mean episode score)")] + (
+        [(kl_key, "KL to the reference")] if has_kl else []
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        ax.plot(steps, [row[key] for row in history], marker="o", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("generated tokens")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

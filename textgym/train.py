@@ -36,6 +36,7 @@ from textgym.launch import (
     under_launcher,
     world_size,
 )
+from textgym.plotting import training_curves
 from textgym.rundir import CHECKPOINT, RunDir, crash_point
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
@@ -75,28 +76,6 @@ class StopFlag:
 
 def _abort(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-def plot(path: Path, history: Sequence[dict[str, Any]], score_key: str, kl_key: str | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [row["timesteps"] for row in history]
-    has_kl = kl_key is not None and any(np.isfinite(row.get(kl_key, np.nan)) for row in history)
-    panels = [(score_key, "reward (mean episode score)")] + (
-        [(kl_key, "KL to the reference")] if has_kl else []
-    )
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels):
-        ax.plot(steps, [row[key] for row in history], marker="o", markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("generated tokens")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def run(
@@ -400,7 +379,7 @@ def _finish(
 ) -> Path:
     """The plot and, unless ``stopped``, the after-training sample table (``samples()``) and summary."""
     if history:
-        plot(rd.path / "reward_kl.png", history, "reward", "kl" if has_kl else None)
+        training_curves(rd.path / "reward_kl.png", history, "reward", "kl" if has_kl else None)
     if stopped:
         again = f" (sharded with {sharding}: {SHARDING_HOW})" if sharding else ""
         print(
