@@ -162,19 +162,15 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
         if captured:
             log.seek(0)
             sys.stdout.write(log.read())
+    if not any(codes):  # trained, or stopped and saved after a Ctrl-C, as the processes said
+        return run_dir
+    rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
     if signal.SIGINT in signals and all(code in (0, 130) for code in codes):
-        if any(codes):  # a second Ctrl-C (or one during start-up): the processes aborted
-            rd.discard_failed_start(created)
-            raise KeyboardInterrupt
-        return run_dir  # the processes finished their iteration and saved, as they said
-    if any(codes):
-        rd.discard_failed_start(created)  # a start the processes refused, say
-        failed = next(i for i, code in enumerate(codes) if code)
-        raise TrainingError(
-            f"the {n}-process run of {run_dir} failed (process {failed} exited with code {codes[failed]}); see "
-            f"above."
-        )
-    return run_dir
+        raise KeyboardInterrupt  # a second Ctrl-C (or one during start-up): the processes aborted
+    failed = next(i for i, code in enumerate(codes) if code)
+    raise TrainingError(
+        f"the {n}-process run of {run_dir} failed (process {failed} exited with code {codes[failed]}); see above."
+    )
 
 
 def _free_port() -> int:
