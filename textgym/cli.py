@@ -142,9 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from textgym.launch import LAUNCHED_VAR, rank
 
-        if rank() == 0 and not os.environ.get(
-            LAUNCHED_VAR
-        ):  # said once: by the process that started the others
+        # said once: by the main process, or by the one that started the others (run.processes = N)
+        if rank() == 0 and not os.environ.get(LAUNCHED_VAR):
             print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
         return 130
 
