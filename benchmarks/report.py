@@ -58,11 +58,16 @@ update further, but it is not used here because the comparison holds the setting
 REWARD_NOTES = """\
 How. The former `fluency` ran the trunk and the LM head (576 x 49,152, a fifth of SmolLM2's weights)
 over every position of padded batches of 16 and built a (B, W, 49,152) log-softmax. Now rows are sorted
-by length into batches of 32, the prefix that a batch's prompts share (the chat template's system prompt;
-the whole prompt when a group method scores several completions of one prompt) runs once, the head runs
-only on the positions that predict a completion token, and log p = logit - logsumexp, taken 32 rows at a
-time so that each pass over the logits reads them from the cache. `rm_score` sorts and shares the prefix
-the same way (its score head is already tiny); `similarity` (MiniLM, bidirectional, so no prefix to share)
+by length (by prompt first when prompts repeat) into batches of 32, the prefix that a batch's prompts share
+(the chat template's system prompt) runs once, so does each prompt that comes more than once (a group
+method's completions; in the cycled batch each prompt comes two or three times, so it is grouped too), the
+head runs only on the positions that predict a completion token, and log p = logit - logsumexp, taken 32
+rows at a time so that each pass over the logits reads them from the cache. A prompt runs once by padding
+the shorter prompts of a batch before their completions; a model whose outputs that padding would change
+(a sliding window, ALiBi, a convolution state) shares the batch's common prefix only.
+`rm_score` sorts and shares the same way (for a prompt that comes more than once, the tokens that its
+texts start with run once) and applies its score head, already tiny, where the model reads, at the last
+token that is not padding; `similarity` (MiniLM, bidirectional, so no prefix to share)
 sorts and embeds each distinct text once. In fp32 the trunk's matmuls over the tokens that remain are
 the floor, so the speed-up stays near the ratio of the work above, and that ratio depends on how much the
 prompts share (nothing shared: the *no shared prefix* column). Past that, bf16 is the lever: this CPU has
@@ -73,12 +78,12 @@ on GPUs only, because it moves the scores.
 """
 
 
-def fluency_work(row: dict) -> list[str]:
+def fluency_work(row: dict, matmul_gflops: float | None) -> list[str]:
     w = row.get("work")
     if not w:
         return []
     ratio = w["gflop_before"] / w["gflop"]
-    return [
+    lines = [
         f"Work in one call: the trunk runs over {w['trunk_tokens']} row-tokens (before: "
         f"{w['trunk_tokens_before']}) and the LM head over {w['head_positions']} positions (before: "
         f"{w['head_positions_before']}), {w['gflop']:.0f} GFLOP of matmuls against {w['gflop_before']:.0f}: "
@@ -91,17 +96,58 @@ def fluency_work(row: dict) -> list[str]:
         ),
         "",
     ]
+    if "gflop_floor" in w and row["speedup"] < 10:
+        before_s, rate = row["ms_per_batch_before"] / 1e3, w["gflop"] / (row["ms_per_batch"] / 1e3)
+        peak = matmul_gflops or rate
+        lines += [
+            "Why 10x is out of reach in fp32 here: an exact formula computes, at the least, each distinct "
+            f"context once: {w['trunk_tokens_floor']} positions through the trunk (every distinct prefix of a "
+            f"prompt and its completion) and {w['head_positions_floor']} through the head (those that predict "
+            f"a completion token), {w['gflop_floor']:.0f} GFLOP. At "
+            + (
+                f"the rate of one 2048 x 2048 fp32 matmul on the same threads ({peak:.0f} GFLOP/s; the former "
+                f"code ran its matmuls at {w['gflop_before'] / before_s:.0f}, the current one at {rate:.0f})"
+                if matmul_gflops
+                else f"the current code's rate ({rate:.0f} GFLOP/s)"
+            )
+            + f", that takes {w['gflop_floor'] / peak:.2f} s against the former code's {before_s:.2f} s per "
+            f"call: at most {before_s * peak / w['gflop_floor']:.1f}x.",
+            "",
+        ]
+    return lines
+
+
+def group_work(row: dict) -> list[str]:
+    w = row["work"]
+    return [
+        f"`fluency`, {row['case']} (GRPO's default group): each batch runs each of its prompts once, then "
+        f"the completions after their prompt's cache. The trunk runs over {w['trunk_tokens']} row-tokens "
+        f"(before: {w['trunk_tokens_before']}), {w['gflop']:.0f} GFLOP against {w['gflop_before']:.0f}; "
+        f"measured {row['speedup']:.2f}x in fp32 and {row['speedup_bf16']:.2f}x with bf16. The shipped prompts "
+        "are short against the completions: the longer the prompts, the more this saves.",
+        "",
+    ]
+
+
+def label(row: dict) -> str:
+    return f"{row['reward']}, {row['case']}" if "case" in row else row["reward"]
 
 
 def reward_section(w: dict) -> list[str]:
     a = w["args"]
+    load = w.get("workload")
+    prompts, tokens = (
+        (f"{load['prompts']} ", " of {}-{} tokens".format(*load["completion_tokens"])) if load else ("", "")
+    )
     lines = [
         "## Reward plugins",
         "",
         "`python benchmarks/run.py --only rewards` (which runs `python -m benchmarks.reward_throughput "
         "--rm-model .bench/rm-smollm2 --baseline`). "
-        f"Batch {a['batch']}: the shipped chat prompts, cycled, each with a different completion of 20-25 "
-        f"tokens; median of {a['repeats']} calls after a warm-up. `fluency` (SmolLM2-135M-Instruct) and "
+        f"Batch {a['batch']}: the {prompts}shipped chat prompts, cycled, each with a different completion"
+        f"{tokens} (the completions of one prompt start differently, as sampled replies do); the rows marked "
+        "*8 completions per prompt* take 8 prompts with 8 such completions each, a GRPO batch. Median of "
+        f"{a['repeats']} calls after a warm-up. `fluency` (SmolLM2-135M-Instruct) and "
         "`rm_score` (a sequence-classification head on the same SmolLM2) run a 135M model, `similarity` runs "
         "MiniLM, all on the CPU in fp32 unless the column says bf16, with "
         f"{w['machine']['torch_threads']} torch thread{'s' if w['machine']['torch_threads'] != 1 else ''}"
@@ -116,7 +162,7 @@ def reward_section(w: dict) -> list[str]:
         "|---|---|---|",
     ]
     for row in w["rows"]:
-        lines.append(f"| {row['reward']} | {row['samples_per_s']:.0f} | {row['ms_per_batch']:.3g} |")
+        lines.append(f"| {label(row)} | {row['samples_per_s']:.0f} | {row['ms_per_batch']:.3g} |")
     model_rows = [row for row in w["rows"] if "samples_per_s_bf16" in row]
     if not model_rows:
         return [*lines, ""]
@@ -141,11 +187,16 @@ def reward_section(w: dict) -> list[str]:
         speedup = f"**{row['speedup']:.2f}x**" if "speedup" in row else "-"
         speedup_bf16 = f"{row['speedup_bf16']:.2f}x" if "speedup_bf16" in row else "-"
         lines.append(
-            f"| {row['reward']} | {cell(row, 'samples_per_s_before')} | {cell(row, 'samples_per_s_no_prefix')} "
+            f"| {label(row)} | {cell(row, 'samples_per_s_before')} | {cell(row, 'samples_per_s_no_prefix')} "
             f"| {row['samples_per_s']:.1f} | {row['samples_per_s_bf16']:.1f} | {speedup} | {speedup_bf16} "
             f"| {cell(row, 'max_score_difference_before', '.1e')}, {row['max_score_difference_bf16']:.1e} |"
         )
-    fluency = next((row for row in model_rows if row["reward"] == "fluency" and "speedup" in row), None)
+    fluency = next(
+        (r for r in model_rows if r["reward"] == "fluency" and "speedup" in r and "case" not in r), None
+    )
+    groups = next(
+        (r for r in model_rows if r["reward"] == "fluency" and "speedup" in r and "case" in r), None
+    )
     if fluency:
         best = max(fluency["speedup"], fluency["speedup_bf16"])
         lines += [
@@ -156,7 +207,8 @@ def reward_section(w: dict) -> list[str]:
             f"Target: at least 10x at batch 64 with the same scores: {'met' if fluency['speedup'] >= 10 else 'missed'} "
             f"in fp32{'' if best < 10 or fluency['speedup'] >= 10 else ', met only with bf16, which changes the scores a little'}.",
             "",
-            *fluency_work(fluency),
+            *fluency_work(fluency, w.get("matmul_gflops")),
+            *(group_work(groups) if groups else []),
             REWARD_NOTES.rstrip(),
         ]
     return [*lines, ""]

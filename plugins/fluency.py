@@ -10,11 +10,16 @@ from textgym.sampling import logits_to_keep
 from textgym.scoring import (
     autocast,
     bf16_linears,
+    can_group,
+    can_share_prefix,
     chat_prompt,
     check_positive,
     distinct_n,
+    grouped_forward,
     length_sorted_batches,
     lm_head_split,
+    ones_before,
+    padded,
     prefix_cache,
     resolve_bf16,
     resolve_device,
@@ -38,12 +43,15 @@ class Fluency:
         batch_size, max_length: batching and truncation (the prompt is cut from the left).
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
-        share_prefix: run the token prefix that a batch's prompts share once, through the KV cache (the
-            scores do not change; turn it off for a model whose cache cannot be repeated across rows).
+        share_prefix: run the token prefix that a batch's prompts share, and each prompt that comes more
+            than once, once, through the KV cache (the scores do not change; a model whose cache cannot be
+            repeated across rows runs each row whole).
 
     The forward costs only what the score reads: samples are sorted by length so each batch is tight, the
-    prompts' shared prefix (the chat template's system prompt) runs once per batch, and the LM head runs
-    on the positions that predict a completion token only, with log p = logit - logsumexp(logits).
+    prompts' shared prefix (the chat template's system prompt) runs once per batch, so does each prompt
+    that comes more than once (a group method's completions of one prompt: then samples are sorted by
+    prompt first), and the LM head runs on the positions that predict a completion token only, with
+    log p = logit - logsumexp(logits).
     """
 
     name = "fluency"
@@ -69,8 +77,11 @@ class Fluency:
         self.model, self.tokenizer = load_model(model)
         self.model.to(self.device)
         self.bf16 = resolve_bf16(bf16, self.device)
-        self.share_prefix = share_prefix
         self.split = lm_head_split(self.model)  # (trunk, head), or None: the model's own forward
+        trunk = self.split[0] if self.split else self.model
+        self.share_prefix = share_prefix and can_share_prefix(trunk)
+        # each prompt of a batch once (_grouped), where the model's outputs allow it (scoring.can_group)
+        self.group = bool(self.share_prefix and self.split and can_group(trunk))
         if self.bf16:
             bf16_linears(self.model)  # after lm_head_split, whose check runs outside autocast
         self.chat = uses_chat_template(self.tokenizer, chat_template)
@@ -93,10 +104,26 @@ class Fluency:
         """Mean log-prob of each completion given its prompt (EOS included when it ended on it)."""
         pairs = [self._ids(s) for s in samples]
         out = [0.0] * len(pairs)
-        for rows in length_sorted_batches([len(p) + len(c) for p, c in pairs], self.batch_size):
-            for i, score in zip(rows, self._mean_logprobs([pairs[i] for i in rows])):
+        for rows in self._batches(pairs):
+            batch = [pairs[i] for i in rows]
+            scores = self._grouped(batch) if self._has_groups(batch) else self._mean_logprobs(batch)
+            for i, score in zip(rows, scores):
                 out[i] = score
         return out
+
+    def _has_groups(self, pairs: list[tuple[list[int], list[int]]]) -> bool:
+        """Whether some prompt comes more than once (a group method's completions of one prompt) and
+        :meth:`_grouped` may run each prompt once."""
+        prompts = {tuple(p) for p, _ in pairs}
+        return self.group and all(prompts) and len(prompts) < len(pairs)
+
+    def _batches(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+        """Indices of the pairs in batches: sorted by length, so each batch pads little; when prompts come
+        more than once, by prompt length and prompt first, so that a prompt's completions share batches."""
+        if not self._has_groups(pairs):
+            return list(length_sorted_batches([len(p) + len(c) for p, c in pairs], self.batch_size))
+        order = sorted(range(len(pairs)), key=lambda i: (-len(pairs[i][0]), pairs[i][0], -len(pairs[i][1])))
+        return [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
 
     def _layout(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[int, Any, Any, Any]:
         """``(L, ids, mask, predicts)`` for one batch: the length L of the prefix that all prompts share
@@ -108,16 +135,11 @@ class Fluency:
         L = 0
         if self.share_prefix and len(pairs) > 1:  # one row gains nothing from a prefix run apart
             L = shared_prefix_length([p for p, _ in pairs], min(len(p) for p, _ in pairs) - 1)
-        rows = [p[L:] + c for p, c in pairs]
-        B, W = len(rows), max(map(len, rows))
-        ids = torch.full((B, W), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        predicts = torch.zeros(B, W - 1, dtype=torch.bool)  # column t's output predicts completion token t+1
-        for r, ((p, _), row) in enumerate(zip(pairs, rows)):
-            ids[r, : len(row)] = torch.tensor(row)
-            mask[r, : len(row)] = 1
-            predicts[r, max(len(p) - L - 1, 0) : len(row) - 1] = True
-        return L, ids.to(self.device), mask.to(self.device), predicts.to(self.device)
+        ids, mask = padded([p[L:] + c for p, c in pairs], self.tokenizer.pad_token_id, self.device)
+        predicts = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)  # column t predicts t+1
+        for r, (p, c) in enumerate(pairs):
+            predicts[r, max(len(p) - L - 1, 0) : len(p) - L + len(c) - 1] = True
+        return L, ids, mask, predicts.to(self.device)
 
     def _mean_logprobs(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
         import torch
@@ -130,16 +152,10 @@ class Fluency:
             if L:
                 prefix = torch.tensor([pairs[0][0][:L]], device=self.device)  # (1, L)
                 key, cache = prefix_cache(trunk, prefix, B)
-                kwargs = {"attention_mask": torch.cat([mask.new_ones(B, L), mask], 1), key: cache}
+                kwargs = {"attention_mask": ones_before(mask, L), key: cache}
             if self.split:
                 hidden = trunk(input_ids=ids, **kwargs).last_hidden_state[:, :-1][predicts]  # (N, H)
-                head = self.split[1]
-                token_logp = torch.cat(
-                    [
-                        token_logprobs(head(h), t)
-                        for h, t in zip(hidden.split(HEAD_CHUNK), targets.split(HEAD_CHUNK))
-                    ]
-                )  # (N,)
+                token_logp = self._head_logprobs(hidden, targets)
             else:
                 # Columns before the earliest predicting one need no logits; logits_to_keep (where the model
                 # has it) keeps the last W - first, which covers every row's completion.
@@ -147,9 +163,37 @@ class Fluency:
                 keep = logits_to_keep(self.model, W - first)
                 logits = self.model(input_ids=ids, **kwargs, **keep).logits[:, -(W - first) : -1]
                 token_logp = token_logprobs(logits[predicts[:, first:]], targets)
-        per_row = torch.zeros(B, W - 1, device=self.device)
-        per_row[predicts] = token_logp
-        return (per_row.sum(1) / predicts.sum(1)).tolist()
+        return row_means(token_logp, predicts)
+
+    def _grouped(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+        """Mean log-probs of a batch in which some prompts come more than once: each distinct prompt runs
+        once, then the completions after their prompt's cache (:func:`textgym.scoring.grouped_forward`).
+        The positions that predict a completion token are the prompt's last one and each completion token
+        but the last."""
+        import torch
+
+        trunk = self.split[0]  # type: ignore[index]
+        prompts = list(dict.fromkeys(tuple(p) for p, _ in pairs))  # distinct, in order
+        of_row = [prompts.index(tuple(p)) for p, _ in pairs]
+        pad = self.tokenizer.pad_token_id
+        completions, is_token = padded([c for _, c in pairs], pad, self.device)  # (B, C)
+        predicts = is_token.bool()  # column t's output predicts completion token t
+        with torch.inference_mode(), autocast(self.device, self.bf16):
+            prompt_last, rest = grouped_forward(trunk, prompts, [c[:-1] for _, c in pairs], of_row, pad)
+            hidden = prompt_last[of_row, None]  # (B, 1, H): predicts each completion's first token
+            if rest is not None:
+                hidden = torch.cat([hidden, rest], 1)  # (B, C, H)
+            token_logp = self._head_logprobs(hidden[predicts], completions[predicts])  # (N,)
+        return row_means(token_logp, predicts)
+
+    def _head_logprobs(self, hidden: Any, targets: Any) -> Any:
+        """log p(target) from the trunk's outputs (N, H) that predict ``targets`` (N,), the LM head run
+        HEAD_CHUNK positions at a time."""
+        import torch
+
+        head = self.split[1]  # type: ignore[index]
+        chunks = zip(hidden.split(HEAD_CHUNK), targets.split(HEAD_CHUNK))
+        return torch.cat([token_logprobs(head(h), t) for h, t in chunks])  # (N,)
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         scores = self.logprobs(samples)
@@ -159,6 +203,15 @@ class Fluency:
                 for score, s in zip(scores, samples)
             ]
         return scores
+
+
+def row_means(values: Any, where: Any) -> list[float]:
+    """The mean of each row's ``values`` (N,), which fill the True cells of ``where`` (B, W) row by row."""
+    import torch
+
+    per_row = torch.zeros(where.shape, device=values.device)
+    per_row[where] = values.float()
+    return (per_row.sum(1) / where.sum(1)).tolist()
 
 
 def token_logprobs(logits: Any, tokens: Any) -> Any:

@@ -11,11 +11,16 @@ from textgym.scoring import (
     autocast,
     bf16_linears,
     cache_argument,
+    can_group,
+    can_share_prefix,
     check_positive,
+    grouped_forward,
     length_sorted_batches,
+    ones_before,
     prefix_cache,
     resolve_bf16,
     resolve_device,
+    score_head_split,
     shared_prefix_length,
     uses_chat_template,
 )
@@ -35,12 +40,14 @@ class RMScore:
             so the completion is always scored whole.
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
-        share_prefix: for a causal reward model, run the token prefix that a batch's texts share once,
-            through the KV cache (the scores do not change; turn it off for a model whose cache cannot be
-            repeated across rows).
+        share_prefix: for a causal reward model, run the token prefix that a batch's texts share, and
+            the tokens that the texts of one prompt share, once, through the KV cache (the scores do not
+            change; a model whose cache cannot be repeated across rows runs each text whole).
 
-    Texts are sorted by length so each batch pads little, and for causal (decoder) reward models the
-    token prefix that a batch's texts share (the chat template's system prompt) runs once.
+    Texts are sorted by length so each batch pads little (by prompt first when prompts repeat), and for
+    causal (decoder) reward models the token prefix that a batch's texts share (the chat template's
+    system prompt) runs once, so do the tokens that a prompt's texts share when it comes more than once
+    (a group method's completions of one prompt).
     """
 
     name = "rm_score"
@@ -78,11 +85,16 @@ class RMScore:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
+        self.share_prefix = (
+            share_prefix and cache_argument(self.model) is not None and can_share_prefix(self.model)
+        )
+        self.split = score_head_split(self.model) if self.share_prefix else None  # (trunk, head) or None
+        # each prompt of a batch once (_grouped), where the model's outputs allow it (scoring.can_group)
+        self.group = self.split is not None and can_group(self.split[0])
         self.bf16 = resolve_bf16(bf16, self.device)
         if self.bf16:
-            bf16_linears(self.model)
-        # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
-        self.share_prefix = share_prefix and cache_argument(self.model) is not None
+            bf16_linears(self.model)  # after score_head_split, whose check runs outside autocast
         self.label = self._label_index(label)
         self.output, self.template = output, template
         self.chat = uses_chat_template(self.tokenizer, chat_template)
@@ -118,11 +130,60 @@ class RMScore:
         )
         rows = [{key: values[i] for key, values in encodings.items()} for i in range(len(samples))]
         scores = [0.0] * len(rows)
-        lengths = [len(row["input_ids"]) for row in rows]
-        for batch in length_sorted_batches(lengths, self.batch_size):
-            for i, score in zip(batch, self._scores([rows[i] for i in batch])):
+        prompts = [s.prompt for s in samples]
+        if self._has_groups(prompts):  # a prompt's texts in the same batches, each prompt run once there
+            order = sorted(range(len(rows)), key=lambda i: (prompts[i], -len(rows[i]["input_ids"])))
+            batches = [
+                order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)
+            ]
+        else:
+            batches = list(length_sorted_batches([len(row["input_ids"]) for row in rows], self.batch_size))
+        for batch in batches:
+            ids, batch_prompts = [rows[i]["input_ids"] for i in batch], [prompts[i] for i in batch]
+            grouped = self._grouped(ids, batch_prompts) if self._has_groups(batch_prompts) else None
+            batch_scores = grouped if grouped is not None else self._scores([rows[i] for i in batch])
+            for i, score in zip(batch, batch_scores):
                 scores[i] = score
         return scores
+
+    def _has_groups(self, prompts: Sequence[str]) -> bool:
+        """Whether some prompt comes more than once and :meth:`_grouped` may run it once."""
+        return self.group and len(set(prompts)) < len(prompts)
+
+    def _read_at(self, ids: list[list[int]]) -> list[int]:
+        """Where the model reads each row's score: its last token that is not the pad token."""
+        pad = self.model.config.pad_token_id
+        return [max((i for i, t in enumerate(row) if t != pad), default=0) for row in ids]
+
+    def _grouped(self, ids: list[list[int]], prompts: list[str]) -> list[float] | None:
+        """Scores of rows of which some share a prompt: the tokens that a prompt's rows start with run once,
+        then each row's remaining tokens (:func:`textgym.scoring.grouped_forward`), and the score head reads
+        where the model does. A prompt whose rows share no tokens before the read ones (cut from the left
+        by max_length) runs each row apart. None when a row has no token before its read one."""
+        import torch
+
+        read_at = self._read_at(ids)
+        groups: dict[str, list[int]] = {}
+        for r, prompt in enumerate(prompts):
+            groups.setdefault(prompt, []).append(r)
+        starts, of_row = [], [0] * len(ids)
+        for members in groups.values():
+            shared = shared_prefix_length([ids[r] for r in members], min(read_at[r] for r in members))
+            parts = [(members, shared)] if shared else [([r], read_at[r]) for r in members]  # else each apart
+            for part, n in parts:
+                if not n:
+                    return None
+                for r in part:
+                    of_row[r] = len(starts)
+                starts.append(ids[part[0]][:n])
+        rests = [row[len(starts[g]) :] for row, g in zip(ids, of_row)]
+        at = torch.tensor([i - len(starts[g]) for i, g in zip(read_at, of_row)], device=self.device)
+        trunk, score = self.split  # type: ignore[misc]
+        with torch.inference_mode(), autocast(self.device, self.bf16):
+            pad = self.model.config.pad_token_id
+            _, hidden = grouped_forward(trunk, starts, rests, of_row, pad)  # (B, C, H)
+            logits = score(hidden[torch.arange(len(ids), device=self.device), at]).float()  # (B, labels)
+        return self._outputs(logits)
 
     def _scores(self, rows: list[dict[str, list[int]]]) -> list[float]:
         import torch
@@ -135,12 +196,12 @@ class RMScore:
             if L:
                 key, cache = prefix_cache(self.model, torch.tensor([prefix], device=self.device), len(rows))
                 mask = batch["attention_mask"]
-                batch = {
-                    **batch,
-                    "attention_mask": torch.cat([mask.new_ones(len(rows), L), mask], 1),
-                    key: cache,
-                }
+                batch = {**batch, "attention_mask": ones_before(mask, L), key: cache}
             logits = self.model(**batch).logits.float()  # (B, num_labels)
+        return self._outputs(logits)
+
+    def _outputs(self, logits: Any) -> list[float]:
+        """The chosen label's logit, or probability, of each row of (B, num_labels) ``logits``."""
         if self.output == "probability":
             probs = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
             return probs[:, self.label].tolist()
@@ -151,9 +212,7 @@ class RMScore:
         the last token that is not the pad token, so each row keeps that token after the prefix."""
         if not self.share_prefix or len(ids) < 2:  # one row gains nothing from a prefix run apart
             return []
-        pad = self.model.config.pad_token_id
-        last = [max((i for i, t in enumerate(row) if t != pad), default=0) for row in ids]
-        return ids[0][: shared_prefix_length(ids, min(last))]
+        return ids[0][: shared_prefix_length(ids, min(self._read_at(ids)))]
 
 
 @hookimpl

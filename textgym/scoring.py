@@ -156,24 +156,146 @@ def prefix_cache(trunk: Any, prefix: Any, rows: int) -> tuple[str, Any]:
     return key, cache
 
 
+def padded(rows: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    """``(ids, mask)``: the rows right-padded to the longest, (len(rows), width), on ``device``."""
+    import torch
+
+    ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[r, : len(row)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def grouped_forward(
+    trunk: Any,
+    starts: Sequence[Sequence[int]],
+    rests: Sequence[Sequence[int]],
+    of_row: Sequence[int],
+    pad_id: int,
+) -> tuple[Any, Any]:
+    """Run the causal ``trunk`` over rows that share their first tokens: row r is ``starts[of_row[r]] +
+    rests[r]``, each start non-empty. The prefix that all starts share runs once (1 row), then each start's
+    remaining tokens once (a row per start), then every row's rest after its start's KV cache (a row per
+    row), so a start that several rows share (a prompt and its group's completions) runs once. Only for a
+    model where :func:`can_group` holds: a shorter start's padding sits between it and its rest.
+
+    Returns ``(start_last, rest)``: the trunk's output at each start's last token (len(starts), H), and at
+    each rest token (B, C, H), right-padded to the longest rest (None when every rest is empty). Call it
+    under ``torch.inference_mode()``."""
+    import torch
+
+    device = next(trunk.parameters()).device
+    rows = torch.tensor(list(of_row), device=device)  # (B,)
+    L = shared_prefix_length(starts, min(map(len, starts)) - 1)  # each start keeps its last token
+    tails, tail_mask = padded([start[L:] for start in starts], pad_id, device)  # (P, T)
+    tail_len = tail_mask.sum(1)  # (P,)
+    kwargs: dict[str, Any] = {}
+    if L:
+        key, cache = prefix_cache(trunk, torch.tensor([list(starts[0][:L])], device=device), len(starts))
+        kwargs = {key: cache}
+    out = trunk(input_ids=tails, attention_mask=ones_before(tail_mask, L), use_cache=True, **kwargs)
+    start_last = out.last_hidden_state[torch.arange(len(starts), device=device), tail_len - 1]  # (P, H)
+    if not max(map(len, rests)):
+        return start_last, None
+    key = "cache" if "cache" in out else "past_key_values"
+    cache = out[key]
+    cache.reorder_cache(rows)  # (P, L+T) -> (B, L+T): each row continues its start's cache
+    ids, mask = padded(rests, pad_id, device)  # (B, C)
+    positions = (L + tail_len[rows])[:, None] + torch.arange(ids.shape[1], device=device)  # (B, C)
+    attention = ones_before(torch.cat([tail_mask[rows], mask], 1), L)  # the start's pads stay masked
+    rest = trunk(input_ids=ids, attention_mask=attention, position_ids=positions, **{key: cache})
+    return start_last, rest.last_hidden_state
+
+
+def can_group(trunk: Any) -> bool:
+    """Whether :func:`grouped_forward` gives ``trunk``'s own outputs: when every layer attends to the whole
+    past, its positions come from ``position_ids``, and its cache holds keys and values only (Llama, Qwen,
+    SmolLM, GPT-2, ...). Masked padding between a start and its rest changes the outputs of a sliding
+    window (it counts cache slots), of ALiBi (a bias by slot distance), and of a convolution or recurrent
+    state (it takes in every slot); those models keep the per-batch shared prefix."""
+    config = trunk.config.get_text_config()
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if window or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
+        return False
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:
+        return False
+    cache = _probe_cache(trunk)
+    layers = getattr(cache, "layers", None)
+    return (
+        type(cache) is DynamicCache and bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    )
+
+
+def can_share_prefix(model: Any) -> bool:
+    """Whether ``model``'s cache of a prefix can be repeated across rows (:func:`prefix_cache`): not for
+    models whose cache holds states that cannot be (LFM2's convolution states)."""
+    cache = _probe_cache(model)
+    try:
+        cache.batch_repeat_interleave(2)
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def _probe_cache(model: Any) -> Any:
+    """The cache ``model`` returns for two tokens."""
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True)
+    return out["cache"] if "cache" in out else out.get("past_key_values")
+
+
+def ones_before(mask: Any, n: int) -> Any:
+    """``mask`` (B, W) with ``n`` columns of ones before it: the attention mask of a forward that follows
+    a cached prefix of ``n`` tokens that every row attends to."""
+    import torch
+
+    return torch.cat([mask.new_ones(len(mask), n), mask], 1)
+
+
 def lm_head_split(model: Any) -> tuple[Any, Any] | None:
     """``(trunk, head)`` of a causal LM when ``head(trunk(x).last_hidden_state)`` gives the model's own
     logits, so the head (49k outputs for SmolLM2, a fifth of its FLOPs) can run on the positions that are
     read only. Checked on a few tokens, because some models scale or soft-cap the logits after the head
     (Gemma 2, Cohere, Granite); for those, and models without a separate head, None."""
+    return _checked_split(model, model.get_output_embeddings(), pooled=False)
+
+
+def score_head_split(model: Any) -> tuple[Any, Any] | None:
+    """``(trunk, head)`` of a causal sequence-classification (reward) model whose score is
+    ``head(trunk(x).last_hidden_state)`` at the last token that is not padding (Llama, Qwen, Mistral,
+    GPT-2: the head is ``score``), so that rows can run through the trunk in pieces
+    (:func:`grouped_forward`). Checked on a few tokens; None for other models."""
+    return _checked_split(model, getattr(model, "score", None), pooled=True)
+
+
+def _checked_split(model: Any, head: Any, pooled: bool) -> tuple[Any, Any] | None:
+    """``(trunk, head)`` when the head on the trunk's output gives ``model``'s own logits on a few tokens:
+    at every position, or (``pooled``) at the last one, where a sequence-classification model reads."""
     import torch
 
-    trunk, head = getattr(model, "base_model", model), model.get_output_embeddings()
+    trunk = getattr(model, "base_model", model)
     if trunk is model or head is None:
         return None
     device = next(model.parameters()).device
-    ids = torch.arange(1, 9, device=device)[None] % model.config.get_text_config().vocab_size  # (1, 8)
+    pad = getattr(model.config, "pad_token_id", None)
+    ids = [t % model.config.get_text_config().vocab_size for t in range(1, 10)]
+    ids = torch.tensor([[t for t in ids if t != pad][:8]], device=device)  # (1, 8), no padding
     with torch.inference_mode():
-        expected = model(input_ids=ids).logits.float()  # (1, 8, V)
+        expected = model(input_ids=ids).logits.float()  # (1, 8, V), or (1, labels) when pooled
         try:
             got = head(trunk(input_ids=ids).last_hidden_state).float()
         except (TypeError, AttributeError):
             return None
+    got = got[:, -1] if pooled else got
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
         return None
     return trunk, head
