@@ -56,25 +56,25 @@ update further, but it is not used here because the comparison holds the setting
 
 
 REWARD_NOTES = """\
-How. The former `fluency` ran the trunk and the LM head (576 x 49,152, a fifth of SmolLM2's weights)
-over every position of padded batches of 16 and built a (B, W, 49,152) log-softmax. Now rows are sorted
-by length (by prompt first when prompts repeat) into batches of 32, the prefix that a batch's prompts share
-(the chat template's system prompt) runs once, so does each prompt that comes more than once (a group
-method's completions; in the cycled batch each prompt comes two or three times, so it is grouped too), the
-head runs only on the positions that predict a completion token, and log p = logit - logsumexp, taken 32
-rows at a time so that each pass over the logits reads them from the cache. A prompt runs once by padding
-the shorter prompts of a batch before their completions; a model whose outputs that padding would change
-(a sliding window, ALiBi, a convolution state) shares the batch's common prefix only.
-`rm_score` sorts and shares the same way (for a prompt that comes more than once, the tokens that its
-texts start with run once) and applies its score head, already tiny, where the model reads, at the last
-token that is not padding; `similarity` (MiniLM, bidirectional, so no prefix to share)
-sorts and embeds each distinct text once. In fp32 the trunk's matmuls over the tokens that remain are
-the floor, so the speed-up stays near the ratio of the work above, and that ratio depends on how much the
-prompts share (nothing shared: the *no shared prefix* column). Past that, bf16 is the lever: this CPU has
-AMX, matrix instructions for bf16. With `bf16 = true` the three plugins store
-their linear layers' weights in bf16 once, at load, instead of letting autocast cast them at every call
-(the scores are bit for bit those of autocast over fp32 weights; a test checks it). bf16 is on by default
-on GPUs only, because it moves the scores.
+How. The former `fluency` ran the trunk and the LM head (576 x 49,152, a fifth of SmolLM2's weights) over
+every position of padded batches of 16 and built a (B, W, 49,152) log-softmax. Now rows are sorted by length
+(by prompt first when prompts repeat) into batches of 32, the prefix that a batch's prompts share (the chat
+template's system prompt) runs once, so does each prompt that comes more than once (a group method's
+completions; in the cycled batch each prompt comes two or three times, so it is grouped too), the head runs
+only on the positions that predict a completion token, and log p = logit - logsumexp, taken 32 rows at a
+time so that each pass over the logits reads them from the cache. A prompt runs once by padding the shorter
+prompts of a batch before their completions; a model whose outputs that padding would change (a sliding
+window, ALiBi) shares the batch's common prefix only, and one whose cache cannot be repeated across rows (a
+convolution or recurrent state) runs each row whole. `rm_score` shares the same way (for a prompt that comes
+more than once, the tokens that its texts start with run once; its batches are sorted by prompt text then)
+and applies its score head, already tiny, where the model reads, at the last token that is not padding;
+`similarity` (MiniLM, bidirectional, so no prefix to share) sorts and embeds each distinct text once. In
+fp32 the trunk's matmuls over the tokens that remain are the floor, so the speed-up stays near the ratio of
+the work above, and that ratio depends on how much the prompts share (nothing shared: the *no shared prefix*
+column). Past that, bf16 is the lever: this CPU has AMX, matrix instructions for bf16. With `bf16 = true`
+the three plugins store their linear layers' weights in bf16 once, at load, instead of letting autocast cast
+them at every call (the scores are bit for bit those of autocast over fp32 weights; a test checks it). bf16
+is on by default on GPUs only, because it moves the scores.
 """
 
 
@@ -106,7 +106,8 @@ def fluency_work(row: dict, matmul_gflops: float | None) -> list[str]:
             f"a completion token), {w['gflop_floor']:.0f} GFLOP. At "
             + (
                 f"the rate of one 2048 x 2048 fp32 matmul on the same threads ({peak:.0f} GFLOP/s; the former "
-                f"code ran its matmuls at {w['gflop_before'] / before_s:.0f}, the current one at {rate:.0f})"
+                f"code's matmuls over its whole call time come to {w['gflop_before'] / before_s:.0f}, the "
+                f"current one's to {rate:.0f})"
                 if matmul_gflops
                 else f"the current code's rate ({rate:.0f} GFLOP/s)"
             )

@@ -54,7 +54,7 @@ class RMScore:
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         label: int | str | None = None,
         output: str = "logit",
         chat_template: bool | str = "auto",
@@ -70,9 +70,14 @@ class RMScore:
             raise ValueError(f"output must be 'logit' or 'probability', not {output!r}.")
         if "{completion}" not in template:
             raise ValueError(f"template {template!r} must contain {{completion}}.")
+        how = "train one with `textgym train-rm` (docs/reward-models.md) and give its directory"
+        if model is None:
+            raise ValueError(
+                f"rm_score needs model=, a directory with a sequence-classification model: {how}."
+            )
         if not Path(model).expanduser().is_dir():
             raise ValueError(
-                f"model {model!r} is not a local directory with a sequence-classification model."
+                f"model {model!r} is not a local directory with a sequence-classification model: {how}."
             )
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -159,7 +164,8 @@ class RMScore:
         """Scores of rows of which some share a prompt: the tokens that a prompt's rows start with run once,
         then each row's remaining tokens (:func:`textgym.scoring.grouped_forward`), and the score head reads
         where the model does. A prompt whose rows share no tokens before the read ones (cut from the left
-        by max_length) runs each row apart. None when a row has no token before its read one."""
+        by max_length) runs each row apart. None (for :meth:`_scores`) when no prompt's texts share a token,
+        or a row has no token before its read one."""
         import torch
 
         read_at = self._read_at(ids)
@@ -167,8 +173,12 @@ class RMScore:
         for r, prompt in enumerate(prompts):
             groups.setdefault(prompt, []).append(r)
         starts, of_row = [], [0] * len(ids)
-        for members in groups.values():
-            shared = shared_prefix_length([ids[r] for r in members], min(read_at[r] for r in members))
+        shares = [
+            shared_prefix_length([ids[r] for r in m], min(read_at[r] for r in m)) for m in groups.values()
+        ]
+        if not any(n for n, m in zip(shares, groups.values()) if len(m) > 1):
+            return None  # no prompt's texts share a token (all cut from the left): one forward does
+        for members, shared in zip(groups.values(), shares):
             parts = [(members, shared)] if shared else [([r], read_at[r]) for r in members]  # else each apart
             for part, n in parts:
                 if not n:

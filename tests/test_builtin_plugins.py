@@ -149,6 +149,14 @@ def test_rm_score_labels_outputs_and_batching(reward_model_dir):
     assert np.isfinite(truncated).all()
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"model": "smollm2-135m-instruct"}])
+def test_rm_score_without_a_reward_model_directory_says_how_to_make_one(kwargs):
+    with pytest.raises(
+        PluginArgumentError, match=r"sequence-classification model: train one with `textgym train-rm`"
+    ):
+        make_reward("rm_score", **kwargs)
+
+
 def test_rm_score_bad_arguments(reward_model_dir, tmp_path):
     with pytest.raises(PluginArgumentError, match=r"has 2 labels .*choose one with `label`"):
         make_reward("rm_score", model=reward_model_dir)

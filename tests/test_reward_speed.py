@@ -145,10 +145,48 @@ def sliding_window_model(path, classify=False):
 def test_a_sliding_window_model_keeps_the_per_batch_prefix_and_its_scores(name, tmp_path):
     model = sliding_window_model(tmp_path, classify=name == "rm_score")
     samples = groups(["Hi", "Tell me about the sea. And more, please, now."], 2)
-    reward = make_reward(name, model=model, chat_template=False)
+    reward = make_reward(name, model=model, chat_template=True)  # the system prompt: a prefix all share
     assert reward.split is not None and not reward.group  # padding inside a row would move the window
-    alone = make_reward(name, model=model, chat_template=False, batch_size=1, share_prefix=False)
+    assert reward.share_prefix  # a prefix that every row of a batch starts with is still run once
+    alone = make_reward(name, model=model, chat_template=True, batch_size=1, share_prefix=False)
     np.testing.assert_allclose(reward(samples), alone(samples), rtol=0, atol=1e-4)
+
+
+def test_gpt_neo_local_attention_is_a_window_too(tmp_path):
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from textgym.scoring import can_group
+
+    config = GPTNeoConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+        window_size=4, max_position_embeddings=64,
+    )  # fmt: skip
+    assert not can_group(GPTNeoForCausalLM(config).base_model)
+    config.attention_types, config.attention_layers = [[["global"], 2]], ["global", "global"]
+    config.window_size = 0  # no local layer: full attention everywhere
+    assert can_group(GPTNeoForCausalLM(config).base_model)
+
+
+def test_padding_after_a_short_completion_stays_within_the_learned_positions(tmp_path):
+    """GPT-2 learns 64 positions here; rows of up to 64 tokens fill them. The padding after a short
+    completion would otherwise take positions past them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reward = make_reward("fluency", model=str(tmp_path), chat_template=False, max_length=64)
+    assert reward.group
+    long_prompt, long_reply = "word " * 40, "more " * 40
+    samples = [
+        s("Yes", prompt="Hi"),
+        s(long_reply, prompt="Hi"),
+        s("No", prompt=long_prompt),
+        s("Ok", prompt=long_prompt),
+    ]
+    np.testing.assert_allclose(reward(samples), slow_fluency(reward, samples), rtol=0, atol=1e-5)
 
 
 def test_a_model_whose_cache_cannot_be_repeated_across_rows_scores_each_row_whole(tmp_path):
@@ -311,7 +349,10 @@ def test_rm_score_is_the_score_of_each_text_alone(reward_model_dir, kwargs):
             {"chat_template": False, "template": "{prompt} {completion}<|endoftext|>"},
             [5, 13],
         ),  # no shared prefix
-        ({"max_length": 12}, [13, 13]),  # texts cut to their last 12 tokens share no prompt: each row apart
+        (
+            {"max_length": 12},
+            [],
+        ),  # texts cut to their last 12 tokens share no prompt: the model's own forward
     ],
 )
 def test_rm_score_runs_each_prompt_of_a_batch_once_with_the_same_scores(
@@ -344,6 +385,14 @@ def test_score_head_split_only_where_the_head_on_the_trunk_is_the_models_own_sco
     llama = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
     trunk, score = score_head_split(llama)
     assert trunk is llama.model and score is llama.score
+
+    class Rescaled(type(llama)):  # a score changed after the head: the head alone does not give it
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = 2 * out.logits + 1
+            return out
+
+    assert score_head_split(Rescaled.from_pretrained(reward_model_dir)) is None
     bert = BertForSequenceClassification(
         BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     )
@@ -422,7 +471,7 @@ def test_the_report_states_the_fluency_ratio_and_the_target(tmp_path, monkeypatc
     # 300 GFLOP in 6.4 s before, 100 in 1.6 s now; the floor, 60 GFLOP at 70 GFLOP/s, takes 0.86 s: 7.5x
     assert "150 positions through the trunk (every distinct prefix" in report
     assert "and 90 through the head (those that predict a completion token), 60 GFLOP. At the rate" in report
-    assert "(70 GFLOP/s; the former code ran its matmuls at 47, the current one at 62)" in report
+    assert "(70 GFLOP/s; the former code's matmuls over its whole call time come to 47, the current" in report
     assert "that takes 0.86 s against the former code's 6.40 s per call: at most 7.5x." in report
     assert "| fluency, 8 completions per prompt | 10.0 | 20.0 | 40.0 | 80.0 | **5.00x** | 12.00x |" in report
     assert "`fluency`, 8 completions per prompt (GRPO's default group)" in report

@@ -204,6 +204,9 @@ def grouped_forward(
     cache.reorder_cache(rows)  # (P, L+T) -> (B, L+T): each row continues its start's cache
     ids, mask = padded(rests, pad_id, device)  # (B, C)
     positions = (L + tail_len[rows])[:, None] + torch.arange(ids.shape[1], device=device)  # (B, C)
+    # A padding column's output is never read; position 0 keeps it within the model's learned positions
+    # and out of a dynamic RoPE's rescaling, which looks at the largest position.
+    positions = positions.masked_fill(mask == 0, 0)
     attention = ones_before(torch.cat([tail_mask[rows], mask], 1), L)  # the start's pads stay masked
     rest = trunk(input_ids=ids, attention_mask=attention, position_ids=positions, **{key: cache})
     return start_last, rest.last_hidden_state
@@ -214,11 +217,14 @@ def can_group(trunk: Any) -> bool:
     past, its positions come from ``position_ids``, and its cache holds keys and values only (Llama, Qwen,
     SmolLM, GPT-2, ...). Masked padding between a start and its rest changes the outputs of a sliding
     window (it counts cache slots), of ALiBi (a bias by slot distance), and of a convolution or recurrent
-    state (it takes in every slot); those models keep the per-batch shared prefix."""
+    state (it takes in every slot); those models share a batch's common prefix only (or nothing, where
+    :func:`can_share_prefix` is false)."""
     config = trunk.config.get_text_config()
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     if window or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return False
+    if getattr(config, "window_size", None) or "local" in (getattr(config, "attention_layers", None) or ()):
+        return False  # GPT-Neo's local attention: a window by another name
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         return False
     try:
@@ -238,18 +244,22 @@ def can_share_prefix(model: Any) -> bool:
     cache = _probe_cache(model)
     try:
         cache.batch_repeat_interleave(2)
-    except (AttributeError, NotImplementedError, TypeError):
+    except (AttributeError, NotImplementedError, TypeError):  # None included: the model returns no cache
         return False
     return True
 
 
 def _probe_cache(model: Any) -> Any:
-    """The cache ``model`` returns for two tokens."""
+    """The cache ``model`` returns for two tokens, or None (a model that takes no ``use_cache``)."""
     import torch
 
     device = next(model.parameters()).device
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True)
+    ids = torch.tensor([[1, 2]], device=device) % model.config.get_text_config().vocab_size
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+    except TypeError:
+        return None
     return out["cache"] if "cache" in out else out.get("past_key_values")
 
 
