@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -147,8 +148,9 @@ def test_cli_plugin_flag_and_env_var_and_listing(tmp_path):
     path = tmp_path / "my_rewards.py"
     path.write_text(PLUGIN_FILE)
     by_flag = run_textgym(["plugins", "--json", "--plugin", str(path)], {}, tmp_path)
+    before_command = run_textgym(["--plugin", str(path), "plugins", "--json"], {}, tmp_path)
     by_var = run_textgym(["plugins", "--json"], {"TEXTGYM_PLUGINS": str(path)}, tmp_path)
-    for result in (by_flag, by_var):
+    for result in (by_flag, before_command, by_var):
         assert result.returncode == 0, result.stderr
         report = {row["name"]: row for row in json.loads(result.stdout)}
         row = report[f"{path.resolve()}::exclaim"]
@@ -159,11 +161,31 @@ def test_cli_plugin_flag_and_env_var_and_listing(tmp_path):
         assert report["textgym.plugins.sentiment"]["registers"] == {"reward": ["sentiment"]}
 
 
-def test_cli_plugins_text_listing(capsys):
+def test_the_plugin_file_of_the_docs_registers_through_its_module_level_hook(tmp_path):
+    docs = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text()
+    block = "# my_plugin.py" + docs.split("```python\n# my_plugin.py", 1)[1].split("```", 1)[0]
+    path = tmp_path / "my_plugin.py"
+    path.write_text(block)
+    result = run_textgym(["--plugin", str(path), "plugins", "--json"], {}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = {row["name"]: row for row in json.loads(result.stdout)}
+    assert report[str(path.resolve())]["registers"] == {"reward": ["shouting"]}
+
+
+def test_cli_plugins_text_listing(capsys, tmp_path):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "textgym.plugins.match  (built-in)\n    rewards: match" in out
     assert "envs: textgym/TextGen-v0, textgym/Copy-v0" in out
+    (tmp_path / "my_rewards.py").write_text(PLUGIN_FILE)
+    (tmp_path / "empty.py").write_text("import textgym\n")
+    assert (
+        main(["plugins", "--plugin", str(tmp_path / "my_rewards.py"), "--plugin", str(tmp_path / "empty.py")])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert f"(file {(tmp_path / 'my_rewards.py').resolve()})\n    (@textgym.reward: exclaim)" in out
+    assert f"(file {(tmp_path / 'empty.py').resolve()})\n    (registers nothing)" in out
 
 
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):

@@ -72,6 +72,15 @@ def test_a_run_writes_the_whole_run_directory(config, tmp_path, capsys):
     assert resolved["agent"]["learning_rate"] == 1e-3 and resolved["env"]["id"] == "textgym/TextGen-v0"
 
 
+def test_the_reward_trend_names_its_spans(capsys):
+    from textgym.train import _print_trend
+
+    _print_trend([{"reward": 0.0}, {"reward": 1.0}], "reward")
+    assert "0.000 (first iteration) -> 1.000 (last iteration), 2 iterations" in capsys.readouterr().out
+    _print_trend([{"reward": float(i)} for i in range(8)], "reward")
+    assert "0.500 (first 2 iterations) -> 6.500 (last 2 iterations), 8 iterations" in capsys.readouterr().out
+
+
 def test_resume_continues_counters_and_history(config, tmp_path):
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
     first = csv_rows(run_dir / "metrics.csv")

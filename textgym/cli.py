@@ -21,11 +21,19 @@ DEMO_REWARDS = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # --plugin before the command or after it: two destinations, because a subcommand's default would
+    # overwrite what the main parser read before it (argparse gives a subparser's defaults the last word)
+    parser = argparse.ArgumentParser(prog="textgym", description=__doc__)
     plugin_args = argparse.ArgumentParser(add_help=False)
-    plugin_args.add_argument(
-        "--plugin", action="append", default=[], metavar="FILE.py", help="load a plugin file (repeatable)"
-    )
-    parser = argparse.ArgumentParser(prog="textgym", description=__doc__, parents=[plugin_args])
+    for options, dest in ((parser, "plugin"), (plugin_args, "plugin_after_command")):
+        options.add_argument(
+            "--plugin",
+            action="append",
+            default=[],
+            dest=dest,
+            metavar="FILE.py",
+            help="load a plugin file (repeatable)",
+        )
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("plugins", parents=[plugin_args], help="list plugins and what each registered")
@@ -113,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
 
     args = parser.parse_args(argv)
+    args.plugin = [*args.plugin, *args.plugin_after_command]
     try:
         _quiet_libraries()
         from textgym import plugin_manager
@@ -211,12 +220,19 @@ def _plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    decorated: dict[str, list[str]] = {}  # file -> its @textgym.reward names, listed as their own entries
+    for row in report:
+        if row["source"].startswith("@textgym.reward in "):
+            decorated.setdefault(row["source"].removeprefix("@textgym.reward in "), []).extend(
+                row["registers"].get("reward", [])
+            )
     for row in report:
         print(f"{row['name']}  ({row['source']})")
         for kind, names in row["registers"].items():
             print(f"    {kind}s: {', '.join(names)}")
         if not row["registers"]:
-            print("    (registers nothing)")
+            names = decorated.get(row["source"].removeprefix("file "))
+            print(f"    (@textgym.reward: {', '.join(names)})" if names else "    (registers nothing)")
     return 0
 
 

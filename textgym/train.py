@@ -397,9 +397,8 @@ def _print_trend(history: Sequence[dict[str, Any]], key: str) -> None:
         return
     k = max(1, len(history) // 4)
     first, last = np.mean([r[key] for r in history[:k]]), np.mean([r[key] for r in history[-k:]])
-    print(
-        f"reward trend: {first:.3f} (first {k} iterations) -> {last:.3f} (last {k}), {len(history)} iterations"
-    )
+    span = "iteration" if k == 1 else f"{k} iterations"
+    print(f"reward trend: {first:.3f} (first {span}) -> {last:.3f} (last {span}), {len(history)} iterations")
 
 
 # -- Stable-Baselines3 agents ------------------------------------------------------------------------
