@@ -64,17 +64,17 @@ completions; in the cycled batch each prompt comes two or three times, so it is 
 only on the positions that predict a completion token, and log p = logit - logsumexp, taken 32 rows at a
 time so that each pass over the logits reads them from the cache. A prompt runs once by padding the shorter
 prompts of a batch before their completions; a model whose outputs that padding would change (a sliding
-window, ALiBi) shares the batch's common prefix only, and one whose cache cannot be repeated across rows (a
-convolution or recurrent state) runs each row whole. `rm_score` shares the same way (for a prompt that comes
-more than once, the tokens that its texts start with run once; its batches are sorted by prompt text then)
-and applies its score head, already tiny, where the model reads, at the last token that is not padding;
-`similarity` (MiniLM, bidirectional, so no prefix to share) sorts and embeds each distinct text once. In
-fp32 the trunk's matmuls over the tokens that remain are the floor, so the speed-up stays near the ratio of
-the work above, and that ratio depends on how much the prompts share (nothing shared: the *no shared prefix*
-column). Past that, bf16 is the lever: this CPU has AMX, matrix instructions for bf16. With `bf16 = true`
-the three plugins store their linear layers' weights in bf16 once, at load, instead of letting autocast cast
-them at every call (the scores are bit for bit those of autocast over fp32 weights; a test checks it). bf16
-is on by default on GPUs only, because it moves the scores.
+window, ALiBi by slot distance) shares the batch's common prefix only, and one whose cache cannot be
+repeated across rows (a convolution or recurrent state) runs each row whole. `rm_score` shares the same way
+(for a prompt that comes more than once, the tokens that its texts start with run once; its batches are
+sorted by prompt text then) and applies its score head, already tiny, where the model reads, at the last
+token that is not padding; `similarity` (MiniLM, bidirectional, so no prefix to share) sorts and embeds each
+distinct text once. In fp32 the trunk's matmuls over the tokens that remain are the floor, so the speed-up
+stays near the ratio of the work above, and that ratio depends on how much the prompts share (nothing
+shared: the *no shared prefix* column). Past that, bf16 is the lever: this CPU has AMX, matrix instructions
+for bf16. With `bf16 = true` the three plugins store their linear layers' weights in bf16 once, at load,
+instead of letting autocast cast them at every call (the scores are bit for bit those of autocast over fp32
+weights; a test checks it). bf16 is on by default on GPUs only, because it moves the scores.
 """
 
 

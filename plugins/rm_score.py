@@ -130,6 +130,8 @@ class RMScore:
         return self.template.format(prompt=s.prompt, completion=s.completion)
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        if not samples:
+            return []  # the tokenizer has nothing to pad
         encodings = self.tokenizer(
             [self.format(s) for s in samples], truncation=True, max_length=self.max_length
         )

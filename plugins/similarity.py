@@ -92,6 +92,8 @@ class Similarity:
         return refs
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        if not samples:
+            return []  # the tokenizer has nothing to pad
         import torch
 
         refs = self._references(samples)

@@ -167,6 +167,31 @@ def test_gpt_neo_local_attention_is_a_window_too(tmp_path):
     assert can_group(GPTNeoForCausalLM(config).base_model)
 
 
+@pytest.mark.parametrize(("kind", "groups_rows"), [("mpt", False), ("bloom", True)])
+def test_alibi_by_slot_distance_keeps_the_per_batch_prefix_and_alibi_over_the_mask_groups(
+    kind, groups_rows, tmp_path
+):
+    """MPT's ALiBi bias counts cache slots, so padding inside a row would move it; BLOOM counts its ALiBi
+    positions over the attention mask, so masked padding is inert. Both give each row's own score."""
+    from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    if kind == "mpt":
+        model = MptForCausalLM(MptConfig(vocab_size=len(tokenizer), d_model=32, n_heads=2, n_layers=2))
+    else:
+        model = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_head=2, n_layer=2))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reward = make_reward("fluency", model=str(tmp_path), chat_template=False)
+    assert reward.group == groups_rows
+    samples = groups(["Hi", "Tell me about the sea. And more, please, now."], 3)
+    np.testing.assert_allclose(reward(samples), slow_fluency(reward, samples), rtol=0, atol=1e-5)
+
+
 def test_padding_after_a_short_completion_stays_within_the_learned_positions(tmp_path):
     """GPT-2 learns 64 positions here; rows of up to 64 tokens fill them. The padding after a short
     completion would otherwise take positions past them."""
@@ -408,6 +433,15 @@ def test_similarity_embeds_each_text_as_it_would_alone():
     torch.testing.assert_close(batched, alone, rtol=0, atol=1e-6)
     expected = (alone[:-1] * alone[-1]).sum(-1)
     np.testing.assert_allclose(reward(samples), expected, rtol=0, atol=1e-6)
+
+
+def test_an_empty_batch_scores_nothing(tiny, reward_model_dir):
+    for reward in (
+        make_reward("fluency", model="tiny-random-llama"),
+        make_reward("rm_score", model=reward_model_dir),
+        make_reward("similarity"),
+    ):
+        assert reward([]) == []
 
 
 def test_the_benchmark_baselines_are_the_former_formulas(tiny, reward_model_dir):

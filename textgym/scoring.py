@@ -216,8 +216,9 @@ def can_group(trunk: Any) -> bool:
     """Whether :func:`grouped_forward` gives ``trunk``'s own outputs: when every layer attends to the whole
     past, its positions come from ``position_ids``, and its cache holds keys and values only (Llama, Qwen,
     SmolLM, GPT-2, ...). Masked padding between a start and its rest changes the outputs of a sliding
-    window (it counts cache slots), of ALiBi (a bias by slot distance), and of a convolution or recurrent
-    state (it takes in every slot); those models share a batch's common prefix only (or nothing, where
+    window (it counts cache slots), of ALiBi taken by slot distance (MPT, Falcon with ``alibi``; BLOOM
+    counts its ALiBi positions over the attention mask and groups), and of a convolution or recurrent state
+    (it takes in every slot); those models share a batch's common prefix only (or nothing, where
     :func:`can_share_prefix` is false)."""
     config = trunk.config.get_text_config()
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
