@@ -179,12 +179,18 @@ def test_cli_plugins_text_listing(capsys, tmp_path):
     assert "envs: textgym/TextGen-v0, textgym/Copy-v0" in out
     (tmp_path / "my_rewards.py").write_text(PLUGIN_FILE)
     (tmp_path / "empty.py").write_text("import textgym\n")
-    assert (
-        main(["plugins", "--plugin", str(tmp_path / "my_rewards.py"), "--plugin", str(tmp_path / "empty.py")])
-        == 0
+    (tmp_path / "both.py").write_text(
+        PLUGIN_FILE.replace("exclaim", "shout") + "\n@textgym.responder('again')\n"
+        "def again(conversations):\n    return [textgym.Reply('ok', done=True) for _ in conversations]\n"
     )
+    files = [str(tmp_path / name) for name in ("my_rewards.py", "empty.py", "both.py")]
+    assert main(["plugins", *(option for file in files for option in ("--plugin", file))]) == 0
     out = capsys.readouterr().out
     assert f"(file {(tmp_path / 'my_rewards.py').resolve()})\n    (@textgym.reward: exclaim)" in out
+    both = (
+        f"(file {(tmp_path / 'both.py').resolve()})\n    (@textgym.reward: shout; @textgym.responder: again)"
+    )
+    assert both in out
     assert f"(file {(tmp_path / 'empty.py').resolve()})\n    (registers nothing)" in out
 
 

@@ -220,19 +220,23 @@ def _plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    decorated: dict[str, list[str]] = {}  # file -> its @textgym.reward names, listed as their own entries
+    # A file's @textgym.reward and @textgym.responder functions are plugins of their own, with the source
+    # "DECORATOR in FILE"; the file's own row (named FILE) says what they registered.
+    decorated: dict[str, dict[str, list[str]]] = {}  # file -> decorator -> names
     for row in report:
-        if row["source"].startswith("@textgym.reward in "):
-            decorated.setdefault(row["source"].removeprefix("@textgym.reward in "), []).extend(
-                row["registers"].get("reward", [])
-            )
+        decorator, within, file = row["source"].partition(" in ")
+        if decorator.startswith("@") and within:
+            names = decorated.setdefault(file, {}).setdefault(decorator, [])
+            names.extend(name for kind_names in row["registers"].values() for name in kind_names)
     for row in report:
         print(f"{row['name']}  ({row['source']})")
         for kind, names in row["registers"].items():
             print(f"    {kind}s: {', '.join(names)}")
         if not row["registers"]:
-            names = decorated.get(row["source"].removeprefix("file "))
-            print(f"    (@textgym.reward: {', '.join(names)})" if names else "    (registers nothing)")
+            found = "; ".join(
+                f"{d}: {', '.join(names)}" for d, names in decorated.get(row["name"], {}).items()
+            )
+            print(f"    ({found or 'registers nothing'})")
     return 0
 
 
