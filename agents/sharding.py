@@ -230,9 +230,9 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a sharded tensor (FSDP2's DTensor, or a DeepSpeed ZeRO-3 parameter's flat
-    shard); the tensor itself otherwise."""
+    shard, without its padding); the tensor itself otherwise."""
     if is_zero3(t):
-        return t.ds_tensor
+        return zero3.local_shard(t)
     return t.to_local() if is_sharded(t) else t
 
 

@@ -279,6 +279,16 @@ def is_zero3(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")
 
 
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This process's elements of a ZeRO-3 parameter: its flat shard (``ds_tensor``) without the padding.
+    DeepSpeed pads a parameter whose size the number of processes does not divide (a value head's one-element
+    bias, on two processes) up to equal shards, and leaves the padding uninitialized: read whole, a healthy
+    shard can hold NaN."""
+    shard = param.ds_tensor
+    start = torch.distributed.get_rank() * shard.numel()  # every shard is that long, padded
+    return shard[: max(0, min(shard.numel(), param.ds_numel - start))]
+
+
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole parameter, gathered from every process (collective), as a new tensor."""
     import deepspeed

@@ -8,7 +8,9 @@
 - a loss that is not finite on one process only: every process still runs the backward (its reduce-scatter
   needs all) and every process skips the step;
 - a weight that is not finite in one process's shard only: every process's health check fails;
-- a checkpoint saved before any optimizer step: the optimizer has no state yet, and the save has none.
+- a checkpoint saved before any optimizer step: the optimizer has no state yet, and the save has none;
+- under ZeRO-3, NaN in the padding of a shard (DeepSpeed leaves it uninitialized) is no weight: the save's
+  health check passes.
 
     ACCELERATE_USE_FSDP=true python -m torch.distributed.run --nproc_per_node 2 tests/distributed_sharding.py
 """
@@ -34,6 +36,16 @@ def main() -> None:
     if not agent.sharded and "--ddp" not in sys.argv:
         raise SystemExit("the policy is not sharded: run under torchrun with ACCELERATE_USE_FSDP=true")
     print(f"rank {agent.dist.rank}: sharded with {agent.sharding_engine}", flush=True)
+    if agent.zero3 is not None:
+        padded = 0
+        with torch.no_grad():
+            for p in agent.params:  # a shard's elements past the parameter's own are padding
+                shard, start = p.ds_tensor, agent.dist.rank * p.ds_tensor.numel()
+                if start + shard.numel() > p.ds_numel:
+                    shard[max(0, p.ds_numel - start) :].fill_(float("nan"))
+                    padded += 1
+        assert sum(agent.dist.gather_objects([padded])) > 0  # some parameter has an odd size
+        print(f"rank {agent.dist.rank}: padding filled with NaN", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(agent.dist.gather_objects([tmp])[0]) / "before"  # the main process's: only it writes
         agent.save(path)  # every process: the gather is collective

@@ -165,6 +165,7 @@ def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_eve
     result = run_cmd([*TORCHRUN, *script], shard=shard, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"rank 0: sharded with {ENGINE[shard]}" in result.stdout
+    assert ("rank 1: padding filled with NaN" in result.stdout) == (shard == "zero3")
     assert (
         "rank 0: saved before any step" in result.stdout and "rank 1: saved before any step" in result.stdout
     )
