@@ -15,6 +15,7 @@ logs (:data:`COMMON_STATS`).
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -105,17 +106,16 @@ class LMAgent(SB3Contract, UpdateGuards):
         self.seed = c.seed + 10_007 * self.accelerator.process_index
         set_seed(self.seed)
         self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
-        model = self._load_policy(policy)
-        self.ref_policy = None
-        if c.lora is not None:
-            from peft import LoraConfig, PeftModel, get_peft_model
-
-            if not isinstance(model, PeftModel):
-                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **c.lora))
-            # the reference, when needed, is the same weights with the adapter disabled
+        skeleton = None  # FSDP2 from a name: only the main process reads the weights (sharding.load_on_main)
+        if self.fsdp is not None and self.policy_source is not None:
+            load = functools.partial(self._load_policy, policy)
+            model, skeleton = sharding.load_on_main(load, self.dist, self._with_lora)
+        else:
+            model = self._with_lora(self._load_policy(policy))
+        self.ref_policy = None  # with LoRA, the reference is the same weights with the adapter disabled
         model.eval()  # dropout off, LoRA's included: rollout and training log-probs must agree
         if c.lora is None and self.uses_reference:
-            self.ref_policy = copy.deepcopy(model).requires_grad_(False)
+            self.ref_policy = (skeleton() if skeleton else copy.deepcopy(model)).requires_grad_(False)
             self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
         if self.zero3 is not None:  # one engine trains the policy and the modules (agents/zero3.py)
@@ -127,7 +127,9 @@ class LMAgent(SB3Contract, UpdateGuards):
             self.policy = self.engine  # training forwards go through the engine; rollouts: rollout_model
             self.modules = dict(self.engine.module.extra.items())
         else:
-            self.policy, self.optimizer, self.modules, params = self._prepare(model, modules)
+            self.policy, self.optimizer, self.modules, params = self._prepare(
+                model, modules, skeleton is not None
+            )
         self.params = params
         self.score_moments = RunningMoments()
         self.num_timesteps = 0
@@ -142,14 +144,18 @@ class LMAgent(SB3Contract, UpdateGuards):
         self.history: list[dict[str, float]] = []
 
     def _prepare(
-        self, model: nn.Module, modules: dict[str, nn.Module]
+        self, model: nn.Module, modules: dict[str, nn.Module], from_main: bool = False
     ) -> tuple[Any, Any, dict[str, nn.Module], list[nn.Parameter]]:
         """Shard with FSDP2 when asked, make the AdamW, and let accelerate wrap them (DDP under torchrun).
-        Returns the policy, the optimizer, the modules and the trainable parameters."""
+        ``from_main``: the policy and the reference hold weights on the main process only (the others have
+        meta-device skeletons), which sharding hands out. Returns the policy, the optimizer, the modules and
+        the trainable parameters."""
         if self.fsdp is not None:  # every model and module: one kind of parameter (see agents/sharding.py)
-            model = sharding.shard(model, self.fsdp, self.device)  # to the device one unit at a time
+            weights = sharding.main_weights(model, self.dist) if from_main else None
+            model = sharding.shard(model, self.fsdp, self.device, weights)  # to the device one unit at a time
             if self.ref_policy is not None:
-                self.ref_policy = sharding.shard(self.ref_policy, self.fsdp, self.device)
+                self.ref_policy = sharding.shard(self.ref_policy, self.fsdp, self.device, weights)
+            del weights  # the main process's whole copy
             modules = {k: sharding.shard_module(m, self.fsdp, self.device) for k, m in modules.items()}
         params = [p for m in (model, *modules.values()) for p in m.parameters() if p.requires_grad]
         optimizer = self._adamw(params)
@@ -159,6 +165,20 @@ class LMAgent(SB3Contract, UpdateGuards):
             prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
         # the policy is DDP-wrapped under torchrun
         return prepared[0], prepared[-1], dict(zip(modules, prepared[1:-1])), params
+
+    def _with_lora(self, model: Any, on_meta: bool = False) -> Any:
+        """The model with the config's LoRA adapter (the model itself without ``lora``, or if it has one).
+        ``on_meta``: a meta-device skeleton, whose adapter weights come from the main process, so no
+        initialisation may read the base weights (PiSSA, OLoRA)."""
+        lora = self.config.lora
+        if lora is None:
+            return model
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if isinstance(model, PeftModel):
+            return model
+        lora = {**lora, "init_lora_weights": False} if on_meta else lora
+        return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
 
     def _adamw(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The agent's AdamW, sharded or not (DeepSpeed steps its shards through this one too)."""

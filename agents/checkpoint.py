@@ -126,6 +126,31 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
     atomic_build_dir(path, build, replace=True)
 
 
+def _fsdp_over_processes() -> bool:
+    """Whether an agent made now will shard with FSDP2 (asked for, and more than one process)."""
+    import os
+
+    return sharding.fsdp_requested() is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _load_trained_policy(agent: LMAgent, policy_dir: Path) -> None:
+    """The checkpoint's policy weights into the FSDP2 shards of an agent built from the source policy: the
+    main process reads them, every process gets its shards. A failed read stops every process."""
+    from transformers import AutoModelForCausalLM
+
+    if agent.fsdp is None:  # not sharded after all: every process reads them
+        agent.rollout_model.load_state_dict(AutoModelForCausalLM.from_pretrained(policy_dir).state_dict())
+        return
+    weights, error = ({}, {}), None
+    if agent.dist.is_main:
+        try:
+            weights = sharding.main_weights(AutoModelForCausalLM.from_pretrained(policy_dir), agent.dist)
+        except Exception as exc:  # the caller names the checkpoint
+            error = exc
+    agent.dist.agree(error)
+    sharding.load_from_main(agent.rollout_model, weights, agent.device)
+
+
 def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
     from transformers import AutoModelForCausalLM
 
@@ -144,16 +169,22 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             )
         config = {**state["config"], **overrides}
         source = state["policy_source"]
-        if config.get("lora") is not None:
+        from_main = source is not None and config.get("lora") is None and _fsdp_over_processes()
+        if from_main:  # FSDP2: only the main process reads the models (sharding.load_on_main)
+            agent = cls(
+                source, env, **config
+            )  # the reference: the source, sharded from the main process's copy
+            _load_trained_policy(agent, path / "policy")
+        elif config.get("lora") is not None:
             from peft import PeftModel
 
             base = cls._load_policy(source)
             policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
+            agent = cls(policy, env, **config)
         else:
-            policy = AutoModelForCausalLM.from_pretrained(path / "policy")
-        agent = cls(policy, env, **config)
+            agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
         agent.policy_source = source
-        if agent.ref_policy is not None:
+        if agent.ref_policy is not None and not from_main:
             reference = (
                 cls._load_policy(source)
                 if source

@@ -24,9 +24,11 @@ The accelerate config's FSDP options that textgym does not honour are refused by
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +49,12 @@ __all__ = [
     "full_optimizer_state",
     "full_state_dict",
     "full_tensor",
+    "load_from_main",
     "load_full_optimizer_state",
     "load_full_state_dict",
+    "load_on_main",
     "local",
+    "main_weights",
     "refuse_accelerate_sharding",
     "shard",
     "shard_module",
@@ -86,8 +91,6 @@ _REFUSED = (
      "activation checkpointing is not supported"),
     ("fsdp_activation_checkpointing_offload", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", ("true", "1"),
      "activation checkpointing is not supported"),
-    ("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", ("true", "1"),
-     "every process loads the whole model before sharding it"),
     ("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", ("sharded_state_dict", "local_state_dict"),
      "checkpoints are always one full Hugging Face directory (FULL_STATE_DICT)"),
     ("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", ("size_based_wrap", "no_wrap"),
@@ -174,11 +177,127 @@ def accelerate_without_sharding() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def shard(model: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.Module:
+def load_on_main(
+    load: Callable[[], nn.Module],
+    dist: Any,
+    adapt: Callable[[nn.Module, bool], nn.Module] = lambda model, on_meta: model,
+) -> tuple[nn.Module, Callable[[], nn.Module] | None]:
+    """The policy for FSDP2, read by the main process only: ``(model, skeleton)``.
+
+    The main process calls ``load`` and gets the model; every other process builds the same architecture
+    on the meta device (no memory), from the class and config the main process sends. :func:`shard` then
+    gives each process its shard of the main process's weights (``weights=main_weights(...)``), so no other
+    process ever holds the whole model on the host: eight processes with an 8B fp32 policy and its
+    reference would otherwise hold 16 whole copies (512 GB) before sharding. ``adapt(model, on_meta)`` wraps
+    the model on every process (LoRA). ``skeleton()`` builds another meta copy of the loaded model, on every
+    process (the reference, loaded the same way).
+
+    Every process loads the model itself instead, and ``skeleton`` is None everywhere, when the main
+    process cannot describe it (a class not built from a config, a config that does not pickle) or when a
+    meta-device copy fails or differs from it (a parameter or buffer of another dtype or shape, e.g. from
+    a loader that casts the model after building it). A failed load on the main process stops every
+    process."""
+    blueprint, model, error = None, None, None
+    if dist.is_main:
+        try:
+            loaded = load()
+            model = adapt(loaded, False)
+        except Exception as exc:  # every process stops, the main one with its own error
+            error = exc
+        else:
+            blueprint = _blueprint(loaded, model)
+    dist.agree(error)
+    try:
+        blueprint = dist.gather_objects([blueprint])[0]
+    except Exception:  # a class the other processes cannot import
+        blueprint = None
+    skeleton = None
+    if blueprint is not None:
+        cls, config, dtype, generation, kinds = blueprint
+
+        def skeleton() -> nn.Module:
+            with torch.device("meta"):
+                built = cls._from_config(copy.deepcopy(config), dtype=dtype)
+            if generation is not None:
+                built.generation_config = copy.deepcopy(generation)
+            return built.eval()
+
+        if not dist.is_main:
+            try:
+                model = adapt(skeleton(), True)
+                blueprint = blueprint if _kinds(model) == kinds else None
+            except Exception:
+                blueprint = None
+    if dist.any(blueprint is None):
+        return (model if dist.is_main else adapt(load(), False)), None
+    return model, skeleton
+
+
+def _kinds(model: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The dtype and shape of every parameter and buffer."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors}
+
+
+def _blueprint(loaded: nn.Module, model: nn.Module) -> tuple[Any, ...] | None:
+    """What the other processes need to build ``loaded`` on the meta device and check it against
+    ``model`` (``loaded`` adapted); None when it cannot be sent."""
+    if not hasattr(type(loaded), "_from_config"):
+        return None
+    generation = getattr(loaded, "generation_config", None)
+    blueprint = (type(loaded), loaded.config, loaded.dtype, generation, _kinds(model))
+    try:
+        pickle.dumps(blueprint)
+    except Exception:  # e.g. a class defined inside a plugin's loader
+        return None
+    return blueprint
+
+
+def main_weights(model: nn.Module, dist: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """For :func:`shard` after :func:`load_on_main`: the main process's state dict and every buffer of its
+    whole model (rotary tables are buffers outside the state dict); empty on the other processes."""
+    if not dist.is_main:
+        return {}, {}
+    return model.state_dict(), dict(model.named_buffers())
+
+
+def load_from_main(
+    model: nn.Module, weights: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], device: torch.device
+) -> None:
+    """Give a sharded model (on the meta device on some processes) the main process's ``weights``
+    (:func:`main_weights`): each process allocates its shards, then every tensor is broadcast whole, one at
+    a time, and cut. Buffers missing from the main process's ``weights`` keep the main process's values."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state, buffers = weights
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(state), options=options)  # it writes the shards into the dict it gets
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # FSDP2 leaves buffers whole: broadcast each
+            if name in buffers:
+                buffer.copy_(buffers[name])
+            on_device = buffer.to(device)
+            dist.broadcast(on_device, src=0)
+            if on_device is not buffer:
+                buffer.copy_(on_device)
+
+
+def shard(
+    model: nn.Module,
+    settings: FSDPSettings,
+    device: torch.device,
+    weights: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+) -> nn.Module:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); in place.
 
     ``model`` may be on the CPU: each ``fully_shard`` call moves its unit's weights to ``device`` and keeps
-    this process's shard, so the device never holds more than one unit whole."""
+    this process's shard, so the device never holds more than one unit whole. With ``weights``
+    (:func:`main_weights`), the model may be a meta-device skeleton (:func:`load_on_main`) and takes the
+    main process's weights once sharded; without, each process's model is whole, and the main process's
+    weights are broadcast into it first."""
     from torch.distributed.fsdp import fully_shard
 
     # FSDP2 warns that a module's output is a view (an in-place op on it would skip the backward's
@@ -192,10 +311,13 @@ def shard(model: nn.Module, settings: FSDPSettings, device: torch.device) -> nn.
             f"no {sorted(names) or 'decoder layer'} modules in {type(base).__name__} to shard: set "
             f"fsdp_transformer_layer_cls_to_wrap in the accelerate config to its decoder layer class."
         )
-    broadcast_from_main(model, device)
+    if weights is None:
+        broadcast_from_main(model, device)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, reshard_after_forward=settings.reshard_after_forward)
+    if weights is not None:
+        load_from_main(model, weights, device)
     return model
 
 

@@ -8,6 +8,8 @@
 
 Each agent updates in turn, in the same processes, and writes OUT/AGENT.pt (its parameters after the update)
 and, for the agents named after --save, its checkpoint OUT/AGENT/; --load DIR starts each agent from the checkpoint DIR/AGENT/.
+The agents "*-zoo" load their policy by name (tiny-random-llama, whose embeddings are tied); each process
+prints how many times it read a policy's weights.
 """
 
 import argparse
@@ -17,10 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lm_helpers import char_llama
 
+import textgym.models
 from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.agents.rollout_batch import RolloutBatch
@@ -31,7 +35,12 @@ PPO = dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learni
 AGENTS = {
     "lmppo": (LMPPO, PPO),
     "lmppo-lora": (LMPPO, dict(PPO, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})),
-    "lmppo-bf16": (LMPPO, dict(PPO, bf16=True)),  # tests/test_distributed.py compares it with DDP's split
+    "lmppo-bf16": (LMPPO, dict(PPO, bf16=True)),
+    "lmppo-zoo": (LMPPO, PPO),
+    "lmppo-pissa-zoo": (
+        LMPPO,
+        dict(PPO, lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": "pissa"}),
+    ),  # tests/test_distributed.py compares it with DDP's split
     "grpo": (
         GRPO,
         dict(
@@ -46,13 +55,32 @@ AGENTS = {
 }
 
 
+READS = [0]  # calls that read a policy's weights: a zoo model by name, or a checkpoint's policy/
+
+
+def counting(load):
+    def counted(*args, **kwargs):
+        READS[0] += 1
+        return load(*args, **kwargs)
+
+    return counted
+
+
+textgym.models.load_model = counting(textgym.models.load_model)
+AutoModelForCausalLM.from_pretrained = counting(AutoModelForCausalLM.from_pretrained)
+
+
 def update(name: str, full: dict, out: Path, load: Path | None, save: bool) -> None:
     cls, hyperparameters = AGENTS[name]
+    READS[0] = 0
     if load is not None:  # the update continues a saved agent: its weights, value head and AdamW state
         agent = cls.load(load / name)
+    elif name.endswith("-zoo"):
+        agent = cls("tiny-random-llama", None, seed=0, verbose=0, **hyperparameters)
     else:
         agent = cls(char_llama(), None, seed=0, verbose=0, **hyperparameters)
     world, rank = agent.dist.world, agent.dist.rank
+    print(f"rank {rank}: {name} read a policy {READS[0]} times")
     n = len(full["scores"]) // world
     rows = {k: v[rank * n : (rank + 1) * n] for k, v in full.items()}  # this process's share of the episodes
     batch = RolloutBatch(**rows, ref_logprobs=None, raw_scores=rows["scores"].clone())

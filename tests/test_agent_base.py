@@ -377,7 +377,6 @@ FSDP = ("ACCELERATE_USE_FSDP", "FSDP")
         (FSDP, "FSDP_VERSION", "1", "fsdp_version: 1"),
         (FSDP, "FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params: true"),
         (FSDP, "FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing: true"),
-        (FSDP, "FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading: true"),
         (FSDP, "FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT", "fsdp_state_dict_type: SHARDED_STATE_DICT"),
         (FSDP, "FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
         (FSDP, "FSDP_IGNORED_MODULES", "lm_head", "fsdp_ignored_modules: lm_head"),

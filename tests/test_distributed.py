@@ -64,21 +64,22 @@ def update(batch_file, out, agents, processes, shard=None, *options):
     assert result.returncode == 0, result.stderr[-3000:]
     for agent in agents:  # how it really ran
         assert f"{agent} sharded={ENGINE[shard] if processes == 2 else None}" in result.stdout
+    (out / "stdout.txt").write_text(result.stdout)
     return out
 
 
 BF16 = ["lmppo-bf16"] if cpu_has_native_bf16() else []
 # what each launch updates: one process on the whole batch, and two processes per engine (None: DDP)
 LAUNCHES = {
-    "one": ["lmppo", "grpo", "lmppo-lora"],
+    "one": ["lmppo", "grpo", "lmppo-lora", "lmppo-zoo", "lmppo-pissa-zoo"],
     None: ["lmppo", "grpo", *BF16],
-    "fsdp": ["lmppo", "grpo", "lmppo-lora", *BF16],
+    "fsdp": ["lmppo", "grpo", "lmppo-lora", *BF16, "lmppo-zoo", "lmppo-pissa-zoo"],
     "zero3": ["lmppo", "grpo", "lmppo-lora", *BF16],
 }
 
 
 class Updates:
-    """The updates of tests/distributed_update.py, one launch per entry of LAUNCHES (LMPPO's checkpoint saved),
+    """The updates of tests/distributed_update.py, one launch per entry of LAUNCHES (the checkpoints of LMPPO and LMPPO by name saved),
     made the first time a test asks for it: a launch starts two or three Python processes, which costs
     more than the updates in it."""
 
@@ -90,12 +91,15 @@ class Updates:
             out = self.tmp_path_factory.mktemp(f"update-{launch}")
             processes, shard = (1, None) if launch == "one" else (2, launch)
             self.dirs[launch] = update(
-                self.batch_file, out, LAUNCHES[launch], processes, shard, "--save", "lmppo"
+                self.batch_file, out, LAUNCHES[launch], processes, shard, "--save", "lmppo", "lmppo-zoo"
             )
         return self.dirs[launch]
 
     def params(self, launch, agent):
         return torch.load(self.dir(launch) / f"{agent}.pt")
+
+    def output(self, launch):
+        return (self.dir(launch) / "stdout.txt").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +126,124 @@ def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_bat
     if "lora" not in agent:
         assert any(not torch.equal(a, b) for a, b in zip(one, initial))  # the update changed the weights
     assert_close(one, updates.params(shard, agent))
+
+
+def test_under_fsdp_only_the_main_process_reads_the_policy_and_the_update_is_the_same(updates):
+    # the other process builds the policy and its reference on the meta device and gets its shards of the
+    # main process's weights (tied embeddings included); the update is one process's on the whole batch
+    for agent in ("lmppo-zoo", "lmppo-pissa-zoo"):  # PiSSA's adapter is made from the weights it adapts
+        assert f"rank 0: {agent} read a policy 1 times" in updates.output("fsdp")
+        assert f"rank 1: {agent} read a policy 0 times" in updates.output("fsdp")
+        assert_close(updates.params("one", agent), updates.params("fsdp", agent))
+
+
+def test_under_fsdp_only_the_main_process_reads_a_checkpoint_and_it_resumes_to_the_same_update(
+    tmp_path, batch_file, updates
+):
+    # the main process reads the source policy (the reference) and the checkpoint's weights; the second
+    # update from one process's checkpoint is the same resumed in one process or sharded over two
+    again = update(batch_file, tmp_path / "again1", ["lmppo-zoo"], 1, None, "--load", updates.dir("one"))
+    sharded = update(batch_file, tmp_path / "again2", ["lmppo-zoo"], 2, "fsdp", "--load", updates.dir("one"))
+    output = (sharded / "stdout.txt").read_text()
+    assert (
+        "rank 0: lmppo-zoo read a policy 2 times" in output
+        and "rank 1: lmppo-zoo read a policy 0 times" in output
+    )
+    again, sharded = (torch.load(d / "lmppo-zoo.pt") for d in (again, sharded))
+    assert any(not torch.equal(a, b) for a, b in zip(again, updates.params("one", "lmppo-zoo")))  # it moved
+    assert_close(again, sharded)
+
+
+def test_under_fsdp_a_policy_the_main_process_cannot_read_stops_every_process(tmp_path):
+    (tmp_path / "bad.py").write_text("from textgym.agents.ppo import LMPPO\nLMPPO('no-such-model', None)\n")
+    result = run_cmd([*TORCHRUN, str(tmp_path / "bad.py")], shard="fsdp", timeout=120)
+    assert result.returncode != 0
+    assert "no-such-model" in result.stderr  # the main process's own error
+    assert "process 0 failed, so every process stops: UnknownNameError" in result.stderr  # the other's
+
+
+FALLBACK_PLUGIN = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import textgym
+from textgym.models import CharTokenizer
+
+CONFIG = dict(vocab_size=33, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+def cast():  # cast after it is built: its rotary table is bf16, which a meta copy's is not
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16).eval(), CharTokenizer()
+
+
+def local():  # a class of its own, which does not pickle
+    class Local(LlamaForCausalLM):
+        pass
+
+    torch.manual_seed(0)
+    return Local(LlamaConfig(**CONFIG)).eval(), CharTokenizer()
+
+
+@textgym.hookimpl
+def register_models(register):
+    register("cast-llama", cast)
+    register("local-llama", local)
+"""
+
+FALLBACK = """
+import sys
+import torch
+import torch.distributed
+import textgym.models
+from textgym.agents.ppo import LMPPO
+from textgym.agents.sharding import full_tensor
+from textgym.plugin_manager import load_plugin_file
+
+load_plugin_file(sys.argv[1])
+reads = [0]
+load = textgym.models.load_model
+
+
+def counted(*args, **kwargs):
+    reads[0] += 1
+    return load(*args, **kwargs)
+
+
+textgym.models.load_model = counted
+
+
+def main():
+    agent = LMPPO(sys.argv[2], None, seed=0, verbose=0)
+    buffers = [b.float() for b in agent.rollout_model.buffers()]
+    logits = agent.rollout_model(input_ids=torch.tensor([[2, 3, 4, 5]])).logits.float()
+    weights = [full_tensor(p).float() for p in agent.params]
+    mine = [*buffers, logits.detach(), *[w.detach() for w in weights]]
+    theirs = agent.dist.gather_objects([mine])
+    same = all(torch.equal(a, b) for a, b in zip(*theirs))
+    print(f"rank {agent.dist.rank}: read {reads[0]} times, the same model on both: {same}", flush=True)
+
+
+main()
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("model", ["cast-llama", "local-llama"])
+def test_under_fsdp_a_policy_the_other_processes_cannot_build_on_the_meta_device_is_loaded_by_each(
+    model, tmp_path
+):
+    # a loader that casts its model after building it (the meta copy's buffers would differ), and a class
+    # that does not pickle: each process loads the policy itself, and all hold the same model
+    (tmp_path / "models.py").write_text(FALLBACK_PLUGIN)
+    (tmp_path / "fallback.py").write_text(FALLBACK)
+    script = [str(tmp_path / "fallback.py"), str(tmp_path / "models.py"), model]
+    result = run_cmd([*TORCHRUN, *script], shard="fsdp", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: read 1 times, the same model on both: True" in result.stdout
 
 
 def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_next_update(
