@@ -141,14 +141,8 @@ def _load_trained_policy(agent: LMAgent, policy_dir: Path) -> None:
     if agent.fsdp is None:  # not sharded after all: every process reads them
         agent.rollout_model.load_state_dict(AutoModelForCausalLM.from_pretrained(policy_dir).state_dict())
         return
-    weights, error = ({}, {}), None
-    if agent.dist.is_main:
-        try:
-            weights = sharding.main_weights(AutoModelForCausalLM.from_pretrained(policy_dir), agent.dist)
-        except Exception as exc:  # the caller names the checkpoint
-            error = exc
-    agent.dist.agree(error)
-    sharding.load_from_main(agent.rollout_model, weights, agent.device)
+    trained = agent.dist.on_main(lambda: AutoModelForCausalLM.from_pretrained(policy_dir))
+    sharding.load_from_main(agent.rollout_model, sharding.main_weights(trained, agent.dist), agent.device)
 
 
 def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
@@ -171,9 +165,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         source = state["policy_source"]
         from_main = source is not None and config.get("lora") is None and _fsdp_over_processes()
         if from_main:  # FSDP2: only the main process reads the models (sharding.load_on_main)
-            agent = cls(
-                source, env, **config
-            )  # the reference: the source, sharded from the main process's copy
+            # the reference is the source, sharded from the main process's copy
+            agent = cls(source, env, **config)
             _load_trained_policy(agent, path / "policy")
         elif config.get("lora") is not None:
             from peft import PeftModel

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from textgym.errors import TextgymError, TrainingError
+from textgym.errors import TrainingError
 
 
 class Collective:
@@ -68,12 +68,13 @@ class Collective:
         raise TrainingError(f"process {rank} failed, so every process stops: {message}")
 
     def on_main(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the main process only (writing files); all processes then raise if it failed."""
+        """Run ``fn`` on the main process only (writing files, reading a model); all processes then raise if
+        it failed, whatever it raised: the others would otherwise wait in their next collective."""
         result, error = None, None
         if self.is_main:
             try:
                 result = fn()
-            except (TextgymError, OSError) as exc:
+            except Exception as exc:
                 error = exc
         self.agree(error)
         return result

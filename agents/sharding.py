@@ -28,7 +28,7 @@ import copy
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,16 +197,13 @@ def load_on_main(
     meta-device copy fails or differs from it (a parameter or buffer of another dtype or shape, e.g. from
     a loader that casts the model after building it). A failed load on the main process stops every
     process."""
-    blueprint, model, error = None, None, None
-    if dist.is_main:
-        try:
-            loaded = load()
-            model = adapt(loaded, False)
-        except Exception as exc:  # every process stops, the main one with its own error
-            error = exc
-        else:
-            blueprint = _blueprint(loaded, model)
-    dist.agree(error)
+
+    def load_and_adapt() -> tuple[nn.Module, nn.Module]:
+        loaded = load()
+        return loaded, adapt(loaded, False)
+
+    loaded, model = dist.on_main(load_and_adapt) or (None, None)
+    blueprint = _blueprint(loaded, model) if dist.is_main else None
     try:
         blueprint = dist.gather_objects([blueprint])[0]
     except Exception:  # a class the other processes cannot import
@@ -267,7 +264,6 @@ def load_from_main(
     """Give a sharded model (on the meta device on some processes) the main process's ``weights``
     (:func:`main_weights`): each process allocates its shards, then every tensor is broadcast whole, one at
     a time, and cut. Buffers missing from the main process's ``weights`` keep the main process's values."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state, buffers = weights
@@ -276,13 +272,10 @@ def load_from_main(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, dict(state), options=options)  # it writes the shards into the dict it gets
     with torch.no_grad():
-        for name, buffer in model.named_buffers():  # FSDP2 leaves buffers whole: broadcast each
-            if name in buffers:
+        for name, buffer in model.named_buffers():
+            if name in buffers:  # on the main process (its reference skeleton takes the policy's)
                 buffer.copy_(buffers[name])
-            on_device = buffer.to(device)
-            dist.broadcast(on_device, src=0)
-            if on_device is not buffer:
-                buffer.copy_(on_device)
+    _broadcast_in_place(model.buffers(), device)  # FSDP2 leaves buffers whole
 
 
 def shard(
@@ -334,10 +327,15 @@ def broadcast_from_main(module: nn.Module, device: torch.device) -> None:
     wraps a model): weights drawn at random per process, e.g. LoRA's A matrices under per-process seeds,
     would otherwise make the shards of different models. One tensor at a time passes through ``device``
     (NCCL broadcasts device tensors only)."""
+    _broadcast_in_place([*module.parameters(), *module.buffers()], device)
+
+
+def _broadcast_in_place(tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+    """Each tensor takes the main process's values, passing through ``device`` one at a time."""
     import torch.distributed as dist
 
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in tensors:
             on_device = tensor.data.to(device)
             dist.broadcast(on_device, src=0)
             if on_device is not tensor.data:

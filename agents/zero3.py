@@ -285,8 +285,12 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
     bias, on two processes) up to equal shards, and leaves the padding uninitialized: read whole, a healthy
     shard can hold NaN."""
     shard = param.ds_tensor
-    start = torch.distributed.get_rank() * shard.numel()  # every shard is that long, padded
-    return shard[: max(0, min(shard.numel(), param.ds_numel - start))]
+    return shard[: max(0, min(shard.numel(), param.ds_numel - _shard_start(param)))]
+
+
+def _shard_start(param: torch.Tensor) -> int:
+    """Where this process's shard of a ZeRO-3 parameter starts in the flat parameter."""
+    return torch.distributed.get_rank() * param.ds_tensor.numel()  # every shard is that long, padded
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -318,7 +322,7 @@ def _set_local(param: nn.Parameter, value: torch.Tensor, key: str | None = None)
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     target = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
-    start = torch.distributed.get_rank() * param.ds_tensor.numel()  # every shard is that long, padded
+    start = _shard_start(param)
     part = value.flatten()[start : start + target.numel()]  # shorter (or empty) in the padding
     with torch.no_grad():
         target[: part.numel()].copy_(part.to(target.device, target.dtype))
