@@ -125,6 +125,44 @@ def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_
     assert is_complete(out / "checkpoint")
 
 
+DROPPED_CTRL_C = """
+import signal
+
+import textgym
+
+calls = []
+
+
+class Dropped:
+    def __del__(self):  # Python drops what is raised here, as in a weakref callback ("Exception ignored")
+        signal.raise_signal(signal.SIGINT)
+
+
+@textgym.reward("ctrl_c_twice")
+def ctrl_c_twice(samples):
+    calls.append(len(samples))
+    if len(calls) == 3:  # in iteration 2: the samples before training, then one call per iteration
+        signal.raise_signal(signal.SIGINT)  # stop after this iteration
+        Dropped()  # the second Ctrl-C: its handler runs in __del__
+    return [0.0] * len(samples)
+"""
+
+
+def test_a_second_ctrl_c_that_python_drops_still_aborts(config, tmp_path):
+    """The handler of the second Ctrl-C can run where Python drops exceptions (it did in importlib's
+    module-lock callback once, and the run then saved after its iteration and exited 0)."""
+    (tmp_path / "ctrl_c.py").write_text(DROPPED_CTRL_C)
+    out = tmp_path / "run"
+    proc = textgym("--plugin", tmp_path / "ctrl_c.py", "train", config, "--set", f"run.output_dir='{out}'",
+                   "--set", "env.rewards=[{name='ctrl_c_twice'}]")  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130 and "textgym: aborted" in output, output
+    assert "Exception ignored" not in output and "Traceback" not in output, output
+    assert "stopping after this iteration" in output and "checkpoint saved" not in output
+    assert is_complete(out / "checkpoint")
+    assert_consistent(out)
+
+
 def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
     """The Ctrl-C arrives after the model and env have loaded, before training (a signal sent after a fixed
     sleep once landed after this small run had already finished, on a quiet machine)."""
