@@ -28,6 +28,7 @@ from lm_helpers import char_llama, make_env
 from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import local
 from textgym.errors import TrainingError
+from textgym.launch import end_process_group
 from textgym.sampling import rollout
 
 
@@ -90,6 +91,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()  # returns before the group ends: the agent is freed while it is alive
+    main()
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # before exit: a gloo group left to shutdown can abort
+    end_process_group()  # as textgym train ends: the agent is freed, then the group (else exit can abort)
