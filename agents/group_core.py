@@ -4,8 +4,8 @@ A batch holds B = num_prompts * G completions, the G completions of a prompt in 
 tensors are (B,); per-token tensors are (B, T) with ``mask`` 1 on the tokens that count in the loss.
 References: Shao et al. 2024 (GRPO); Liu et al. 2025 (Dr. GRPO: no std scaling, constant normaliser);
 Yu et al. 2025 (DAPO: clip-higher, token-level normalisation); Kool et al. 2019 and Ahmadian et al. 2024
-(RLOO's leave-one-out baseline); Schulman's k3 estimator of the KL. ``loss_type`` names follow TRL's
-``GRPOTrainer``.
+(RLOO's leave-one-out baseline). ``loss_type`` names follow TRL's ``GRPOTrainer``; the k3 estimator of the
+KL is :func:`textgym.agents.ppo_core.k3_kl`, shared with LMPPO.
 """
 
 from __future__ import annotations
@@ -77,12 +77,6 @@ def clipped_surrogate(
     low = (ratio < 1 - epsilon) & (adv < 0)
     high = (ratio > 1 + epsilon_high) & (adv > 0)
     return loss, low, high
-
-
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token KL(pi || pi_ref) estimate ``exp(ref - logp) - (ref - logp) - 1``: unbiased, always >= 0."""
-    d = ref_logprobs - logprobs
-    return d.exp() - d - 1
 
 
 def aggregate_loss(

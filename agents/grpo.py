@@ -21,8 +21,8 @@ from textgym.agents.group_core import (
     aggregate_loss,
     clipped_surrogate,
     group_advantages,
-    k3_kl,
 )
+from textgym.agents.ppo_core import k3_kl
 from textgym.errors import ConfigError
 
 

@@ -7,6 +7,7 @@ from textgym.agents.ppo_core import (
     AdaptiveKLController,
     entropy_from_logits,
     gae,
+    k3_kl,
     kl_penalty,
     logprobs_from_logits,
     masked_whiten,
@@ -67,8 +68,22 @@ def test_k3_kl_estimator_is_nonnegative_and_zero_at_equality():
     r = ref - lp
     torch.testing.assert_close(k3, r.exp() - 1 - r)
     assert (k3 >= 0).all() and k3[0] == 0
+    torch.testing.assert_close(k3, k3_kl(lp, ref))  # GRPO's and RLOO's is the same
     with pytest.raises(ValueError, match="'k2'"):
         kl_penalty(lp, ref, "k2")
+
+
+def test_k3_kl_of_a_policy_near_its_reference_is_not_rounded_away():
+    """Early in training d = ref - logp is ~1e-3 and the KL ~d^2/2 = 5e-7: float32's exp(d) - d - 1 has
+    errors of 6e-8 whatever d, and many tokens came out negative. The error is now a float32 rounding of d."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(10_000, generator=generator) * 5
+    for scale in (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-6):
+        ref = logprobs + torch.randn(10_000, generator=generator) * scale
+        kl = k3_kl(logprobs, ref)
+        d = (ref - logprobs).double()  # the same d, in float64
+        assert (kl >= 0).all()
+        assert ((kl.double() - (d.exp() - d - 1)).abs() <= 1e-6 * d.abs()).all(), scale
 
 
 def test_clipped_policy_loss_against_hand_numbers():
