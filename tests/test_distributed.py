@@ -199,6 +199,7 @@ import torch.distributed
 import textgym.models
 from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import full_tensor
+from textgym.launch import end_process_group
 from textgym.plugin_manager import load_plugin_file
 
 load_plugin_file(sys.argv[1])
@@ -227,7 +228,7 @@ def main():
 
 main()
 torch.distributed.barrier()
-torch.distributed.destroy_process_group()
+end_process_group()
 """
 
 
@@ -372,16 +373,17 @@ SAVE_TIED = """
 import sys
 import torch.distributed
 from textgym.agents.ppo import LMPPO
+from textgym.launch import end_process_group
 
 
-def main():  # the agent is freed before the process group ends (a gloo group left to shutdown can abort)
+def main():
     LMPPO("tiny-random-llama", None, seed=0, verbose=0).save(sys.argv[1])  # its LM head is its embeddings
 
 
 main()
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+end_process_group()
 """
 
 
@@ -452,17 +454,19 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     assert f"was last trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
-def interrupted_two_process_run(config, out, signals):
-    """A ``run.processes = 2`` run sent ``signals`` SIGINTs (50 ms apart) once its first iteration is logged, to
-    its whole process group, as a terminal's Ctrl-C is: textgym's own process and the two it started. Returns
-    the exit code and the output."""
+def interrupted_two_process_run(config, out, signals, ready=None, options=()):
+    """A ``run.processes = 2`` run sent ``signals`` SIGINTs (50 ms apart) once its first iteration is logged (or
+    once the file ``ready`` exists), to its whole process group, as a terminal's Ctrl-C is: textgym's own process
+    and the two it started. Returns the exit code and the output."""
     cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
-           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
+           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000",
+           *options]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    deadline = time.time() + 120
-    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+    ready = ready or out / "metrics.csv"
+    deadline = time.time() + 300
+    while not ready.is_file() and time.time() < deadline:
         time.sleep(0.2)
     for i in range(signals):
         time.sleep(0.05 * bool(i))
@@ -494,6 +498,47 @@ def test_a_second_ctrl_c_aborts_a_run_processes_2_run_in_one_line(config, tmp_pa
         output
     )
     assert (out / "metrics.csv").is_file()  # a run that logged an iteration is kept
+
+
+SLOW_ON_RANK_0 = """
+import os
+import time
+from pathlib import Path
+
+import textgym
+
+calls = []
+
+
+@textgym.reward("slow_on_rank_0")
+def slow_on_rank_0(samples):
+    calls.append(len(samples))
+    if os.environ["RANK"] == "0" and len(calls) == 3:  # in training: process 1 waits for it in a collective
+        Path(__file__).with_name("sleeping").touch()
+        time.sleep(5)
+    return [0.0] * len(samples)
+"""
+
+
+def test_two_ctrl_cs_while_a_process_waits_in_a_collective_abort_in_one_line(config, tmp_path):
+    """A process blocked in a collective runs its Python signal handler once for both Ctrl-Cs (Python calls a
+    handler once for a signal that arrived any number of times meanwhile), so it only stops; the other one
+    aborts and leaves, and the collective fails under the first. That is still the abort the user asked for."""
+    (tmp_path / "slow.py").write_text(SLOW_ON_RANK_0)
+    out = tmp_path / "run"
+    options = [
+        "--set",
+        f"run.plugins=['{tmp_path / 'slow.py'}']",
+        "--set",
+        "env.rewards=[{name='slow_on_rank_0'}]",
+    ]
+    code, output = interrupted_two_process_run(
+        config, out, signals=2, ready=tmp_path / "sleeping", options=options
+    )
+    assert code == 130, output
+    assert output.count("textgym: aborted") == 1 and "Traceback" not in output and "failed" not in output, (
+        output
+    )
 
 
 def test_resuming_with_another_number_of_processes_is_refused(two_process_run, tmp_path):

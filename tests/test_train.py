@@ -143,7 +143,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(config, tmp_path):
     cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'",
            "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while not (out / "metrics.csv").is_file() and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)

@@ -43,19 +43,53 @@ __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
 
 
 class StopFlag:
-    """First Ctrl-C or SIGTERM: finish the current iteration, save, exit. A second one: abort at once."""
+    """First Ctrl-C or SIGTERM: finish the current iteration, save, exit. A second one: abort at once.
+
+    Signals are counted as they are delivered, not as Python runs the handler. Python runs a handler once for
+    a signal delivered any number of times while the main thread was inside one C++ call (a long forward, a
+    collective waiting for another process), which turned a double Ctrl-C into a single one. Its C-level
+    handler writes a byte per delivery to the wakeup fd: textgym reads the count there (where no other wakeup
+    fd is set; else it counts the handler's runs).
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.stop = False
+        self.handled = 0  # the handler's runs
+        self.delivered = 0  # the signals delivered, read from the wakeup pipe
+        self._pipe: tuple[int, int] | None = None
 
     def __enter__(self) -> StopFlag:
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        theirs = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if theirs == -1:
+            self._pipe = (read, write)
+        else:  # someone else's (an asyncio loop, say) stays
+            signal.set_wakeup_fd(theirs)
+            os.close(read)
+            os.close(write)
         return self
 
+    def signals(self) -> int:
+        """How many SIGINT and SIGTERM this process was sent since ``__enter__``."""
+        if self._pipe is not None:
+            try:
+                while data := os.read(self._pipe[0], 512):
+                    self.delivered += sum(byte in self.SIGNALS for byte in data)
+            except BlockingIOError:
+                pass
+        return max(self.handled, self.delivered)
+
+    def abort_requested(self) -> bool:
+        return self.signals() >= 2
+
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.stop:
+        self.handled += 1
+        if self.stop or self.abort_requested():
             for s in self.SIGNALS:
                 signal.signal(s, signal.default_int_handler)
             raise KeyboardInterrupt
@@ -69,9 +103,17 @@ class StopFlag:
 
     def __exit__(self, *exc: Any) -> None:
         # After a first signal another one aborts at once (one line, exit 130) until the process ends, also
-        # while the final checkpoint is written: SIGTERM's default handler would kill without a word.
+        # while the final checkpoint is written: SIGTERM's default handler would kill without a word. The
+        # count goes on until close().
         for s, previous in self._previous.items():
             signal.signal(s, _abort if self.stop else previous)
+
+    def close(self) -> None:
+        if self._pipe is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
 
 
 def _abort(signum: int, frame: Any) -> None:
@@ -167,13 +209,19 @@ def run(
 
     resuming = on_main(prepare) if world > 1 else prepare()
     trainer = _run_native if is_lm_agent(agent_class) else _run_sb3
+    flag = StopFlag()
     try:
-        return trainer(agent_class, policy, hyperparameters, config, rd, resuming)
-    except BaseException:
+        return trainer(agent_class, policy, hyperparameters, config, rd, resuming, flag)
+    except BaseException as exc:
         if main:
             rd.discard_failed_start(created)
+        if isinstance(exc, Exception) and flag.abort_requested():
+            # a second signal came while this process was in C++ (a collective waiting for another process)
+            # and the others aborted on theirs: the error here follows from that abort
+            raise KeyboardInterrupt from exc
         raise
     finally:
+        flag.close()
         rd.unlock()
         if world > 1:
             end_process_group()
@@ -267,6 +315,7 @@ def _run_native(
     config: dict[str, Any],
     rd: RunDir,
     resuming: bool,
+    flag: StopFlag,
 ) -> Path:
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
@@ -343,7 +392,7 @@ def _run_native(
             return not stop
 
     remaining = run["total_timesteps"] - agent.num_timesteps
-    with StopFlag() as flag:
+    with flag:
         if remaining > 0:
             agent.learn(
                 remaining,
@@ -409,6 +458,7 @@ def _run_sb3(
     config: dict[str, Any],
     rd: RunDir,
     resuming: bool,
+    flag: StopFlag,
 ) -> Path:
     """Agents with the SB3 contract on an SB3 VecEnv (e.g. SB3's PPO on the small-vocabulary envs). The run
     directory is the same as an LM agent's; metrics are ``reward`` per rollout (no KL: no reference)."""
@@ -475,7 +525,7 @@ def _run_sb3(
         from textgym.agents.sb3_contract import folderless_logger
 
         agent.set_logger(folderless_logger(agent.verbose))
-    with StopFlag() as flag:
+    with flag:
         if remaining > 0:
             agent.learn(
                 remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, tb_log_name="run"
