@@ -4,11 +4,15 @@ import csv
 import json
 import math
 import shutil
+import signal
 
 import pytest
+import tomli_w
+from conftest import reward_plugin
 
 from textgym import bench
 from textgym.bench_stats import mean_ci
+from textgym.cli import main
 from textgym.errors import ConfigError
 
 DESIGNS = {
@@ -164,6 +168,39 @@ def test_a_killed_bench_resumes_without_redoing_finished_runs(tmp_path, counted,
     assert (tmp_path / "out" / "runs" / "exact-seed0" / "eval.json").stat().st_mtime_ns == finished[
         "exact-seed0"
     ]
+
+
+def test_a_ctrl_c_stops_the_bench_after_the_runs_checkpoint_and_the_bench_continues_it(
+    tmp_path, counted, register, capsys
+):
+    """The run stops and saves; the bench neither evaluates it (its eval.json would mark it finished, and the
+    report would show a half-trained run as trained) nor goes on to the next run."""
+    calls = []
+
+    def ctrl_c_once(samples):
+        calls.append(len(samples))
+        if len(calls) == 2:  # in the first run's first iteration (after its samples before training)
+            signal.raise_signal(signal.SIGINT)
+        return [0.0] * len(samples)
+
+    register(reward_plugin("ctrl_c_once", ctrl_c_once), "ctrl-c-once")
+    d = designs(tmp_path / "out", eval_every=0)
+    d["designs"] = [{"name": "stops", "rewards": [{"name": "ctrl_c_once"}]}]
+    path = tmp_path / "designs.toml"
+    path.write_text(tomli_w.dumps(d))
+    runs = tmp_path / "out" / "runs"
+    assert main(["bench", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert "bench stopped: stops-seed0 saved its checkpoint at" in err and "of 150 tokens" in err
+    assert counted["evaluated"] == [] and not (runs / "stops-seed0" / "eval.json").exists()
+    assert not (runs / "stops-seed1").exists()
+
+    assert main(["bench", str(path)]) == 0
+    assert counted["trained"][1:] == [
+        str(runs / "stops-seed0"),
+        str(runs / "stops-seed1"),
+    ]  # resumed, then new
+    assert all((runs / f"stops-seed{seed}" / "eval.json").is_file() for seed in (0, 1))
 
 
 def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):

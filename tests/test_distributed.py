@@ -454,10 +454,11 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     assert f"was last trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
-def interrupted_two_process_run(config, out, signals, ready=None, options=()):
-    """A ``run.processes = 2`` run sent ``signals`` SIGINTs (50 ms apart) once its first iteration is logged (or
-    once the file ``ready`` exists), to its whole process group, as a terminal's Ctrl-C is: textgym's own process
-    and the two it started. Returns the exit code and the output."""
+def interrupted_two_process_run(config, out, signals, ready=None, options=(), sig=signal.SIGINT, group=True):
+    """A ``run.processes = 2`` run sent ``signals`` SIGINTs (or ``sig``s; 50 ms apart) once its first iteration
+    is logged (or once the file ``ready`` exists), to its whole process group, as a terminal's Ctrl-C is:
+    textgym's own process and the two it started (``group=False``: to textgym's own process only, as a
+    container's stop is). Returns the exit code and the output."""
     cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
            "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000",
            *options]  # fmt: skip
@@ -470,7 +471,7 @@ def interrupted_two_process_run(config, out, signals, ready=None, options=()):
         time.sleep(0.2)
     for i in range(signals):
         time.sleep(0.05 * bool(i))
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     output, _ = proc.communicate(timeout=180)
     return proc.returncode, output
 
@@ -488,6 +489,25 @@ def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(c
                        f"run.total_timesteps={(done + 1) * 32}"])  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > done
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["to-the-group", "to-textgym"])
+def test_one_sigterm_stops_a_run_processes_2_run_and_two_abort_it(config, tmp_path, group):
+    """textgym passes a SIGTERM on to the processes it started; sent to the whole group (a service manager's
+    stop, scancel), each process gets it twice, which must still be one SIGTERM, not an abort."""
+    out = tmp_path / "run"
+    code, output = interrupted_two_process_run(config, out, signals=1, sig=signal.SIGTERM, group=group)
+    assert code == 0, output
+    assert output.count("interrupted; checkpoint saved") == 1 and "Traceback" not in output, output
+    assert output.count("SIGTERM: stopping after this iteration") == 1
+    assert RunDir(out).recover_checkpoint() is not None
+    code, output = interrupted_two_process_run(
+        config, tmp_path / "again", signals=2, sig=signal.SIGTERM, group=group
+    )
+    assert code == 130, output
+    assert output.count("textgym: aborted") == 1 and "Traceback" not in output and "failed" not in output, (
+        output
+    )
 
 
 def test_a_second_ctrl_c_aborts_a_run_processes_2_run_in_one_line(config, tmp_path):

@@ -195,6 +195,47 @@ def test_a_second_ctrl_c_aborts_where_python_would_lose_it(config, tmp_path, plu
     assert is_complete(out / "checkpoint")  # the abort can land before or after iteration 2's is written
 
 
+FORKS = """
+import os
+import signal
+import time
+
+import textgym
+
+calls = []
+
+
+@textgym.reward("forks")
+def forks(samples):
+    calls.append(len(samples))
+    if len(calls) == 2:  # in iteration 1: a worker forked, as a plugin's process pool would, then a Ctrl-C
+        ready, tell = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGINT, lambda *_: None)  # the worker takes its Ctrl-C quietly
+            os.write(tell, b"x")
+            time.sleep(1)
+            os._exit(0)
+        os.read(ready, 1)
+        os.killpg(0, signal.SIGINT)  # as a terminal does: to the run and its worker
+        os.waitpid(pid, 0)
+    return [0.0] * len(samples)
+"""
+
+
+def test_one_ctrl_c_to_a_run_and_its_forked_worker_stops_it(config, tmp_path):
+    """A forked process kept the run's wakeup fd, so its Ctrl-C counted as the run's second: an abort."""
+    (tmp_path / "forks.py").write_text(FORKS)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "--plugin", str(tmp_path / "forks.py"), "train", str(config),
+           "--set", f"run.output_dir='{out}'", "--set", "env.rewards=[{name='forks'}]"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "checkpoint saved" in output, output
+    assert output.count("stopping after this iteration") == 1
+
+
 def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
     """The Ctrl-C arrives after the model and env have loaded, before training (a signal sent after a fixed
     sleep once landed after this small run had already finished, on a quiet machine)."""

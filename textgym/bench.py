@@ -31,7 +31,9 @@ from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError
 from textgym.evaluation import BUILTIN_METRICS, jsonable
 
-__all__ = ["BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "evaluate", "load_designs", "mean_ci", "plan", "run"]
+__all__ = [
+    "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "Stopped", "evaluate", "load_designs", "mean_ci", "plan", "run"
+]  # fmt: skip
 
 EVAL_FILE = "eval.json"
 INDEX_FILE = "bench.json"
@@ -214,7 +216,22 @@ def _record(out: Path, job: Job) -> None:
     _write_json(path, index)
 
 
+class Stopped(KeyboardInterrupt):
+    """A Ctrl-C or SIGTERM stopped a run after its checkpoint. The bench stops there, without evaluating the
+    half-trained run (an ``eval.json`` would mark it finished): running the bench again resumes it."""
+
+
 # -- one run -------------------------------------------------------------------------------------------
+def _tokens_trained(job: Job) -> int:
+    """The tokens of the run's last checkpoint (-1 without one)."""
+    from textgym.rundir import RunDir
+
+    try:
+        return int(json.loads((RunDir(job.run_dir).checkpoint / "state.json").read_text())["num_timesteps"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
 @contextlib.contextmanager
 def _logged(path: Path) -> Iterator[None]:
     """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
@@ -307,6 +324,12 @@ def run(
                 if todo[job.run_id] == "train":
                     _record(out, job)
                     _train(job)
+                    total, done = job.config["run"]["total_timesteps"], _tokens_trained(job)
+                    if done < total:  # a signal stopped it and it saved (else it raised)
+                        raise Stopped(
+                            f"bench stopped: {job.run_id} saved its checkpoint at {done} of {total} tokens; "
+                            f"the same command continues it"
+                        )
                 if todo[job.run_id] != "reuse":
                     with _logged(job.run_dir / "train.log"):
                         result = evaluate(job, spec)

@@ -174,9 +174,14 @@ def _command(args: argparse.Namespace) -> int:
         if args.command == "label-pairs":
             return _label_pairs(args)
         if args.command == "bench":
+            from textgym.bench import Stopped
             from textgym.bench import run as bench
 
-            out = bench(args.designs, args.set)
+            try:
+                out = bench(args.designs, args.set)
+            except Stopped as exc:
+                print(f"\ntextgym: {exc}", file=sys.stderr)
+                return 130
             print(f"textgym: report in {out / 'report.md'}")
             return 0
         return _sample(args)

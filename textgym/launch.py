@@ -165,8 +165,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if not any(codes):  # trained, or stopped and saved after a Ctrl-C, as the processes said
         return run_dir
     rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
-    if signal.SIGINT in signals and all(code in (0, 130) for code in codes):
-        raise KeyboardInterrupt  # a second Ctrl-C (or one during start-up): the processes aborted
+    if signals & {signal.SIGINT, signal.SIGTERM} and all(code in (0, 130) for code in codes):
+        raise KeyboardInterrupt  # a second Ctrl-C or SIGTERM (or one during start-up): the processes aborted
     failed = next(i for i, code in enumerate(codes) if code)
     raise TrainingError(
         f"the {n}-process run of {run_dir} failed (process {failed} exited with code {codes[failed]}); see above."
@@ -184,6 +184,9 @@ def _free_port() -> int:
 # after one process fails, the others have this long to stop by themselves (textgym stops every process when
 # one fails) before they are killed: a process that died in a collective leaves the others waiting there
 GRACE_S = 60.0
+# what the launcher sends the processes as it passes on its first SIGTERM, and its second (see train.StopFlag)
+STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
+ABORT_SIGNAL = getattr(signal, "SIGUSR2", None)
 
 
 def _wait(processes: list[Any]) -> tuple[list[int], set[int]]:
@@ -193,14 +196,19 @@ def _wait(processes: list[Any]) -> tuple[list[int], set[int]]:
     import threading
     import time
 
-    received: set[int] = set()
+    received: list[int] = []
 
     def note(signum: int, frame: Any) -> None:
-        received.add(signum)
-        if signum == signal.SIGTERM:
-            for process in processes:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
+        received.append(signum)
+        if signum != signal.SIGTERM:
+            return
+        # A SIGTERM sent to the whole group reached the processes too, and two would abort them: this passes
+        # on a stop, then an abort, that neither adds to nor doubles theirs
+        first = received.count(signal.SIGTERM) == 1
+        passed_on = (STOP_SIGNAL if first else ABORT_SIGNAL) or signal.SIGTERM  # (Windows: SIGTERM)
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(passed_on)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -217,4 +225,4 @@ def _wait(processes: list[Any]) -> tuple[list[int], set[int]]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in processes], received
+    return [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in processes], set(received)

@@ -11,6 +11,7 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,9 @@ from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.config import load_config, validate
 from textgym.errors import ConfigError
 from textgym.launch import (
+    ABORT_SIGNAL,
     LAUNCHED_VAR,
+    STOP_SIGNAL,
     check_processes,
     end_process_group,
     init_process_group,
@@ -49,7 +52,12 @@ class StopFlag:
     a signal delivered any number of times while the main thread was inside one C++ call (a long forward, a
     collective waiting for another process), which turned a double Ctrl-C into a single one. Its C-level
     handler writes a byte per delivery to the wakeup fd: textgym reads the count there (where no other wakeup
-    fd is set; else it counts the handler's runs).
+    fd is set, and the platform has non-blocking pipes; else it counts the handler's runs).
+
+    A process started by textgym's launcher (``run.processes = N``) also takes ``STOP_SIGNAL`` (SIGUSR1), a
+    stop that does not count towards an abort, and ``ABORT_SIGNAL`` (SIGUSR2): the launcher passes on its
+    first SIGTERM as the one and its second as the other, since the processes may have had the same SIGTERM
+    themselves (one sent to the whole process group).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -61,17 +69,29 @@ class StopFlag:
         self._pipe: tuple[int, int] | None = None
 
     def __enter__(self) -> StopFlag:
+        global _counting
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        read, write = os.pipe()
-        os.set_blocking(read, False)
-        os.set_blocking(write, False)
-        theirs = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if STOP_SIGNAL is not None and ABORT_SIGNAL is not None and os.environ.get(LAUNCHED_VAR):
+            self._previous[STOP_SIGNAL] = signal.signal(STOP_SIGNAL, self._stop_from_launcher)
+            self._previous[ABORT_SIGNAL] = signal.signal(ABORT_SIGNAL, _abort)
+        try:
+            read, write = os.pipe()
+        except OSError:
+            return self
+        try:  # (no os.set_blocking on Windows before Python 3.12: there the handler's runs are counted)
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            theirs = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (AttributeError, OSError, ValueError):
+            theirs = None
         if theirs == -1:
             self._pipe = (read, write)
-        else:  # someone else's (an asyncio loop, say) stays
+            _counting = self
+            return self
+        if theirs is not None:  # someone else's (an asyncio loop, say) stays
             signal.set_wakeup_fd(theirs)
-            os.close(read)
-            os.close(write)
+        os.close(read)
+        os.close(write)
         return self
 
     def signals(self) -> int:
@@ -84,17 +104,19 @@ class StopFlag:
                 pass
         return max(self.handled, self.delivered)
 
-    def abort_requested(self) -> bool:
-        return self.signals() >= 2
-
     def _handle(self, signum: int, frame: Any) -> None:
         self.handled += 1
-        if self.stop or self.abort_requested():
-            for s in self.SIGNALS:
-                signal.signal(s, signal.default_int_handler)
-            raise KeyboardInterrupt
+        if self.signals() >= 2:
+            _abort(signum, frame)
+        self._stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+
+    def _stop_from_launcher(self, signum: int, frame: Any) -> None:
+        self._stop("SIGTERM")
+
+    def _stop(self, name: str) -> None:
+        if self.stop:
+            return
         self.stop = True
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if rank() == 0:  # every process gets the signal; the main one says what happens
             print(
                 f"\ntextgym: {name}: stopping after this iteration and saving a checkpoint (again to abort)",
@@ -106,17 +128,49 @@ class StopFlag:
         # while the final checkpoint is written: SIGTERM's default handler would kill without a word. The
         # count goes on until close().
         for s, previous in self._previous.items():
-            signal.signal(s, _abort if self.stop else previous)
+            if s == STOP_SIGNAL:
+                signal.signal(s, signal.SIG_IGN if self.stop else previous)  # (stopping already)
+            else:
+                signal.signal(s, _abort if self.stop else previous)
 
     def close(self) -> None:
-        if self._pipe is not None:
+        global _counting
+        if self._pipe is None:
+            return
+        read, write = self._pipe
+        current = signal.set_wakeup_fd(-1)
+        if current not in (write, -1):  # set by someone since: theirs stays
+            signal.set_wakeup_fd(current)
+        os.close(read)
+        os.close(write)
+        self._pipe = None
+        _counting = None
+
+
+_counting: StopFlag | None = None  # the flag whose pipe is the wakeup fd
+
+
+def _forget_in_child() -> None:
+    """A forked child (a plugin's worker pool) keeps the wakeup fd: its own signals would count as this
+    process's, and one Ctrl-C to the group would abort the run. The child stops counting."""
+    global _counting
+    if _counting is not None and _counting._pipe is not None:
+        with contextlib.suppress(ValueError, OSError):
             signal.set_wakeup_fd(-1)
-            for fd in self._pipe:
+        for fd in _counting._pipe:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            self._pipe = None
+        _counting._pipe = None
+    _counting = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _abort(signum: int, frame: Any) -> None:
+    for s in StopFlag.SIGNALS:  # the abort is under way: another signal is no news
+        signal.signal(s, signal.default_int_handler)
     raise KeyboardInterrupt
 
 
@@ -212,13 +266,9 @@ def run(
     flag = StopFlag()
     try:
         return trainer(agent_class, policy, hyperparameters, config, rd, resuming, flag)
-    except BaseException as exc:
+    except BaseException:
         if main:
             rd.discard_failed_start(created)
-        if isinstance(exc, Exception) and flag.abort_requested():
-            # a second signal came while this process was in C++ (a collective waiting for another process)
-            # and the others aborted on theirs: the error here follows from that abort
-            raise KeyboardInterrupt from exc
         raise
     finally:
         flag.close()
