@@ -315,11 +315,14 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(config, tmp_pat
 
 def test_corrupt_or_partial_checkpoints_are_named(config, tmp_path, capsys):
     out = tmp_path / "run"
+    assert RunDir(out).tokens_trained() == -1  # no checkpoint yet
     run(config, [f"run.output_dir='{out}'", "run.total_timesteps=40"])
+    assert RunDir(out).tokens_trained() >= 40
     (out / "checkpoint" / "optimizer.pt").write_bytes(b"not a tensor file")
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 2
     assert "is corrupt or incomplete" in capsys.readouterr().err
     (out / "checkpoint" / "state.json").write_text("{")
+    assert RunDir(out).tokens_trained() == -1
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 2
     assert "is corrupt or incomplete" in capsys.readouterr().err
 

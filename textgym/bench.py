@@ -222,16 +222,6 @@ class Stopped(KeyboardInterrupt):
 
 
 # -- one run -------------------------------------------------------------------------------------------
-def _tokens_trained(job: Job) -> int:
-    """The tokens of the run's last checkpoint (-1 without one)."""
-    from textgym.rundir import RunDir
-
-    try:
-        return int(json.loads((RunDir(job.run_dir).checkpoint / "state.json").read_text())["num_timesteps"])
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
 @contextlib.contextmanager
 def _logged(path: Path) -> Iterator[None]:
     """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
@@ -309,6 +299,8 @@ def run(
     """
     from tqdm.auto import tqdm
 
+    from textgym.rundir import RunDir
+
     spec = load_designs(designs, overrides)
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}")
@@ -324,7 +316,7 @@ def run(
                 if todo[job.run_id] == "train":
                     _record(out, job)
                     _train(job)
-                    total, done = job.config["run"]["total_timesteps"], _tokens_trained(job)
+                    total, done = job.config["run"]["total_timesteps"], RunDir(job.run_dir).tokens_trained()
                     if done < total:  # a signal stopped it and it saved (else it raised)
                         raise Stopped(
                             f"bench stopped: {job.run_id} saved its checkpoint at {done} of {total} tokens; "

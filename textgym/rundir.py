@@ -231,6 +231,10 @@ class RunDir:
             write_atomic(path, "".join(kept))
         return dropped
 
+    def tokens_trained(self) -> int:
+        """The tokens of the run's last checkpoint (-1 without one)."""
+        return _tokens_in(self.checkpoint)
+
     def clear_progress(self) -> None:
         """Forget a run that never reached its first checkpoint (it restarts from the beginning)."""
         for name in (
@@ -249,9 +253,13 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
-def _progress(checkpoint: Path) -> tuple[int, float]:
+def _tokens_in(checkpoint: Path) -> int:
+    """The tokens a checkpoint was saved at (-1 where it has no readable state)."""
     try:
-        state = json.loads((checkpoint / "state.json").read_text())
-        return int(state.get("num_timesteps", 0)), checkpoint.stat().st_mtime
-    except (OSError, ValueError):
-        return -1, checkpoint.stat().st_mtime
+        return int(json.loads((checkpoint / "state.json").read_text()).get("num_timesteps", 0))
+    except (OSError, ValueError, AttributeError):
+        return -1
+
+
+def _progress(checkpoint: Path) -> tuple[int, float]:
+    return _tokens_in(checkpoint), checkpoint.stat().st_mtime
