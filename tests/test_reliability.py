@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from textgym.cli import main
 from textgym.config import load_config
 from textgym.models import is_complete
 from textgym.rundir import INTERRUPT_VAR, RunDir
+from textgym.stopping import dropped_interrupts_raised_again
 from textgym.train import run
 
 COPY = copy_run_config(total_timesteps=160)
@@ -500,3 +502,30 @@ def test_sb3_checkpoints_load_without_running_pickled_code(tmp_path):
             archive.writestr(name, content)
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=512"]) == 0
     assert not Path(Exploit.marker).exists()
+
+
+def test_a_dropped_ctrl_c_raised_again_never_lands_after_the_command_returned(monkeypatch):
+    fired = []
+
+    class FiringAnyway(threading.Timer):  # as if it had passed its cancel check when the command ended
+        def cancel(self):
+            fired.append(self)
+
+    class Dropped:
+        def __del__(self):  # Python drops what is raised here
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading, "Timer", FiringAnyway)
+    where = "nowhere"
+    try:
+        with dropped_interrupts_raised_again():
+            Dropped()
+    except KeyboardInterrupt:
+        where = "in the command"
+    try:
+        time.sleep(0.05)
+        (lambda: None)()  # a pending handler runs here
+    except KeyboardInterrupt:
+        where = "after the command returned"
+    assert fired, "the dropped Ctrl-C was not raised again"
+    assert where != "after the command returned"

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import _thread
 import argparse
-import contextlib
 import json
 import math
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,37 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     args.plugin = [*args.plugin, *args.plugin_after_command]
-    with _dropped_interrupts_raised_again():
+    from textgym.stopping import dropped_interrupts_raised_again
+
+    with dropped_interrupts_raised_again():
         return _command(args)
-
-
-@contextlib.contextmanager
-def _dropped_interrupts_raised_again() -> Iterator[None]:
-    """Python drops an exception raised where nothing can catch it (a weakref callback, a ``__del__``) with an
-    'Exception ignored' message. A Ctrl-C whose handler happens to run there is lost: the second Ctrl-C that
-    should abort a training run then only stopped it after the iteration, with exit code 0 (seen once, in
-    importlib's module-lock callback during a lazy import). Here a dropped KeyboardInterrupt is raised again
-    in the main thread a moment later, once it is out of that callback."""
-    previous = sys.unraisablehook
-    timers: list[threading.Timer] = []
-
-    def hook(unraisable: Any) -> None:
-        if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
-            previous(unraisable)
-            return
-        # the SIGINT handler raises KeyboardInterrupt; should it run in a dropping callback again, it is here again
-        timer = threading.Timer(0.001, _thread.interrupt_main)
-        timer.daemon = True
-        timers.append(timer)
-        timer.start()
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
-        for timer in timers:
-            timer.cancel()
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -184,7 +184,7 @@ def _free_port() -> int:
 # after one process fails, the others have this long to stop by themselves (textgym stops every process when
 # one fails) before they are killed: a process that died in a collective leaves the others waiting there
 GRACE_S = 60.0
-# what the launcher sends the processes as it passes on its first SIGTERM, and its second (see train.StopFlag)
+# what the launcher sends the processes as it passes on its first SIGTERM, and its second (see stopping.StopFlag)
 STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
 ABORT_SIGNAL = getattr(signal, "SIGUSR2", None)
 

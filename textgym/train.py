@@ -11,10 +11,8 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,9 +25,7 @@ from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.config import load_config, validate
 from textgym.errors import ConfigError
 from textgym.launch import (
-    ABORT_SIGNAL,
     LAUNCHED_VAR,
-    STOP_SIGNAL,
     check_processes,
     end_process_group,
     init_process_group,
@@ -41,137 +37,9 @@ from textgym.launch import (
 )
 from textgym.plotting import training_curves
 from textgym.rundir import CHECKPOINT, RunDir, crash_point
+from textgym.stopping import StopFlag
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
-
-
-class StopFlag:
-    """First Ctrl-C or SIGTERM: finish the current iteration, save, exit. A second one: abort at once.
-
-    Signals are counted as they are delivered, not as Python runs the handler. Python runs a handler once for
-    a signal delivered any number of times while the main thread was inside one C++ call (a long forward, a
-    collective waiting for another process), which turned a double Ctrl-C into a single one. Its C-level
-    handler writes a byte per delivery to the wakeup fd: textgym reads the count there (where no other wakeup
-    fd is set, and the platform has non-blocking pipes; else it counts the handler's runs).
-
-    A process started by textgym's launcher (``run.processes = N``) also takes ``STOP_SIGNAL`` (SIGUSR1), a
-    stop that does not count towards an abort, and ``ABORT_SIGNAL`` (SIGUSR2): the launcher passes on its
-    first SIGTERM as the one and its second as the other, since the processes may have had the same SIGTERM
-    themselves (one sent to the whole process group).
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.stop = False
-        self.handled = 0  # the handler's runs
-        self.delivered = 0  # the signals delivered, read from the wakeup pipe
-        self._pipe: tuple[int, int] | None = None
-
-    def __enter__(self) -> StopFlag:
-        global _counting
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        if STOP_SIGNAL is not None and ABORT_SIGNAL is not None and os.environ.get(LAUNCHED_VAR):
-            self._previous[STOP_SIGNAL] = signal.signal(STOP_SIGNAL, self._stop_from_launcher)
-            self._previous[ABORT_SIGNAL] = signal.signal(ABORT_SIGNAL, _abort)
-        try:
-            read, write = os.pipe()
-        except OSError:
-            return self
-        try:  # (no os.set_blocking on Windows before Python 3.12: there the handler's runs are counted)
-            os.set_blocking(read, False)
-            os.set_blocking(write, False)
-            theirs = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        except (AttributeError, OSError, ValueError):
-            theirs = None
-        if theirs == -1:
-            self._pipe = (read, write)
-            _counting = self
-            return self
-        if theirs is not None:  # someone else's (an asyncio loop, say) stays
-            signal.set_wakeup_fd(theirs)
-        os.close(read)
-        os.close(write)
-        return self
-
-    def signals(self) -> int:
-        """How many SIGINT and SIGTERM this process was sent since ``__enter__``."""
-        if self._pipe is not None:
-            try:
-                while data := os.read(self._pipe[0], 512):
-                    self.delivered += sum(byte in self.SIGNALS for byte in data)
-            except BlockingIOError:
-                pass
-        return max(self.handled, self.delivered)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.handled += 1
-        if self.signals() >= 2:
-            _abort(signum, frame)
-        self._stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
-
-    def _stop_from_launcher(self, signum: int, frame: Any) -> None:
-        self._stop("SIGTERM")
-
-    def _stop(self, name: str) -> None:
-        if self.stop:
-            return
-        self.stop = True
-        if rank() == 0:  # every process gets the signal; the main one says what happens
-            print(
-                f"\ntextgym: {name}: stopping after this iteration and saving a checkpoint (again to abort)",
-                flush=True,
-            )
-
-    def __exit__(self, *exc: Any) -> None:
-        # After a first signal another one aborts at once (one line, exit 130) until the process ends, also
-        # while the final checkpoint is written: SIGTERM's default handler would kill without a word. The
-        # count goes on until close().
-        for s, previous in self._previous.items():
-            if s == STOP_SIGNAL:
-                signal.signal(s, signal.SIG_IGN if self.stop else previous)  # (stopping already)
-            else:
-                signal.signal(s, _abort if self.stop else previous)
-
-    def close(self) -> None:
-        global _counting
-        if self._pipe is None:
-            return
-        read, write = self._pipe
-        current = signal.set_wakeup_fd(-1)
-        if current not in (write, -1):  # set by someone since: theirs stays
-            signal.set_wakeup_fd(current)
-        os.close(read)
-        os.close(write)
-        self._pipe = None
-        _counting = None
-
-
-_counting: StopFlag | None = None  # the flag whose pipe is the wakeup fd
-
-
-def _forget_in_child() -> None:
-    """A forked child (a plugin's worker pool) keeps the wakeup fd: its own signals would count as this
-    process's, and one Ctrl-C to the group would abort the run. The child stops counting."""
-    global _counting
-    if _counting is not None and _counting._pipe is not None:
-        with contextlib.suppress(ValueError, OSError):
-            signal.set_wakeup_fd(-1)
-        for fd in _counting._pipe:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        _counting._pipe = None
-    _counting = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _abort(signum: int, frame: Any) -> None:
-    for s in StopFlag.SIGNALS:  # the abort is under way: another signal is no news
-        signal.signal(s, signal.default_int_handler)
-    raise KeyboardInterrupt
 
 
 def run(

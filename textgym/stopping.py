@@ -1,0 +1,192 @@
+"""Stopping a run on a signal: the first Ctrl-C or SIGTERM stops it after the current iteration (with a
+checkpoint), a second aborts it at once, and neither is lost where Python would lose it.
+
+Python loses signals in two places. It runs a handler once for a signal delivered several times while the
+main thread was inside one C++ call (:class:`StopFlag` counts deliveries instead), and it drops an exception
+raised where nothing can catch it, so a KeyboardInterrupt raised by a handler that happened to run in a
+``__del__`` or a weakref callback (:func:`dropped_interrupts_raised_again` raises it again).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from textgym.launch import ABORT_SIGNAL, LAUNCHED_VAR, STOP_SIGNAL, rank
+
+__all__ = ["StopFlag", "dropped_interrupts_raised_again"]
+
+
+class StopFlag:
+    """First Ctrl-C or SIGTERM: finish the current iteration, save, exit. A second one: abort at once.
+
+    Signals are counted as they are delivered, not as Python runs the handler. Python runs a handler once for
+    a signal delivered any number of times while the main thread was inside one C++ call (a long forward, a
+    collective waiting for another process), which turned a double Ctrl-C into a single one. Its C-level
+    handler writes a byte per delivery to the wakeup fd: textgym reads the count there (where no other wakeup
+    fd is set, and the platform has non-blocking pipes; else it counts the handler's runs).
+
+    A process started by textgym's launcher (``run.processes = N``) also takes ``STOP_SIGNAL`` (SIGUSR1), a
+    stop that does not count towards an abort, and ``ABORT_SIGNAL`` (SIGUSR2): the launcher passes on its
+    first SIGTERM as the one and its second as the other, since the processes may have had the same SIGTERM
+    themselves (one sent to the whole process group).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.handled = 0  # the handler's runs
+        self.delivered = 0  # the signals delivered, read from the wakeup pipe
+        self._pipe: tuple[int, int] | None = None
+
+    def __enter__(self) -> StopFlag:
+        global _counting
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        if STOP_SIGNAL is not None and ABORT_SIGNAL is not None and os.environ.get(LAUNCHED_VAR):
+            self._previous[STOP_SIGNAL] = signal.signal(STOP_SIGNAL, self._stop_from_launcher)
+            self._previous[ABORT_SIGNAL] = signal.signal(ABORT_SIGNAL, _abort)
+        try:
+            read, write = os.pipe()
+        except OSError:
+            return self
+        try:  # (no os.set_blocking on Windows before Python 3.12: there the handler's runs are counted)
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            theirs = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (AttributeError, OSError, ValueError):
+            theirs = None
+        if theirs == -1:
+            self._pipe = (read, write)
+            _counting = self
+            return self
+        if theirs is not None:  # someone else's (an asyncio loop, say) stays
+            signal.set_wakeup_fd(theirs)
+        os.close(read)
+        os.close(write)
+        return self
+
+    def signals(self) -> int:
+        """How many SIGINT and SIGTERM this process was sent since ``__enter__``."""
+        if self._pipe is not None:
+            try:
+                while data := os.read(self._pipe[0], 512):
+                    self.delivered += sum(byte in self.SIGNALS for byte in data)
+            except BlockingIOError:
+                pass
+        return max(self.handled, self.delivered)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.handled += 1
+        if self.signals() >= 2:
+            _abort(signum, frame)
+        self._stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+
+    def _stop_from_launcher(self, signum: int, frame: Any) -> None:
+        self._stop("SIGTERM")
+
+    def _stop(self, name: str) -> None:
+        if self.stop:
+            return
+        self.stop = True
+        if rank() == 0:  # every process gets the signal; the main one says what happens
+            print(
+                f"\ntextgym: {name}: stopping after this iteration and saving a checkpoint (again to abort)",
+                flush=True,
+            )
+
+    def __exit__(self, *exc: Any) -> None:
+        # After a first signal another one aborts at once (one line, exit 130) until the process ends, also
+        # while the final checkpoint is written: SIGTERM's default handler would kill without a word. The
+        # count goes on until close().
+        for s, previous in self._previous.items():
+            if s == STOP_SIGNAL:
+                signal.signal(s, signal.SIG_IGN if self.stop else previous)  # (stopping already)
+            else:
+                signal.signal(s, _abort if self.stop else previous)
+
+    def close(self) -> None:
+        global _counting
+        if self._pipe is None:
+            return
+        read, write = self._pipe
+        current = signal.set_wakeup_fd(-1)
+        if current not in (write, -1):  # set by someone since: theirs stays
+            signal.set_wakeup_fd(current)
+        os.close(read)
+        os.close(write)
+        self._pipe = None
+        _counting = None
+
+
+_counting: StopFlag | None = None  # the flag whose pipe is the wakeup fd
+
+
+def _forget_in_child() -> None:
+    """A forked child (a plugin's worker pool) keeps the wakeup fd: its own signals would count as this
+    process's, and one Ctrl-C to the group would abort the run. The child stops counting."""
+    global _counting
+    if _counting is not None and _counting._pipe is not None:
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for fd in _counting._pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _counting._pipe = None
+    _counting = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _abort(signum: int, frame: Any) -> None:
+    for s in StopFlag.SIGNALS:  # the abort is under way: another signal is no news
+        signal.signal(s, signal.default_int_handler)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def dropped_interrupts_raised_again() -> Iterator[None]:
+    """Python drops an exception raised where nothing can catch it (a weakref callback, a ``__del__``) with an
+    'Exception ignored' message. A Ctrl-C whose handler happens to run there is lost: the second Ctrl-C that
+    should abort a training run then only stopped it after the iteration, with exit code 0 (seen once, in
+    importlib's module-lock callback during a lazy import). Here a dropped KeyboardInterrupt is raised again
+    in the main thread a moment later, once it is out of that callback."""
+    previous = sys.unraisablehook
+    timers: list[threading.Timer] = []
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            previous(unraisable)
+            return
+        # the SIGINT handler raises KeyboardInterrupt; should it run in a dropping callback again, it is here again
+        timer = threading.Timer(0.001, _thread.interrupt_main)
+        timer.daemon = True
+        timers.append(timer)
+        timer.start()
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        for timer in timers:
+            timer.cancel()
+        # one that was already firing interrupts here, not after the command returned: the command ended
+        try:
+            for timer in timers:
+                timer.join()
+            _handlers_run()
+        except KeyboardInterrupt:
+            pass
+
+
+def _handlers_run() -> None:
+    """A Python call: signal handlers pending in the main thread run at its start."""
