@@ -106,8 +106,8 @@ class LMAgent(SB3Contract, UpdateGuards):
         self.seed = c.seed + 10_007 * self.accelerator.process_index
         set_seed(self.seed)
         self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
-        skeleton = None  # FSDP2 from a name: only the main process reads the weights (sharding.load_on_main)
-        if self.fsdp is not None and self.policy_source is not None:
+        skeleton = None  # sharded, from a name: only the main process reads it (sharding.load_on_main)
+        if self.sharded and self.policy_source is not None:
             load = functools.partial(self._load_policy, policy)
             model, skeleton = sharding.load_on_main(load, self.dist, self._with_lora)
         else:
@@ -119,8 +119,10 @@ class LMAgent(SB3Contract, UpdateGuards):
             self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
         if self.zero3 is not None:  # one engine trains the policy and the modules (agents/zero3.py)
-            if self.ref_policy is not None:
-                self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.device)
+            if self.ref_policy is not None:  # a skeleton takes the main process's policy
+                weights = sharding.main_weights(model, self.dist) if skeleton is not None else None
+                self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.device, weights)
+                del weights  # the main process's whole copy, which the policy's partition frees
             self.engine, self.optimizer, params = zero3.initialize(
                 model, modules, self.zero3, self._adamw, c.max_grad_norm, self.device, bf16
             )

@@ -126,23 +126,28 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
     atomic_build_dir(path, build, replace=True)
 
 
-def _fsdp_over_processes() -> bool:
-    """Whether an agent made now will shard with FSDP2 (asked for, and more than one process)."""
+def _sharded_over_processes() -> bool:
+    """Whether an agent made now will shard, with FSDP2 or ZeRO-3 (asked for, and more than one process)."""
     import os
 
-    return sharding.fsdp_requested() is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    asked = sharding.fsdp_requested() is not None or zero3.zero3_asked()
+    return asked and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def _load_trained_policy(agent: LMAgent, policy_dir: Path) -> None:
-    """The checkpoint's policy weights into the FSDP2 shards of an agent built from the source policy: the
-    main process reads them, every process gets its shards. A failed read stops every process."""
+    """The checkpoint's policy weights into the shards of an agent built from the source policy: the main
+    process reads them, every process gets its shards. A failed read stops every process."""
     from transformers import AutoModelForCausalLM
 
-    if agent.fsdp is None:  # not sharded after all: every process reads them
+    if not agent.sharded:  # not sharded after all: every process reads them
         agent.rollout_model.load_state_dict(AutoModelForCausalLM.from_pretrained(policy_dir).state_dict())
         return
     trained = agent.dist.on_main(lambda: AutoModelForCausalLM.from_pretrained(policy_dir))
-    sharding.load_from_main(agent.rollout_model, sharding.main_weights(trained, agent.dist), agent.device)
+    weights = sharding.main_weights(trained, agent.dist)
+    if agent.zero3 is not None:
+        zero3.load_from_main(agent.rollout_model, weights[0])
+    else:
+        sharding.load_from_main(agent.rollout_model, weights, agent.device)
 
 
 def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
@@ -163,8 +168,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             )
         config = {**state["config"], **overrides}
         source = state["policy_source"]
-        from_main = source is not None and config.get("lora") is None and _fsdp_over_processes()
-        if from_main:  # FSDP2: only the main process reads the models (sharding.load_on_main)
+        from_main = source is not None and config.get("lora") is None and _sharded_over_processes()
+        if from_main:  # sharded: only the main process reads the models (sharding.load_on_main)
             # the reference is the source, sharded from the main process's copy
             agent = cls(source, env, **config)
             _load_trained_policy(agent, path / "policy")

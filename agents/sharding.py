@@ -182,11 +182,12 @@ def load_on_main(
     dist: Any,
     adapt: Callable[[nn.Module, bool], nn.Module] = lambda model, on_meta: model,
 ) -> tuple[nn.Module, Callable[[], nn.Module] | None]:
-    """The policy for FSDP2, read by the main process only: ``(model, skeleton)``.
+    """The policy for FSDP2 or DeepSpeed ZeRO-3, read by the main process only: ``(model, skeleton)``.
 
     The main process calls ``load`` and gets the model; every other process builds the same architecture
-    on the meta device (no memory), from the class and config the main process sends. :func:`shard` then
-    gives each process its shard of the main process's weights (``weights=main_weights(...)``), so no other
+    on the meta device (no memory), from the class and config the main process sends. :func:`shard` (or
+    ZeRO-3's partitioning, :mod:`textgym.agents.zero3`) then gives each process its shard of the main
+    process's weights (``weights=main_weights(...)``), so no other
     process ever holds the whole model on the host: eight processes with an 8B fp32 policy and its
     reference would otherwise hold 16 whole copies (512 GB) before sharding. ``adapt(model, on_meta)`` wraps
     the model on every process (LoRA). ``skeleton()`` builds another meta copy of the loaded model, on every
@@ -328,6 +329,24 @@ def broadcast_from_main(module: nn.Module, device: torch.device) -> None:
     would otherwise make the shards of different models. One tensor at a time passes through ``device``
     (NCCL broadcasts device tensors only)."""
     _broadcast_in_place([*module.parameters(), *module.buffers()], device)
+
+
+def broadcast_buffers(
+    module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Every buffer of ``module`` on ``device``, with the main process's values: ``buffers`` by name where the
+    main process gives them (a skeleton there takes the policy's), else its own. Meta buffers are allocated."""
+    buffers = buffers or {}
+    for prefix, sub in module.named_modules():
+        for key, buffer in sub._buffers.items():
+            if buffer is None:
+                continue
+            moved = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
+            name = f"{prefix}.{key}" if prefix else key
+            if name in buffers:
+                moved.copy_(buffers[name])
+            sub._buffers[key] = moved
+    _broadcast_in_place(module.buffers(), device)
 
 
 def _broadcast_in_place(tensors: Iterable[torch.Tensor], device: torch.device) -> None:

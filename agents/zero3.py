@@ -44,11 +44,15 @@ __all__ = [
     "full_state_dict",
     "initialize",
     "is_zero3",
+    "load_from_main",
     "load_full_optimizer_state",
     "load_full_state_dict",
     "reference",
     "zero3_requested",
 ]
+
+# the main process's state dict and buffers, by name (empty on the others); see sharding.main_weights
+Weights = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed>=0.19.8'"  # build isolation would fetch another torch
 # What textgym sets itself, by DeepSpeed config key (the values "auto" and absent are accepted).
@@ -86,6 +90,11 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip().lower()
 
 
+def zero3_asked() -> bool:
+    """Whether the environment asks for DeepSpeed (:func:`zero3_requested` checks what it asks for)."""
+    return _env("ACCELERATE_USE_DEEPSPEED") in ("1", "true")
+
+
 def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     """The ``zero_optimization`` section the environment asks for (``ACCELERATE_USE_DEEPSPEED=true``), None
     without it (on a machine without GPUs, ``DS_ACCELERATOR`` is set to ``cpu`` either way). ``accelerate launch`` passes the config's ``deepspeed_config`` as ``ACCELERATE_*`` variables
@@ -99,7 +108,7 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
         os.environ.setdefault(
             "DS_ACCELERATOR", "cpu"
         )  # transformers' save_pretrained imports it when installed
-    if _env("ACCELERATE_USE_DEEPSPEED") not in ("1", "true"):
+    if not zero3_asked():
         return None
     # DeepSpeed picks its device once per process, from this variable or by guessing: the agent's device
     accelerator = "cuda" if on_gpu else "cpu"
@@ -150,13 +159,14 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
         for source, device in ((ACCELERATE_CONFIG, _env(var)), (where, str(section.get("device", "")))):
             if device.lower() not in ("", "none"):
                 raise _refuse(key, device, "offloading is not supported: set it to none", source)
-    for key, var, why in (
-        ("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", "every process loads the whole model before sharding it"),
-        ("zero3_save_16bit_model", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
-         "checkpoints are always one full-precision Hugging Face directory"),
-    ):  # fmt: skip
-        if _env(var) in ("1", "true"):
-            raise _refuse(key, "true", f"{why}; set it to false")
+    # (zero3_init_flag is accepted either way: a policy by name is read by the main process only, and every
+    # process builds its shards one module at a time; see _partition)
+    if _env("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL") in ("1", "true"):
+        raise _refuse(
+            "zero3_save_16bit_model",
+            "true",
+            "checkpoints are always one full-precision Hugging Face directory; set it to false",
+        )
     clipping = _env("ACCELERATE_GRADIENT_CLIPPING")
     if clipping not in ("", "none", "auto"):
         raise _refuse(
@@ -223,23 +233,50 @@ class EngineModel(nn.Module):
             return self.policy(*args, **kwargs)
 
 
-def _partition(module: nn.Module, config: dict[str, Any], device: torch.device) -> None:
-    """Turn ``module``'s parameters into ZeRO-3 ones, in place, one at a time: each goes to ``device``
-    whole, then keeps this process's shard, so the device never holds the whole model (the engine would
-    move it there whole). The main process's weights first, on every process (e.g. LoRA's random init
-    under per-process seeds). Buffers (rotary frequencies) are small and go to the device whole."""
+def _partition(
+    module: nn.Module, config: dict[str, Any], device: torch.device, weights: Weights = None
+) -> None:
+    """Turn ``module``'s parameters into ZeRO-3 ones, in place, a module's own parameters at a time (its
+    children's first): each goes to ``device`` whole, takes the main process's values (``zero.Init`` sends
+    them: e.g. LoRA's random init under per-process seeds) and keeps this process's shard. Neither the device
+    nor the host holds more than one module whole beyond what the process had: the engine alone would first
+    move the whole model to the device.
+
+    A model built on the meta device (a skeleton of :func:`~textgym.agents.sharding.load_on_main`, on the
+    processes that did not read the policy) is allocated one module at a time, as it goes; on the main
+    process, ``weights`` (:func:`~textgym.agents.sharding.main_weights`) fill a skeleton there (the
+    reference). Buffers (rotary frequencies) are small and go to the device whole, the main process's."""
     import deepspeed
 
-    from textgym.agents.sharding import broadcast_from_main
+    from textgym.agents.sharding import broadcast_buffers
 
-    broadcast_from_main(module, device)
+    state, buffers = weights or ({}, {})
     deepspeed.init_distributed()  # DeepSpeed's view of the process group torch already runs
-    # mem_efficient_linear would replace torch.nn.functional.linear for the whole process
-    deepspeed.zero.Init(module=module, config_dict_or_path=config, mem_efficient_linear=False)
-    for sub in module.modules():
-        for name, buffer in sub._buffers.items():
-            if buffer is not None:
-                sub._buffers[name] = buffer.to(device)
+    names: dict[int, str] = {}  # by id: the parameters stay alive (in ``originals``) while it is read
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter has two
+    originals = []
+    for prefix, sub in module.named_modules():
+        for key, param in sub._parameters.items():
+            if param is not None:
+                originals.append(param)
+                names.setdefault(id(param), f"{prefix}.{key}" if prefix else key)
+                owners.setdefault(id(param), []).append((sub, key))
+    for sub in reversed(list(module.modules())):  # a module after its children: each Init converts its own
+        mine = [p for p in sub._parameters.values() if p is not None and not is_zero3(p)]
+        for param in mine:
+            if param.is_meta:
+                whole = nn.Parameter(
+                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                )
+                if names[id(param)] in state:
+                    with torch.no_grad():
+                        whole.copy_(state[names[id(param)]])
+                for owner, name in owners[id(param)]:
+                    owner._parameters[name] = whole
+        if mine:  # (mem_efficient_linear would replace torch.nn.functional.linear for the whole process)
+            deepspeed.zero.Init(module=sub, config_dict_or_path=config, mem_efficient_linear=False)
+    del originals
+    broadcast_buffers(module, device, buffers)
 
 
 def initialize(
@@ -255,6 +292,7 @@ def initialize(
 
     _quiet()
     box = EngineModel(model, modules, device.type, bf16)
+    _check_one_dtype({"the policy": model, **modules})
     config = _engine_config(zero, max_grad_norm)
     _partition(box, config, device)
     params = [p for p in box.parameters() if p.requires_grad]
@@ -264,13 +302,31 @@ def initialize(
     return engine, optimizer, params
 
 
-def reference(model: nn.Module, zero: dict[str, Any], device: torch.device) -> nn.Module:
-    """A frozen reference copy sharded the same way (an engine without an optimizer); returns the model."""
+def _check_one_dtype(models: dict[str, nn.Module]) -> None:
+    """The engine flattens the trainable parameters into one buffer per group, which takes one dtype (its
+    own check is a bare assertion deep in its set-up)."""
+    dtypes = {name: {p.dtype for p in m.parameters() if p.requires_grad} for name, m in models.items()}
+    if len(set().union(*dtypes.values())) > 1:
+        held = ", ".join(f"{name}: {'/'.join(sorted(str(d).removeprefix('torch.') for d in kinds))}"
+                         for name, kinds in dtypes.items() if kinds)  # fmt: skip
+        raise ConfigError(
+            f"DeepSpeed ZeRO-3 trains parameters of one dtype, and these differ ({held}): load the policy in "
+            f"float32 (bf16 = true trains it in bf16 autocast), or shard with FSDP2 "
+            f"(examples/accelerate/fsdp.yaml), which takes both."
+        )
+
+
+def reference(
+    model: nn.Module, zero: dict[str, Any], device: torch.device, weights: Weights = None
+) -> nn.Module:
+    """A frozen reference copy sharded the same way (an engine without an optimizer); returns the model.
+    ``weights``: the main process's policy (:func:`~textgym.agents.sharding.main_weights`), for a ``model``
+    built on the meta device (see :func:`_partition`)."""
     import deepspeed
 
     _quiet()
     config = _engine_config(zero)
-    _partition(model, config, device)
+    _partition(model, config, device, weights)
     engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
     return engine.module
 
@@ -315,17 +371,34 @@ def full_state_dict(module: nn.Module, keep: bool = True) -> dict[str, torch.Ten
     return state if keep else None
 
 
-def _set_local(param: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+def _set_local(
+    param: nn.Parameter, value: torch.Tensor, key: str | None = None, start: int | None = None
+) -> None:
     """Write this process's part of a whole ``value`` into the optimizer's fp32 shard of ``param`` (its
-    master weights, or the moment ``key``). DeepSpeed's own full-tensor setter fails on the padded shard of a
-    parameter smaller than the number of processes; its local getter returns a view, written in place."""
+    master weights, or the moment ``key``); ``start=0``: ``value`` is this process's part. DeepSpeed's own
+    full-tensor setter fails on the padded shard of a parameter smaller than the number of processes; its
+    local getter returns a view, written in place."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     target = safe_get_local_fp32_param(param) if key is None else safe_get_local_optimizer_state(param, key)
-    start = _shard_start(param)
+    start = _shard_start(param) if start is None else start
     part = value.flatten()[start : start + target.numel()]  # shorter (or empty) in the padding
     with torch.no_grad():
         target[: part.numel()].copy_(part.to(target.device, target.dtype))
+
+
+def load_from_main(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """The main process's full ``state`` (empty on the others, which never hold it whole) into a module of
+    the engine: the weights forwards use, and the optimizer's fp32 master copy (collective, one parameter at
+    a time)."""
+    import deepspeed
+
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                param.data.copy_(state[name])
+        if param.requires_grad:
+            _set_local(param, local_shard(param), start=0)
 
 
 def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:

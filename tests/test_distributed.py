@@ -36,6 +36,7 @@ TOLERANCE = 1e-4
 
 # what `accelerate launch --config_file examples/accelerate/{fsdp,zero3}.yaml` sets
 SHARDING = {None: {}, **ENGINE_ENVIRONMENT}  # the environment that asks for each engine
+SHARDING["zero3"] = {**SHARDING["zero3"], "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}  # as zero3.yaml sets
 ENGINE = {None: None, "fsdp": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}
 
 
@@ -74,7 +75,7 @@ LAUNCHES = {
     "one": ["lmppo", "grpo", "lmppo-lora", "lmppo-zoo", "lmppo-pissa-zoo"],
     None: ["lmppo", "grpo", *BF16],
     "fsdp": ["lmppo", "grpo", "lmppo-lora", *BF16, "lmppo-zoo", "lmppo-pissa-zoo"],
-    "zero3": ["lmppo", "grpo", "lmppo-lora", *BF16],
+    "zero3": ["lmppo", "grpo", "lmppo-lora", *BF16, "lmppo-zoo", "lmppo-pissa-zoo"],
 }
 
 
@@ -128,22 +129,24 @@ def test_one_update_split_over_two_processes_equals_one_process_on_the_whole_bat
     assert_close(one, updates.params(shard, agent))
 
 
-def test_under_fsdp_only_the_main_process_reads_the_policy_and_the_update_is_the_same(updates):
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_sharded_only_the_main_process_reads_the_policy_and_the_update_is_the_same(updates, shard):
     # the other process builds the policy and its reference on the meta device and gets its shards of the
     # main process's weights (tied embeddings included); the update is one process's on the whole batch
     for agent in ("lmppo-zoo", "lmppo-pissa-zoo"):  # PiSSA's adapter is made from the weights it adapts
-        assert f"rank 0: {agent} read a policy 1 times" in updates.output("fsdp")
-        assert f"rank 1: {agent} read a policy 0 times" in updates.output("fsdp")
-        assert_close(updates.params("one", agent), updates.params("fsdp", agent))
+        assert f"rank 0: {agent} read a policy 1 times" in updates.output(shard)
+        assert f"rank 1: {agent} read a policy 0 times" in updates.output(shard)
+        assert_close(updates.params("one", agent), updates.params(shard, agent))
 
 
-def test_under_fsdp_only_the_main_process_reads_a_checkpoint_and_it_resumes_to_the_same_update(
-    tmp_path, batch_file, updates
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_sharded_only_the_main_process_reads_a_checkpoint_and_it_resumes_to_the_same_update(
+    tmp_path, batch_file, updates, shard
 ):
     # the main process reads the source policy (the reference) and the checkpoint's weights; the second
     # update from one process's checkpoint is the same resumed in one process or sharded over two
     again = update(batch_file, tmp_path / "again1", ["lmppo-zoo"], 1, None, "--load", updates.dir("one"))
-    sharded = update(batch_file, tmp_path / "again2", ["lmppo-zoo"], 2, "fsdp", "--load", updates.dir("one"))
+    sharded = update(batch_file, tmp_path / "again2", ["lmppo-zoo"], 2, shard, "--load", updates.dir("one"))
     output = (sharded / "stdout.txt").read_text()
     assert (
         "rank 0: lmppo-zoo read a policy 2 times" in output
@@ -154,9 +157,10 @@ def test_under_fsdp_only_the_main_process_reads_a_checkpoint_and_it_resumes_to_t
     assert_close(again, sharded)
 
 
-def test_under_fsdp_a_policy_the_main_process_cannot_read_stops_every_process(tmp_path):
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_sharded_a_policy_the_main_process_cannot_read_stops_every_process(tmp_path, shard):
     (tmp_path / "bad.py").write_text("from textgym.agents.ppo import LMPPO\nLMPPO('no-such-model', None)\n")
-    result = run_cmd([*TORCHRUN, str(tmp_path / "bad.py")], shard="fsdp", timeout=120)
+    result = run_cmd([*TORCHRUN, str(tmp_path / "bad.py")], shard=shard, timeout=120)
     assert result.returncode != 0
     assert "no-such-model" in result.stderr  # the main process's own error
     assert "process 0 failed, so every process stops: UnknownNameError" in result.stderr  # the other's
@@ -232,19 +236,32 @@ end_process_group()
 """
 
 
-@pytest.mark.parametrize("model", ["cast-llama", "local-llama"])
-def test_under_fsdp_a_policy_the_other_processes_cannot_build_on_the_meta_device_is_loaded_by_each(
-    model, tmp_path
+@pytest.mark.parametrize(
+    "model, shard", [("cast-llama", "fsdp"), ("local-llama", "fsdp"), ("local-llama", "zero3")]
+)
+def test_sharded_a_policy_the_other_processes_cannot_build_on_the_meta_device_is_loaded_by_each(
+    model, shard, tmp_path
 ):
     # a loader that casts its model after building it (the meta copy's buffers would differ), and a class
     # that does not pickle: each process loads the policy itself, and all hold the same model
     (tmp_path / "models.py").write_text(FALLBACK_PLUGIN)
     (tmp_path / "fallback.py").write_text(FALLBACK)
     script = [str(tmp_path / "fallback.py"), str(tmp_path / "models.py"), model]
-    result = run_cmd([*TORCHRUN, *script], shard="fsdp", timeout=180)
+    result = run_cmd([*TORCHRUN, *script], shard=shard, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: read 1 times, the same model on both: True" in result.stdout
+
+
+def test_zero3_names_a_policy_whose_dtype_differs_from_the_value_heads(tmp_path):
+    # the engine flattens the trainable parameters into one buffer; FSDP2 takes the same policy (above)
+    (tmp_path / "models.py").write_text(FALLBACK_PLUGIN)
+    (tmp_path / "fallback.py").write_text(FALLBACK)
+    script = [str(tmp_path / "fallback.py"), str(tmp_path / "models.py"), "cast-llama"]
+    result = run_cmd([*TORCHRUN, *script], shard="zero3", timeout=180)
+    assert result.returncode != 0
+    message = "DeepSpeed ZeRO-3 trains parameters of one dtype, and these differ (the policy: bfloat16, value_head: float32)"
+    assert message in result.stderr
 
 
 def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_next_update(
