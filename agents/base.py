@@ -119,6 +119,7 @@ class LMAgent(SB3Contract, UpdateGuards):
             self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
         if self.zero3 is not None:  # one engine trains the policy and the modules (agents/zero3.py)
+            zero3.check_one_dtype({"the policy": model, **modules})
             if self.ref_policy is not None:  # a skeleton takes the main process's policy
                 weights = sharding.main_weights(model, self.dist) if skeleton is not None else None
                 self.ref_policy = zero3.reference(self.ref_policy, self.zero3, self.device, weights)

@@ -145,7 +145,7 @@ def _load_trained_policy(agent: LMAgent, policy_dir: Path) -> None:
     trained = agent.dist.on_main(lambda: AutoModelForCausalLM.from_pretrained(policy_dir))
     weights = sharding.main_weights(trained, agent.dist)
     if agent.zero3 is not None:
-        zero3.load_from_main(agent.rollout_model, weights[0])
+        zero3.load_from_main(agent.rollout_model, weights[0], str(policy_dir))
     else:
         sharding.load_from_main(agent.rollout_model, weights, agent.device)
 

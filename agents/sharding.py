@@ -337,15 +337,20 @@ def broadcast_buffers(
     """Every buffer of ``module`` on ``device``, with the main process's values: ``buffers`` by name where the
     main process gives them (a skeleton there takes the policy's), else its own. Meta buffers are allocated."""
     buffers = buffers or {}
-    for prefix, sub in module.named_modules():
+    done: dict[int, torch.Tensor] = {}  # by the id of the buffer it replaces: one registered twice stays one
+    originals = [b for sub in module.modules() for b in sub._buffers.values()]  # (alive while ids are read)
+    for prefix, sub in module.named_modules(remove_duplicate=False):
         for key, buffer in sub._buffers.items():
             if buffer is None:
                 continue
-            moved = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
-            name = f"{prefix}.{key}" if prefix else key
-            if name in buffers:
-                moved.copy_(buffers[name])
-            sub._buffers[key] = moved
+            if id(buffer) not in done:
+                moved = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
+                name = f"{prefix}.{key}" if prefix else key
+                if name in buffers:
+                    moved.copy_(buffers[name])
+                done[id(buffer)] = moved
+            sub._buffers[key] = done[id(buffer)]
+    del originals
     _broadcast_in_place(module.buffers(), device)
 
 

@@ -40,6 +40,7 @@ from textgym.errors import ConfigError
 
 __all__ = [
     "EngineModel",
+    "check_one_dtype",
     "full_optimizer_state",
     "full_state_dict",
     "initialize",
@@ -261,8 +262,10 @@ def _partition(
                 originals.append(param)
                 names.setdefault(id(param), f"{prefix}.{key}" if prefix else key)
                 owners.setdefault(id(param), []).append((sub, key))
-    for sub in reversed(list(module.modules())):  # a module after its children: each Init converts its own
-        mine = [p for p in sub._parameters.values() if p is not None and not is_zero3(p)]
+    for sub in reversed(
+        list(module.modules())
+    ):  # a module after its children: its Init converts what is left
+        mine = [p for p in sub.parameters() if not is_zero3(p)]  # (a child shared with another parent's too)
         for param in mine:
             if param.is_meta:
                 whole = nn.Parameter(
@@ -292,7 +295,6 @@ def initialize(
 
     _quiet()
     box = EngineModel(model, modules, device.type, bf16)
-    _check_one_dtype({"the policy": model, **modules})
     config = _engine_config(zero, max_grad_norm)
     _partition(box, config, device)
     params = [p for p in box.parameters() if p.requires_grad]
@@ -302,9 +304,10 @@ def initialize(
     return engine, optimizer, params
 
 
-def _check_one_dtype(models: dict[str, nn.Module]) -> None:
-    """The engine flattens the trainable parameters into one buffer per group, which takes one dtype (its
-    own check is a bare assertion deep in its set-up)."""
+def check_one_dtype(models: dict[str, nn.Module]) -> None:
+    """Refuse trainable parameters of several dtypes, before anything is partitioned: the engine flattens
+    them into one buffer per group, which takes one dtype (its own check is a bare assertion deep in its
+    set-up)."""
     dtypes = {name: {p.dtype for p in m.parameters() if p.requires_grad} for name, m in models.items()}
     if len(set().union(*dtypes.values())) > 1:
         held = ", ".join(f"{name}: {'/'.join(sorted(str(d).removeprefix('torch.') for d in kinds))}"
@@ -387,13 +390,21 @@ def _set_local(
         target[: part.numel()].copy_(part.to(target.device, target.dtype))
 
 
-def load_from_main(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """The main process's full ``state`` (empty on the others, which never hold it whole) into a module of
-    the engine: the weights forwards use, and the optimizer's fp32 master copy (collective, one parameter at
-    a time)."""
+def load_from_main(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """The main process's full ``state`` (read from ``source``; empty on the others, which never hold it
+    whole) into a module of the engine: the weights forwards use, and the optimizer's fp32 master copy
+    (collective, one parameter at a time)."""
     import deepspeed
 
-    for name, param in module.named_parameters():
+    params = dict(module.named_parameters())
+    missing = [sorted(set(params) - set(state))] if torch.distributed.get_rank() == 0 else [None]
+    torch.distributed.broadcast_object_list(missing, src=0)  # every process stops, or none
+    if missing[0]:
+        raise ConfigError(
+            f"{source} has no {', '.join(missing[0][:3])}{' ...' if len(missing[0]) > 3 else ''}: it does "
+            f"not hold the weights of this agent's policy."
+        )
+    for name, param in params.items():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if torch.distributed.get_rank() == 0:
                 param.data.copy_(state[name])

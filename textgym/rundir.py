@@ -257,7 +257,7 @@ def _tokens_in(checkpoint: Path) -> int:
     """The tokens a checkpoint was saved at (-1 where it has no readable state)."""
     try:
         return int(json.loads((checkpoint / "state.json").read_text()).get("num_timesteps", 0))
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError):  # (a state.json of another shape)
         return -1
 
 

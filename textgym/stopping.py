@@ -179,13 +179,31 @@ def dropped_interrupts_raised_again() -> Iterator[None]:
         sys.unraisablehook = previous
         for timer in timers:
             timer.cancel()
-        # one that was already firing interrupts here, not after the command returned: the command ended
+        if timers:
+            _join_quietly(timers)
+
+
+def _join_quietly(timers: list[threading.Timer]) -> None:
+    """Wait for cancelled timers: one already firing interrupts into a handler that does nothing, not after
+    the command returned (the command ended)."""
+    try:
+        try:
+            theirs = signal.signal(signal.SIGINT, _ignore)
+        except ValueError:  # not in the main thread
+            theirs = None
         try:
             for timer in timers:
                 timer.join()
             _handlers_run()
-        except KeyboardInterrupt:
-            pass
+        finally:
+            if theirs is not None:
+                signal.signal(signal.SIGINT, theirs)
+    except KeyboardInterrupt:  # one delivered before the handler changed
+        pass
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
 
 
 def _handlers_run() -> None:
