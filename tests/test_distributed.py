@@ -420,6 +420,63 @@ def test_a_zero3_checkpoint_of_tied_weights_holds_what_one_process_writes(tmp_pa
         assert torch.equal(tensors["two"][key], value)
 
 
+SHARED = """
+import torch
+import torch.distributed
+from torch import nn
+
+from textgym.agents import zero3
+from textgym.agents.sharding import full_tensor, main_weights
+from textgym.launch import end_process_group
+
+torch.distributed.init_process_group("gloo")
+main = torch.distributed.get_rank() == 0
+
+
+class Shared(nn.Module):  # a child under two parents, and a buffer registered in two modules
+    def __init__(self):
+        super().__init__()
+        self.one, self.two, child = nn.Module(), nn.Module(), nn.Linear(3, 5)
+        self.one.child, self.two.child, self.last = child, child, nn.Linear(5, 2)
+        self.two.scale = nn.Parameter(torch.rand(2))  # two's Init reaches the child before the child's own
+        table = torch.arange(4.0)
+        self.one.register_buffer("table", table)
+        self.last.register_buffer("table", table)
+
+
+torch.manual_seed(0)
+whole = Shared()
+if main:
+    print("expected:", [round(float(p.detach().sum()), 4) for p in whole.parameters()], flush=True)
+with torch.device("meta"):
+    skeleton, other = Shared(), Shared()  # the reference on every process; the other process's policy
+model = whole if main else other
+config = zero3._engine_config({"stage": 3})
+zero3._partition(skeleton, config, torch.device("cpu"), main_weights(whole, type("D", (), {"is_main": main})))
+zero3._partition(model, config, torch.device("cpu"))
+for built in (skeleton, model):
+    assert built.one.child is built.two.child and built.one.table is built.last.table
+    assert torch.equal(built.one.table, torch.arange(4.0))
+    values = [full_tensor(p) for p in built.parameters()]
+    print(f"rank {torch.distributed.get_rank()}:", [round(float(v.sum()), 4) for v in values], flush=True)
+torch.distributed.barrier()
+end_process_group()
+"""
+
+
+def test_zero3_partitions_a_child_under_two_parents_and_a_buffer_in_two_modules_from_the_main_process(
+    tmp_path,
+):
+    # the other process builds them on the meta device: each is allocated once, and takes the main's values
+    (tmp_path / "shared.py").write_text(SHARED)
+    result = run_cmd([*TORCHRUN, str(tmp_path / "shared.py")], shard="zero3", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    expected = [line.split(":", 1)[1] for line in lines if line.startswith("expected:")]
+    sums = [line.split(":", 1)[1] for line in lines if line.startswith("rank ")]
+    assert len(sums) == 4 and set(sums) == set(expected), result.stdout  # both models, both processes
+
+
 EVAL = """
 [eval]
 every = 2
