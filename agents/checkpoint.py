@@ -190,7 +190,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             )
             reference = reference.requires_grad_(False).eval()
             if agent.zero3 is not None:  # into the agent's engine: a second one would never be freed
-                zero3.load_full_state_dict(agent.ref_policy, dict(reference.named_parameters()))
+                where = source or str(path / "reference")
+                zero3.load_from_main(agent.ref_policy, dict(reference.named_parameters()), where)
             elif agent.fsdp is not None:
                 agent.ref_policy = sharding.shard(reference, agent.fsdp, agent.device)
             else:
@@ -198,7 +199,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         for name, module in agent.modules.items():
             weights = torch.load(path / f"{name}.pt", weights_only=True)
             if agent.zero3 is not None:
-                zero3.load_full_state_dict(module, weights)
+                zero3.load_from_main(module, weights, str(path / f"{name}.pt"))
             elif agent.fsdp is not None:
                 sharding.load_full_state_dict(module, weights)
             else:

@@ -47,7 +47,6 @@ __all__ = [
     "is_zero3",
     "load_from_main",
     "load_full_optimizer_state",
-    "load_full_state_dict",
     "reference",
     "zero3_requested",
 ]
@@ -262,10 +261,9 @@ def _partition(
                 originals.append(param)
                 names.setdefault(id(param), f"{prefix}.{key}" if prefix else key)
                 owners.setdefault(id(param), []).append((sub, key))
-    for sub in reversed(
-        list(module.modules())
-    ):  # a module after its children: its Init converts what is left
-        mine = [p for p in sub.parameters() if not is_zero3(p)]  # (a child shared with another parent's too)
+    # a module after its children; its Init converts what is left of its parameters, a shared child's too
+    for sub in reversed(list(module.modules())):
+        mine = [p for p in sub.parameters() if not is_zero3(p)]
         for param in mine:
             if param.is_meta:
                 whole = nn.Parameter(
@@ -391,9 +389,9 @@ def _set_local(
 
 
 def load_from_main(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """The main process's full ``state`` (read from ``source``; empty on the others, which never hold it
-    whole) into a module of the engine: the weights forwards use, and the optimizer's fp32 master copy
-    (collective, one parameter at a time)."""
+    """The main process's full ``state`` (read from ``source``; the other processes' is not read, and may be
+    empty: they need never hold it whole) into a module of the engine: the weights forwards use, and the
+    optimizer's fp32 master copy, from the new shard (collective, one parameter at a time)."""
     import deepspeed
 
     params = dict(module.named_parameters())
@@ -402,7 +400,7 @@ def load_from_main(module: nn.Module, state: dict[str, torch.Tensor], source: st
     if missing[0]:
         raise ConfigError(
             f"{source} has no {', '.join(missing[0][:3])}{' ...' if len(missing[0]) > 3 else ''}: it does "
-            f"not hold the weights of this agent's policy."
+            f"not hold the weights this agent expects."
         )
     for name, param in params.items():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -410,21 +408,6 @@ def load_from_main(module: nn.Module, state: dict[str, torch.Tensor], source: st
                 param.data.copy_(state[name])
         if param.requires_grad:
             _set_local(param, local_shard(param), start=0)
-
-
-def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict into a module of the engine: the weights forwards use, and the optimizer's fp32
-    master copy that the next step updates (collective)."""
-    import deepspeed
-
-    params = dict(module.named_parameters())
-    for name, value in state.items():
-        param = params[name]
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if torch.distributed.get_rank() == 0:
-                param.data.copy_(value)
-        if param.requires_grad:
-            _set_local(param, value)
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
