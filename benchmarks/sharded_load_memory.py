@@ -12,6 +12,7 @@ device, which on a CPU is this same memory, and on a GPU is not.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -37,7 +38,7 @@ def worker(model: str, way: str) -> None:
 
     load_tokenizer(model)  # a converted model directory exists before the peak is read
     before = peak_mib()
-    sharded = [float("nan")]  # the peak when the training engine (ZeRO-3's, with the optimizer) starts
+    sharded = [None]  # the peak when the training engine (ZeRO-3's, with the optimizer) starts
     if os.environ.get("ACCELERATE_USE_DEEPSPEED"):
         import deepspeed
 
@@ -50,21 +51,18 @@ def worker(model: str, way: str) -> None:
 
         deepspeed.initialize = initialize
     agent = LMPPO(model if way == "name" else load_model(model)[0], None, seed=0, verbose=0)
-    print(f"rank {agent.dist.rank}: {peak_mib() - before:.0f} MiB, {sharded[0]:.0f} MiB", flush=True)
+    growth = {"built": round(peak_mib() - before), "sharded": sharded[0] and round(sharded[0])}
+    print(f"rank {agent.dist.rank}: {json.dumps(growth)}", flush=True)
     dist.barrier()
 
 
-def launch(model: str, engine: str, way: str) -> dict[int, float]:
+def launch(model: str, engine: str, way: str) -> dict[int, dict[str, float | None]]:
     env = {**os.environ, **ENGINE_ENVIRONMENT[engine], "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "benchmarks.sharded_load_memory", "--worker", way, "--model", model]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, cwd=ROOT).stdout
-    found = re.findall(r"rank (\d+): (\d+) MiB, (\d+|nan) MiB", out)
-    return {  # (JSON has no NaN: null where it was not measured)
-        int(r): {"built": float(mb), "sharded": None if sharded == "nan" else float(sharded)}
-        for r, mb, sharded in found
-    }
+    return {int(r): json.loads(growth) for r, growth in re.findall(r"rank (\d+): (\{.*\})", out)}
 
 
 def main() -> None:
