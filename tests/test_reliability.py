@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import reward_plugin
 from lm_helpers import copy_run_config, csv_rows
 
 from textgym.cli import main
@@ -504,16 +505,25 @@ def test_sb3_checkpoints_load_without_running_pickled_code(tmp_path):
     assert not Path(Exploit.marker).exists()
 
 
-def test_a_dropped_ctrl_c_raised_again_never_lands_after_the_command_returned(monkeypatch):
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for one test, whatever an earlier one left."""
+    theirs = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, theirs)
+
+
+class Dropped:
+    def __del__(self):  # Python drops what is raised here
+        raise KeyboardInterrupt
+
+
+def test_a_dropped_ctrl_c_raised_again_never_lands_after_the_command_returned(monkeypatch, default_sigint):
     fired = []
 
     class FiringAnyway(threading.Timer):  # as if it had passed its cancel check when the command ended
         def cancel(self):
             fired.append(self)
-
-    class Dropped:
-        def __del__(self):  # Python drops what is raised here
-            raise KeyboardInterrupt
 
     monkeypatch.setattr(threading, "Timer", FiringAnyway)
     handler = signal.getsignal(signal.SIGINT)
@@ -529,6 +539,56 @@ def test_a_dropped_ctrl_c_raised_again_never_lands_after_the_command_returned(mo
         (lambda: None)()  # a pending handler runs here
     except KeyboardInterrupt:
         where = "after the command returned"
-    assert len(fired) == 2, "the dropped Ctrl-Cs were not raised again"
+    assert len(fired) >= 2, "the dropped Ctrl-Cs were not raised again"
     assert where != "after the command returned"
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_dropped_ctrl_c_raised_again_into_the_next_dropping_callback_still_reaches_the_command(
+    monkeypatch, default_sigint, capsys
+):
+    """The first one raised again lands in the hook handling the second drop: a place that drops it too."""
+
+    class SlowToStart(threading.Timer):
+        def start(self):
+            time.sleep(0.05)  # the first one, raised again meanwhile, lands here: before this one started
+            super().start()
+
+    monkeypatch.setattr(threading, "Timer", SlowToStart)
+    where = "nowhere"
+    try:
+        with dropped_interrupts_raised_again():
+            Dropped()
+            Dropped()
+            time.sleep(0.5)  # the command goes on
+    except KeyboardInterrupt:
+        where = "in the command"
+    assert where == "in the command"
+    assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_a_run_stopped_by_a_signal_in_a_python_process_gives_back_the_signal_handlers_it_found(
+    config, tmp_path, register, capsys
+):
+    """After a first signal textgym's handlers abort on the next one until the run returns; after that, a
+    script or notebook that called it has its own handlers again."""
+    calls = []
+
+    def ctrl_c_once(samples):
+        calls.append(len(samples))
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return [0.0] * len(samples)
+
+    register(reward_plugin("ctrl_c_once_in_process", ctrl_c_once), "ctrl-c-once-in-process")
+    found = {s: signal.signal(s, handler) for s, handler in ((signal.SIGINT, signal.default_int_handler),
+                                                            (signal.SIGTERM, signal.SIG_DFL))}  # fmt: skip
+    try:
+        code = main(["train", str(config), "--set", f"run.output_dir='{tmp_path / 'run'}'",
+                     "--set", "env.rewards=[{name='ctrl_c_once_in_process'}]"])  # fmt: skip
+        handlers = {s: signal.getsignal(s) for s in found}
+    finally:
+        for s, handler in found.items():
+            signal.signal(s, handler)
+    assert code == 0 and "interrupted; checkpoint saved" in capsys.readouterr().out
+    assert handlers == {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}

@@ -45,6 +45,7 @@ class StopFlag:
         self.handled = 0  # the handler's runs
         self.delivered = 0  # the signals delivered, read from the wakeup pipe
         self._pipe: tuple[int, int] | None = None
+        self._previous: dict[int, Any] = {}  # the handlers before __enter__, put back by close()
 
     def __enter__(self) -> StopFlag:
         global _counting
@@ -102,9 +103,9 @@ class StopFlag:
             )
 
     def __exit__(self, *exc: Any) -> None:
-        # After a first signal another one aborts at once (one line, exit 130) until the process ends, also
-        # while the final checkpoint is written: SIGTERM's default handler would kill without a word. The
-        # count goes on until close().
+        # After a first signal another one aborts at once (one line, exit 130) until close(), also while the
+        # final checkpoint is written: SIGTERM's default handler would kill without a word. The count goes on
+        # until close() too.
         for s, previous in self._previous.items():
             if s == STOP_SIGNAL:
                 signal.signal(s, signal.SIG_IGN if self.stop else previous)  # (stopping already)
@@ -112,7 +113,14 @@ class StopFlag:
                 signal.signal(s, _abort if self.stop else previous)
 
     def close(self) -> None:
+        """The run is over: the handlers in force before ``__enter__`` are back (where a handler textgym set
+        is still in force: one set by someone else since stays), and the count stops."""
         global _counting
+        ours = (self._handle, self._stop_from_launcher, _abort, signal.default_int_handler, signal.SIG_IGN)
+        for s, previous in self._previous.items():
+            if signal.getsignal(s) in ours:
+                signal.signal(s, previous)
+        self._previous = {}
         if self._pipe is None:
             return
         read, write = self._pipe
@@ -167,10 +175,15 @@ def dropped_interrupts_raised_again() -> Iterator[None]:
             previous(unraisable)
             return
         # the SIGINT handler raises KeyboardInterrupt; should it run in a dropping callback again, it is here again
-        timer = threading.Timer(0.001, _thread.interrupt_main)
-        timer.daemon = True
-        timers.append(timer)
-        timer.start()
+        while True:
+            try:
+                timer = threading.Timer(0.001, _thread.interrupt_main)
+                timer.daemon = True
+                timers.append(timer)
+                timer.start()
+                return
+            except KeyboardInterrupt:  # one raised again landed in this hook, which would drop it too
+                continue
 
     sys.unraisablehook = hook
     try:
@@ -193,7 +206,9 @@ def _join_quietly(timers: list[threading.Timer]) -> None:
             theirs = None
         try:
             for timer in timers:
-                timer.join()
+                # (one a Ctrl-C stopped before it started cannot be joined, and never fires)
+                with contextlib.suppress(RuntimeError):
+                    timer.join()
             _handlers_run()
         finally:
             if theirs is not None:
