@@ -592,3 +592,38 @@ def test_a_run_stopped_by_a_signal_in_a_python_process_gives_back_the_signal_han
             signal.signal(s, handler)
     assert code == 0 and "interrupted; checkpoint saved" in capsys.readouterr().out
     assert handlers == {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
+CTRL_C_THEN_EXIT = """
+import atexit
+import signal
+
+import textgym
+
+calls = []
+
+
+@atexit.register
+def handlers_at_exit():
+    names = [getattr(signal.getsignal(s), "__name__", None) for s in (signal.SIGINT, signal.SIGTERM)]
+    print(f"at exit: {names}", flush=True)
+
+
+@textgym.reward("ctrl_c_then_exit")
+def ctrl_c_then_exit(samples):
+    calls.append(len(samples))
+    if len(calls) == 2:
+        signal.raise_signal(signal.SIGINT)
+    return [0.0] * len(samples)
+"""
+
+
+def test_the_textgym_command_keeps_a_stopped_runs_abort_handlers_until_it_exits(config, tmp_path):
+    """Its process ends with the run: a second signal arriving after the run returned (one sent to the process
+    group, one a launcher passes on late) still aborts in one line. Started as torchrun starts it (-u)."""
+    (tmp_path / "exit.py").write_text(CTRL_C_THEN_EXIT)
+    cmd = [sys.executable, "-u", "-m", "textgym", "--plugin", str(tmp_path / "exit.py"), "train", str(config),
+           "--set", f"run.output_dir='{tmp_path / 'run'}'", "--set", "env.rewards=[{name='ctrl_c_then_exit'}]"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "interrupted; checkpoint saved" in proc.stdout, proc.stdout + proc.stderr
+    assert "at exit: ['_abort', '_abort']" in proc.stdout

@@ -11,9 +11,12 @@ __version__ = "0.1.0"
 
 
 def _is_cli() -> bool:
-    """Whether this process is the textgym command (``textgym ...`` or ``python -m textgym ...``)."""
+    """Whether this process is the textgym command (``textgym ...`` or ``python [-u ...] -m textgym ...``, as
+    torchrun starts it): ``sys.argv[0]`` is the script, or the path of textgym's ``__main__.py``."""
     argv = getattr(_sys, "orig_argv", _sys.argv)
-    return _sys.argv[0].endswith(("/textgym", "textgym.exe")) or argv[1:3] == ["-m", "textgym"]
+    script = _sys.argv[0].replace("\\", "/")
+    entry = ("/textgym", "textgym.exe", "textgym/__main__.py")
+    return script.endswith(entry) or argv[1:3] == ["-m", "textgym"]
 
 
 try:

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from textgym import _is_cli
 from textgym.launch import ABORT_SIGNAL, LAUNCHED_VAR, STOP_SIGNAL, rank
 
 __all__ = ["StopFlag", "dropped_interrupts_raised_again"]
@@ -103,9 +104,9 @@ class StopFlag:
             )
 
     def __exit__(self, *exc: Any) -> None:
-        # After a first signal another one aborts at once (one line, exit 130) until close(), also while the
-        # final checkpoint is written: SIGTERM's default handler would kill without a word. The count goes on
-        # until close() too.
+        # After a first signal another one aborts at once (one line, exit 130), also while the final
+        # checkpoint is written: SIGTERM's default handler would kill without a word. The count goes on until
+        # close().
         for s, previous in self._previous.items():
             if s == STOP_SIGNAL:
                 signal.signal(s, signal.SIG_IGN if self.stop else previous)  # (stopping already)
@@ -113,13 +114,17 @@ class StopFlag:
                 signal.signal(s, _abort if self.stop else previous)
 
     def close(self) -> None:
-        """The run is over: the handlers in force before ``__enter__`` are back (where a handler textgym set
-        is still in force: one set by someone else since stays), and the count stops."""
+        """The run is over: the count stops. Called from Python (a script, a notebook), the handlers in force
+        before ``__enter__`` are back, where a handler textgym set is still in force. The textgym command
+        keeps a stopped run's until it exits: its process ends with the run, and a second signal arriving
+        late (one a launcher passes on, one sent to the whole process group) aborts in one line instead of
+        killing it without a word, or with an exit code its launcher takes for a failure."""
         global _counting
-        ours = (self._handle, self._stop_from_launcher, _abort, signal.default_int_handler, signal.SIG_IGN)
-        for s, previous in self._previous.items():
-            if signal.getsignal(s) in ours:
-                signal.signal(s, previous)
+        if not _is_cli():
+            ours = (self._handle, self._stop_from_launcher, _abort, signal.default_int_handler)
+            for s, previous in self._previous.items():
+                if signal.getsignal(s) in (*ours, signal.SIG_IGN):
+                    signal.signal(s, previous)
         self._previous = {}
         if self._pipe is None:
             return
