@@ -81,9 +81,10 @@ LAUNCHES = {
 
 
 class Updates:
-    """The updates of tests/distributed_update.py, one launch per entry of LAUNCHES (the checkpoints of LMPPO and LMPPO by name saved),
-    made the first time a test asks for it: a launch starts two or three Python processes, which costs
-    more than the updates in it."""
+    """The updates of tests/distributed_update.py, one launch per entry of LAUNCHES (the checkpoints of LMPPO
+    and LMPPO by name saved), and the second updates resumed from the one-process checkpoints, each made the
+    first time a test asks for it: a launch starts two or three Python processes, which costs more than the
+    updates in it."""
 
     def __init__(self, batch_file, tmp_path_factory):
         self.batch_file, self.tmp_path_factory, self.dirs = batch_file, tmp_path_factory, {}
@@ -96,6 +97,17 @@ class Updates:
                 self.batch_file, out, LAUNCHES[launch], processes, shard, "--save", "lmppo", "lmppo-zoo"
             )
         return self.dirs[launch]
+
+    def resumed(self, launch):
+        """The second update, of the agents the resume tests compare, from the one-process checkpoints."""
+        if ("resumed", launch) not in self.dirs:
+            out = self.tmp_path_factory.mktemp(f"resumed-{launch}")
+            processes, shard = (1, None) if launch == "one" else (2, launch)
+            agents = ["lmppo-zoo"] if launch == "fsdp" else ["lmppo", "lmppo-zoo"]
+            self.dirs["resumed", launch] = update(
+                self.batch_file, out, agents, processes, shard, "--load", self.dir("one")
+            )
+        return self.dirs["resumed", launch]
 
     def params(self, launch, agent):
         return torch.load(self.dir(launch) / f"{agent}.pt")
@@ -141,13 +153,10 @@ def test_sharded_only_the_main_process_reads_the_policy_and_the_update_is_the_sa
 
 
 @pytest.mark.parametrize("shard", ["fsdp", "zero3"])
-def test_sharded_only_the_main_process_reads_a_checkpoint_and_it_resumes_to_the_same_update(
-    tmp_path, batch_file, updates, shard
-):
+def test_sharded_only_the_main_process_reads_a_checkpoint_and_it_resumes_to_the_same_update(updates, shard):
     # the main process reads the source policy (the reference) and the checkpoint's weights; the second
     # update from one process's checkpoint is the same resumed in one process or sharded over two
-    again = update(batch_file, tmp_path / "again1", ["lmppo-zoo"], 1, None, "--load", updates.dir("one"))
-    sharded = update(batch_file, tmp_path / "again2", ["lmppo-zoo"], 2, shard, "--load", updates.dir("one"))
+    again, sharded = updates.resumed("one"), updates.resumed(shard)
     output = (sharded / "stdout.txt").read_text()
     assert (
         "rank 0: lmppo-zoo read a policy 2 times" in output
@@ -265,9 +274,7 @@ def test_zero3_names_a_policy_whose_dtype_differs_from_the_value_heads(tmp_path)
     assert message in result.stderr
 
 
-def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_next_update(
-    tmp_path, batch_file, updates
-):
+def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_next_update(updates):
     # LMPPO under ZeRO-3 (its first update equals one process's: the test above): its gathered checkpoint
     # (weights, value head, AdamW moments and step) equals one process's checkpoint; then an unsharded
     # checkpoint loaded into ZeRO-3 shards gives the same second update as one process (the moments and step
@@ -282,9 +289,7 @@ def test_zero3_checkpoints_hold_what_one_process_saves_and_load_into_the_same_ne
             torch.testing.assert_close(saved[1]["state"][index][key], entry[key], atol=1e-6, rtol=0)
     heads = [torch.load(d / "value_head.pt", weights_only=True) for d in (one, two)]
     assert_close(list(heads[0].values()), list(heads[1].values()))
-    again = update(batch_file, tmp_path / "again1", ["lmppo"], 1, None, "--load", updates.dir("one"))
-    sharded = update(batch_file, tmp_path / "again2", ["lmppo"], 2, "zero3", "--load", updates.dir("one"))
-    again, sharded = (torch.load(d / "lmppo.pt") for d in (again, sharded))
+    again, sharded = (torch.load(updates.resumed(launch) / "lmppo.pt") for launch in ("one", "zero3"))
     assert any(not torch.equal(a, b) for a, b in zip(again, updates.params("one", "lmppo")))  # it moved
     assert_close(again, sharded)
 
@@ -388,38 +393,16 @@ def test_accelerate_launch_with_a_shipped_config_starts_two_processes_asking_for
         assert f"process {rank} of 2: {asks}" in result.stdout
 
 
-SAVE_TIED = """
-import sys
-import torch.distributed
-from textgym.agents.ppo import LMPPO
-from textgym.launch import end_process_group
-
-
-def main():
-    LMPPO("tiny-random-llama", None, seed=0, verbose=0).save(sys.argv[1])  # its LM head is its embeddings
-
-
-main()
-if torch.distributed.is_initialized():
-    torch.distributed.barrier()
-end_process_group()
-"""
-
-
-def test_a_zero3_checkpoint_of_tied_weights_holds_what_one_process_writes(tmp_path):
+def test_a_zero3_checkpoint_of_tied_weights_holds_what_one_process_writes(updates):
     from safetensors import safe_open
 
-    (tmp_path / "save.py").write_text(SAVE_TIED)
-    for cmd, out, shard in (([sys.executable], "one", None), (TORCHRUN, "two", "zero3")):
-        result = run_cmd([*cmd, str(tmp_path / "save.py"), str(tmp_path / out)], shard=shard)
-        assert result.returncode == 0, result.stderr[-3000:]
+    # LMPPO by name, after its update: tiny-random-llama's LM head is its embeddings
     tensors = {}
-    for out in ("one", "two"):
-        with safe_open(tmp_path / out / "policy" / "model.safetensors", "pt") as f:
-            tensors[out] = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (not iterable)
-    assert tensors["two"].keys() == tensors["one"].keys()  # the tied LM head is written once, as unsharded
-    for key, value in tensors["one"].items():
-        assert torch.equal(tensors["two"][key], value)
+    for launch in ("one", "zero3"):
+        with safe_open(updates.dir(launch) / "lmppo-zoo" / "policy" / "model.safetensors", "pt") as f:
+            tensors[launch] = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (not iterable)
+    assert tensors["zero3"].keys() == tensors["one"].keys()  # the tied LM head is written once, as unsharded
+    assert_close(list(tensors["one"].values()), [tensors["zero3"][key] for key in tensors["one"]])
 
 
 SHARED = """
