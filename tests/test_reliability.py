@@ -594,6 +594,25 @@ def test_a_run_stopped_by_a_signal_in_a_python_process_gives_back_the_signal_han
     assert handlers == {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
+@pytest.mark.parametrize(
+    "orig_argv, argv, cli",
+    [
+        (["py", "/venv/bin/textgym", "train", "c.toml"], ["/venv/bin/textgym", "train", "c.toml"], True),
+        (["py", "-m", "textgym", "train"], ["-m", "train"], True),  # while runpy imports textgym
+        (["py", "-u", "-m", "textgym", "train"], ["-m", "train"], True),  # as torchrun starts it
+        (["py", "-u", "-m", "textgym", "train"], ["/src/textgym/__main__.py", "train"], True),
+        (["py", "-m", "pytest", "-m", "textgym"], ["/venv/pytest/__main__.py", "-m", "textgym"], False),
+        (["py", "run.py", "-m", "textgym"], ["run.py", "-m", "textgym"], False),
+    ],
+)
+def test_the_textgym_command_is_told_from_python_that_imports_textgym(monkeypatch, orig_argv, argv, cli):
+    import textgym
+
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert textgym._is_cli() is cli
+
+
 CTRL_C_THEN_EXIT = """
 import atexit
 import signal

@@ -11,12 +11,13 @@ __version__ = "0.1.0"
 
 
 def _is_cli() -> bool:
-    """Whether this process is the textgym command (``textgym ...`` or ``python [-u ...] -m textgym ...``, as
-    torchrun starts it): ``sys.argv[0]`` is the script, or the path of textgym's ``__main__.py``."""
-    argv = getattr(_sys, "orig_argv", _sys.argv)
-    script = _sys.argv[0].replace("\\", "/")
-    entry = ("/textgym", "textgym.exe", "textgym/__main__.py")
-    return script.endswith(entry) or argv[1:3] == ["-m", "textgym"]
+    """Whether this process is the textgym command: ``textgym ...`` (``sys.argv[0]`` is the script), or
+    ``python [OPTIONS] -m textgym ...``, as torchrun starts it (with -u). The interpreter's own arguments end
+    with ``-m textgym``, just before the program's (``sys.argv[1:]``): so also while textgym is imported, when
+    ``sys.argv[0]`` is still ``-m``."""
+    module = len(_sys.orig_argv) - len(_sys.argv)
+    ran = module >= 1 and _sys.orig_argv[module - 1 : module + 1] == ["-m", "textgym"]
+    return ran or _sys.argv[0].replace("\\", "/").endswith(("/textgym", "textgym.exe"))
 
 
 try:

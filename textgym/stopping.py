@@ -121,9 +121,15 @@ class StopFlag:
         killing it without a word, or with an exit code its launcher takes for a failure."""
         global _counting
         if not _is_cli():
-            ours = (self._handle, self._stop_from_launcher, _abort, signal.default_int_handler)
+            ours = (
+                self._handle,
+                self._stop_from_launcher,
+                _abort,
+                signal.default_int_handler,
+                signal.SIG_IGN,
+            )
             for s, previous in self._previous.items():
-                if signal.getsignal(s) in (*ours, signal.SIG_IGN):
+                if signal.getsignal(s) in ours:
                     signal.signal(s, previous)
         self._previous = {}
         if self._pipe is None:
