@@ -370,7 +370,6 @@ def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_epi
 
 REQUESTED = """
 import os
-import re
 from textgym.agents.sharding import fsdp_requested
 from textgym.agents.zero3 import zero3_requested
 print(f"process {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {fsdp_requested()} {zero3_requested()}")
@@ -582,7 +581,6 @@ def test_a_second_ctrl_c_aborts_a_run_processes_2_run_in_one_line(config, tmp_pa
 
 SLOW_ON_RANK_0 = """
 import os
-import re
 import time
 from pathlib import Path
 
@@ -647,7 +645,6 @@ def test_a_resume_that_sets_another_number_of_processes_is_refused(config, tmp_p
 
 FAILS_ON_RANK_1 = """
 import os
-import re
 
 import textgym
 
