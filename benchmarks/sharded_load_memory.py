@@ -51,7 +51,10 @@ def worker(model: str, way: str) -> None:
 
         deepspeed.initialize = initialize
     agent = LMPPO(model if way == "name" else load_model(model)[0], None, seed=0, verbose=0)
-    growth = {"built": round(peak_mib() - before), "sharded": sharded[0] and round(sharded[0])}
+    growth = {
+        "built": round(peak_mib() - before),
+        "sharded": None if sharded[0] is None else round(sharded[0]),
+    }
     print(f"rank {agent.dist.rank}: {json.dumps(growth)}", flush=True)
     dist.barrier()
 
@@ -62,7 +65,7 @@ def launch(model: str, engine: str, way: str) -> dict[int, dict[str, float | Non
            "-m", "benchmarks.sharded_load_memory", "--worker", way, "--model", model]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, cwd=ROOT).stdout
-    return {int(r): json.loads(growth) for r, growth in re.findall(r"rank (\d+): (\{.*\})", out)}
+    return {int(r): json.loads(growth) for r, growth in re.findall(r"rank (\d+): (\{[^}]*\})", out)}
 
 
 def main() -> None:
