@@ -112,7 +112,7 @@ class LMAgent(SB3Contract, UpdateGuards):
             model, skeleton = sharding.load_on_main(load, self.dist, self._with_lora)
         else:
             model = self._with_lora(self._load_policy(policy))
-        self.ref_policy = None  # with LoRA, the reference is the same weights with the adapter disabled
+        self.ref_policy = None  # with LoRA, the reference is the same weights (lora.reference_weights)
         model.eval()  # dropout off, LoRA's included: rollout and training log-probs must agree
         if c.lora is None and self.uses_reference:
             self.ref_policy = (skeleton() if skeleton else copy.deepcopy(model)).requires_grad_(False)
@@ -170,18 +170,22 @@ class LMAgent(SB3Contract, UpdateGuards):
         return prepared[0], prepared[-1], dict(zip(modules, prepared[1:-1])), params
 
     def _with_lora(self, model: Any, on_meta: bool = False) -> Any:
-        """The model with the config's LoRA adapter (the model itself without ``lora``, or if it has one).
-        ``on_meta``: a meta-device skeleton, whose adapter weights come from the main process, so no
-        initialisation may read the base weights (PiSSA, OLoRA)."""
-        lora = self.config.lora
-        if lora is None:
+        """The model with the config's LoRA adapter (the model itself without ``lora``, or if it has one),
+        and, where the adapter does not start as a no-op (PiSSA, OLoRA, ...), a frozen copy of it as the
+        reference (agents/lora.py). ``on_meta``: a meta-device skeleton, whose adapter weights come from the
+        main process, so no initialisation may read the base weights."""
+        settings = self.config.lora
+        if settings is None:
             return model
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if isinstance(model, PeftModel):
             return model
-        lora = {**lora, "init_lora_weights": False} if on_meta else lora
-        return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        init = {"init_lora_weights": False} if on_meta else {}
+        adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
+        if not lora.starts_at_base(settings):  # the reference: the policy as it starts
+            lora.add_reference_adapter(adapted, on_meta)
+        return adapted
 
     def _adamw(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The agent's AdamW, sharded or not (DeepSpeed steps its shards through this one too)."""
@@ -372,8 +376,8 @@ class LMAgent(SB3Contract, UpdateGuards):
 
     def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs (N, T) of the response tokens under the reference, at the sampling temperature."""
-        if self.ref_policy is None:  # LoRA: the same weights with the adapter disabled
-            with lora.adapters_disabled(self.rollout_model):
+        if self.ref_policy is None:  # LoRA: the same weights, as they started (agents/lora.py)
+            with lora.reference_weights(self.rollout_model):
                 return self.sequence_logprobs(self.rollout_model, batch)[0]
         return self.sequence_logprobs(self.ref_policy, batch)[0]
 

@@ -1,8 +1,10 @@
 """Checkpoints of LM agents: one directory, written atomically, loaded without running pickled code.
 
-Layout: ``policy/`` (Hugging Face format; the adapter alone with LoRA, the base reloaded by name),
-``reference/`` (only when the policy was given as an object), ``<module>.pt`` per trainable module (e.g. the
-value head), ``optimizer.pt`` and ``state.json`` (agent name, config, counters, history, extra state).
+Layout: ``policy/`` (Hugging Face format; the adapter alone with LoRA, the base reloaded by name, and in
+``policy/reference/`` the frozen initial adapter of a LoRA policy that did not start at its base model, see
+:mod:`textgym.agents.lora`), ``reference/`` (only when the policy was given as an object), ``<module>.pt``
+per trainable module (e.g. the value head), ``optimizer.pt`` and ``state.json`` (agent name, config,
+counters, history, extra state).
 Tensors are loaded with ``weights_only=True``.
 
 Under sharding (FSDP2, :mod:`textgym.agents.sharding`; DeepSpeed ZeRO-3, :mod:`textgym.agents.zero3`) the
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from textgym.agents import sharding, zero3
+from textgym.agents import lora, sharding, zero3
 from textgym.agents.rollout_batch import RunningMoments
 from textgym.errors import ConfigError, TrainingError
 
@@ -178,6 +180,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
 
             base = cls._load_policy(source)
             policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
+            lora.load_reference_adapter(policy, path / "policy")
             agent = cls(policy, env, **config)
         else:
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)

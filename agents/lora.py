@@ -1,23 +1,117 @@
-"""LoRA policies: the adapter switched off (the reference), and folded into a weight copy (sampling).
+"""LoRA policies: the reference within the same weights, and the adapters folded into a weight copy (sampling).
 
-With ``lora = {...}`` an agent's policy is a peft ``PeftModel``; its reference is the same model with the
-adapters switched off, so there is no second copy of the weights. In bf16 a rollout samples from the
-adapters folded into the bf16 weight copy that it makes anyway (agents/precision.py).
+With ``lora = {...}`` an agent's policy is a peft ``PeftModel``, and its reference is the same model, so
+there is no second copy of the weights. The reference is the policy as it started: with the LoRA paper's
+initialisation (``B = 0``, peft's default) that is the model with its adapters switched off. Other
+initialisations start elsewhere: PiSSA, OLoRA, CorDA and LoftQ move the principal part of each adapted
+weight into the adapter (the base keeps the residual), and ``init_lora_weights = false`` starts from random
+adapters. Switched off, such a model is not the policy that training started from, and the KL penalty would
+pull towards a model nobody chose. Those policies keep a frozen copy of their initial adapter, the
+``reference`` adapter (a few MB), and compute the reference through it (:func:`reference_weights`). In bf16
+a rollout samples from the adapters folded into the bf16 weight copy that it makes anyway
+(agents/precision.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from textgym.scoring import restore_linears
 
-__all__ = ["adapters_disabled", "fold_lora", "foldable_lora_layers"]
+__all__ = ["REFERENCE", "adapters_disabled", "add_reference_adapter", "fold_lora", "foldable_lora_layers",
+           "load_reference_adapter", "reference_weights", "starts_at_base"]  # fmt: skip
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+REFERENCE = "reference"  # the frozen initial adapter of a policy that does not start at its base model
+# the initialisations whose adapters start with B A = 0: the LoRA paper's (B = 0; A uniform or gaussian), and
+# peft's "orthogonal" (the rows of A and B are orthogonal halves of one orthogonal matrix)
+ZERO_START = (True, "gaussian", "orthogonal")
+
+
+def starts_at_base(lora: dict) -> bool:
+    """Whether a ``lora`` config's adapters start as a no-op, so that the policy starts as the model with
+    its adapters switched off. Decided from the config alone, the same on every process, meta-device
+    skeletons included."""
+    return lora.get("init_lora_weights", True) in ZERO_START
+
+
+def add_reference_adapter(model: nn.Module, on_meta: bool = False) -> None:
+    """Add the ``reference`` adapter to a peft ``model``: a frozen copy of its active adapter as it is now
+    (``on_meta``: of the same shapes, for the main process's weights to fill). The active adapter stays
+    active and trainable."""
+    import copy
+
+    active = model.active_adapter
+    config = copy.deepcopy(model.peft_config[active])
+    config.init_lora_weights, config.inference_mode = False, True  # nothing read from the (residual) base
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    with _made_for_this_base():
+        model.add_adapter(REFERENCE, config)
+    for parameter, flag in flags:  # adding an adapter may mark weights trainable; only the active one is
+        parameter.requires_grad_(flag)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, parameter in params.items():
+            parts = name.split(".")
+            if active in parts:  # e.g. ...q_proj.lora_A.default.weight, ...lora_embedding_A.default
+                twin = params[".".join(REFERENCE if part == active else part for part in parts)]
+                if not on_meta:
+                    twin.copy_(parameter)
+                twin.requires_grad_(False)
+
+
+def load_reference_adapter(model: nn.Module, directory: Path) -> None:
+    """The ``reference`` adapter that a checkpoint saved (peft writes it to ``policy/reference/``), frozen;
+    nothing where the checkpoint has none (its policy started at its base model)."""
+    if not (directory / REFERENCE / "adapter_config.json").is_file():
+        return
+    active = model.active_adapter
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    with _made_for_this_base():
+        model.load_adapter(str(directory / REFERENCE), adapter_name=REFERENCE)
+    model.set_adapter(active)
+    for parameter, flag in flags:
+        parameter.requires_grad_(flag)
+    for name, parameter in model.named_parameters():
+        if REFERENCE in name.split("."):
+            parameter.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _made_for_this_base() -> Iterator[None]:
+    """Without peft's warning that an adapter which changed the base weights (PiSSA, OLoRA, CorDA) should
+    not be combined with another: it is meant for adapters made for the original base, and the reference
+    adapter is a copy of the first one, made for the changed base."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".* changes the base weights of the model")
+        yield
+
+
+@contextlib.contextmanager
+def reference_weights(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model`` (a peft model) computes the policy's reference: through its ``reference``
+    adapter if it has one, else with its adapters switched off. Every parameter's ``requires_grad`` is as it
+    was on exit."""
+    if REFERENCE not in getattr(model, "peft_config", {}):
+        with adapters_disabled(model):
+            yield
+        return
+    active = model.active_adapter
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        model.set_adapter(REFERENCE)
+        yield
+    finally:
+        model.set_adapter(active)
+        for parameter, flag in flags:
+            parameter.requires_grad_(flag)
 
 
 @contextlib.contextmanager

@@ -179,6 +179,7 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
         **FAST,
     )
     assert agent.ref_policy is None
+    assert list(agent.rollout_model.peft_config) == ["default"]  # no second adapter
     b = agent.collect_rollouts()
     with torch.no_grad():
         logits, _ = agent.forward(base, b)
@@ -190,6 +191,51 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
     agent.learn(16 * 6 * 2)
     with pytest.raises(ConfigError, match="LoRA policy needs the base model given by name"):
         agent.save(tmp_path / "lora")
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", "orthogonal"])
+def test_the_lora_initialisations_that_start_as_a_no_op_keep_the_adapter_disabled_reference(init):
+    from textgym.agents.lora import adapters_disabled
+
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": init}
+    agent = LMPPO("tiny-random-llama", None, lora=lora, seed=0, verbose=0)
+    model, ids = agent.rollout_model, torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        start = model(input_ids=ids).logits
+        with adapters_disabled(model):
+            torch.testing.assert_close(model(input_ids=ids).logits, start, atol=1e-6, rtol=0)
+    assert list(model.peft_config) == ["default"]
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora", False])
+def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as_the_reference(
+    tmp_path, init
+):
+    """PiSSA and OLoRA move each adapted weight's principal part into the adapter (the base keeps the
+    residual), and init_lora_weights = false starts from random adapters: switched off, the adapters leave a
+    model that is not the policy training started from. The reference is that starting policy: the KL is 0
+    before any update, the reference stays there while the policy moves, and a checkpoint keeps it."""
+    env = TextGenVectorEnv(
+        num_envs=4, model="tiny-random-llama", prompts=["Hi", "Why?"], max_new_tokens=4,
+        rewards=[{"name": "sentiment"}], autoreset_mode="Disabled",
+    )  # fmt: skip
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": init}
+    agent = LMPPO("tiny-random-llama", env, lora=lora, seed=0, learning_rate=1e-2, kl_coef=0.1, verbose=0)
+    batch = agent.collect_rollouts()
+    start = agent.reference_logprobs(batch)
+    torch.testing.assert_close(start, batch.logprobs, atol=1e-4, rtol=0)
+    frozen = [p for n, p in agent.rollout_model.named_parameters() if ".reference." in n]
+    assert frozen and not any(p.requires_grad for p in frozen)
+    assert not {id(p) for p in frozen} & {id(p) for p in agent.params}  # never trained
+    agent.learn(4 * 4 * 2)
+    moved = agent.sequence_logprobs(agent.rollout_model, batch)[0]
+    assert (moved - start).abs().max() > 1e-3  # the policy moved
+    torch.testing.assert_close(agent.reference_logprobs(batch), start)  # the reference did not
+    agent.save(tmp_path / "run")
+    loaded = LMPPO.load(tmp_path / "run", env)
+    torch.testing.assert_close(loaded.reference_logprobs(batch), start)
+    torch.testing.assert_close(loaded.sequence_logprobs(loaded.rollout_model, batch)[0], moved)
+    assert [tuple(p.shape) for p in loaded.params] == [tuple(p.shape) for p in agent.params]
 
 
 def test_bad_hyperparameters_and_envs_are_clear_errors():
