@@ -182,7 +182,8 @@ class LMAgent(SB3Contract, UpdateGuards):
         if isinstance(model, PeftModel):
             return model
         init = {"init_lora_weights": False} if on_meta else {}
-        adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
+        with lora.seeded_init(self.config.seed):  # as a checkpoint remakes it (checkpoint.load_checkpoint)
+            adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
         if not lora.starts_at_base(settings):  # the reference: the policy as it starts
             lora.add_reference_adapter(adapted, on_meta)
         return adapted

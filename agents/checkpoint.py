@@ -179,7 +179,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             from peft import PeftModel
 
             base = cls._load_policy(source)
-            policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
+            with lora.seeded_init(state["config"]["seed"]):  # the adapters remade as made (base._with_lora)
+                policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
             lora.load_reference_adapter(policy, path / "policy")
             agent = cls(policy, env, **config)
         else:

@@ -24,7 +24,7 @@ from torch import nn
 from textgym.scoring import restore_linears
 
 __all__ = ["REFERENCE", "adapters_disabled", "add_reference_adapter", "fold_lora", "foldable_lora_layers",
-           "load_reference_adapter", "reference_weights", "starts_at_base"]  # fmt: skip
+           "load_reference_adapter", "reference_weights", "seeded_init", "starts_at_base"]  # fmt: skip
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE = "reference"  # the frozen initial adapter of a policy that does not start at its base model
@@ -38,6 +38,20 @@ def starts_at_base(lora: dict) -> bool:
     its adapters switched off. Decided from the config alone, the same on every process, meta-device
     skeletons included."""
     return lora.get("init_lora_weights", True) in ZERO_START
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Within the block, torch's random numbers start from ``seed``; outside, they continue as if the block
+    had drawn none. For the adapters' initialisation, as made and as remade when a checkpoint loads: peft
+    makes every adapter again from its config before it reads the saved weights, and a randomized one
+    (``init_lora_weights = "pissa_niter_K"``: a randomized SVD) also leaves the base its residual, which the
+    checkpoint does not hold. Seeded alike both times, the base is the one the adapter was trained over;
+    and every process makes the same adapters."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def add_reference_adapter(model: nn.Module, on_meta: bool = False) -> None:

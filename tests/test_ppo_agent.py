@@ -207,7 +207,7 @@ def test_the_lora_initialisations_that_start_as_a_no_op_keep_the_adapter_disable
     assert list(model.peft_config) == ["default"]
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora", False])
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", False])
 def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as_the_reference(
     tmp_path, init
 ):
