@@ -343,6 +343,8 @@ class LMAgent(SB3Contract, UpdateGuards):
         P = query_ids.shape[1]
         last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
         logits = out.logits[:, -(T + 1) : -1]  # (N, T, V): positions P-1 .. P+T-2 chose the response tokens
+        if self.env is not None:  # a model's vocabulary padded past its tokenizer's: the rollout samples
+            logits = logits[..., : self.env.single_action_space.n]  # from the env's tokens; so does this
         return logits, last_hidden
 
     def policy_logprobs(

@@ -16,9 +16,10 @@ def share_of_a(samples):
     return [s.completion.count("a") / max(len(s.completion_ids), 1) for s in samples]
 
 
-def char_llama():
+def char_llama(vocab_size=None):
+    """A tiny random Llama over CHARS' tokens (``vocab_size``: its own, larger vocabulary, padded past them)."""
     config = LlamaConfig(
-        vocab_size=len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=vocab_size or len(CHARS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from lm_helpers import char_llama, iterations, make_env
+from lm_helpers import CHARS, char_llama, iterations, make_env
 from stable_baselines3.common.callbacks import (
     BaseCallback,
     CheckpointCallback,
@@ -36,9 +36,13 @@ def test_seeded_ppo_raises_a_toy_reward_and_is_reproducible_bit_for_bit():
     assert run() == scores
 
 
-def test_ratio_is_one_before_the_first_update_and_values_start_at_zero():
-    agent = LMPPO(char_llama(), make_env(), temperature=0.7, seed=0, verbose=0)
+@pytest.mark.parametrize("padded", [0, 6], ids=["vocab-as-tokenizer", "vocab-padded-past-the-tokenizer"])
+def test_ratio_is_one_before_the_first_update_and_values_start_at_zero(padded):
+    """``padded``: the model's vocabulary is larger than its tokenizer's, as embeddings padded to a round size
+    are (Qwen2.5, Pythia); the env's tokens are the tokenizer's, and so is the policy's distribution."""
+    agent = LMPPO(char_llama(len(CHARS) + padded), make_env(), temperature=0.7, seed=0, verbose=0)
     b = agent.collect_rollouts()
+    assert abs(b.stats["kl"]) < 1e-5  # the reference is the policy
     with torch.no_grad():
         logits, _ = agent.forward(agent.policy, b)
     new = logprobs_from_logits(logits, b.response_ids, 0.7) * b.response_mask
