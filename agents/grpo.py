@@ -75,7 +75,9 @@ class GRPO(GroupAgent):
         )
         stats = {}
         if c.beta:
-            kl = k3_kl(logprobs, mb.ref_logprobs.to(logprobs.device))
+            ref = mb.ref_logprobs.to(logprobs.device)  # 0 past a completion's end, where the policy's
+            # log-prob of the pad token may be below -88.7 and exp(ref - logp) overflow: there d = 0 instead
+            kl = k3_kl(torch.where(mask.bool(), logprobs, ref), ref)
             per_token = per_token + c.beta * kl
             stats["kl_k3_per_token"] = ((kl.detach() * mask).sum(), mask.sum())
         loss = aggregate_loss(

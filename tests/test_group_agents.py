@@ -148,6 +148,26 @@ def test_mask_truncated_completions_leaves_them_out_of_the_gradient():
     assert logprobs.grad[batch.truncated].eq(0).all()
 
 
+def test_a_pad_tokens_log_prob_after_a_completion_never_reaches_the_k3_kl():
+    """Past a completion's end the policy's log-prob of the pad token can be below -88.7 (a low temperature,
+    an unlikely pad token), where exp() overflows float32: neither the loss, its gradient nor the KL statistic
+    may see it."""
+    agent = agent_of("grpo", beta=0.04)
+    batch = agent.collect_rollouts()
+    mask = batch.loss_mask.bool()
+    assert (~mask).any() and mask.any(1).all()
+    totals = {"num_sequences": 16, "num_tokens": batch.loss_mask.sum(), "num_micro_batches": 1,
+              "max_completion_length": 6, "world": 1}  # fmt: skip
+
+    def loss_with(padding):
+        logprobs = torch.where(mask, batch.logprobs, torch.tensor(padding)).requires_grad_(True)
+        loss, stats = agent.loss(batch, logprobs, totals)
+        loss.backward()
+        return loss.detach(), stats["kl_k3_per_token"][0], logprobs.grad
+
+    assert all(torch.equal(a, b) for a, b in zip(loss_with(0.0), loss_with(-100.0)))
+
+
 def test_a_constant_reward_gives_zero_advantages_and_a_finite_update():
     agent = agent_of("grpo", env=make_env(reward=lambda samples: [1.0] * len(samples)))
     batch = agent.collect_rollouts()
