@@ -192,8 +192,9 @@ class LMPPO(LMAgent):
         mb_size = math.ceil(n / c.n_minibatches)
         micro = c.micro_batch_size or mb_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
+        # each micro-batch's token means, times its tokens: the update's statistics are means over all tokens
         logs: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent")
+            k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent", "tokens")
         }
         ratio_chunks = []  # (ratios, mask) per micro-batch, on the device
         for _ in range(c.n_epochs):
@@ -232,17 +233,21 @@ class LMPPO(LMAgent):
                     # statistics stay tensors on the device until the update ends: no host read per micro-batch
                     with torch.no_grad():  # (selecting the masked tokens here would sync: at the end)
                         ratio_chunks.append(((logprobs - old["logprobs"]).exp(), mask.bool()))
+                    tokens = mask.sum().double()
                     for key, value in zip(
                         ("pg", "vf", "clip", "vfclip", "approxkl", "ent"),
                         (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, entropy),
                     ):
-                        logs[key].append(value.detach().double())
+                        logs[key].append(value.detach().double() * tokens)
+                    logs["tokens"].append(tokens)
                 self.optimizer_step()
-            # every process stops the epochs together (one host read per epoch, with a target only)
-            if c.target_kl is not None and self.dist.any(
-                float(torch.stack(logs["approxkl"][epoch_start:]).mean()) > 1.5 * c.target_kl
-            ):
-                break
+            # the epoch's approx-KL over every process's tokens: the processes stop the epochs together (one
+            # host read per epoch, with a target only)
+            if c.target_kl is not None:
+                epoch = [torch.stack(logs[k][epoch_start:]).sum() for k in ("approxkl", "tokens")]
+                kl, tokens = self.dist.sum(torch.stack(epoch)).tolist()
+                if kl / max(tokens, 1.0) > 1.5 * c.target_kl:
+                    break
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
         # the agent's tokens, selected once for the whole update (one sync); every micro-batch has T columns
         ratios = torch.cat([r for r, _ in ratio_chunks])[torch.cat([m for _, m in ratio_chunks])].cpu()
@@ -251,7 +256,8 @@ class LMPPO(LMAgent):
         mask = batch.action_mask.float()
         var_returns = masked_var(self.dist.gather(batch.returns), self.dist.gather(mask))
         residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))
-        means = {k: float(self.dist.sum(torch.stack(v).mean()) / self.dist.world) for k, v in logs.items()}
+        sums = self.dist.sum(torch.stack([torch.stack(v).sum() for v in logs.values()])).tolist()
+        means = {k: total / max(sums[-1], 1.0) for k, total in zip(logs, sums)}
         return {
             "entropy": means["ent"],
             "loss/policy_avg": means["pg"],

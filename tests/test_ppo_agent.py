@@ -51,14 +51,21 @@ def test_ratio_is_one_before_the_first_update_and_values_start_at_zero(padded):
     assert (b.values == 0).all()
 
 
-def test_micro_batches_accumulate_to_the_same_update():
+def test_micro_batches_accumulate_to_the_same_update_and_statistics():
+    """Micro-batches of 3 rows hold different numbers of tokens: the update and its logged means over tokens
+    (with whitened advantages the policy loss's is 0 before the step) are those of one forward."""
+
     def update(micro):
         agent = LMPPO(char_llama(), make_env(8), n_epochs=1, micro_batch_size=micro, seed=0, **FAST)
-        agent.train(agent.collect_rollouts())
-        return [p.detach().clone() for p in agent.params]
+        stats = agent.train(agent.collect_rollouts())
+        return [p.detach().clone() for p in agent.params], stats
 
-    for whole, parts in zip(update(None), update(3)):
-        torch.testing.assert_close(whole, parts, atol=1e-6, rtol=1e-5)
+    (whole, whole_stats), (parts, parts_stats) = update(None), update(3)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    keys = ["entropy", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg", "policy/approxkl_avg"]
+    assert [parts_stats[k] for k in keys] == pytest.approx([whole_stats[k] for k in keys], abs=1e-6)
+    assert whole_stats["loss/policy_avg"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bit(tmp_path):
