@@ -50,6 +50,11 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     assert six.p == pytest.approx(2 / 64)
     equal = paired({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0})
     assert equal.p == 1.0 and equal.diff == 0.0
+    # two metrics that are 0 up to float rounding, in either direction, are not different
+    rounding = {s: v for s, v in enumerate([1e-17, -2e-17, 3e-17, 1e-17, 2e-17, 1e-17])}
+    zero = paired(rounding, {s: 0.0 for s in range(6)})
+    assert zero.p == 1.0 and zero.diff == 0.0 and zero.d_z == 0.0
+    assert compare({"a": rounding, "b": {s: 0.0 for s in range(6)}}, "higher")[1] == {"a": 1, "b": 1}
 
 
 def test_holm_adjustment_by_hand():

@@ -62,7 +62,9 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     """The paired comparison of ``a`` and ``b`` (seed -> value) over the seeds both have a value for.
 
     When every shared seed shows exactly the same difference the t statistic is undefined: the p-value is
-    then the exact sign test's (2 / 2^n) for a non-zero difference, and 1 for none.
+    then the exact sign test's (2 / 2^n) for a non-zero difference, and 1 for none. Differences within
+    float rounding of the values (1e-12 of their size, at least 1e-12) are none: two metrics that are both
+    0 up to rounding never differ significantly.
     """
     from scipy import stats
 
@@ -71,6 +73,9 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     n = len(d)
     if n == 0:
         return Paired(0, math.nan, math.nan, math.nan, math.nan, math.nan)
+    scale = max(1.0, *(abs(x[s]) for x in (a, b) for s in seeds))
+    if float(np.abs(d).max()) <= 1e-12 * scale:  # rounding, whatever its signs: no difference
+        d = np.zeros_like(d)
     diff = float(d.mean())
     if n < 2:
         return Paired(1, diff, math.nan, math.nan, math.nan, math.nan)
