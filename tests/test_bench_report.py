@@ -110,6 +110,27 @@ def test_flags_rankings_and_clipped_intervals(report):
         assert (out / name).stat().st_size > 10_000
 
 
+def test_the_report_says_which_checks_did_not_run(tmp_path):
+    """A run without a held-out curve, and a design whose proxy is not measured (normalize_then_sum), are not
+    checked for what needs them: the report says so, and counts a flag over the seeds it was checked on."""
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    for job in jobs:
+        if job.design["name"] == "proxy" and job.seed == 2:
+            (job.run_dir / "eval.csv").unlink()
+        if job.design["name"] == "gold":
+            result = json.loads((job.run_dir / "eval.json").read_text())
+            result["metrics"]["reward"] = None
+            (job.run_dir / "eval.json").write_text(json.dumps(result))
+    write_outputs(out, spec, jobs)
+    md = (out / "report.md").read_text()
+    assert "exact_copy 0.500 -> 0.150 (2 of 2 seeds; shown: seed 0)" in md  # seed 2 had no curve to check
+    assert "did not run on 1 of 6 runs: they have no held-out curve" in md
+    assert "The gaming check did not run on gold: the held-out `reward` (the proxy) is not measured" in md
+    assert "did not run on 1 of 6 runs" in (out / "report.html").read_text()
+    assert "No flags" not in md
+
+
 def chromium():
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):

@@ -2,6 +2,7 @@
 
 import math
 
+import gymnasium
 import numpy as np
 import pytest
 from lm_helpers import csv_rows
@@ -152,6 +153,22 @@ def test_an_evaluation_is_reproducible_and_reads_every_component(tmp_path):
     shares = [c["share"] for c in first.components.values()]
     assert sum(shares) == pytest.approx(1.0) and first.components["length_penalty"]["weight"] == 0.5
     assert first.errors["exact_copy"] >= 0 and not math.isnan(first.errors["reward"])
+
+
+def test_a_normalize_then_sum_total_is_not_measured_on_held_out_prompts(tmp_path):
+    """Standardised over the evaluated episodes themselves, its mean is 0 whatever the policy: not a number
+    to compare or to watch rise (the bench's gaming check needs it, and says it did not run)."""
+    from textgym.agents.ppo import LMPPO
+
+    components = COPY.split("rewards = ")[1].split("\n")[0]
+    text = COPY.replace(components, f'{{ aggregate = "normalize_then_sum", components = {components} }}')
+    config = load_config(config_file(tmp_path, text + EVAL))
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled", model="tiny-char-llama", prompts="copy-train")  # fmt: skip
+    evaluator = Evaluator(config, config["eval"], config["env"]["rewards"], lm_agent=True)
+    result = evaluator(LMPPO("tiny-char-llama", env, seed=0, verbose=0))
+    assert math.isnan(result.metrics["reward"]) and math.isnan(result.errors["reward"])
+    assert 0 <= result.metrics["exact_copy"] <= 1 and result.metrics["length"] > 0
 
 
 def test_check_eval_section_fills_defaults_and_jsonable_is_strict():

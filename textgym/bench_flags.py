@@ -121,9 +121,15 @@ def _ok(*values: Any) -> bool:
     return all(isinstance(v, (int, float)) and not math.isnan(v) for v in values)
 
 
-def group_flags(per_seed: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+CURVE_KINDS = ("gaming", "length_drift", "eos_collapse", "diversity_collapse")  # read off a held-out curve
+
+
+def group_flags(
+    per_seed: Mapping[int, Sequence[Mapping[str, Any]]], curved: Sequence[int] | None = None
+) -> list[dict[str, Any]]:
     """The flags of one (agent, design) over its seeds: one entry per kind and metric, with the seeds it
-    was raised in and the first seed's message."""
+    was raised in, the first seed's message, and ``of``: the seeds the check ran on (a curve's checks only
+    on the seeds in ``curved``, those with a held-out curve; all of them when it is None)."""
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
     for seed, flags in per_seed.items():
         for flag in flags:
@@ -131,5 +137,6 @@ def group_flags(per_seed: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[dic
             entry = grouped.setdefault(key, {**flag, "seeds": [], "first_seed": seed})
             entry["seeds"].append(seed)
     for entry in grouped.values():
-        entry["of"] = len(per_seed)
+        checked = per_seed if curved is None or entry["kind"] not in CURVE_KINDS else curved
+        entry["of"] = len(checked)
     return list(grouped.values())

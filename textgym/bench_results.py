@@ -108,10 +108,15 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
                 results.stale_curves.append(job.run_id)
     _summarize(results)
     per_group: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+    curved: dict[tuple[str, str], list[int]] = {}  # the seeds whose curve checks ran
     for job, e in zip(jobs, results.evals):
-        flags = run_flags(results.curves.get(job.run_id, []), e.get("components", {}), gold)
-        per_group.setdefault((e["agent"], e["design"]), {})[e["seed"]] = flags
-    results.flags = {key: group_flags(seeds) for key, seeds in per_group.items()}
+        curve = results.curves.get(job.run_id, [])
+        per_group.setdefault((e["agent"], e["design"]), {})[e["seed"]] = run_flags(
+            curve, e.get("components", {}), gold
+        )
+        if len(curve) >= 2:
+            curved.setdefault((e["agent"], e["design"]), []).append(e["seed"])
+    results.flags = {key: group_flags(seeds, curved.get(key, [])) for key, seeds in per_group.items()}
     return results
 
 

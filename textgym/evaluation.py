@@ -356,6 +356,8 @@ class Evaluator:
         totals = self.stack.combine(columns)
         metrics: dict[str, float] = {REWARD: _mean(totals)}
         errors: dict[str, float] = {REWARD: _se(totals)}
+        if self.stack.aggregate == "normalize_then_sum":  # standardised over these very episodes: its mean is
+            metrics[REWARD] = errors[REWARD] = math.nan  # 0 whatever the policy, and measures nothing
         for name, label in self.labels.items():
             metrics[label], errors[label] = _mean(columns[name]), _se(columns[name])
         builtin = self.spec["builtin"]
