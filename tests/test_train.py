@@ -169,3 +169,22 @@ def test_demo_config_trains_the_embedded_model(tmp_path):
     assert {f"rewards/{n}/mean" for n in ("sentiment", "fluency", "safety", "length_penalty")} <= set(
         metrics[0]
     )
+
+
+def test_the_reward_trend_of_a_normalize_then_sum_run_is_each_components(capsys):
+    """Standardised per batch, the total's mean is 0 whatever the policy: the summary shows what moved."""
+    from textgym.train import _print_trend
+
+    history = [
+        {"reward": 1e-17 * i, "rewards/match/mean": 0.1 * i, "rewards/length_penalty/mean": -1.0 + 0.1 * i}
+        for i in range(8)
+    ]
+    _print_trend(history, "normalize_then_sum")
+    out = capsys.readouterr().out
+    assert "each component's raw mean, first 2 iterations -> last 2 iterations): match 0.050 -> 0.650" in out
+    assert "length_penalty -0.950 -> -0.350, 8 iterations" in out
+    _print_trend(history, "sum")
+    assert (
+        "reward trend: 0.000 (first 2 iterations) -> 0.000 (last 2 iterations), 8 iterations"
+        in capsys.readouterr().out
+    )

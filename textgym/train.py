@@ -12,6 +12,7 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import numpy as np
 
 from textgym import plugin_manager
 from textgym.agent_config import is_lm_agent, resolve_agent
+from textgym.composition import stack_table
 from textgym.config import load_config, validate
 from textgym.errors import ConfigError
 from textgym.launch import (
@@ -325,7 +327,16 @@ def _run_native(
     after = samples() if not stopped else None
 
     def finish() -> Path:
-        return _finish(rd, agent.history, stopped, after, has_kl=True, sharding=agent.sharding_engine)
+        aggregate = stack_table(config["env"].get("rewards", []), "env.rewards")["aggregate"]
+        return _finish(
+            rd,
+            agent.history,
+            stopped,
+            after,
+            has_kl=True,
+            sharding=agent.sharding_engine,
+            aggregate=aggregate,
+        )
 
     return dist.on_main(finish) or rd.path
 
@@ -343,6 +354,7 @@ def _finish(
     samples: Any,
     has_kl: bool,
     sharding: str | None = None,
+    aggregate: str = "sum",
 ) -> Path:
     """The plot and, unless ``stopped``, the after-training sample table (``samples()``) and summary."""
     if history:
@@ -354,18 +366,37 @@ def _finish(
         )
         return rd.path
     _report(rd, "samples_after.jsonl", samples(), "after training")
-    _print_trend(history, "reward")
+    _print_trend(history, aggregate)
     print(f"textgym: run directory {rd.path}")
     return rd.path
 
 
-def _print_trend(history: Sequence[dict[str, Any]], key: str) -> None:
+def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> None:
+    """The reward's first and last quarter of the run. A ``normalize_then_sum`` total is standardised over
+    each batch, so its mean is 0 whatever the policy: then each component's raw mean instead."""
     if not history:
         return
     k = max(1, len(history) // 4)
-    first, last = np.mean([r[key] for r in history[:k]]), np.mean([r[key] for r in history[-k:]])
     span = "iteration" if k == 1 else f"{k} iterations"
-    print(f"reward trend: {first:.3f} (first {span}) -> {last:.3f} (last {span}), {len(history)} iterations")
+
+    def mean(rows: Sequence[dict[str, Any]], key: str) -> float:
+        values = [float(v) for r in rows if (v := r.get(key)) is not None and not math.isnan(float(v))]
+        return float(np.mean(values)) if values else math.nan
+
+    if aggregate != "normalize_then_sum":
+        first, last = mean(history[:k], "reward"), mean(history[-k:], "reward")
+        print(
+            f"reward trend: {first:.3f} (first {span}) -> {last:.3f} (last {span}), {len(history)} iterations"
+        )
+        return
+    keys = [key for key in history[-1] if key.startswith("rewards/") and key.endswith("/mean")]
+    moves = ", ".join(
+        f"{key[8:-5]} {mean(history[:k], key):.3f} -> {mean(history[-k:], key):.3f}" for key in keys
+    )
+    print(
+        f"reward trend (normalize_then_sum: the total is standardised per batch, so each component's raw mean, "
+        f"first {span} -> last {span}): {moves}, {len(history)} iterations"
+    )
 
 
 # -- Stable-Baselines3 agents ------------------------------------------------------------------------
