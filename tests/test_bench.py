@@ -141,6 +141,30 @@ def test_changed_evaluation_settings_evaluate_again_without_training(finished, c
     assert not (out / "eval_curves.png").exists() or "eval_curves" not in report
 
 
+def test_a_run_resumed_after_the_evaluation_settings_changed_keeps_its_curves_out(tmp_path, monkeypatch):
+    """An interrupted run resumes with the [eval] of its own config.toml: its held-out curves are measured
+    with the settings it started with, not the bench's new ones, so the report must not show them as current."""
+    from textgym.rundir import RunDir
+
+    d = designs(tmp_path / "out", seeds=[0])
+    d["designs"] = d["designs"][:1]
+
+    def interrupted(job):  # started (its run directory and config written), then stopped
+        RunDir(job.run_dir).create()
+        RunDir(job.run_dir).write_config(job.config)
+        raise KeyboardInterrupt
+
+    real_train = bench._train
+    monkeypatch.setattr(bench, "_train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(d, progress=False)
+    monkeypatch.setattr(bench, "_train", real_train)
+    bench.run(
+        designs(tmp_path / "out", seeds=[0], eval_episodes=8) | {"designs": d["designs"]}, progress=False
+    )
+    assert "held-out curves of 1 runs are not shown" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_a_killed_bench_resumes_without_redoing_finished_runs(tmp_path, counted, monkeypatch):
     d = designs(tmp_path / "out", eval_every=0)
     d["designs"] = d["designs"][:1]

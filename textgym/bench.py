@@ -206,13 +206,17 @@ def _short(value: Any) -> str:
 
 
 def _record(out: Path, job: Job) -> None:
+    """Record what the run is trained with, before it trains. A run that resumes keeps the curve settings it
+    recorded when it started: it resumes with the [eval] of its own config.toml, whatever the bench's are now."""
+    from textgym.rundir import RunDir
+
     path = out / INDEX_FILE
     index = _read_json(path) or {}
-    index.setdefault("runs", {})[job.run_id] = {
-        "config_hash": job.config_hash,
-        "curves_hash": job.curves_hash,
-        "config": job.identity,
-    }
+    runs = index.setdefault("runs", {})
+    curves_hash = job.curves_hash
+    if RunDir(job.run_dir).is_run() and "curves_hash" in runs.get(job.run_id, {}):
+        curves_hash = runs[job.run_id]["curves_hash"]
+    runs[job.run_id] = {"config_hash": job.config_hash, "curves_hash": curves_hash, "config": job.identity}
     _write_json(path, index)
 
 
