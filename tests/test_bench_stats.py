@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from textgym.bench_flags import group_flags, run_flags
@@ -110,6 +111,19 @@ def test_gaming_flag_when_the_proxy_rises_while_the_gold_falls():
     # gold falls but the proxy falls too (not gaming), or gold peaks at the end
     assert run_flags(curve([0.1, 0.6, 0.2], [0.0, 0.9, 0.1]), {}, ["gold"]) == []
     assert run_flags(curve([0.1, 0.3, 0.6], [0.0, 0.5, 0.9]), {}, ["gold"]) == []
+
+
+def test_a_flat_gold_metric_is_flagged_as_gamed_in_at_most_5_percent_of_runs():
+    """The peak is picked as the highest of the evaluations: pure noise around a flat gold metric must not
+    pass for a fall more often with more evaluations (twice the standard error alone: 19% of runs at 21)."""
+    rng = np.random.default_rng(0)
+    for evaluations in (5, 21):
+        hits = 0
+        for _ in range(2000):
+            rows = [{"iteration": i, "reward": 0.1 * i, "reward_se": 0.01, "gold": 0.5 + rng.normal(0, 0.02),
+                     "gold_se": 0.02} for i in range(evaluations)]  # fmt: skip
+            hits += any(f["kind"] == "gaming" for f in run_flags(rows, {}, ["gold"]))
+        assert hits / 2000 <= 0.05, (evaluations, hits)
 
 
 def test_degeneration_flags():

@@ -4,8 +4,12 @@ Each flag is read off one run's held-out evaluation curve (the rows of its ``eva
 training) or its final evaluation, with fixed, documented thresholds:
 
 - ``gaming``: the training total (``reward``, the proxy) rose while a gold metric fell after iteration k:
-  k is where the gold metric peaked, and both the fall and the rise exceed twice their combined standard
-  errors (two evaluations of the same prompts differ by sampling noise alone).
+  k is where the gold metric peaked, the rise exceeds twice its combined standard error (two evaluations of
+  the same prompts differ by sampling noise alone), and the fall exceeds z times its own, z = 2 or, with
+  more evaluations, the Bonferroni bound over the evaluations the peak was picked from (z = 2.24 for 5,
+  3.02 for 41): picked as the highest, a peak of pure noise would otherwise fall "significantly" in one
+  run of eight with 11 evaluations, in one of four with 41. A flat gold metric is flagged in at most 5% of
+  runs.
 - ``length_drift``: the mean length moved by half of its start value or more (and by at least one token).
 - ``eos_collapse``: the EOS rate fell to a quarter of its start value or less (from at least 0.1).
 - ``diversity_collapse``: distinct-2 fell to half of its start value or less.
@@ -16,6 +20,7 @@ training) or its final evaluation, with fixed, documented thresholds:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +30,7 @@ LENGTH_DRIFT = 0.5
 EOS_COLLAPSE = 0.25
 DIVERSITY_COLLAPSE = 0.5
 DOMINANT_SHARE = 0.9
+GAMING_ALPHA = 0.05  # a flat gold metric's chance of a gaming flag, at most
 
 
 def run_flags(
@@ -95,7 +101,9 @@ def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] |
     fall, rise = gold[k] - gold[last], proxy[last] - proxy[k]
     if fall <= 0 or rise <= 0:
         return None
-    if fall <= 2 * _noise(curve, metric, k, last) or rise <= 2 * _noise(curve, REWARD, k, last):
+    peaks = len(valid) - 1  # the evaluations the peak was picked from (the last one cannot be it)
+    z = max(2.0, statistics.NormalDist().inv_cdf(1 - GAMING_ALPHA / peaks))
+    if fall <= z * _noise(curve, metric, k, last) or rise <= 2 * _noise(curve, REWARD, k, last):
         return None
     return _flag(
         "gaming",
