@@ -100,6 +100,17 @@ def curve(gold, proxy, se=0.01, **extra):
     return rows
 
 
+def test_ranks_follow_chains_of_significant_differences_when_seeds_are_missing():
+    """c's metric is missing in 4 of 6 seeds: a beats b and b beats c significantly, a and c share 2 seeds,
+    too few to tell them apart. Ranking c with b would call two significantly different groups equal."""
+    b = {s: 0.6 + 0.01 * s for s in range(6)}
+    a = {s: b[s] + d for s, d in zip(b, [0.1, 0.5, 0.3, 0.3, 0.3, 0.31])}
+    c = {0: b[0] - 0.5, 1: b[1] - 0.5001, **{s: math.nan for s in range(2, 6)}}
+    comparisons, ranks = compare({"a": a, "b": b, "c": c}, "higher")
+    assert {(x.a, x.b): x.better for x in comparisons} == {("a", "b"): "a", ("a", "c"): None, ("b", "c"): "b"}
+    assert ranks == {"a": 1, "b": 2, "c": 3}
+
+
 def test_gaming_flag_when_the_proxy_rises_while_the_gold_falls():
     rows = curve(gold=[0.1, 0.4, 0.6, 0.3, 0.2], proxy=[0.0, 0.3, 0.5, 0.8, 0.9])
     flags = run_flags(rows, {}, ["gold"])

@@ -158,7 +158,8 @@ STATS_TEXT = (
     f"paired over shared seeds (same seed = same initial weights, first rollouts and held-out prompts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric. A rank is 1 + the number of "
-    f"groups significantly better (p < {ALPHA}): equal ranks are not significantly different."
+    f"groups significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c): equal "
+    f"ranks are not significantly different."
 )
 
 

@@ -9,8 +9,9 @@ seed-to-seed variation both share.
   interval, the paired t-test's two-sided p-value, and Cohen's d_z (the mean difference over the standard
   deviation of the differences).
 - :func:`compare` runs every pairwise test within a metric and corrects the p-values for the number of
-  pairs (Holm, 1979). Its rank of a group is 1 + the number of groups significantly better than it: two
-  groups that share a rank are never significantly different from each other.
+  pairs (Holm, 1979). Its rank of a group is 1 + the number of groups significantly better than it,
+  directly or through a chain (a > b > c: a is above c), so two groups that share a rank are never
+  significantly different from each other, also when missing seeds leave some pairs with fewer shared seeds.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def compare(
     groups: Mapping[str, Mapping[int, float]], direction: str | None, alpha: float = ALPHA
 ) -> tuple[list[Comparison], dict[str, int | None]]:
     """Every pair of ``groups`` (name -> seed -> value) compared, p-values Holm-corrected over the pairs,
-    and each group's rank: 1 + the number of groups significantly better (None when ``direction`` is None
-    or the group has no value)."""
+    and each group's rank: 1 + the number of groups significantly better, directly or through a chain
+    (None when ``direction`` is None or the group has no value)."""
     names = list(groups)
     tests = [(a, b, paired(groups[a], groups[b])) for a, b in itertools.combinations(names, 2)]
     tests = [t for t in tests if t[2].n > 0]  # pairs with no shared value (e.g. KL of an SB3 agent)
@@ -157,14 +158,34 @@ def compare(
             needed = seeds_needed(test.d_z, alpha / max(len(tests), 1))
         comparisons.append(Comparison(a, b, test, p, better, needed))
     ranks: dict[str, int | None] = {}
+    above = _above(names, comparisons)
     for name in names:
         has_value = any(_finite(v) for v in groups[name].values())
         if not direction or not has_value:
             ranks[name] = None
             continue
-        beaten_by = sum(1 for c in comparisons if name in (c.a, c.b) and c.better not in (None, name))
-        ranks[name] = 1 + beaten_by
+        ranks[name] = 1 + len(above[name] - {name})
     return comparisons, ranks
+
+
+def _above(names: Sequence[str], comparisons: Sequence[Comparison]) -> dict[str, set[str]]:
+    """For each group, the groups better than it: significantly, or through a chain of significant
+    differences (a > b and b > c puts a above c even where a and c share too few seeds to be told apart).
+    With every seed in every group the chain adds nothing: the paired t statistic of a - c is at least the
+    smaller of those of a - b and b - c."""
+    above: dict[str, set[str]] = {name: set() for name in names}
+    for c in comparisons:
+        if c.better is not None:
+            above[c.b if c.better == c.a else c.a].add(c.better)
+    changed = True
+    while changed:
+        changed = False
+        for name in names:
+            reached = set().union(*(above[x] for x in above[name])) - above[name]
+            if reached:
+                above[name] |= reached
+                changed = True
+    return above
 
 
 def _finite(value: float | None) -> bool:
