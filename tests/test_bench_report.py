@@ -121,6 +121,8 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
         if job.design["name"] == "gold":
             result = json.loads((job.run_dir / "eval.json").read_text())
             result["metrics"]["reward"] = None
+            result["metrics"]["kl"] = "inf" if job.seed == 0 else result["metrics"]["kl"]  # a KL that blew up
+            result["samples"][0]["components"]["match"] = "inf"
             (job.run_dir / "eval.json").write_text(json.dumps(result))
     write_outputs(out, spec, jobs)
     md = (out / "report.md").read_text()
@@ -129,6 +131,9 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
     assert "The gaming check did not run on gold: the held-out `reward` (the proxy) is not measured" in md
     assert "did not run on 1 of 6 runs" in (out / "report.html").read_text()
     assert "No flags" not in md
+    # an infinite KL is shown as one, not dropped as "not measured"
+    assert "| gold | n/a | 0.525 [0.447, 0.603] | inf |" in md
+    assert "match inf" in md
 
 
 def chromium():

@@ -178,3 +178,6 @@ def test_check_eval_section_fills_defaults_and_jsonable_is_strict():
     )
     value = {"n": np.int64(3), "x": np.float32(0.5), "bad": math.nan, "a": np.array([1, 2])}
     assert jsonable(value) == {"n": 3, "x": 0.5, "bad": None, "a": [1, 2]}
+    # a value that blew up is not one that was not measured; float() reads it back
+    assert jsonable({"kl": np.float64(math.inf), "low": -math.inf}) == {"kl": "inf", "low": "-inf"}
+    assert float(jsonable(math.inf)) == math.inf

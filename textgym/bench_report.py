@@ -14,7 +14,9 @@ from textgym.evaluation import BUILTIN_METRICS, REWARD
 
 
 # -- shared wording ------------------------------------------------------------------------------------
-def fmt(value: float | None, digits: int = 3) -> str:
+def fmt(value: float | str | None, digits: int = 3) -> str:
+    if isinstance(value, str):  # "inf" / "-inf", as a run's eval.json holds an infinite value
+        value = float(value)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if isinstance(value, float) and math.isinf(value):

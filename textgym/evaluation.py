@@ -422,7 +422,9 @@ def _se(x: np.ndarray) -> float:
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with numpy scalars and arrays as Python numbers and lists, and NaN as None: strict JSON."""
+    """``value`` with numpy scalars and arrays as Python numbers and lists, NaN (not measured) as None, and
+    an infinite value as the string ``"inf"`` or ``"-inf"`` (a KL that blew up is not "not measured";
+    ``float()`` reads it back): strict JSON."""
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -431,6 +433,8 @@ def jsonable(value: Any) -> Any:
         return jsonable(value.tolist())
     if isinstance(value, np.generic):
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float) and math.isnan(value):
         return None
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
     return value
