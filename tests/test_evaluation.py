@@ -171,6 +171,42 @@ def test_a_normalize_then_sum_total_is_not_measured_on_held_out_prompts(tmp_path
     assert 0 <= result.metrics["exact_copy"] <= 1 and result.metrics["length"] > 0
 
 
+def paid(conversations):  # every agent turn earns 1: an episode's return is its number of turns
+    from textgym import Reply
+
+    return [Reply("a", reward=1.0) for _ in conversations]
+
+
+gymnasium.register(
+    "tests/PaidTurns-v0", entry_point="textgym.envs:TextGenEnv", vector_entry_point="textgym.envs:TextGenVectorEnv",
+    kwargs=dict(model="chars", prompts="echo", responder=paid, max_turns=3, max_new_tokens=60, max_prompt_tokens=1,
+                chat_template=False, rewards=[]),
+)  # fmt: skip
+
+
+def test_a_multi_turn_evaluation_counts_the_turn_rewards_and_only_the_policys_tokens(monkeypatch):
+    """The turn rewards are the whole reward here (the stack is empty, as Echo-v0's is): the held-out reward
+    is the episodes' returns, as in training; distinct-2 reads the policy's tokens, not the replies."""
+    import textgym.scoring
+    from textgym.agents.ppo import LMPPO
+    from textgym.evaluation import EVAL_DEFAULTS
+
+    read = []
+    distinct = textgym.scoring.corpus_distinct_n
+    monkeypatch.setattr(textgym.scoring, "corpus_distinct_n", lambda t, n: read.extend(t) or distinct(t, n))
+    config = {"env": {"id": "tests/PaidTurns-v0", "num_envs": 8}, "agent": {"policy": "tiny-char-llama"}}
+    env = gymnasium.make_vec("tests/PaidTurns-v0", num_envs=8, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled")  # fmt: skip
+    spec = {**EVAL_DEFAULTS, "episodes": 8, "rewards": [], "builtin": ["length", "distinct_2"]}
+    result = Evaluator(config, spec, env.reward_stack, lm_agent=True)(
+        LMPPO("tiny-char-llama", env, verbose=0)
+    )
+    rewards = [e["reward"] for e in result.episodes]
+    assert set(rewards) <= {0.0, 1.0, 2.0, 3.0} and max(rewards) >= 2  # the turns each episode completed
+    assert result.metrics["reward"] == pytest.approx(sum(rewards) / 8)
+    assert sum(map(len, read)) == sum(e["num_tokens"] for e in result.episodes)
+
+
 def test_check_eval_section_fills_defaults_and_jsonable_is_strict():
     resolved = check_eval_section({"rewards": ["match partial=true"]}, "c")
     assert (

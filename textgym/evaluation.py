@@ -298,8 +298,9 @@ class Evaluator:
                     if "kl" in self.spec["builtin"]
                     else torch.full((len(batch),), math.nan)
                 )
+            mask = r.response_mask if r.action_mask is None else r.action_mask  # the policy's own tokens
             for row, info in enumerate(r.infos):
-                tokens.append(r.response_ids[row][r.response_mask[row].bool()].tolist())
+                tokens.append(r.response_ids[row][mask[row].bool()].tolist())
                 episodes.append(info)
             kls.extend(float(k) for k in kl)
         return episodes[:n], tokens[:n], kls[:n]
@@ -333,6 +334,7 @@ class Evaluator:
                             "finish_reason": str(info["finish_reason"]),
                             "num_tokens": int(info["num_tokens"]),
                             "reward_components": components,
+                            "turn_rewards": [float(r) for r in info.get("turn_rewards", [])],
                         }
                     )
                     tokens.append(list(env.env.tokenizer.encode(str(info["completion"]))))
@@ -353,7 +355,9 @@ class Evaluator:
         }
         # The total over all held-out episodes at once, as agents recombine it (normalize_then_sum
         # standardises over the batch; the env only saw the episodes that ended on the same step).
-        totals = self.stack.combine(columns)
+        # plus the rewards a responder paid for each turn (multi-turn), as the training returns hold them
+        turns = np.array([sum(e.get("turn_rewards") or ()) for e in episodes], dtype=float)
+        totals = (self.stack.combine(columns) if self.stack.names else np.zeros(len(episodes))) + turns
         metrics: dict[str, float] = {REWARD: _mean(totals)}
         errors: dict[str, float] = {REWARD: _se(totals)}
         if self.stack.aggregate == "normalize_then_sum":  # standardised over these very episodes: its mean is
