@@ -491,3 +491,35 @@ def test_the_environment_guide_prints_what_it_says(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stop 1.0 ['<calc>14 + 15</calc>', '= 29', '29']" in result.stdout
     assert "True 1.0 {'role': 'tool', 'text': '2'}" in result.stdout
+
+
+class Echoer:
+    """A perfect Echo-v0 policy through SB3's ``predict``: it repeats the env's last word, then says EOS."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def predict(self, obs, deterministic=True):
+        actions = []
+        for i, (row, mask) in enumerate(zip(obs["input_ids"], obs["attention_mask"])):
+            k = np.flatnonzero(mask)[-1]
+            said_by_env = k < self.env.max_prompt_tokens or self.env.env_token_mask[i, k]
+            actions.append(row[k] if said_by_env else self.env.eos_token_id)
+        return np.array(actions), None
+
+
+def test_step_by_step_evaluations_return_every_turns_reward():
+    """evaluate_policy (SB3-style agents) and the sample tables of SB3 runs take an episode's return, not the
+    reward of its last step: Echo-v0 pays 1 per turn, 3 turns."""
+    from textgym.evaluate import evaluate_policy
+    from textgym.sb3 import sb3_episodes
+
+    def make():
+        return gymnasium.make_vec("textgym/Echo-v0", num_envs=4, vectorization_mode="vector_entry_point",
+                                  autoreset_mode="Disabled")  # fmt: skip
+
+    env = make()
+    returns, _ = evaluate_policy(Echoer(env), env, n_eval_episodes=4, return_episode_rewards=True, seed=5)
+    assert returns == [3.0] * 4
+    env = make()
+    assert [row["reward"] for row in sb3_episodes(Echoer(env), env, seed=5)] == [3.0] * 4

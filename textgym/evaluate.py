@@ -59,14 +59,16 @@ def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int)
         return model.rollout(env, temperature=temperature, seed=seed).infos
     obs, _ = env.reset(seed=seed)
     done = np.zeros(env.num_envs, dtype=bool)
+    returns = np.zeros(env.num_envs)  # every step's reward: a multi-turn env pays one per turn
     episodes: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
     while not done.all():
         actions, _ = model.predict(obs, deterministic=deterministic)
         obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
+        returns += np.where(done, 0.0, rewards)
         ended = (terminated | truncated) & ~done
         final = infos.get("final_info", infos)  # SameStep mode: the ended episode's info moved here
         for i in np.flatnonzero(ended):
-            episodes[i] = {"reward": float(rewards[i]), "num_tokens": int(final["num_tokens"][i])}
+            episodes[i] = {"reward": float(returns[i]), "num_tokens": int(final["num_tokens"][i])}
         done |= ended
     return episodes
 

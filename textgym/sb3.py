@@ -146,15 +146,18 @@ def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
     torch.manual_seed(seed)
     obs, _ = env.reset(seed=seed)
     rows: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
+    returns = np.zeros(env.num_envs)  # every step's reward: a multi-turn env pays one per turn
     while env.active.any():
+        active = env.active.copy()
         actions, _ = agent.predict(obs, deterministic=False)
         obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
+        returns += np.where(active, rewards, 0.0)
         for i in np.flatnonzero(terminated | truncated):
             info = {k: v[i] for k, v in infos.items() if not k.startswith("_") and not isinstance(v, dict)}
             info["reward_components"] = {
                 k: v[i] for k, v in infos["reward_components"].items() if not k.startswith("_")
             }
-            rows[i] = sb3_row(info, float(rewards[i]))
+            rows[i] = sb3_row(info, float(returns[i]))
     return rows
 
 
