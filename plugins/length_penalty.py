@@ -7,6 +7,9 @@ from collections.abc import Callable, Sequence
 from textgym import Sample, hookimpl
 
 
+ENDED_ON_A_TOKEN = ("stop", "max_turns", "overflow")  # finish reasons whose completion ends on EOS (or a stop)
+
+
 class LengthPenalty:
     """``-(distance / scale) ** p`` where distance is how far the length is from ``target`` (or outside
     ``[min, max]``), ``p`` is 1 (``shape="linear"``) or 2 (``"quadratic"``), and ``scale`` defaults to the
@@ -52,7 +55,9 @@ class LengthPenalty:
         if self.unit == "words":
             return len(sample.completion.split())
         n = len(sample.completion_ids)
-        return n - 1 if sample.finish_reason == "stop" and n else n  # the EOS token is not text
+        # The token that ended the (last) turn is not text: a completion that stopped, and in a multi-turn
+        # episode an agent turn that ended before its reply was withheld (max_turns) or did not fit (overflow)
+        return n - 1 if sample.finish_reason in ENDED_ON_A_TOKEN and n else n
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         scores = []

@@ -31,6 +31,10 @@ def test_length_penalty_target_range_shapes_units_and_missing_eos():
     assert make_reward("length_penalty", target=2, unit="words")([four]) == [-1.0]
     cut = s("a b c d", finish_reason="length", completion_ids=(1, 2, 3, 4))
     assert make_reward("length_penalty", target=4, missing_eos_penalty=0.7)([cut]) == [-0.7]
+    # a multi-turn episode's last agent turn ended on EOS too when its reply was withheld or did not fit
+    for reason in ("max_turns", "overflow"):
+        ended = s("a b c d", finish_reason=reason, completion_ids=(1, 2, 3, 4, 9))
+        assert make_reward("length_penalty", target=4)([ended]) == [0.0]
     with pytest.raises(PluginArgumentError, match="either target, or min and/or max"):
         make_reward("length_penalty", target=4, max=3)
 
