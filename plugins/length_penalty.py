@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 from textgym import Sample, hookimpl
 
-
-ENDED_ON_A_TOKEN = ("stop", "max_turns", "overflow")  # finish reasons whose completion ends on EOS (or a stop)
+# the finish reasons whose completion ends on the token that ended it (EOS, or a stop)
+ENDED_ON_A_TOKEN = ("stop", "max_turns", "overflow")
 
 
 class LengthPenalty:
