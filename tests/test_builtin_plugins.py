@@ -47,6 +47,10 @@ def test_match_modes_and_references():
     assert make_reward("match", partial=True)(samples)[2] == pytest.approx(0.5)
     with pytest.raises(RewardError, match="has no 'reference' in its metadata"):
         make_reward("match")([s("x")])
+    # an empty reference (a JSONL null, an empty CSV cell) is no reference: not applicable, not "None" or ""
+    for mode in ("exact", "contains"):
+        empty = [s("None", reference=None), s("", reference=""), s("42", reference="42")]
+        assert make_reward("match", mode=mode)(empty) == [None, None, 1.0]
     with pytest.raises(PluginArgumentError, match="partial=True needs mode='exact'"):
         make_reward("match", mode="contains", partial=True)
 
@@ -97,6 +101,21 @@ def test_similarity_to_reference_and_to_a_fixed_target():
     assert fixed([s("It is sunny and warm today.")])[0] > fixed([s("The cat sleeps.")])[0]
     with pytest.raises(RewardError, match="or the reward a fixed `target`"):
         make_reward("similarity")([s("x")])
+    similarity = make_reward("similarity")
+    mixed = [s("None", reference=None), s("A cat sits on the mat.", reference="A cat is sitting on a mat.")]
+    assert similarity(mixed)[0] is None and similarity(mixed)[1] == pytest.approx(same, abs=1e-5)
+    assert similarity([s("x", reference="")]) == [None]
+
+
+def test_similarity_keeps_scoring_once_its_reference_cache_is_full(monkeypatch):
+    import textgym.plugins.similarity as module
+
+    monkeypatch.setattr(module, "CACHE_SIZE", 2)
+    similarity = make_reward("similarity")
+    cached = [s("x", reference="calm sea"), s("y", reference="warm sun")]
+    first = similarity(cached)
+    again = similarity([s("x", reference="calm sea"), s("z", reference="cold rain")])  # past the cache's size
+    assert again[0] == pytest.approx(first[0])
 
 
 def test_fluency_on_the_tiny_model_is_a_mean_log_prob_and_batch_independent(tiny):
