@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -103,16 +104,23 @@ def test_gate_zero_and_cap_by_hand():
 
 def test_gate_with_max_gates_apply_in_order_and_after_normalization():
     a = fixed("a", [1.0, 2.0, 3.0, 4.0])
-    stack = RewardStack(
-        [(a, 1.0)],
-        aggregate="normalize_then_sum",
-        gates=[
-            {"component": "a", "max": 3.5, "action": "cap", "cap": -5.0},  # sample 3 capped to -5
-            {"component": "a", "min": 1.5},  # then sample 0 zeroed
-        ],
-    )
+    # zeroing after normalisation puts a failing sample at the batch's mean, which can raise it: said once
+    with pytest.warns(UserWarning, match="a failing sample below the mean gains from failing"):
+        stack = RewardStack(
+            [(a, 1.0)],
+            aggregate="normalize_then_sum",
+            gates=[
+                {"component": "a", "max": 3.5, "action": "cap", "cap": -5.0},  # sample 3 capped to -5
+                {"component": "a", "min": 1.5},  # then sample 0 zeroed: -1.34 -> 0
+            ],
+        )
     z = (np.array([1, 2, 3, 4]) - 2.5) / math.sqrt(1.25)
     np.testing.assert_allclose(stack.score(SAMPLES)[0], [0.0, z[1], z[2], -5.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cap, or a zero under a plain sum, says nothing
+        RewardStack([(a, 1.0)], aggregate="normalize_then_sum", gates=[{"component": "a", "min": 1.5,
+                    "action": "cap", "cap": -3.0}])  # fmt: skip
+        RewardStack([(a, 1.0)], gates=[{"component": "a", "min": 1.5}])
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import tomllib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -109,6 +110,14 @@ class RewardStack:
         self.names: list[str] = composition.unique_names([r.name for r, _ in self.rewards])
         self.aggregate = composition.check_aggregate(aggregate, "RewardStack")
         self.gates: tuple[Gate, ...] = tuple(Gate.from_spec(g, self.names, "RewardStack") for g in gates)
+        if self.aggregate == "normalize_then_sum" and any(g.action == "zero" for g in self.gates):
+            warnings.warn(
+                "a gate with action = 'zero' under aggregate = 'normalize_then_sum' sets a failing sample's total to "
+                "0, the batch's mean: a failing sample below the mean gains from failing. To penalise it, use "
+                "action = 'cap' with a cap below the batch's totals (e.g. cap = -3, three standard deviations).",
+                UserWarning,
+                stacklevel=2,
+            )
         self.progress = 0.0
 
     def set_progress(self, p: float) -> None:
