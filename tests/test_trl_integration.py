@@ -125,3 +125,16 @@ def test_gated_stacks_export_as_one_function_that_follows_trainer_state():
     state = SimpleNamespace(global_step=5, max_steps=10)  # halfway: weight 0.5
     assert func(trainer_state=state, **columns) == [1.0, 0.0, 2.5]
     assert stack.progress == 0.5
+
+
+def test_with_the_eos_token_a_completion_cut_at_the_token_limit_scores_as_textgym_scores_it():
+    """TRL's completion_ids hold the EOS only where a completion ended on it; TRL passes no finish reason.
+    length_penalty charges a cut completion and counts all its tokens, as it does inside textgym."""
+    stack = build_reward_stack([{"name": "length_penalty", "target": 4}])
+    cut = Sample("p", "a b c d e f", completion_ids=(5, 6, 7, 8, 9, 10), finish_reason="length")
+    stopped = Sample("p", "a b c d", completion_ids=(5, 6, 7, 8, 2), finish_reason="stop")
+    inside = stack.score([cut, stopped])[0].tolist()
+    assert inside == [-1.5, 0.0]  # 2 tokens over a target of 4, and the missing EOS
+    for exported in (total_reward_func(stack, eos_token_id=2), reward_funcs(stack, eos_token_id=2)[0]):
+        assert trl_call(exported, [cut, stopped]) == inside
+    assert trl_call(total_reward_func(stack), [cut, stopped])[0] == -0.25  # no EOS id: every one "stopped"

@@ -29,10 +29,17 @@ TRLRewardFunc = Callable[..., list[float | None]]
 NOT_COLUMNS = ("trainer_state",)  # keywords TRL passes that are not dataset columns
 
 
-def reward_funcs(stack_or_specs: RewardStack | Any, base_dir: BaseDir = None) -> list[TRLRewardFunc]:
+def reward_funcs(
+    stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: int | None = None
+) -> list[TRLRewardFunc]:
     """One TRL reward function per component, in order; each ``__name__`` is the component's name (TRL logs
     ``rewards/<name>/mean``). They return the raw (unweighted) scores, ``None`` where the reward does not
     apply; pass :func:`reward_weights` as ``GRPOConfig.reward_weights``.
+
+    ``eos_token_id`` (the tokenizer's): a completion whose ``completion_ids`` do not end on it was cut at
+    the token limit (``finish_reason = "length"``, which ``length_penalty`` charges and ``fluency`` scores
+    without an EOS), as TRL's ``completion_ids`` hold the EOS only where the completion ended on it.
+    Without it every completion counts as stopped.
 
     A stack with gates cannot be split this way (TRL sums the functions and has no gates): export it whole
     with :func:`total_reward_func`. ``aggregate="normalize_then_sum"`` corresponds to
@@ -47,7 +54,7 @@ def reward_funcs(stack_or_specs: RewardStack | Any, base_dir: BaseDir = None) ->
             f"this stack has gates ({'; '.join(map(str, stack.gates))}), which TRL's summed reward functions "
             f"cannot express; use total_reward_func(stack) to export the whole stack as one function."
         )
-    return [_component_func(stack, name) for name in stack.names]
+    return [_component_func(stack, name, eos_token_id) for name in stack.names]
 
 
 def reward_weights(
@@ -70,10 +77,12 @@ def reward_weights(
     return list(stack.weights_at(p).values())
 
 
-def total_reward_func(stack_or_specs: RewardStack | Any, base_dir: BaseDir = None) -> TRLRewardFunc:
+def total_reward_func(
+    stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: int | None = None
+) -> TRLRewardFunc:
     """The whole stack as one TRL reward function named ``textgym_total``: aggregation, weight schedules and
     gates as textgym computes them (give it weight 1). With TRL's ``trainer_state``, schedules follow
-    ``global_step / max_steps``."""
+    ``global_step / max_steps``. ``eos_token_id``: as for :func:`reward_funcs`."""
     stack = build_reward_stack(stack_or_specs, base_dir)
 
     def textgym_total(
@@ -82,17 +91,18 @@ def total_reward_func(stack_or_specs: RewardStack | Any, base_dir: BaseDir = Non
         state = kwargs.get("trainer_state")
         if getattr(state, "max_steps", 0):
             stack.set_progress(min(1.0, state.global_step / state.max_steps))
-        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs))
+        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id))
         return [float(v) for v in total]
 
     return textgym_total
 
 
-def _component_func(stack: RewardStack, name: str) -> TRLRewardFunc:
+def _component_func(stack: RewardStack, name: str, eos_token_id: int | None) -> TRLRewardFunc:
     def func(
         prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float | None]:
-        scores = stack.score_component(name, samples_from_trl(prompts, completions, completion_ids, kwargs))
+        samples = samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id)
+        scores = stack.score_component(name, samples)
         return [None if math.isnan(v) else float(v) for v in scores]
 
     func.__name__ = func.__qualname__ = name
@@ -105,12 +115,14 @@ def samples_from_trl(
     completions: Sequence[Any],
     completion_ids: Sequence[Sequence[int]] | None = None,
     columns: Mapping[str, Any] | None = None,
+    eos_token_id: int | None = None,
 ) -> list[Sample]:
     """textgym samples from TRL's arguments. Prompts and completions may be plain text or, for
     conversational data, lists of ``{"role", "content"}`` messages (the prompt's last user message and the
     completion's contents are used). A keyword that is a list with one value per completion becomes
-    metadata (``None`` values are left out, as a missing key); a ``finish_reason`` column sets the samples'
-    finish reasons (TRL has none, so the default is ``"stop"``)."""
+    metadata (``None`` values are left out, as a missing key). A ``finish_reason`` column sets the samples'
+    finish reasons; TRL has none, so with ``eos_token_id`` and ``completion_ids`` a completion that does not
+    end on the EOS was cut (``"length"``), and otherwise every one counts as ``"stop"``."""
     n = len(completions)
     if len(prompts) != n:
         raise ConfigError(
@@ -123,7 +135,10 @@ def samples_from_trl(
         for key, values in (columns or {}).items()
         if key not in NOT_COLUMNS and isinstance(values, (list, tuple)) and len(values) == n
     }
-    finish = columns.pop("finish_reason", ["stop"] * n)
+    finish = columns.pop("finish_reason", None)
+    if finish is None and eos_token_id is not None and completion_ids is not None:
+        finish = ["stop" if len(ids) and int(ids[-1]) == eos_token_id else "length" for ids in completion_ids]
+    finish = finish or ["stop"] * n
     return [
         Sample(
             prompt=_text(prompts[i], prompt=True),
