@@ -43,6 +43,14 @@ def test_sampling_is_reproducible_with_a_seed(tiny):
     )
     first = sample_episodes(model, env, temperature=1.0, seed=3)
     assert sample_episodes(model, env, temperature=1.0, seed=3) == first
+    # without a seed, each call samples anew, from torch's global stream (torch.manual_seed repeats it)
+    completions = [[e["completion"] for e in sample_episodes(model, env, temperature=1.0)] for _ in range(2)]
+    assert completions[0] != completions[1]
+    again = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        again.append([e["completion"] for e in sample_episodes(model, env, temperature=1.0)])
+    assert again[0] == again[1]
 
 
 def test_sample_command_prints_a_table_and_writes_jsonl(tmp_path, capsys):

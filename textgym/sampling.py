@@ -80,7 +80,8 @@ def rollout(
     # active, where their next token goes); otherwise the device advances that state itself. Logits,
     # log-probs, hidden states and the tokens fed back stay where the model wrote them.
     generator = torch.Generator(device=device)
-    generator.manual_seed(0 if seed is None else seed)
+    # no seed: one drawn from torch's global stream, so calls differ and torch.manual_seed reproduces them
+    generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
     obs, _ = env.reset(seed=seed, options=options)
     P, T, n = env.max_prompt_tokens, env.max_new_tokens, env.num_envs
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
