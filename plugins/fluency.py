@@ -27,6 +27,9 @@ from textgym.scoring import (
     uses_chat_template,
 )
 
+# the finish reasons whose completion ended on EOS: it stopped, or (multi-turn) the agent's last turn ended
+# before its reply was withheld (max_turns) or did not fit (overflow)
+ENDED_ON_A_TOKEN = ("stop", "max_turns", "overflow")
 HEAD_CHUNK = 2048  # positions per LM-head call: bounds the (N, V) logits at 2048 x V floats
 LSE_ROWS = 32  # logits rows per logsumexp: 32 x 49,152 floats (6 MB) stay in the CPU's cache between passes
 
@@ -40,7 +43,8 @@ class Fluency:
         chat_template: ``"auto"`` (when the tokenizer has one), true or false: score the completion as the
             assistant's reply to the prompt.
         repetition_penalty: weight of the distinct-n penalty (0 = off). n: the n of distinct-n.
-        batch_size, max_length: batching and truncation (the prompt is cut from the left).
+        batch_size, max_length: batching and truncation: the prompt is cut from the left, and a completion
+            longer than ``max_length - 1`` tokens is scored on its first ``max_length - 1`` (its EOS cut).
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
         share_prefix: run the token prefix that a batch's prompts share, and each prompt that comes more
@@ -95,7 +99,7 @@ class Fluency:
         else:
             prompt = tok.encode(s.prompt)
         completion = tok.encode(s.completion, add_special_tokens=False)
-        if s.finish_reason == "stop" or not completion:
+        if s.finish_reason in ENDED_ON_A_TOKEN or not completion:
             completion.append(tok.eos_token_id)  # p(EOS) is part of a fluent, finished reply
         completion = completion[: self.max_length - 1]
         return prompt[-(self.max_length - len(completion)) :], completion

@@ -36,8 +36,8 @@ class RMScore:
         chat_template: ``"auto"``, true or false: format the pair as a user turn and an assistant turn with
             the reward model's chat template. Otherwise ``template`` is used.
         template: format string with ``{prompt}`` and ``{completion}`` (default: the two concatenated).
-        batch_size, max_length: batching; texts longer than ``max_length`` tokens are cut from the left,
-            so the completion is always scored whole.
+        batch_size, max_length: batching; texts longer than ``max_length`` tokens are cut from the left:
+            the prompt goes first, and a completion longer than ``max_length`` loses its start too.
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
         share_prefix: for a causal reward model, run the token prefix that a batch's texts share, and

@@ -132,6 +132,13 @@ def test_fluency_on_the_tiny_model_is_a_mean_log_prob_and_batch_independent(tiny
     penalised = make_reward("fluency", model="tiny-random-llama", repetition_penalty=1.0)(samples)
     assert penalised[2] == pytest.approx(scores[2] - 0.8, rel=1e-4)  # distinct-2 of "word word ..." is 1/5
     assert penalised[0] == pytest.approx(scores[0], rel=1e-5)
+    # a multi-turn episode's last agent turn ended on EOS as a stopped one did, when its reply was withheld
+    # (max_turns) or did not fit (overflow): p(EOS) counts; a cut one's does not
+    stopped = fluency([s("Fine.")])
+    assert fluency(
+        [s("Fine.", finish_reason="max_turns"), s("Fine.", finish_reason="overflow")]
+    ) == pytest.approx(stopped * 2, rel=1e-5)
+    assert fluency([s("Fine.", finish_reason="length")])[0] != pytest.approx(stopped[0], rel=1e-3)
 
 
 @pytest.fixture(scope="module")
