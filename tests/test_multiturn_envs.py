@@ -385,12 +385,17 @@ def test_a_text_level_env_class_runs_end_to_end_as_a_responder():
         total += rewards
         for i in np.flatnonzero(terminated | truncated):
             finals[i] = {k: infos[k][i] for k in ("finish_reason", "turns", "turn_rewards")}
+            finals[i]["truncated"] = bool(truncated[i])
     assert total.tolist() == pytest.approx([0.9, -0.3])  # won on the second move; lost after three
     assert [t["text"] for t in finals[0]["turns"]] == ["a", "cold", "d"] and finals[0]["turn_rewards"] == [
         -0.1,
         1.0,
     ]
-    assert finals[1]["finish_reason"] == "stop" and len(finals[1]["turns"]) == 5  # the game's own truncation
+    assert not finals[0]["truncated"] and finals[0]["finish_reason"] == "stop"  # the game ended: terminated
+    # the game's own time limit truncates the episode (Gymnasium's truncated), as the env's max_turns would
+    assert (
+        finals[1]["truncated"] and finals[1]["finish_reason"] == "max_turns" and len(finals[1]["turns"]) == 5
+    )
 
 
 def test_an_environment_factory_class_runs_end_to_end_as_a_responder(tokenizer):

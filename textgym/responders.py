@@ -93,12 +93,15 @@ class Reply:
             the turn; the reward stack still scores the whole conversation when the episode ends.
         done: end the episode now (the text is then not shown).
         role: the role of this reply in the chat template (default: the responder's ``role``).
+        truncated: with ``done``, the episode is cut short, not finished (a wrapped env's time limit): it
+            ends ``truncated`` with ``finish_reason = "max_turns"``, as the env's own turn limit ends one.
     """
 
     text: str
     reward: float | None = None
     done: bool = False
     role: str | None = None
+    truncated: bool = False
 
 
 @runtime_checkable
@@ -187,9 +190,8 @@ class TextEnvResponder:
                     f"terminated, truncated, info)."
                 )
             text, reward, terminated, truncated, _ = result
-            replies.append(
-                Reply(text, None if reward is None else float(reward), bool(terminated or truncated))
-            )
+            done, cut = bool(terminated or truncated), bool(truncated and not terminated)
+            replies.append(Reply(text, None if reward is None else float(reward), done, truncated=cut))
         return replies
 
     def close(self) -> None:

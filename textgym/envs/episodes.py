@@ -344,8 +344,8 @@ class Episodes:
             reward = 0.0 if reply.reward is None else float(reply.reward)
             self.turn_rewards[i].append(reward)
             turn_rewards[i] = reward
-            if reply.done:
-                ended[int(i)] = "stop"
+            if reply.done:  # finished, or cut short (a wrapped env's time limit): truncated, as at max_turns
+                ended[int(i)] = "max_turns" if reply.truncated else "stop"
             elif conversation.last_turn:
                 ended[int(i)] = "max_turns"
             elif not self._write_reply(i, reply):
