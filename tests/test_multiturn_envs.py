@@ -528,3 +528,24 @@ def test_step_by_step_evaluations_return_every_turns_reward():
     assert returns == [3.0] * 4
     env = make()
     assert [row["reward"] for row in sb3_episodes(Echoer(env), env, seed=5)] == [3.0] * 4
+
+
+def test_a_turn_ended_on_a_time_limits_last_step_is_the_last_turn():
+    """The agent ends its turn with EOS on the TimeLimit's last step: it gets no other turn, so the episode
+    ends as after its max_turns-th (truncated, "max_turns"; the responder told, its reply not shown), not as
+    a completion cut without an EOS ("length", which the missing-EOS penalty would charge)."""
+    told = []
+
+    def reply(conversations):
+        told.extend(c.last_turn for c in conversations)
+        return [Reply("hh", reward=1.0) for _ in conversations]
+
+    reply.name = "hh"
+    tok = CharTokenizer("abh")
+    env = TextGenEnv(model=tok, prompts=["ab"], rewards=[], max_new_tokens=20, max_prompt_tokens=2,
+                     responder=reply, max_episode_steps=3, chat_template=False)  # fmt: skip
+    env.reset(seed=0)
+    for token in (*tok.encode("aa", add_special_tokens=False), tok.eos_token_id):
+        obs, reward, terminated, truncated, info = env.step(token)
+    assert (terminated, truncated, info["finish_reason"], reward) == (False, True, "max_turns", 1.0)
+    assert told == [True] and tok.decode(obs["input_ids"][obs["attention_mask"] == 1]).endswith("aa<eos>")

@@ -62,7 +62,8 @@ class Conversation:
             is ``"assistant"``). Before the first turn (in ``start``) it is empty.
         state: a dict that belongs to the responder for this episode (fresh at every episode start): where a
             stateful responder keeps e.g. its game or tool instance.
-        last_turn: True when this is the agent's last allowed turn (``max_turns``): the episode ends after it
+        last_turn: True when this is the agent's last allowed turn (``max_turns``, or a TimeLimit's last
+            step ended it): the episode ends after it
             whatever the reply says, and the reply's text is not shown (its reward still counts).
     """
 

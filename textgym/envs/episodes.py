@@ -319,8 +319,6 @@ class Episodes:
         turn_rows = rows[stopped]
         if len(turn_rows):
             finished.update(self._answer(turn_rows, turn_rewards))
-            for i in turn_rows[self.agent_tokens[turn_rows] >= self.limit]:  # a TimeLimit's last step
-                finished.setdefault(int(i), "length")
         ended = np.array(sorted(finished), dtype=np.int64)
         self.active[ended] = False
         return StepResult(ended, [finished[i] for i in ended], turn_rows, turn_rewards)
@@ -333,6 +331,8 @@ class Episodes:
             self.turns[i].append(self._agent_turn(i, self.turn_start[i], self.length[i]))
             self.turn_start[i] = self.length[i]
             last = self.max_turns is not None and len(self.turn_rewards[i]) + 1 >= self.max_turns
+            # a TimeLimit's last step ended this turn: the agent gets no other, as after its max_turns-th
+            last = last or bool(self.limit < self.T and self.agent_tokens[i] >= self.limit)
             conversations.append(
                 Conversation(self.prompt_text(i), self.prompts[self.prompt_index[i]].meta, tuple(self.turns[i]),
                              self.states[i], last_turn=last)
