@@ -91,6 +91,12 @@ def test_train_rm_learns_a_separable_preference(toy):
     assert saved["after"] == {"accuracy": report.after.accuracy, "mean_margin": report.after.mean_margin,
                               "loss": report.after.loss}  # fmt: skip
     assert saved["settings"]["chat_template"] is True and saved["eval_lines"] == report.eval_lines
+    # the split is by pair: the report counts the held-out pairs whose prompt training also saw
+    rows = [json.loads(line) for line in (out.parent / "pairs.jsonl").read_text().splitlines()]
+    trained = {rows[i]["prompt"] for i in range(len(rows)) if i + 1 not in report.eval_lines}
+    seen = sum(rows[line - 1]["prompt"] in trained for line in report.eval_lines)
+    assert report.eval_prompts_seen == seen == saved["eval_prompts_seen"]
+    assert (f"; {seen} of them on prompts also in training pairs" in report.summary()) == (seen > 0)
 
 
 def test_the_saved_directory_scores_in_rm_score_as_the_trainer_did(toy, tokenizer):

@@ -63,6 +63,9 @@ class RMReport:
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
     eval_lines: list[int] = field(default_factory=list)  # the held-out pairs' lines in the pairs file
+    # held-out pairs whose prompt is also a training pair's (the split is by pair): their accuracy is not
+    # measured on prompts the model never saw
+    eval_prompts_seen: int = 0
 
     def summary(self) -> str:
         b, a = self.before, self.after
@@ -71,7 +74,12 @@ class RMReport:
         )
         return "\n".join(
             [
-                f"held-out pairs: {self.eval_pairs} (trained on {self.train_pairs}) in {self.seconds:.0f} s",
+                f"held-out pairs: {self.eval_pairs} (trained on {self.train_pairs}) in {self.seconds:.0f} s"
+                + (
+                    f"; {self.eval_prompts_seen} of them on prompts also in training pairs"
+                    if self.eval_prompts_seen
+                    else ""
+                ),
                 f"  accuracy     {b.accuracy:.3f} -> {a.accuracy:.3f}",
                 f"  mean margin  {b.mean_margin:+.3f} -> {a.mean_margin:+.3f}",
                 f"  loss         {b.loss:.3f} -> {a.loss:.3f}",
@@ -346,6 +354,7 @@ def train_reward_model(
         pairs=len(all_pairs),
         train_pairs=len(train),
         eval_pairs=len(held_out),
+        eval_prompts_seen=sum(p.prompt in {t.prompt for t in train} for p in held_out),
         before=before,
         after=after,
         score_mean=float(rewards.mean()),
