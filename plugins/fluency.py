@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from textgym import Sample, hookimpl
+from textgym.rewards import ENDED_ON_A_TOKEN
 from textgym.sampling import logits_to_keep
 from textgym.scoring import (
     autocast,
@@ -27,9 +28,6 @@ from textgym.scoring import (
     uses_chat_template,
 )
 
-# the finish reasons whose completion ended on EOS: it stopped, or (multi-turn) the agent's last turn ended
-# before its reply was withheld (max_turns) or did not fit (overflow)
-ENDED_ON_A_TOKEN = ("stop", "max_turns", "overflow")
 HEAD_CHUNK = 2048  # positions per LM-head call: bounds the (N, V) logits at 2048 x V floats
 LSE_ROWS = 32  # logits rows per logsumexp: 32 x 49,152 floats (6 MB) stay in the CPU's cache between passes
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from textgym import Sample, hookimpl
-
-# the finish reasons whose completion ends on the token that ended it (EOS, or a stop)
-ENDED_ON_A_TOKEN = ("stop", "max_turns", "overflow")
+from textgym.rewards import ENDED_ON_A_TOKEN
 
 
 class LengthPenalty:

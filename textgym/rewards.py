@@ -32,6 +32,10 @@ from textgym.reward_functions import (
 )
 
 FinishReason = Literal["stop", "length", "max_turns", "overflow"]
+# The finish reasons whose completion ends on the token that ended it (EOS, or a stop string's): it stopped,
+# or (multi-turn) the agent's last turn ended before its reply was withheld (max_turns) or did not fit
+# (overflow). Only "length" was cut without one.
+ENDED_ON_A_TOKEN: tuple[FinishReason, ...] = ("stop", "max_turns", "overflow")
 
 
 @dataclass(frozen=True)
