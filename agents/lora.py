@@ -63,11 +63,8 @@ def add_reference_adapter(model: nn.Module, on_meta: bool = False) -> None:
     active = model.active_adapter
     config = copy.deepcopy(model.peft_config[active])
     config.init_lora_weights, config.inference_mode = False, True  # nothing read from the (residual) base
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    with _made_for_this_base():
+    with _made_for_this_base(), _requires_grad_kept(model):  # adding one may mark the others trainable
         model.add_adapter(REFERENCE, config)
-    for parameter, flag in flags:  # adding an adapter may mark weights trainable; only the active one is
-        parameter.requires_grad_(flag)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, parameter in params.items():
@@ -85,12 +82,9 @@ def load_reference_adapter(model: nn.Module, directory: Path) -> None:
     if not (directory / REFERENCE / "adapter_config.json").is_file():
         return
     active = model.active_adapter
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    with _made_for_this_base():
+    with _made_for_this_base(), _requires_grad_kept(model):
         model.load_adapter(str(directory / REFERENCE), adapter_name=REFERENCE)
-    model.set_adapter(active)
-    for parameter, flag in flags:
-        parameter.requires_grad_(flag)
+        model.set_adapter(active)
     for name, parameter in model.named_parameters():
         if REFERENCE in name.split("."):
             parameter.requires_grad_(False)
@@ -118,24 +112,29 @@ def reference_weights(model: nn.Module) -> Iterator[None]:
             yield
         return
     active = model.active_adapter
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        model.set_adapter(REFERENCE)
-        yield
-    finally:
-        model.set_adapter(active)
-        for parameter, flag in flags:
-            parameter.requires_grad_(flag)
+    with _requires_grad_kept(model):
+        try:
+            model.set_adapter(REFERENCE)
+            yield
+        finally:
+            model.set_adapter(active)
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """peft's ``model.disable_adapter()``, with every parameter's ``requires_grad`` as it was on exit
     (peft's exit sets it on all of the active adapters' weights, a frozen one's included)."""
+    with _requires_grad_kept(model), model.disable_adapter():
+        yield
+
+
+@contextlib.contextmanager
+def _requires_grad_kept(model: nn.Module) -> Iterator[None]:
+    """On exit, every parameter that ``model`` had on entry has the ``requires_grad`` it had then (peft's
+    adapter switches set it for whole adapters); parameters added within the block keep their own."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
-        with model.disable_adapter():
-            yield
+        yield
     finally:
         for parameter, flag in flags:
             parameter.requires_grad_(flag)
