@@ -42,7 +42,7 @@ def run_flags(
     evaluation's training components, ``gold`` = the gold metric names. Each flag: ``kind``, ``metric``,
     ``iteration`` and a one-line ``message``."""
     flags = []
-    if len(curve) >= 2:
+    if has_curve(curve):
         for metric in gold:
             flag = _gaming(curve, metric)
             if flag:
@@ -85,6 +85,11 @@ def run_flags(
                 }
             )
     return flags
+
+
+def has_curve(curve: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a run's evaluation rows make a curve that the curve checks (:data:`CURVE_KINDS`) can read."""
+    return len(curve) >= 2
 
 
 def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from textgym.bench_flags import group_flags, run_flags
+from textgym.bench_flags import group_flags, has_curve, run_flags
 from textgym.bench_stats import compare, mean_ci
 from textgym.evaluation import BUILTIN_METRICS, REWARD, jsonable, metric_ranges
 
@@ -114,7 +114,7 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
         per_group.setdefault((e["agent"], e["design"]), {})[e["seed"]] = run_flags(
             curve, e.get("components", {}), gold
         )
-        if len(curve) >= 2:
+        if has_curve(curve):
             curved.setdefault((e["agent"], e["design"]), []).append(e["seed"])
     results.flags = {key: group_flags(seeds, curved.get(key, [])) for key, seeds in per_group.items()}
     return results

@@ -59,12 +59,12 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         ],
         "</ul><h2>Flags</h2>",
     ]
-    flags = flag_lines(results)
+    flags, unchecked = flag_lines(results), unchecked_lines(results)
     if flags:
         parts += ["<ul>", *[f'<li class="flag">{_md(line)}</li>' for line in flags], "</ul>"]
     else:
-        parts.append(f"<p>{e(no_flags_text(results))}</p>")
-    parts += [f"<p>{_md(line)}</p>" for line in unchecked_lines(results)]
+        parts.append(f"<p>{e(no_flags_text(unchecked))}</p>")
+    parts += [f"<p>{_md(line)}</p>" for line in unchecked]
     for agent in results.agents:
         title = f"Designs under agent {agent}" if len(results.agents) > 1 else "Results"
         parts += [
