@@ -348,13 +348,14 @@ def train_reward_model(
     if lora is not None:
         scorer.model = scorer.model.merge_and_unload()  # a plain model: rm_score loads it without peft
     after, rewards = scorer.evaluate(held_out, batch_size)  # of the weights that are saved
+    trained_prompts = {pair.prompt for pair in train}
     report = RMReport(
         output=str(output),
         model=str(model),
         pairs=len(all_pairs),
         train_pairs=len(train),
         eval_pairs=len(held_out),
-        eval_prompts_seen=sum(p.prompt in {t.prompt for t in train} for p in held_out),
+        eval_prompts_seen=sum(p.prompt in trained_prompts for p in held_out),
         before=before,
         after=after,
         score_mean=float(rewards.mean()),
