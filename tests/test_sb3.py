@@ -24,8 +24,47 @@ def test_vec_env_follows_sb3_conventions():
         obs, reward, done, infos = env.step(np.array([2, 3]))
     i = int(np.flatnonzero(done)[0])
     assert set(infos[i]) >= {"terminal_observation", "TimeLimit.truncated", "completion", "reward_components"}
-    assert infos[i]["TimeLimit.truncated"] and infos[i]["completion"] in ("aaaa", "bbbb")
+    assert infos[i]["completion"] in ("aaaa", "bbbb") and infos[i]["finish_reason"] == "length"
+    # cut at max_new_tokens, yet scored whole on this step: nothing to bootstrap (SB3 adds gamma * V(obs)
+    # to the reward of an episode marked TimeLimit.truncated)
+    assert infos[i]["TimeLimit.truncated"] is False
     assert reward[i] == infos[i]["reward_components"]["match"]
+    assert [set(info) for info in env.reset_infos] == [{"prompt"}] * 2
+    assert env.reset_infos[i]["prompt"] == env.env.episodes.prompt_text(i)  # the episode that started
+
+
+def test_sb3_ppo_adds_nothing_to_the_reward_of_an_episode_cut_at_max_new_tokens():
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Rewards(BaseCallback):  # the env's rewards of each step, as SB3 got them from step_wait
+        def _on_rollout_start(self):
+            self.seen = []
+
+        def _on_step(self):
+            self.seen.append(self.locals["rewards"].copy())
+            return True
+
+    env = make_vec_env("textgym/Copy-v0", n_envs=4, seed=0)  # every episode is cut at max_new_tokens = 4
+    model = PPO("MultiInputPolicy", env, seed=0, n_steps=16, batch_size=64, n_epochs=1)
+    model.learn(64, callback=(seen := Rewards()))
+    assert model.rollout_buffer.episode_starts[1:].any()  # episodes ended within the rollout
+    np.testing.assert_array_equal(model.rollout_buffer.rewards, np.stack(seen.seen))
+
+
+def test_the_vec_env_passes_on_turn_infos_and_refuses_per_index_attributes():
+    import pytest
+
+    from textgym.errors import ConfigError
+
+    env = make_vec_env("textgym/Echo-v0", n_envs=2, seed=0)
+    env.reset()
+    eos = env.env.eos_token_id
+    _, _, _, infos = env.step(np.array([eos, 5]))  # sub-env 0 ends its first turn, sub-env 1 goes on
+    assert "turn_reward" in infos[0] and "turn_reward" not in infos[1]
+    with pytest.raises(ConfigError, match="share"):
+        env.set_attr("max_turns", 1, indices=[0])
+    env.set_attr("note", "shared")
+    assert env.get_attr("note") == ["shared", "shared"]
 
 
 def test_stock_sb3_ppo_learns_the_copy_task_well_beyond_random():

@@ -24,12 +24,13 @@ class TextGymVecEnv(VecEnv):
     """SB3 ``VecEnv`` over a ``TextGenVectorEnv`` in ``"SameStep"`` autoreset mode.
 
     Episode ends follow SB3's conventions: ``infos[i]["terminal_observation"]`` holds the last observation,
-    ``infos[i]["TimeLimit.truncated"]`` marks episodes cut at ``max_new_tokens``, ``infos[i]["episode"]``
+    ``infos[i]["TimeLimit.truncated"]`` is always False (see :meth:`step_wait`), ``infos[i]["episode"]``
     holds the episode's return, length and duration as ``Monitor`` writes them (so ``evaluate_policy`` and
     ``EvalCallback`` read true episode returns without a Monitor wrapper, and say so), and the info of an
     ended episode also carries ``reward_components``, ``completion`` and ``finish_reason``.
     ``action_masks()`` serves sb3-contrib's ``MaskablePPO``: tokens outside the env's ``allowed_tokens``
-    (and pad) are masked.
+    (and pad) are masked. The infos of other steps carry what the env's vector infos hold for that sub-env
+    (a multi-turn env's ``turn_reward`` and ``env_token_mask``), and ``reset_infos`` each sub-env's prompt.
     """
 
     def __init__(self, env: TextGenVectorEnv):
@@ -43,7 +44,8 @@ class TextGymVecEnv(VecEnv):
 
     def reset(self) -> dict[str, np.ndarray]:
         seed = self._seeds[0] if self._seeds else None
-        obs, _ = self.env.reset(seed=seed, options=self._options[0] or None)
+        obs, info = self.env.reset(seed=seed, options=self._options[0] or None)
+        self.reset_infos = [_row(info, i) for i in range(self.num_envs)]
         self._returns[:] = 0.0
         self._reset_seeds()
         self._reset_options()
@@ -53,11 +55,16 @@ class TextGymVecEnv(VecEnv):
         self._actions = np.asarray(actions).reshape(self.num_envs).astype(np.int64)
 
     def step_wait(self) -> VecEnvStepReturn:
+        """SB3's step. ``TimeLimit.truncated`` stays False even where the env truncates (``max_new_tokens``,
+        a ``TimeLimit``): a textgym episode is scored whole on its last step, a cut one included, so there is
+        no return after it. With the flag SB3 would add ``gamma * V(terminal_observation)`` to that reward: an
+        estimate for a state that has no future, which nothing trains towards zero."""
         obs, rewards, terminated, truncated, vinfo = self.env.step(self._actions)
         dones = terminated | truncated
         self._returns += rewards
-        infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
+        infos: list[dict[str, Any]] = [_row(vinfo, i) for i in range(self.num_envs)]
         for i in np.flatnonzero(dones):
+            self.reset_infos[i] = infos[i]  # the next episode's (SameStep: it started on this step)
             final = vinfo["final_info"]
             infos[i] = {
                 k: v[i] for k, v in final.items() if not k.startswith("_") and not isinstance(v, dict)
@@ -68,7 +75,7 @@ class TextGymVecEnv(VecEnv):
                 if not name.startswith("_")
             }
             infos[i]["terminal_observation"] = vinfo["final_obs"][i]
-            infos[i]["TimeLimit.truncated"] = bool(truncated[i])
+            infos[i]["TimeLimit.truncated"] = False
             now = time.perf_counter()
             infos[i]["episode"] = {
                 "r": float(self._returns[i]),
@@ -85,6 +92,11 @@ class TextGymVecEnv(VecEnv):
         return [getattr(self.env, attr_name)] * len(self._get_indices(indices))
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        if sorted(self._get_indices(indices)) != list(range(self.num_envs)):
+            raise ConfigError(
+                f"set_attr({attr_name!r}, indices={indices!r}): the {self.num_envs} sub-envs are one "
+                f"TextGenVectorEnv, whose attributes they share; set it on all of them (indices=None)."
+            )
         setattr(self.env, attr_name, value)
 
     def env_method(
@@ -113,6 +125,16 @@ class TextGymVecEnv(VecEnv):
         if indices is None:
             return range(self.num_envs)
         return [indices] if isinstance(indices, int) else indices
+
+
+def _row(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
+    """Sub-env ``i``'s entries of a Gymnasium vector info: those its ``_key`` masks mark."""
+    row = {}
+    for key, values in vinfo.items():
+        mask = vinfo.get(f"_{key}")
+        if not key.startswith(("_", "final_")) and not isinstance(values, dict) and (mask is None or mask[i]):
+            row[key] = values[i]
+    return row
 
 
 def make_vec_env(
