@@ -31,7 +31,7 @@ __all__ = ["COMMON_STATS", "SB3Contract", "require_tensorboard"]
 COMMON_STATS = (
     "iteration",
     "timesteps",
-    "reward",  # mean reward-stack total (composition applied; before the agent's own score shaping)
+    "reward",  # mean return: reward-stack total (before the agent's score shaping) plus any turn rewards
     "reward_std",
     "frac_reward_zero_std",  # share of prompt groups (the whole batch for non-group agents) with equal totals
     "kl",  # KL(policy || reference) per completion: sum over its tokens of log pi - log pi_ref, batch mean

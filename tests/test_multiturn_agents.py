@@ -142,3 +142,54 @@ def test_stock_sb3_ppo_runs_on_a_small_vocabulary_multi_turn_env():
     # Monitor's episode return adds up the turn rewards: here every turn's similarity
     assert all(info["episode"]["r"] == pytest.approx(sum(info["turn_rewards"])) for info in finals)
     assert {info["finish_reason"] for info in finals} <= {"stop", "length", "max_turns", "overflow"}
+
+
+ONE_PER_TURN = """
+import textgym
+
+
+@textgym.responder("one_per_turn", role="user")
+def one_per_turn(conversations):
+    return [textgym.Reply("a", reward=1.0, done=c.agent_turns >= 3) for c in conversations]
+"""
+
+
+def test_an_sb3_run_records_each_episodes_return_not_its_last_steps_reward(tmp_path, monkeypatch):
+    """`textgym train` with an SB3 agent on a multi-turn env: metrics.csv and samples.jsonl hold each
+    episode's return (a responder that pays 1 per turn for three turns: 3), not its last turn's reward (1)."""
+    import json
+    import tempfile
+
+    from lm_helpers import csv_rows
+
+    from textgym.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # SB3's default logger makes a folder there
+    (tmp_path / "one_per_turn.py").write_text(ONE_PER_TURN)
+    every_token_ends_a_turn = list("abcdefghijklmnopqrstuvwxyz .,!?")
+    (tmp_path / "echo.toml").write_text(f"""
+[run]
+total_timesteps = 512
+sample_prompts = 2
+output_dir = "{tmp_path / "run"}"
+plugins = ["one_per_turn.py"]
+[env]
+id = "textgym/Echo-v0"
+num_envs = 8
+responder = "one_per_turn"
+stop = {json.dumps(every_token_ends_a_turn)}
+max_turns = 3
+max_new_tokens = 10
+[agent]
+name = "sb3-ppo"
+[agent.sb3-ppo]
+n_steps = 32
+batch_size = 64
+n_epochs = 1
+verbose = 0
+""")
+    assert main(["train", str(tmp_path / "echo.toml")]) == 0
+    metrics = csv_rows(tmp_path / "run" / "metrics.csv")
+    assert len(metrics) == 2 and all(float(row["reward"]) == 3.0 for row in metrics), metrics
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and {row["reward"] for row in samples} == {3.0}

@@ -449,9 +449,9 @@ def _run_sb3(
             self.episodes: list[dict[str, Any]] = []
 
         def _on_step(self) -> bool:
-            for info, reward in zip(self.locals["infos"], self.locals["rewards"]):
-                if "completion" in info:
-                    self.episodes.append(sb3_row(info, float(reward)))
+            for info in self.locals["infos"]:
+                if "completion" in info:  # an episode ended: its return (a multi-turn env pays every turn)
+                    self.episodes.append(sb3_row(info, float(info["episode"]["r"])))
             return not flag.stop
 
         def _on_rollout_end(self) -> None:
