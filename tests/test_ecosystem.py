@@ -125,6 +125,43 @@ def test_evaluate_policy_and_eval_callback_work_on_the_native_env_without_warnin
     assert is_complete(tmp_path / "best" / "best_model")
 
 
+def test_textgyms_eval_callback_drives_sb3s_stopping_callbacks():
+    from stable_baselines3.common.callbacks import (
+        StopTrainingOnNoModelImprovement,
+        StopTrainingOnRewardThreshold,
+    )
+
+    agent = LMPPO(char_llama(), make_env(), verbose=0, seed=0)
+    stop = StopTrainingOnRewardThreshold(reward_threshold=-1.0, verbose=0)  # any evaluation beats it
+    agent.learn(16 * 6 * 50, callback=EvalCallback(make_env(4), callback_on_new_best=stop, verbose=0))
+    assert agent.iteration == 1
+    agent = LMPPO(char_llama(), make_env(), verbose=0, seed=0)
+    patience = StopTrainingOnNoModelImprovement(max_no_improvement_evals=0, verbose=0)
+    evaluation = EvalCallback(make_env(4), callback_after_eval=patience, n_eval_episodes=4, verbose=0)
+    agent.learn(16 * 6 * 50, callback=evaluation)  # stops at the first evaluation that does not improve
+    assert 2 <= agent.iteration < 50 and patience.parent is evaluation
+
+
+def test_evaluate_policy_takes_sb3s_arguments_in_sb3s_order_and_seeds_an_sb3_vec_env():
+    agent = LMPPO(char_llama(), make_env(), verbose=0, seed=0)
+    rewards, lengths = evaluate_policy(agent, agent.get_env(), 4, True, False, None, None, True, True)
+    assert len(rewards) == len(lengths) == 4
+    with pytest.raises(AssertionError, match="Mean reward below threshold"):
+        evaluate_policy(agent, agent.get_env(), 4, reward_threshold=2.0)  # a reward is at most 1
+    with pytest.raises(ConfigError, match="render and callback need an SB3 VecEnv"):
+        evaluate_policy(agent, agent.get_env(), 4, callback=lambda local, global_: None)
+    env = make_vec_env("textgym/Copy-v0", n_envs=4, seed=0)
+    prompts = []
+    evaluate_policy(
+        agent, env, 8, seed=3, callback=lambda local, global_: prompts.append(local["observations"])
+    )
+    again = []
+    evaluate_policy(
+        agent, env, 8, seed=3, callback=lambda local, global_: again.append(local["observations"])
+    )
+    assert prompts and all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(prompts, again))
+
+
 def test_sb3_evaluate_policy_reads_true_returns_without_a_monitor_warning():
     from stable_baselines3 import PPO
     from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate

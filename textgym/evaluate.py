@@ -9,13 +9,15 @@ agents step the env with ``predict``. Episode returns are the reward stack's tot
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import BaseCallback, EventCallback
 
 from textgym.envs import TextGenVectorEnv
+from textgym.errors import ConfigError
 
 
 def evaluate_policy(
@@ -23,18 +25,35 @@ def evaluate_policy(
     env: Any = None,
     n_eval_episodes: int = 10,
     deterministic: bool = True,
+    render: bool = False,
+    callback: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+    reward_threshold: float | None = None,
     return_episode_rewards: bool = False,
+    warn: bool = True,
+    *,
     seed: int = 0,
 ) -> tuple[float, float] | tuple[list[float], list[int]]:
-    """Mean and std of the return over ``n_eval_episodes`` (or the returns and lengths), like SB3's
-    ``evaluate_policy``. ``env`` defaults to ``model.get_env()``; a ``TextGenVectorEnv`` in either autoreset
-    mode or an SB3 ``VecEnv`` (then SB3's own function runs)."""
+    """Mean and std of the return over ``n_eval_episodes`` (or the returns and lengths): SB3's
+    ``evaluate_policy``, with its arguments in its order. ``env`` defaults to ``model.get_env()``: a
+    ``TextGenVectorEnv`` in either autoreset mode, or an SB3 ``VecEnv`` (then SB3's own function runs, after
+    ``env.seed(seed)``). ``seed`` seeds the episodes' prompts and the sampling: the same seed, the same
+    episodes. ``render`` and ``callback`` (called with SB3's ``locals()`` at every step) need an SB3
+    ``VecEnv`` (``textgym.sb3.make_vec_env``)."""
     env = env if env is not None else model.get_env()
     if not isinstance(env, TextGenVectorEnv):
         from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate
+        from stable_baselines3.common.vec_env import VecEnv
 
+        if isinstance(env, VecEnv):
+            env.seed(seed)
         return sb3_evaluate(
-            model, env, n_eval_episodes, deterministic, return_episode_rewards=return_episode_rewards
+            model, env, n_eval_episodes, deterministic, render, callback, reward_threshold,
+            return_episode_rewards, warn,
+        )  # fmt: skip
+    if render or callback is not None:
+        raise ConfigError(
+            f"evaluate_policy(render={render!r}, callback={callback!r}) on a TextGenVectorEnv: render and "
+            f"callback need an SB3 VecEnv, e.g. textgym.sb3.make_vec_env(env_id, n_envs=...)."
         )
     rewards: list[float] = []
     lengths: list[int] = []
@@ -45,9 +64,12 @@ def evaluate_policy(
             lengths.append(int(episode["num_tokens"]))
         round_ += 1
     rewards, lengths = rewards[:n_eval_episodes], lengths[:n_eval_episodes]
+    mean, std = float(np.mean(rewards)), float(np.std(rewards))
+    if reward_threshold is not None and not mean > reward_threshold:
+        raise AssertionError(f"Mean reward below threshold: {mean:.2f} < {reward_threshold:.2f}")  # as SB3
     if return_episode_rewards:
         return rewards, lengths
-    return float(np.mean(rewards)), float(np.std(rewards))
+    return mean, std
 
 
 def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int) -> list[dict[str, Any]]:
@@ -73,26 +95,34 @@ def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int)
     return episodes
 
 
-class EvalCallback(BaseCallback):
-    """SB3's ``EvalCallback`` for textgym envs: every ``eval_freq`` callback steps (iterations, for LM
-    agents), evaluate on ``eval_env`` (a ``TextGenVectorEnv`` or an SB3 ``VecEnv``), log ``eval/mean_reward``
-    and ``eval/mean_ep_length``, append to ``log_path/evaluations.npz`` (SB3's format), save the best model
-    to ``best_model_save_path/best_model`` and call ``callback_on_new_best`` on a new best."""
+class EvalCallback(EventCallback):
+    """SB3's ``EvalCallback`` for textgym envs, with its arguments: every ``eval_freq`` callback steps
+    (iterations, for LM agents), evaluate on ``eval_env`` (a ``TextGenVectorEnv`` or an SB3 ``VecEnv``), log
+    ``eval/mean_reward`` and ``eval/mean_ep_length``, append to ``log_path/evaluations.npz`` (SB3's format),
+    save the best model to ``best_model_save_path/best_model``, call ``callback_on_new_best`` on a new best
+    (e.g. SB3's ``StopTrainingOnRewardThreshold``) and ``callback_after_eval`` after every evaluation (e.g.
+    ``StopTrainingOnNoModelImprovement``). Evaluation ``k`` uses seed ``k``."""
 
     def __init__(
         self,
         eval_env: Any,
         callback_on_new_best: BaseCallback | None = None,
+        callback_after_eval: BaseCallback | None = None,
         n_eval_episodes: int = 5,
         eval_freq: int = 1,
         log_path: str | None = None,
         best_model_save_path: str | None = None,
         deterministic: bool = True,
+        render: bool = False,
         verbose: int = 1,
+        warn: bool = True,
     ):
-        super().__init__(verbose)
+        super().__init__(callback_after_eval, verbose=verbose)
         self.eval_env, self.callback_on_new_best = eval_env, callback_on_new_best
+        if callback_on_new_best is not None:
+            callback_on_new_best.parent = self  # SB3's stopping callbacks read the best reward here
         self.n_eval_episodes, self.eval_freq, self.deterministic = n_eval_episodes, eval_freq, deterministic
+        self.render, self.warn = render, warn
         self.log_path = os.path.join(log_path, "evaluations") if log_path else None
         self.best_model_save_path = best_model_save_path
         self.best_mean_reward, self.last_mean_reward = -np.inf, -np.inf
@@ -111,8 +141,8 @@ class EvalCallback(BaseCallback):
         if self.eval_freq <= 0 or self.n_calls % self.eval_freq:
             return True
         rewards, lengths = evaluate_policy(
-            self.model, self.eval_env, self.n_eval_episodes, self.deterministic, return_episode_rewards=True,
-            seed=self.n_calls,
+            self.model, self.eval_env, self.n_eval_episodes, self.deterministic, self.render,
+            return_episode_rewards=True, warn=self.warn, seed=self.n_calls,
         )  # fmt: skip
         if self.log_path:
             self.evaluations_timesteps.append(self.num_timesteps)
@@ -132,10 +162,13 @@ class EvalCallback(BaseCallback):
             print(
                 f"Eval num_timesteps={self.num_timesteps}, episode_reward={mean:.3f} +/- {np.std(rewards):.3f}"
             )
+        keep_training = True
         if mean > self.best_mean_reward:
             self.best_mean_reward = mean
             if self.best_model_save_path:
                 self.model.save(os.path.join(self.best_model_save_path, "best_model"))
             if self.callback_on_new_best is not None:
-                return self.callback_on_new_best.on_step()
-        return True
+                keep_training = self.callback_on_new_best.on_step()
+        if self.callback is not None:
+            keep_training = keep_training and self._on_event()
+        return keep_training
