@@ -92,6 +92,36 @@ def test_conversational_prompts_and_completions_become_text():
     assert (sample.prompt, sample.completion) == ("What is 2 + 3?", "5")
 
 
+def test_a_tool_calling_completion_is_a_multi_turn_sample_scored_on_its_last_answer():
+    """With tools TRL passes a completion of several messages; the answer is the last assistant message, the
+    tool's output is a turn of the environment's (not part of the answer)."""
+    completion = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "29"},
+        {"role": "assistant", "content": [{"type": "text", "text": "29"}]},
+    ]
+    (sample,) = samples_from_trl(["What is 14 + 15?"], [completion])
+    assert sample.completion == "29"
+    assert [(t.role, t.text) for t in sample.turns] == [
+        ("assistant", ""),
+        ("tool", "29"),
+        ("assistant", "29"),
+    ]
+    (match,) = reward_funcs(build_reward_stack([{"name": "match"}]))
+    assert match(prompts=["What is 14 + 15?"], completions=[completion], reference=["29"]) == [1.0]
+
+
+def test_the_whole_stack_is_none_where_no_component_applies_as_trl_expects():
+    """TRL leaves out a completion every reward function returns None for; a 0 would enter its group's
+    baseline as a real score."""
+    func = total_reward_func(build_reward_stack([(correct, 2.0)]))
+    assert trl_call(func, SAMPLES) == [2.0, 0.0, None]  # the third sample has no reference
+
+
 def test_errors_name_the_component_and_the_bad_call():
     stringly = FunctionReward("stringly", lambda samples: ["1.0"] * len(samples))
     (func,) = reward_funcs(RewardStack([(stringly, 1.0)]))

@@ -22,8 +22,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from textgym.errors import ConfigError
-from textgym.rewards import BaseDir, RewardStack, Sample, build_reward_stack
+from textgym.responders import AGENT_ROLE
+from textgym.rewards import BaseDir, RewardStack, Sample, Turn, build_reward_stack
 
 TRLRewardFunc = Callable[..., list[float | None]]
 NOT_COLUMNS = ("trainer_state",)  # keywords TRL passes that are not dataset columns
@@ -81,8 +84,9 @@ def total_reward_func(
     stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: int | None = None
 ) -> TRLRewardFunc:
     """The whole stack as one TRL reward function named ``textgym_total``: aggregation, weight schedules and
-    gates as textgym computes them (give it weight 1). With TRL's ``trainer_state``, schedules follow
-    ``global_step / max_steps``. ``eos_token_id``: as for :func:`reward_funcs`."""
+    gates as textgym computes them (give it weight 1), ``None`` for a completion no component applies to.
+    With TRL's ``trainer_state``, schedules follow ``global_step / max_steps``. ``eos_token_id``: as for
+    :func:`reward_funcs`."""
     stack = build_reward_stack(stack_or_specs, base_dir)
 
     def textgym_total(
@@ -91,8 +95,15 @@ def total_reward_func(
         state = kwargs.get("trainer_state")
         if getattr(state, "max_steps", 0):
             stack.set_progress(min(1.0, state.global_step / state.max_steps))
-        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id))
-        return [float(v) for v in total]
+        total, components = stack.score(
+            samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id)
+        )
+        applies = np.zeros(len(total), dtype=bool)
+        for scores in components.values():
+            applies |= ~np.isnan(scores)
+        # None where no component applies, as TRL's own functions do: TRL leaves such a completion out
+        # rather than train on a made-up 0
+        return [float(v) if ok else None for v, ok in zip(total, applies)]
 
     return textgym_total
 
@@ -118,8 +129,9 @@ def samples_from_trl(
     eos_token_id: int | None = None,
 ) -> list[Sample]:
     """textgym samples from TRL's arguments. Prompts and completions may be plain text or, for
-    conversational data, lists of ``{"role", "content"}`` messages (the prompt's last user message and the
-    completion's contents are used). A keyword that is a list with one value per completion becomes
+    conversational data, lists of ``{"role", "content"}`` messages (the prompt's last user message is used;
+    a completion of several messages, as with tools, is a multi-turn sample whose completion is the last
+    assistant message). A keyword that is a list with one value per completion becomes
     metadata (``None`` values are left out, as a missing key). A ``finish_reason`` column sets the samples'
     finish reasons; TRL has none, so with ``eos_token_id`` and ``completion_ids`` a completion that does not
     end on the EOS was cut (``"length"``), and otherwise every one counts as ``"stop"``."""
@@ -139,24 +151,60 @@ def samples_from_trl(
     if finish is None and eos_token_id is not None and completion_ids is not None:
         finish = ["stop" if len(ids) and int(ids[-1]) == eos_token_id else "length" for ids in completion_ids]
     finish = finish or ["stop"] * n
+    texts = [_completion(c) for c in completions]
     return [
         Sample(
-            prompt=_text(prompts[i], prompt=True),
-            completion=_text(completions[i]),
+            prompt=_prompt(prompts[i]),
+            completion=completion,
             completion_ids=tuple(int(t) for t in completion_ids[i]) if completion_ids is not None else (),
             finish_reason=finish[i] if finish[i] in ("stop", "length") else "stop",
             meta={key: values[i] for key, values in columns.items() if values[i] is not None},
+            turns=turns,
         )
-        for i in range(n)
+        for i, (completion, turns) in enumerate(texts)
     ]
 
 
-def _text(value: Any, prompt: bool = False) -> str:
+def _completion(value: Any) -> tuple[str, tuple[Turn, ...]]:
+    """The completion's text and, for several messages (a tool-calling completion: the assistant's call, the
+    tool's result, the assistant's answer), its turns: then the text is the last assistant message's, as in a
+    multi-turn textgym episode."""
+    if isinstance(value, str):
+        return value, ()
+    messages = _messages(value)
+    if len(messages) == 1:
+        return _content(messages[0]), ()
+    turns = tuple(Turn(str(m.get("role", AGENT_ROLE)), _content(m)) for m in messages)
+    return next((t.text for t in reversed(turns) if t.role == AGENT_ROLE), ""), turns
+
+
+def _prompt(value: Any) -> str:
+    """A plain prompt, or a conversation's last user message (its last message if no user wrote)."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Sequence) and all(isinstance(m, Mapping) and "content" in m for m in value):
-        if prompt:
-            users = [m for m in value if m.get("role") == "user"] or list(value)
-            return str(users[-1]["content"]) if users else ""
-        return "".join(str(m["content"]) for m in value)
-    raise ConfigError(f"{value!r} is neither text nor a list of chat messages with 'content'.")
+    messages = _messages(value)
+    users = [m for m in messages if m.get("role") == "user"] or messages
+    return _content(users[-1]) if users else ""
+
+
+def _messages(value: Any) -> list[Mapping[str, Any]]:
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and all(isinstance(m, Mapping) and ("content" in m or "role" in m) for m in value)
+    ):
+        return list(value)
+    raise ConfigError(f"{value!r} is neither text nor a list of chat messages ({{'role', 'content'}}).")
+
+
+def _content(message: Mapping[str, Any]) -> str:
+    """A message's text: ``None`` or no content (a message with tool calls only) is empty; a list of parts
+    (``{"type": "text", "text": ...}``) gives its text parts."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(str(p["text"]) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return str(content)
