@@ -166,9 +166,13 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
       together). ``max_prompt_tokens`` (96).
     - ``chat_template``: wrap each prompt as a user message (default: when the tokenizer has a template).
     - ``stop``: extra stop strings (they end the agent's turn). ``prompt_overflow``: ``"truncate"`` (from
-      the left, with a warning) or ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"``.
+      the left, with a warning) or ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"`` (from the
+      first prompt on, across every reset, seeded or not, as a data loader keeps its place: an agent seeds
+      each rollout's reset. So a seeded reset repeats its episode, as Gymnasium's ``check_env`` asks, with
+      ``"random"`` only).
     - ``allowed_tokens``: token ids, token strings or a string of characters the agent may choose (EOS is
       always allowed, pad never); ``action_masks()`` returns them for action-masking agents (MaskablePPO).
+      ``step`` accepts any token id: agents that do not mask may choose the others.
     - ``pad_token``: an existing token to pad with, for tokenizers whose pad is their EOS.
     - ``max_episode_steps``: truncate (and score) after this many steps; a ``TimeLimit`` wrapper around the
       env (``gymnasium.make(..., max_episode_steps=N)``) does the same.
