@@ -330,6 +330,27 @@ def test_corrupt_or_partial_checkpoints_are_named(config, tmp_path, capsys):
     assert "is corrupt or incomplete" in capsys.readouterr().err
 
 
+def test_a_resume_changes_only_how_long_a_run_goes_on_and_keeps_that_for_the_next_resume(
+    config, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    run(config, [f"run.output_dir='{out}'", "run.total_timesteps=40"])
+    trained = len(csv_rows(out / "metrics.csv"))
+    # the optimizer's learning rate and the KL controller come from the checkpoint: a --set of them did nothing
+    for refused in (
+        ["--set", "agent.learning_rate=1e-7"],
+        ["--set", "agent.kl_coef=5.0"],
+        ["--agent", "grpo"],
+    ):
+        assert main(["train", "--resume", str(out), *refused]) == 2
+        err = capsys.readouterr().err
+        assert refused[1].split("=")[0] in err and "new run" in err.lower(), err
+    assert len(csv_rows(out / "metrics.csv")) == trained  # nothing trained
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 0
+    assert load_config(out / "config.toml")["run"]["total_timesteps"] == 80  # a later resume goes on to 80
+    assert load_config(out / "config.toml")["agent"] == load_config(config)["agent"]
+
+
 def test_a_run_directory_is_locked_while_in_use(config, tmp_path, capsys):
     out = tmp_path / "run"
     run(config, [f"run.output_dir='{out}'", "run.total_timesteps=20"])

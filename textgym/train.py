@@ -59,17 +59,21 @@ def run(
 
     Everything is validated before the run directory is touched; a start that fails leaves no directory.
     """
+    changed = False  # a resume's --set: written to its config.toml, for the resumes after it
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")
         config = load_config(run_dir / "config.toml", overrides)
-        trained_by = load_config(run_dir / "config.toml")["run"]["processes"]
+        saved = load_config(run_dir / "config.toml")
+        trained_by = saved["run"]["processes"]
         if config["run"]["processes"] != trained_by:  # a --set of it
             raise ConfigError(
                 f"{run_dir} was trained by {trained_by} process(es); a resume keeps that number, as the seeds "
                 f"and the batch split depend on it: drop run.processes={config['run']['processes']} from --set."
             )
+        _check_resume_changes(run_dir, saved, config, agent_name)
+        changed = config != saved
         if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
             print(
                 f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
@@ -89,6 +93,7 @@ def run(
             config["run"]["plugins"].append(path)
             if resume is not None:  # not in the saved config: the launched processes are told
                 overrides = [*overrides, f"run.plugins={json.dumps(config['run']['plugins'])}"]
+                changed = True
     for path in config["run"]["plugins"]:
         plugin_manager.load_plugin_file(path)
     check_env_id(config["env"]["id"], config["run"]["allow_env_import"])
@@ -125,6 +130,8 @@ def run(
                     )
                 rd.clear_progress()
                 return False
+            if changed:
+                rd.write_config(config)
             return True
         created = rd.create()
         rd.lock()
@@ -145,6 +152,39 @@ def run(
         rd.unlock()
         if world > 1:
             end_process_group()
+
+
+# what a resume may change: how long the run goes on and what it writes; not what it trains, or how
+RESUME_SETTINGS = ("run.total_timesteps", "run.checkpoint_every", "run.sample_prompts", "run.plugins",
+                   "run.report_to")  # fmt: skip
+
+
+def _check_resume_changes(
+    run_dir: Path, saved: dict[str, Any], config: dict[str, Any], agent_name: str | None
+) -> None:
+    if agent_name and agent_name != saved["agent"]["name"]:
+        raise ConfigError(
+            f"--agent {agent_name}: {run_dir} trains {saved['agent']['name']!r}, and a resume continues it; start "
+            f"a new run for another agent (textgym train {run_dir / 'config.toml'} --agent {agent_name})."
+        )
+    changed = [key for key in _differences(saved, config) if key not in RESUME_SETTINGS]
+    if changed:
+        raise ConfigError(
+            f"--set {', '.join(changed)} on --resume: a resume continues {run_dir} as it was trained (its "
+            f"optimizer, KL controller, seeds and env come from the checkpoint and config.toml), so only "
+            f"{', '.join(RESUME_SETTINGS)} may change. Start a new run to change the others."
+        )
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two configs."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [prefix] if a != b else []
+    return [
+        key
+        for name in dict.fromkeys([*a, *b])
+        for key in _differences(a.get(name), b.get(name), f"{prefix}.{name}" if prefix else str(name))
+    ]
 
 
 def check_env_id(env_id: str, allow_import: bool) -> None:
