@@ -79,6 +79,13 @@ def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path)
     resumed = [int(r["iteration"]) for r in csv_rows(diag / "eval.csv")]
     assert 99 not in resumed and resumed == sorted(set(resumed)) and resumed[-1] > last
 
+    # killed during its final evaluation, after its last checkpoint: the resume, which has no token left to
+    # train, still evaluates it
+    rows = (diag / "eval.csv").read_text().splitlines(keepends=True)
+    (diag / "eval.csv").write_text("".join(rows[:-1]))
+    run(resume=diag)
+    assert (diag / "eval.csv").read_text().splitlines(keepends=True) == rows
+
 
 def test_an_sb3_agent_gets_the_same_diagnostics(tmp_path):
     config = """

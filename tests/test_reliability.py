@@ -5,6 +5,7 @@ import base64
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +78,78 @@ def test_kill_9_at_any_moment_then_resume_continues_from_the_last_complete_check
     assert main(["train", "--resume", str(out)]) == 0, capsys.readouterr().err
     assert "resuming" in capsys.readouterr().out
     assert assert_consistent(out) >= 3
+
+
+SB3_COPY = """
+[run]
+total_timesteps = 256
+checkpoint_every = 1
+sample_prompts = 2
+[env]
+id = "textgym/Copy-v0"
+num_envs = 8
+[agent]
+name = "sb3-ppo"
+[agent.sb3-ppo]
+n_steps = 16
+batch_size = 64
+n_epochs = 2
+"""
+
+
+def sb3_policy(run_dir):
+    """The SB3 checkpoint's policy weights and its iteration."""
+    import torch
+
+    with zipfile.ZipFile(run_dir / "checkpoint" / "model.zip") as archive, archive.open("policy.pth") as f:
+        weights = torch.load(f, weights_only=True)
+    return weights, json.loads((run_dir / "checkpoint" / "state.json").read_text())
+
+
+@pytest.mark.parametrize("cut", ["kill", "ctrl-c"])
+def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_rollout_it_lands_in(
+    tmp_path, cut
+):
+    """SB3 updates the policy after a rollout's callbacks: the checkpoint of iteration N, written after them,
+    held N - 1 updates; and a Ctrl-C dropped the rollout under way, whose steps still counted."""
+    import torch
+
+    config = tmp_path / "sb3.toml"
+    config.write_text(SB3_COPY)
+    # iteration 2 of 2 (a kill after iteration 3's metrics leaves it), or 1 of 1 (a Ctrl-C in iteration 1)
+    iterations = 2 if cut == "kill" else 1
+    whole = tmp_path / "whole"
+    assert main(["train", str(config), "--set", f"run.output_dir='{whole}'",
+                 "--set", f"run.total_timesteps={128 * iterations}"]) == 0  # fmt: skip
+    out = tmp_path / "cut"
+    how = {"TEXTGYM_CRASH_AT": "after-metrics:3"} if cut == "kill" else {INTERRUPT_VAR: "after-metrics"}
+    result = textgym(
+        "train", config, "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=384", env=how
+    )
+    assert result.returncode == (-signal.SIGKILL if cut == "kill" else 0), result.stdout + result.stderr
+    (expected, _), (weights, state) = sb3_policy(whole), sb3_policy(out)
+    assert (
+        state["iteration"] == iterations and state["num_timesteps"] == 128 * iterations
+    )  # no untrained steps
+    assert expected.keys() == weights.keys()
+    assert all(torch.equal(expected[k], weights[k]) for k in expected)
+
+
+def test_a_damaged_or_missing_checkpoint_is_named_and_the_runs_progress_kept(config, tmp_path, capsys):
+    """A run whose checkpoint lost its completion marker, or vanished after iterations past the first
+    checkpoint, is not restarted from the beginning over its metrics and samples."""
+    for damage in ("marker", "directory"):
+        out = tmp_path / damage
+        run(config, [f"run.output_dir='{out}'", "run.total_timesteps=96", "run.checkpoint_every=1"])
+        metrics = (out / "metrics.csv").read_text()
+        if damage == "marker":
+            (out / "checkpoint" / "textgym-complete").unlink()
+        else:
+            shutil.rmtree(out / "checkpoint")
+        assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=160"]) == 2
+        err = capsys.readouterr().err
+        assert ("is incomplete" if damage == "marker" else "is gone") in err and "Nothing was removed" in err
+        assert (out / "metrics.csv").read_text() == metrics and (out / "samples.jsonl").is_file()
 
 
 def test_a_kill_before_the_first_checkpoint_restarts_cleanly(config, tmp_path, capsys):

@@ -36,6 +36,13 @@ EVAL_CSV = "eval.csv"
 EVAL_PLOT = "eval.png"
 
 
+def finish_evaluations(callbacks: Sequence[BaseCallback], model: Any) -> None:
+    """See :meth:`EvalCallback.complete`."""
+    for callback in callbacks:
+        if isinstance(callback, EvalCallback):
+            callback.complete(model)
+
+
 def training_callbacks(config: Mapping[str, Any], run_dir: Path) -> list[BaseCallback]:
     """The callbacks that ``textgym train`` adds for the run's ``[eval]`` section (none without one). The
     metric rewards are checked here, before the agent loads (plugin files are loaded by then)."""
@@ -100,6 +107,16 @@ class EvalCallback(BaseCallback):
             plot_eval(self.run_dir / EVAL_PLOT, self.rows)
         if self.evaluator is not None:
             self.evaluator.close()
+
+    def complete(self, model: Any) -> None:
+        """A resume that finds every token trained has nothing for ``learn`` to do, which runs the final
+        evaluation: here it runs, if the run was cut (a kill) before it wrote it."""
+        self.init_callback(model)
+        path = self.run_dir / EVAL_CSV
+        if path.is_file() and any(r["iteration"] == self._iteration() for r in read_rows(path)):
+            return
+        self.on_training_start({"total_timesteps": model.num_timesteps}, {})
+        self.on_training_end()
 
     # -- what ----------------------------------------------------------------------------------------
     def _evaluate(self, iteration: int) -> None:

@@ -27,6 +27,7 @@ from textgym.errors import ConfigError, TrainingError
 MARKER = ".textgym-run"
 LOCK = ".lock"
 CHECKPOINT = "checkpoint"
+SAMPLES_AFTER = "samples_after.jsonl"  # written when a run finishes, not when it stops
 CRASH_VAR = "TEXTGYM_CRASH_AT"  # crash-consistency tests kill the process at a named point
 INTERRUPT_VAR = "TEXTGYM_INTERRUPT_AT"  # the Ctrl-C tests send the process SIGINT at a named point
 
@@ -235,13 +236,18 @@ class RunDir:
         """The tokens of the run's last checkpoint (-1 without one)."""
         return _tokens_in(self.checkpoint)
 
+    def iterations_logged(self) -> int:
+        """The rows of ``metrics.csv`` (0 without one)."""
+        path = self.path / "metrics.csv"
+        return max(0, len(path.read_text(encoding="utf-8").splitlines()) - 1) if path.is_file() else 0
+
     def clear_progress(self) -> None:
         """Forget a run that never reached its first checkpoint (it restarts from the beginning)."""
         for name in (
             "metrics.csv",
             "samples.jsonl",
             "samples_before.jsonl",
-            "samples_after.jsonl",
+            SAMPLES_AFTER,
             "reward_kl.png",
         ):
             (self.path / name).unlink(missing_ok=True)

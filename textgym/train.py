@@ -38,7 +38,7 @@ from textgym.launch import (
     world_size,
 )
 from textgym.plotting import training_curves
-from textgym.rundir import CHECKPOINT, RunDir, crash_point
+from textgym.rundir import CHECKPOINT, SAMPLES_AFTER, RunDir, crash_point
 from textgym.stopping import StopFlag
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
@@ -60,6 +60,7 @@ def run(
     Everything is validated before the run directory is touched; a start that fails leaves no directory.
     """
     changed = False  # a resume's --set: written to its config.toml, for the resumes after it
+    saved: dict[str, Any] = {}
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "config.toml").is_file():
@@ -124,6 +125,20 @@ def run(
                 raise ConfigError(f"{run_dir} was not written by textgym train (no .textgym-run marker).")
             rd.lock()
             if rd.recover_checkpoint() is None:
+                logged, every = rd.iterations_logged(), saved["run"]["checkpoint_every"]
+                if (
+                    rd.checkpoint.exists() or logged > every
+                ):  # a checkpoint was written, and is damaged or gone
+                    what = (
+                        f"{rd.checkpoint} is incomplete (textgym did not write it whole)"
+                        if rd.checkpoint.exists()
+                        else f"metrics.csv logs {logged} iterations, past the first checkpoint (checkpoint_every "
+                        f"= {every}), but {rd.checkpoint} is gone"
+                    )
+                    raise ConfigError(
+                        f"{what}: restore the checkpoint, or delete {run_dir} to train the run again from the "
+                        f"beginning. Nothing was removed."
+                    )
                 if not os.environ.get(LAUNCHED_VAR):
                     print(
                         f"textgym: {run_dir} has no complete checkpoint yet: starting the run from the beginning"
@@ -281,7 +296,7 @@ def _run_native(
     from tqdm.auto import tqdm
 
     from textgym.agents.checkpoint import gather_checkpoint
-    from textgym.diagnostics import training_callbacks
+    from textgym.diagnostics import finish_evaluations, training_callbacks
 
     run = config["run"]
     diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
@@ -361,6 +376,8 @@ def _run_native(
                 progress_bar=True,
                 tb_log_name="run",
             )
+        else:
+            finish_evaluations(diagnostics, agent)
     stopped = dist.any(flag.stop)
     gather_checkpoint(agent)
     dist.on_main(lambda: rd.write_checkpoint(agent.save))
@@ -405,7 +422,7 @@ def _finish(
             f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {rd.path}{again}"
         )
         return rd.path
-    _report(rd, "samples_after.jsonl", samples(), "after training")
+    _report(rd, SAMPLES_AFTER, samples(), "after training")
     _print_trend(history, aggregate)
     print(f"textgym: run directory {rd.path}")
     return rd.path
@@ -453,7 +470,7 @@ def _run_sb3(
     directory is the same as an LM agent's; metrics are ``reward`` per rollout (no KL: no reference)."""
     from stable_baselines3.common.callbacks import BaseCallback
 
-    from textgym.diagnostics import training_callbacks
+    from textgym.diagnostics import finish_evaluations, training_callbacks
     from textgym.sb3 import load_sb3_checkpoint, make_vec_env, save_sb3_checkpoint, sb3_episodes, sb3_row
 
     run = config["run"]
@@ -484,15 +501,32 @@ def _run_sb3(
     def save(path: Path) -> None:
         save_sb3_checkpoint(agent, path, {"iteration": state["iteration"], "history": history})
 
+    class StopAfterUpdate(Exception):
+        """Raised where SB3's next rollout would begin: the stopped iteration is trained and saved."""
+
     class Recorder(BaseCallback):
+        """Records each rollout when it ends; checkpoints where the next one starts, as SB3 updates the policy
+        between the two (a checkpoint written at the rollout's end would lack its iteration's update), and a
+        stop (Ctrl-C, SIGTERM) takes effect there, so the rollout it lands in is trained, not dropped."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.saved = state["iteration"]
+
         def _on_rollout_start(self) -> None:
             self.episodes: list[dict[str, Any]] = []
+            if flag.stop:
+                rd.write_checkpoint(save)
+                raise StopAfterUpdate
+            if state["iteration"] > self.saved and state["iteration"] % run["checkpoint_every"] == 0:
+                rd.write_checkpoint(save)
+                self.saved = state["iteration"]
 
         def _on_step(self) -> bool:
             for info in self.locals["infos"]:
                 if "completion" in info:  # an episode ended: its return (a multi-turn env pays every turn)
                     self.episodes.append(sb3_row(info, float(info["episode"]["r"])))
-            return not flag.stop
+            return True
 
         def _on_rollout_end(self) -> None:
             if not self.episodes:
@@ -506,18 +540,26 @@ def _run_sb3(
             rd.write_metrics(history)
             crash_point("after-metrics")
             print(_iteration_line(history[-1], self.num_timesteps), flush=True)
-            if state["iteration"] % run["checkpoint_every"] == 0 or flag.stop:
-                rd.write_checkpoint(save)
 
     remaining = run["total_timesteps"] - agent.num_timesteps
     if agent.tensorboard_log is None:  # SB3's default logger would leave an empty folder in the temp dir
         from textgym.agents.sb3_contract import folderless_logger
 
         agent.set_logger(folderless_logger(agent.verbose))
+    saved = False
     with flag:
         if remaining > 0:
-            agent.learn(
-                remaining, callback=[Recorder(), *diagnostics], reset_num_timesteps=False, tb_log_name="run"
-            )
-    rd.write_checkpoint(save)
+            try:
+                agent.learn(
+                    remaining,
+                    callback=[Recorder(), *diagnostics],
+                    reset_num_timesteps=False,
+                    tb_log_name="run",
+                )
+            except StopAfterUpdate:
+                saved = True
+        else:
+            finish_evaluations(diagnostics, agent)
+    if not saved:
+        rd.write_checkpoint(save)
     return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), has_kl=False)
