@@ -194,11 +194,13 @@ def test_a_killed_bench_resumes_without_redoing_finished_runs(tmp_path, counted,
     ]
 
 
+@pytest.mark.parametrize("total", [150, 16], ids=["mid-run", "in-the-last-iteration"])
 def test_a_ctrl_c_stops_the_bench_after_the_runs_checkpoint_and_the_bench_continues_it(
-    tmp_path, counted, register, capsys
+    tmp_path, counted, register, capsys, total
 ):
     """The run stops and saves; the bench neither evaluates it (its eval.json would mark it finished, and the
-    report would show a half-trained run as trained) nor goes on to the next run."""
+    report would show a half-trained run as trained) nor goes on to the next run. With 16 tokens the first
+    iteration is the last: the run has every token, but it stopped before it finished."""
     calls = []
 
     def ctrl_c_once(samples):
@@ -210,12 +212,13 @@ def test_a_ctrl_c_stops_the_bench_after_the_runs_checkpoint_and_the_bench_contin
     register(reward_plugin("ctrl_c_once", ctrl_c_once), "ctrl-c-once")
     d = designs(tmp_path / "out", eval_every=0)
     d["designs"] = [{"name": "stops", "rewards": [{"name": "ctrl_c_once"}]}]
+    d["run"]["total_timesteps"] = total
     path = tmp_path / "designs.toml"
     path.write_text(tomli_w.dumps(d))
     runs = tmp_path / "out" / "runs"
     assert main(["bench", str(path)]) == 130
     err = capsys.readouterr().err
-    assert "bench stopped: stops-seed0 saved its checkpoint at" in err and "of 150 tokens" in err
+    assert "bench stopped: stops-seed0 saved its checkpoint at" in err and f"({total} to train)" in err
     assert counted["evaluated"] == [] and not (runs / "stops-seed0" / "eval.json").exists()
     assert not (runs / "stops-seed1").exists()
 

@@ -303,7 +303,7 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    from textgym.rundir import RunDir
+    from textgym.rundir import SAMPLES_AFTER, RunDir
 
     spec = load_designs(designs, overrides)
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
@@ -321,10 +321,12 @@ def run(
                     _record(out, job)
                     _train(job)
                     total, done = job.config["run"]["total_timesteps"], RunDir(job.run_dir).tokens_trained()
-                    if done < total:  # a signal stopped it and it saved (else it raised)
+                    # a signal stopped it and it saved (else it raised); a stop in the last iteration or
+                    # the final evaluation leaves every token trained, and no after-training samples
+                    if done < total or not (job.run_dir / SAMPLES_AFTER).is_file():
                         raise Stopped(
-                            f"bench stopped: {job.run_id} saved its checkpoint at {done} of {total} tokens; "
-                            f"the same command continues it"
+                            f"bench stopped: {job.run_id} saved its checkpoint at {done} tokens ({total} to "
+                            f"train); the same command continues it"
                         )
                 if todo[job.run_id] != "reuse":
                     with _logged(job.run_dir / "train.log"):
