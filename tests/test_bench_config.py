@@ -260,6 +260,7 @@ def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_t
     spec = load_designs({**designs(tmp_path), "reward_models": [entry]})
     bench_rm.prepare(spec["reward_models"], progress=False)
     assert (tmp_path / "rm" / "train_rm.json").is_file() and (tmp_path / "rm.pairs.jsonl").is_file()
+    assert not (tmp_path / f".rm.{bench_rm.RECORD}").exists()
     assert bench_rm.pending(spec["reward_models"]) == []  # made with these settings: reused
     # the settings are part of every run's identity
     other = {**entry, "train": {**entry["train"], "epochs": 2}}
@@ -271,3 +272,12 @@ def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_t
     mine = load_designs({**designs(tmp_path), "reward_models": [{**entry, "output": str(tmp_path / "mine")}]})
     with pytest.raises(ConfigError, match="exists but no bench made it"):
         bench_rm.pending(mine["reward_models"])
+    # a kill between the model's rename into place and its record: the settings written beside it first
+    # claim it (another bench's settings there do not)
+    record = (tmp_path / "rm" / bench_rm.RECORD).read_text()
+    (tmp_path / "rm" / bench_rm.RECORD).unlink()
+    (tmp_path / f".rm.{bench_rm.RECORD}").write_text(record)
+    with pytest.raises(ConfigError, match="was made with other settings|exists but no bench made it"):
+        bench_rm.pending(spec2["reward_models"])
+    assert bench_rm.pending(spec["reward_models"]) == []
+    assert (tmp_path / "rm" / bench_rm.RECORD).read_text() == record

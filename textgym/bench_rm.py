@@ -26,6 +26,7 @@ from typing import Any
 
 from textgym.errors import ConfigError
 from textgym.rewards import check_arguments, check_reward_specs
+from textgym.rundir import write_atomic
 
 RECORD = "bench-rm.json"
 KEYS = ("output", "pairs", "train")
@@ -102,10 +103,11 @@ def pending(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not output.exists():
             todo.append(entry)
             continue
-        try:
-            record = json.loads((output / RECORD).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            record = None
+        record = _read(output / RECORD)
+        intent = _read(_intent(output))
+        if record is None and intent is not None and intent.get("digest") == entry["digest"]:
+            record = intent  # trained by this bench, cut before it recorded the settings
+            write_atomic(output / RECORD, json.dumps(record, indent=2, default=str))
         if record is None:
             raise ConfigError(
                 f"reward model output {str(output)!r} exists but no bench made it ({RECORD} is missing): choose "
@@ -128,6 +130,22 @@ def prepare(entries: list[dict[str, Any]], progress: bool = True) -> None:
         output = Path(entry["output"])
         pairs_file = output.with_name(output.name + ".pairs.jsonl")
         label_pairs(output=pairs_file, progress=progress, **entry["pairs"])
+        record = json.dumps({"digest": entry["digest"], "pairs": entry["pairs"], "train": entry["train"]},
+                            indent=2, default=str)  # fmt: skip
+        # the settings are written beside the output first: a kill between the model's rename into place and
+        # its record would leave a model no bench claims
+        write_atomic(_intent(output), record)
         train_reward_model(pairs_file, output, progress=progress, **entry["train"])
-        record = {"digest": entry["digest"], "pairs": entry["pairs"], "train": entry["train"]}
-        (output / RECORD).write_text(json.dumps(record, indent=2, default=str), encoding="utf-8")
+        write_atomic(output / RECORD, record)
+        _intent(output).unlink(missing_ok=True)
+
+
+def _intent(output: Path) -> Path:
+    return output.with_name(f".{output.name}.{RECORD}")
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
