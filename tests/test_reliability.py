@@ -389,6 +389,35 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(config, tmp_pat
     assert is_complete(out / "checkpoint")
 
 
+def test_a_checkpoint_write_failing_inside_safetensors_or_torch_save_is_one_line(config, tmp_path):
+    """What they raise on a full disk (seen on a 1 MB tmpfs): not OSErrors, so they were tracebacks."""
+    from safetensors import SafetensorError
+
+    from textgym.errors import TrainingError
+
+    rd = RunDir(tmp_path / "run")
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    torch_full = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    for error, says in ((full, "(the disk is full)"), (torch_full, "is the disk full?")):
+
+        def save(path, error=error):
+            raise error
+
+        with pytest.raises(TrainingError, match="could not write the checkpoint") as caught:
+            rd.write_checkpoint(save)
+        assert says in str(caught.value) and "there is no checkpoint yet" in str(caught.value)
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else is not a write failure
+        rd.write_checkpoint(lambda path: (_ for _ in ()).throw(RuntimeError("a bug")))
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(config, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create the run directory {out}: Not a directory" in err and "Traceback" not in err
+
+
 def test_corrupt_or_partial_checkpoints_are_named(config, tmp_path, capsys):
     out = tmp_path / "run"
     assert RunDir(out).tokens_trained() == -1  # no checkpoint yet

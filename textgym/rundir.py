@@ -102,14 +102,26 @@ class RunDir:
                 f"run.output_dir (textgym never writes into a directory it does not own)."
             )
         created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / MARKER).write_text("a textgym run directory\n")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / MARKER).write_text("a textgym run directory\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the run directory {self.path}: {exc.strerror or exc}; choose a run.output_dir "
+                f"in a writable directory."
+            ) from None
         return created
 
     def lock(self) -> None:
         import fcntl
 
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot lock the run directory {self.path}: {exc.strerror or exc}; textgym writes into it, so "
+                f"it must be writable."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -167,6 +179,11 @@ class RunDir:
             save(self.checkpoint)
         except OSError as exc:
             raise self.disk_error("the checkpoint", exc) from None
+        except Exception as exc:
+            failed = _failed_write(exc)
+            if failed is None:
+                raise
+            raise self.disk_error("the checkpoint", failed) from None
 
     def disk_error(self, what: str, exc: OSError) -> TrainingError:
         from textgym.models import is_complete
@@ -251,6 +268,20 @@ class RunDir:
             "reward_kl.png",
         ):
             (self.path / name).unlink(missing_ok=True)
+
+
+def _failed_write(exc: Exception) -> OSError | None:
+    """The OSError behind a tensor library's own error for a write that failed, else None: safetensors
+    raises SafetensorError ("I/O error: No space left on device (os error 28)"), torch.save a RuntimeError
+    from its zip writer ("[enforce fail at inline_container.cc:...] . unexpected pos ...") that names no
+    cause."""
+    text = str(exc)
+    if type(exc).__name__ == "SafetensorError" and "I/O error" in text:
+        code = errno.ENOSPC if "os error 28" in text else errno.EIO
+        return OSError(code, os.strerror(code))
+    if isinstance(exc, RuntimeError) and "inline_container" in text:
+        return OSError(errno.EIO, f"torch.save could not write its file (is the disk full?): {text}")
+    return None
 
 
 def _drop_none(value: Any) -> Any:
