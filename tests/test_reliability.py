@@ -152,6 +152,18 @@ def test_a_damaged_or_missing_checkpoint_is_named_and_the_runs_progress_kept(con
         assert (out / "metrics.csv").read_text() == metrics and (out / "samples.jsonl").is_file()
 
 
+def test_a_ctrl_c_during_an_iterations_writes_stops_after_that_iteration(config, tmp_path):
+    """The stop was read before the metrics and checkpoint were written: a Ctrl-C during them (a checkpoint
+    of a real model takes a minute) trained one more iteration."""
+    out = tmp_path / "run"
+    result = textgym(
+        "train", config, "--set", f"run.output_dir='{out}'", env={INTERRUPT_VAR: "after-metrics"}
+    )
+    assert result.returncode == 0 and "interrupted; checkpoint saved" in result.stdout, result.stderr
+    assert len(csv_rows(out / "metrics.csv")) == 1
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["iteration"] == 1
+
+
 def test_a_kill_before_the_first_checkpoint_restarts_cleanly(config, tmp_path, capsys):
     out = tmp_path / "run"
     killed = textgym(

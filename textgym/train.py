@@ -364,7 +364,9 @@ def _run_native(
                     rd.write_checkpoint(model.save)
 
             dist.on_main(record)
-            return not stop
+            # a signal during the writes above (a checkpoint can take a minute) stops here too, not after
+            # one more iteration; the checkpoint after learn() then saves this one
+            return not (stop or dist.any(flag.stop))
 
     remaining = run["total_timesteps"] - agent.num_timesteps
     with flag:
