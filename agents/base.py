@@ -66,6 +66,8 @@ class LMAgent(SB3Contract, UpdateGuards):
         from accelerate.utils import set_seed
 
         self.config = c = make_config(self.config_class, self.name, hyperparameters)
+        if c.device == "cuda" and not torch.cuda.is_available():  # accelerate would fall back to the CPU
+            raise ConfigError('device = "cuda", but torch sees no CUDA GPU: use device = "auto" or "cpu".')
         on_gpu = torch.cuda.is_available() if c.device == "auto" else c.device.startswith("cuda")
         bf16 = on_gpu if c.bf16 is None else c.bf16
         if bf16 and not on_gpu and not cpu_has_native_bf16():

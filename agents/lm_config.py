@@ -63,6 +63,42 @@ class LMAgentConfig:
             raise ConfigError(f"seed must be a non-negative integer, not {self.seed!r}.")
         if not self.max_abs_score > 0:
             raise ConfigError(f"max_abs_score must be > 0, not {self.max_abs_score!r}.")
+        # a negative max_grad_norm flips the gradients' sign (torch scales them by max_norm / norm), a
+        # negative score_clip clamps every score to -score_clip: both were accepted, and trained backwards
+        check_number("max_grad_norm", self.max_grad_norm, above=0)
+        check_number("score_scale", self.score_scale, above=0)
+        check_number("score_clip", self.score_clip, above=0, none_ok=True)
+        check_number("missing_eos_penalty", self.missing_eos_penalty, none_ok=True)
+        if self.lora is not None and not isinstance(self.lora, dict):
+            raise ConfigError(
+                f"lora must be a table of peft LoraConfig arguments (e.g. {{r = 8}}), not {self.lora!r}."
+            )
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(map(repr, DEVICES))}, not {self.device!r}.")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_number(
+    name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
+    at_most: float | None = None, none_ok: bool = False,
+) -> None:  # fmt: skip
+    """A finite number in the given range (``None`` too, where ``none_ok``), else a ConfigError naming it."""
+    if value is None and none_ok:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if (
+        number
+        and (above is None or value > above)
+        and (at_least is None or value >= at_least)
+        and (at_most is None or value <= at_most)
+    ):
+        return
+    bounds = [f"> {above}" if above is not None else "", f">= {at_least}" if at_least is not None else "",
+              f"<= {at_most}" if at_most is not None else ""]  # fmt: skip
+    what = " and ".join(b for b in bounds if b) or "finite"
+    raise ConfigError(f"{name} must be a number {what}{' (or none)' if none_ok else ''}, not {value!r}.")
 
 
 def check_positive_int(name: str, value: Any) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from textgym.agents.base import LMAgent
 from textgym.agents.distributed import masked_whiten
-from textgym.agents.lm_config import LMAgentConfig, check_positive_int
+from textgym.agents.lm_config import LMAgentConfig, check_number, check_positive_int
 from textgym.agents.ppo_core import (
     AdaptiveKLController,
     FixedKLController,
@@ -82,6 +82,14 @@ class LMPPOConfig(LMAgentConfig):
             raise ConfigError(f"clip_range must be > 0, not {self.clip_range!r}.")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0, not {self.kl_coef!r}.")
+        check_number("gamma", self.gamma, at_least=0, at_most=1)
+        check_number("gae_lambda", self.gae_lambda, at_least=0, at_most=1)
+        check_number("clip_range_vf", self.clip_range_vf, above=0, none_ok=True)
+        check_number("vf_coef", self.vf_coef, at_least=0)
+        check_number("ent_coef", self.ent_coef)
+        check_number("target_kl", self.target_kl, above=0, none_ok=True)
+        check_number("kl_target", self.kl_target, above=0, none_ok=True)
+        check_positive_int("kl_horizon", self.kl_horizon)
 
 
 class ValueHead(nn.Module):

@@ -249,6 +249,27 @@ def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as
     assert [tuple(p.shape) for p in loaded.params] == [tuple(p.shape) for p in agent.params]
 
 
+@pytest.mark.parametrize(
+    "name, value",
+    [("max_grad_norm", -1.0), ("max_grad_norm", 0), ("score_clip", -1.0), ("score_scale", 0),
+     ("score_scale", float("nan")), ("missing_eos_penalty", "big"), ("gamma", 2.0), ("gae_lambda", 5),
+     ("vf_coef", -0.1), ("target_kl", 0), ("kl_target", -1.0), ("kl_horizon", 0), ("lora", 8),
+     ("device", "gpu")],
+)  # fmt: skip
+def test_hyperparameters_that_would_train_backwards_or_not_at_all_are_refused(name, value):
+    """A negative max_grad_norm flips the gradients (torch scales them by max_norm / norm); a negative
+    score_clip clamps every score to one value; gamma above 1 grows returns without bound; ..."""
+    with pytest.raises(ConfigError, match=f"^{name} must be"):
+        LMPPOConfig(**{name: value})
+
+
+def test_device_cuda_without_a_gpu_is_refused_not_run_on_the_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match='device = "cuda", but torch sees no CUDA GPU'):
+        LMPPO(char_llama(), make_env(2), device="cuda")
+
+
 def test_bad_hyperparameters_and_envs_are_clear_errors():
     with pytest.raises(ConfigError, match="temperature must be > 0 for training, not 0"):
         LMPPOConfig(temperature=0)
