@@ -46,6 +46,14 @@ def test_bad_records_and_files_are_errors(tmp_path):
     (tmp_path / "bad.csv").write_text("question\nq\n")
     with pytest.raises(PromptError, match="no 'prompt' column"):
         load_prompts(tmp_path / "bad.csv")
+    (tmp_path / "multi.csv").write_text('prompt,reference\n"Line one.\nLine two.","a, b"\n')
+    assert load_prompts(tmp_path / "multi.csv") == [Prompt("Line one.\nLine two.", {"reference": "a, b"})]
+    for rows, match in [("q,a,extra", r"ragged.csv:2 has 3 cells for 2 columns"),
+                        ("q", r"ragged.csv:2 has 1 cell for 2 columns"),
+                        ('"open,a\nq,a', r"ragged.csv:3 is not valid CSV")]:  # fmt: skip
+        (tmp_path / "ragged.csv").write_text(f"prompt,reference\n{rows}\n")
+        with pytest.raises(PromptError, match=match):
+            load_prompts(tmp_path / "ragged.csv")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(PromptError, match="bad.jsonl:2 is not valid JSON"):
         load_prompts(tmp_path / "bad.jsonl")

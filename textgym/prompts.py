@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -89,13 +90,35 @@ def read_prompt_file(path: Path) -> list[Any]:
                 raise PromptError(f"{path}:{n} is not valid JSON: {exc.msg}.") from None
         return records
     if suffix == ".csv":
-        rows = list(csv.DictReader(text.splitlines()))
-        if rows and "prompt" not in rows[0]:
-            raise PromptError(f"{path} has no 'prompt' column (columns: {', '.join(rows[0])}).")
-        return rows
+        return _read_csv(path, text)
     raise PromptError(
         f"prompt file {str(path)!r} must end in .txt, .jsonl or .csv, not {suffix or '(none)'}."
     )
+
+
+def _read_csv(path: Path, text: str) -> list[dict[str, str]]:
+    """The rows of a CSV file as dicts. A quoted cell keeps its line breaks; a row with more or fewer cells
+    than the header, or a quote left open, is an error naming its line (they shifted or swallowed cells)."""
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    rows: list[dict[str, str]] = []
+    try:
+        header = next(reader, None)
+        if header is None:
+            return rows
+        if "prompt" not in header:
+            raise PromptError(f"{path} has no 'prompt' column (columns: {', '.join(header)}).")
+        for cells in reader:
+            if not cells:
+                continue
+            if len(cells) != len(header):
+                raise PromptError(
+                    f"{path}:{reader.line_num} has {len(cells)} cell{'s' * (len(cells) != 1)} for {len(header)} columns "
+                    f"({', '.join(header)}); quote a cell that holds a comma."
+                )
+            rows.append(dict(zip(header, cells)))
+    except csv.Error as exc:
+        raise PromptError(f"{path}:{reader.line_num} is not valid CSV: {exc} (a quote left open?).") from None
+    return rows
 
 
 def _read_dataset_dir(path: Path) -> list[Any]:
