@@ -63,6 +63,11 @@ def test_sb3_contrib_algorithms_are_named_directly(tmp_path):
     out = tmp_path / "qrdqn"
     run(EXAMPLES / "copy.toml", quick("agent.qrdqn={learning_starts=0}", tmp=out), agent_name="qrdqn")
     assert is_complete(out / "checkpoint")
+    from textgym.agent_config import resolve_agent
+
+    # RecurrentPPO's dict-observation policy is MultiInputLstmPolicy, not MultiInputPolicy
+    _, policy, _ = resolve_agent({"name": "recurrentppo", "policy": "tiny-char-llama"})
+    assert policy == "MultiInputLstmPolicy"
 
 
 PLUGIN_AGENT = """

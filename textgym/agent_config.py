@@ -128,7 +128,9 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
                 f"[agent.{name}] policy {policy!r} is not one of {name}'s policies: {', '.join(aliases)}."
             )
         if not isinstance(policy, str) or policy not in aliases:
-            policy = "MultiInputPolicy"  # the LM policy name (if any) only picks the env's tokenizer
+            # the env's observations are a dict: the agent's MultiInput policy (RecurrentPPO's is
+            # MultiInputLstmPolicy); the LM policy name (if any) only picks the env's tokenizer
+            policy = next((p for p in aliases if p.startswith("MultiInput")), "MultiInputPolicy")
     elif policy is None:
         raise ConfigError(
             "agent.policy is required: a zoo name (e.g. smollm2-135m-instruct) or a model directory."
