@@ -460,7 +460,9 @@ def test_a_resume_changes_only_how_long_a_run_goes_on_and_keeps_that_for_the_nex
         err = capsys.readouterr().err
         assert refused[1].split("=")[0] in err and "new run" in err.lower(), err
     assert len(csv_rows(out / "metrics.csv")) == trained  # nothing trained
+    capsys.readouterr()
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 0
+    assert "run.total_timesteps 40 -> 80: what follows the training progress" in capsys.readouterr().out
     assert load_config(out / "config.toml")["run"]["total_timesteps"] == 80  # a later resume goes on to 80
     assert load_config(out / "config.toml")["agent"] == load_config(config)["agent"]
 

@@ -75,6 +75,13 @@ def run(
             )
         _check_resume_changes(run_dir, saved, config, agent_name)
         changed = config != saved
+        before, after = saved["run"]["total_timesteps"], config["run"]["total_timesteps"]
+        if before != after and rank() == 0:
+            print(
+                f"textgym: run.total_timesteps {before} -> {after}: what follows the training progress (tokens / "
+                f"total: lr_schedule = 'linear', reward weight schedules) follows the new total from here on, "
+                f"so it steps {'back' if after > before else 'forward'} at this resume."
+            )
         if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
             print(
                 f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
