@@ -184,8 +184,13 @@ class LMAgent(SB3Contract, UpdateGuards):
         if isinstance(model, PeftModel):
             return model
         init = {"init_lora_weights": False} if on_meta else {}
-        with lora.seeded_init(self.config.seed):  # as a checkpoint remakes it (checkpoint.load_checkpoint)
-            adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
+        try:
+            with lora.seeded_init(
+                self.config.seed
+            ):  # as a checkpoint remakes it (checkpoint.load_checkpoint)
+                adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
+        except (TypeError, ValueError) as exc:  # peft's checks of its arguments, and of the target modules
+            raise ConfigError(f"lora {settings!r}: {exc}. See peft's LoraConfig for its arguments.") from None
         if not lora.starts_at_base(settings):  # the reference: the policy as it starts
             lora.add_reference_adapter(adapted, on_meta)
         return adapted

@@ -73,6 +73,8 @@ class LMAgentConfig:
             raise ConfigError(
                 f"lora must be a table of peft LoraConfig arguments (e.g. {{r = 8}}), not {self.lora!r}."
             )
+        if self.lora is not None and "r" in self.lora:
+            check_positive_int("lora.r", self.lora["r"])
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(map(repr, DEVICES))}, not {self.device!r}.")
 

@@ -263,6 +263,15 @@ def test_hyperparameters_that_would_train_backwards_or_not_at_all_are_refused(na
         LMPPOConfig(**{name: value})
 
 
+def test_bad_lora_settings_are_config_errors_not_peft_tracebacks():
+    with pytest.raises(ConfigError, match="lora.r must be a positive integer, not 0"):
+        LMPPOConfig(lora={"r": 0})
+    with pytest.raises(ConfigError, match="lora {'rank': 8}: .*unexpected keyword argument 'rank'"):
+        LMPPO(char_llama(), make_env(2), lora={"rank": 8})
+    with pytest.raises(ConfigError, match=r"lora {'target_modules': \['nope'\]}: .*See peft's LoraConfig"):
+        LMPPO(char_llama(), make_env(2), lora={"target_modules": ["nope"]})
+
+
 def test_device_cuda_without_a_gpu_is_refused_not_run_on_the_cpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
