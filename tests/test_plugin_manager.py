@@ -65,6 +65,18 @@ def test_misspelled_hook_is_caught_by_check_pending():
     assert not plugin_manager.pm.has_plugin("typo")
 
 
+def test_a_hook_with_another_parameter_name_is_a_plugin_error():
+    class Renamed:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(reg):  # pluggy passes arguments by name: `register`
+            pass
+
+    with pytest.raises(PluginError, match="(?s)plugin .renamed. .*register_rewards.*reg"):
+        plugin_manager.register_plugin(Renamed(), name="renamed")
+    assert not plugin_manager.pm.has_plugin("renamed")
+
+
 def test_unknown_agent_name_lists_known_agents(register):
     class Agents:
         @staticmethod

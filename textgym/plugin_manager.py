@@ -124,7 +124,10 @@ def register_plugin(plugin: object, name: str, source: str = "registered in code
         raise DuplicateNameError(
             f"a plugin named {name!r} is already registered ({describe_source(name)}); choose another name."
         )
-    pm.register(plugin, name=name)
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:  # e.g. a hook whose parameter is not named `register`
+        raise PluginError(f"plugin {name!r} ({source}): {exc}.") from None
     _check_pending(name)
     _sources[name] = source
     _changed()
@@ -238,7 +241,13 @@ def _load_all() -> None:
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}) failed to load: "
                     f"{type(exc).__name__}: {exc}. Fix or uninstall it, or set {DISABLE_AUTOLOAD_VAR}=1."
                 ) from exc
-            pm.register(plugin, name=ep.name)
+            try:
+                pm.register(plugin, name=ep.name)
+            except pluggy.PluginValidationError as exc:
+                raise PluginError(
+                    f"plugin {ep.name!r} (entry point {ep.value} in {dist}): {exc}. Fix or uninstall it, or set "
+                    f"{DISABLE_AUTOLOAD_VAR}=1."
+                ) from None
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
