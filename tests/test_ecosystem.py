@@ -58,6 +58,15 @@ def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+@pytest.mark.parametrize("agent", ["a2c", "lmppo"])
+def test_an_env_that_is_not_textgyms_is_one_config_error_for_every_agent(tmp_path, agent):
+    with pytest.raises(ConfigError, match=r"\[env\] CartPole-v1"):
+        run(EXAMPLES / "copy.toml", quick("env.id='CartPole-v1'", tmp=tmp_path / "x"), agent_name=agent)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ConfigError, match="not a TextGenVectorEnv"):
+        make_vec_env("CartPole-v1", n_envs=2)
+
+
 def test_sb3_contrib_algorithms_are_named_directly(tmp_path):
     pytest.importorskip("sb3_contrib")
     out = tmp_path / "qrdqn"

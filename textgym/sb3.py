@@ -144,7 +144,13 @@ def make_vec_env(
     import textgym  # noqa: F401  (registers the envs)
 
     env = gym.make_vec(env_id, num_envs=n_envs, vectorization_mode="vector_entry_point", **kwargs)
-    vec = TextGymVecEnv(env.unwrapped if hasattr(env, "unwrapped") else env)
+    env = env.unwrapped if hasattr(env, "unwrapped") else env
+    if not isinstance(env, TextGenVectorEnv):
+        raise ConfigError(
+            f"{env_id} made a {type(env).__name__}, not a TextGenVectorEnv: make_vec_env adapts textgym's envs "
+            f"(for another env, use SB3's own make_vec_env)."
+        )
+    vec = TextGymVecEnv(env)
     if seed is not None:
         vec.seed(seed)
     return vec

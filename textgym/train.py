@@ -11,11 +11,12 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,16 +250,10 @@ def make_env(config: dict[str, Any], num_envs: int, **extra: Any) -> Any:
     import gymnasium
 
     kwargs = {**_env_kwargs(config), "autoreset_mode": "Disabled", **extra}
-    try:
+    with env_errors(config["env"]["id"]):
         env = gymnasium.make_vec(
             config["env"]["id"], num_envs=num_envs, vectorization_mode="vector_entry_point", **kwargs
         )
-    except TypeError as exc:  # an argument the env does not take
-        raise ConfigError(f"[env] {config['env']['id']}: {exc}") from exc
-    except gymnasium.error.Error as exc:
-        raise ConfigError(f"[env] id: {exc}") from exc
-    except (ImportError, AttributeError) as exc:  # a plugin registered an entry point that does not import
-        raise ConfigError(f"[env] {config['env']['id']} cannot be made: {type(exc).__name__}: {exc}") from exc
     from textgym.envs import TextGenVectorEnv
 
     if not isinstance(env, TextGenVectorEnv):
@@ -267,6 +262,21 @@ def make_env(config: dict[str, Any], num_envs: int, **extra: Any) -> Any:
             f"point is a TextGenVectorEnv."
         )
     return env
+
+
+@contextlib.contextmanager
+def env_errors(env_id: str) -> Iterator[None]:
+    """Making the env of ``[env] id``: its errors as one-line ConfigErrors."""
+    import gymnasium
+
+    try:
+        yield
+    except TypeError as exc:  # an argument the env does not take
+        raise ConfigError(f"[env] {env_id}: {exc}") from exc
+    except gymnasium.error.Error as exc:
+        raise ConfigError(f"[env] id: {exc}") from exc
+    except (ImportError, AttributeError) as exc:  # a plugin registered an entry point that does not import
+        raise ConfigError(f"[env] {env_id} cannot be made: {type(exc).__name__}: {exc}") from exc
 
 
 def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -485,7 +495,10 @@ def _run_sb3(
     run = config["run"]
     diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
     env_kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
-    env = make_vec_env(config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs)
+    with env_errors(config["env"]["id"]):
+        env = make_vec_env(
+            config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs
+        )
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     name = config["agent"]["name"]
     try:
