@@ -33,11 +33,12 @@ DESIGNS = {
 }
 
 
-def fake_bench(out):
+def fake_bench(out, eval_prompts="copy-heldout"):
     """A finished bench as the runs would leave it: the proxy design games its reward (its gold metric peaks
     at iteration 10 and falls while its reward keeps rising), the gold design improves steadily."""
     d = json.loads(json.dumps(DESIGNS))
     d["bench"]["output_dir"] = str(out)
+    d["bench"]["eval_prompts"] = eval_prompts
     spec = bench.load_designs(d)
     jobs = bench.plan(spec, out)
     for job in jobs:
@@ -87,6 +88,15 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "bench"
     spec, jobs = fake_bench(out)
     return out, write_outputs(out, spec, jobs)
+
+
+def test_the_setup_says_held_out_only_where_the_evaluation_prompts_are(tmp_path):
+    """Without bench.eval_prompts the runs are evaluated on their training prompts: not held out."""
+    for prompts, says in [("copy-heldout", "the same 16 held-out episodes (`copy-heldout`;"),
+                          (None, "the same 16 episodes of the training prompts, not held out")]:  # fmt: skip
+        out = tmp_path / str(prompts)
+        write_outputs(out, *fake_bench(out, eval_prompts=prompts))
+        assert says in (out / "report.md").read_text()
 
 
 def test_flags_rankings_and_clipped_intervals(report):

@@ -140,12 +140,16 @@ def setup_text(results: BenchResults) -> str:
     spec = results.spec
     bench, base = spec["bench"], spec["base"]
     agents = ", ".join(f"`{a['label']}`" for a in spec["agents"])
+    episodes = (
+        f"{bench['eval_episodes']} held-out episodes (`{bench['eval_prompts']}`"
+        if bench["eval_prompts"]  # without eval_prompts the evaluation reuses the training prompts
+        else f"{bench['eval_episodes']} episodes of the training prompts, not held out (no eval_prompts"
+    )
     return (
         f"{len(results.designs)} designs x {len(results.agents)} agent{'s' if len(results.agents) > 1 else ''} "
         f"({agents}) x {len(bench['seeds'])} seeds (seeds {bench['seeds']}) on `{base['env']['id']}`, "
         f"{base['run']['total_timesteps']} generated tokens per run. Every run is evaluated on the same "
-        f"{bench['eval_episodes']} held-out episodes (`{bench['eval_prompts'] or base['env'].get('prompts', 'the training prompts')}`, "
-        f"same prompts and sampling seed)"
+        f"{episodes}; same prompts and sampling seed)"
         + (f", during training every {bench['eval_every']} iterations" if results.curves else "")
         + "."
         + (
