@@ -84,6 +84,8 @@ def test_sample_command_prints_a_table_and_writes_jsonl(tmp_path, capsys):
 def test_sample_command_bad_reward_is_a_clear_error(capsys):
     assert main(["sample", "--model", "tiny-random-llama", "--reward", "lenght_penalty"]) == 2
     assert "unknown reward 'lenght_penalty'. Did you mean 'length_penalty'?" in capsys.readouterr().err
+    assert main(["sample", "--model", "tiny-random-llama", "--seed", "-1"]) == 2  # was gymnasium's traceback
+    assert "--seed must be >= 0, not -1." in capsys.readouterr().err
 
 
 @pytest.mark.slow
