@@ -80,21 +80,7 @@ def test_kill_9_at_any_moment_then_resume_continues_from_the_last_complete_check
     assert assert_consistent(out) >= 3
 
 
-SB3_COPY = """
-[run]
-total_timesteps = 256
-checkpoint_every = 1
-sample_prompts = 2
-[env]
-id = "textgym/Copy-v0"
-num_envs = 8
-[agent]
-name = "sb3-ppo"
-[agent.sb3-ppo]
-n_steps = 16
-batch_size = 64
-n_epochs = 2
-"""
+SB3_COPY = copy_run_config(256) + "\n[agent.sb3-ppo]\nn_steps = 16\nbatch_size = 64\nn_epochs = 2\n"
 
 
 def sb3_policy(run_dir):
@@ -119,13 +105,12 @@ def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_r
     # iteration 2 of 2 (a kill after iteration 3's metrics leaves it), or 1 of 1 (a Ctrl-C in iteration 1)
     iterations = 2 if cut == "kill" else 1
     whole = tmp_path / "whole"
-    assert main(["train", str(config), "--set", f"run.output_dir='{whole}'",
+    assert main(["train", str(config), "--agent", "sb3-ppo", "--set", f"run.output_dir='{whole}'",
                  "--set", f"run.total_timesteps={128 * iterations}"]) == 0  # fmt: skip
     out = tmp_path / "cut"
     how = {"TEXTGYM_CRASH_AT": "after-metrics:3"} if cut == "kill" else {INTERRUPT_VAR: "after-metrics"}
-    result = textgym(
-        "train", config, "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=384", env=how
-    )
+    result = textgym("train", config, "--agent", "sb3-ppo", "--set", f"run.output_dir='{out}'",
+                     "--set", "run.total_timesteps=384", env=how)  # fmt: skip
     assert result.returncode == (-signal.SIGKILL if cut == "kill" else 0), result.stdout + result.stderr
     (expected, _), (weights, state) = sb3_policy(whole), sb3_policy(out)
     assert (
