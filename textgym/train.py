@@ -134,9 +134,8 @@ def run(
             rd.lock()
             if rd.recover_checkpoint() is None:
                 logged, every = rd.iterations_logged(), saved["run"]["checkpoint_every"]
-                if (
-                    rd.checkpoint.exists() or logged > every
-                ):  # a checkpoint was written, and is damaged or gone
+                # a checkpoint was written, and is damaged or gone: the run is not started over its progress
+                if rd.checkpoint.exists() or logged > every:
                     what = (
                         f"{rd.checkpoint} is incomplete (textgym did not write it whole)"
                         if rd.checkpoint.exists()
