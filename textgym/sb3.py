@@ -66,14 +66,7 @@ class TextGymVecEnv(VecEnv):
         for i in np.flatnonzero(dones):
             self.reset_infos[i] = infos[i]  # the next episode's (SameStep: it started on this step)
             final = vinfo["final_info"]
-            infos[i] = {
-                k: v[i] for k, v in final.items() if not k.startswith("_") and not isinstance(v, dict)
-            }
-            infos[i]["reward_components"] = {
-                name: values[i]
-                for name, values in final["reward_components"].items()
-                if not name.startswith("_")
-            }
+            infos[i] = _ended(final, i)
             infos[i]["terminal_observation"] = vinfo["final_obs"][i]
             infos[i]["TimeLimit.truncated"] = False
             now = time.perf_counter()
@@ -137,6 +130,16 @@ def _row(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
     return row
 
 
+def _ended(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
+    """Sub-env ``i``'s ended episode, from the vector info that holds it (``final_info`` in SameStep mode):
+    its entries, with its reward components."""
+    row = {k: v[i] for k, v in vinfo.items() if not k.startswith("_") and not isinstance(v, dict)}
+    row["reward_components"] = {
+        k: v[i] for k, v in vinfo["reward_components"].items() if not k.startswith("_")
+    }
+    return row
+
+
 def make_vec_env(
     env_id: str = "textgym/TextGen-v0", n_envs: int = 8, seed: int | None = None, **kwargs: Any
 ) -> TextGymVecEnv:
@@ -181,11 +184,7 @@ def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
         obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
         returns += np.where(active, rewards, 0.0)
         for i in np.flatnonzero(terminated | truncated):
-            info = {k: v[i] for k, v in infos.items() if not k.startswith("_") and not isinstance(v, dict)}
-            info["reward_components"] = {
-                k: v[i] for k, v in infos["reward_components"].items() if not k.startswith("_")
-            }
-            rows[i] = sb3_row(info, float(returns[i]))
+            rows[i] = sb3_row(_ended(infos, i), float(returns[i]))
     return rows
 
 
