@@ -161,7 +161,10 @@ def run(
         return False
 
     resuming = on_main(prepare) if world > 1 else prepare()
-    trainer = _run_native if is_lm_agent(agent_class) else _run_sb3
+    if is_lm_agent(agent_class):
+        trainer = _run_native
+    else:
+        from textgym.train_sb3 import run_sb3 as trainer
     flag = StopFlag()
     try:
         return trainer(agent_class, policy, hyperparameters, config, rd, resuming, flag)
@@ -284,6 +287,16 @@ def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]
     return generate(env, config["run"]["seed"])
 
 
+def _resumed(rd: RunDir, iteration: int, history: list[dict[str, Any]], tokens: int) -> None:
+    """A resume's run directory cut back to its checkpoint (of ``iteration``, with ``history``), and said so."""
+    dropped = rd.truncate_samples(iteration)
+    rd.write_metrics(history)
+    print(
+        f"textgym: resuming {rd.path} at iteration {iteration}, {tokens} tokens"
+        + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else "")
+    )
+
+
 def _report(rd: RunDir, name: str, rows: list[dict[str, Any]], title: str) -> None:
     from textgym.formatting import format_table
 
@@ -340,14 +353,6 @@ def _run_native(
             )
         )
 
-    def resumed() -> None:
-        dropped = rd.truncate_samples(agent.iteration)
-        rd.write_metrics(agent.history)
-        print(
-            f"textgym: resuming {rd.path} at iteration {agent.iteration}, {agent.num_timesteps} tokens"
-            + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else "")
-        )
-
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
         return agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed).infos
 
@@ -358,7 +363,7 @@ def _run_native(
         return lambda: rows if rows is not None else _sample_table(generate, config)
 
     if resuming:
-        dist.on_main(resumed)
+        dist.on_main(lambda: _resumed(rd, agent.iteration, agent.history, agent.num_timesteps))
     else:
         before = samples()
         dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))
@@ -475,112 +480,3 @@ def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> N
 
 
 # -- Stable-Baselines3 agents ------------------------------------------------------------------------
-def _run_sb3(
-    agent_class: Any,
-    policy: Any,
-    hyperparameters: dict[str, Any],
-    config: dict[str, Any],
-    rd: RunDir,
-    resuming: bool,
-    flag: StopFlag,
-) -> Path:
-    """Agents with the SB3 contract on an SB3 VecEnv (e.g. SB3's PPO on the small-vocabulary envs). The run
-    directory is the same as an LM agent's; metrics are ``reward`` per rollout (no KL: no reference)."""
-    from stable_baselines3.common.callbacks import BaseCallback
-
-    from textgym.diagnostics import finish_evaluations, training_callbacks
-    from textgym.sb3 import load_sb3_checkpoint, make_vec_env, save_sb3_checkpoint, sb3_episodes, sb3_row
-
-    run = config["run"]
-    diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
-    env_kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
-    with env_errors(config["env"]["id"]):
-        env = make_vec_env(
-            config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs
-        )
-    hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
-    name = config["agent"]["name"]
-    try:
-        agent = agent_class(policy, env, **hyperparameters)
-    except (AssertionError, ValueError, TypeError) as exc:  # SB3 checks its hyperparameters with asserts
-        raise ConfigError(f"[agent] {name}: {exc or type(exc).__name__}") from exc
-    state = {"iteration": 0, "history": []}
-    if resuming:
-        agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
-        dropped = rd.truncate_samples(state["iteration"])
-        rd.write_metrics(state["history"])
-        print(f"textgym: resuming {rd.path} at iteration {state['iteration']}, {agent.num_timesteps} tokens"
-              + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else ""))  # fmt: skip
-    history = state["history"]
-
-    def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        return sb3_episodes(agent, sample_env, seed)
-
-    if not resuming:
-        _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
-
-    def save(path: Path) -> None:
-        save_sb3_checkpoint(agent, path, {"iteration": state["iteration"], "history": history})
-
-    class StopAfterUpdate(Exception):
-        """Raised where SB3's next rollout would begin: the stopped iteration is trained and saved."""
-
-    class Recorder(BaseCallback):
-        """Records each rollout when it ends; checkpoints where the next one starts, as SB3 updates the policy
-        between the two (a checkpoint written at the rollout's end would lack its iteration's update), and a
-        stop (Ctrl-C, SIGTERM) takes effect there, so the rollout it lands in is trained, not dropped."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.saved = state["iteration"]
-
-        def _on_rollout_start(self) -> None:
-            self.episodes: list[dict[str, Any]] = []
-            if flag.stop:
-                rd.write_checkpoint(save)
-                raise StopAfterUpdate
-            if state["iteration"] > self.saved and state["iteration"] % run["checkpoint_every"] == 0:
-                rd.write_checkpoint(save)
-                self.saved = state["iteration"]
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "completion" in info:  # an episode ended: its return (a multi-turn env pays every turn)
-                    self.episodes.append(sb3_row(info, float(info["episode"]["r"])))
-            return True
-
-        def _on_rollout_end(self) -> None:
-            if not self.episodes:
-                return
-            state["iteration"] += 1
-            rewards = [e["reward"] for e in self.episodes]
-            history.append({"iteration": state["iteration"], "timesteps": self.num_timesteps,
-                            "reward": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
-                            "episodes": len(rewards)})  # fmt: skip
-            rd.append_samples({"iteration": state["iteration"], **e} for e in self.episodes)
-            rd.write_metrics(history)
-            crash_point("after-metrics")
-            print(_iteration_line(history[-1], self.num_timesteps), flush=True)
-
-    remaining = run["total_timesteps"] - agent.num_timesteps
-    if agent.tensorboard_log is None:  # SB3's default logger would leave an empty folder in the temp dir
-        from textgym.agents.sb3_contract import folderless_logger
-
-        agent.set_logger(folderless_logger(agent.verbose))
-    saved = False
-    with flag:
-        if remaining > 0:
-            try:
-                agent.learn(
-                    remaining,
-                    callback=[Recorder(), *diagnostics],
-                    reset_num_timesteps=False,
-                    tb_log_name="run",
-                )
-            except StopAfterUpdate:
-                saved = True
-        else:
-            finish_evaluations(diagnostics, agent)
-    if not saved:
-        rd.write_checkpoint(save)
-    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), has_kl=False)
