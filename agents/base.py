@@ -184,10 +184,8 @@ class LMAgent(SB3Contract, UpdateGuards):
         if isinstance(model, PeftModel):
             return model
         init = {"init_lora_weights": False} if on_meta else {}
-        try:
-            with lora.seeded_init(
-                self.config.seed
-            ):  # as a checkpoint remakes it (checkpoint.load_checkpoint)
+        try:  # seeded as a checkpoint remakes it (checkpoint.load_checkpoint)
+            with lora.seeded_init(self.config.seed):
                 adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
         except (TypeError, ValueError) as exc:  # peft's checks of its arguments, and of the target modules
             raise ConfigError(f"lora {settings!r}: {exc}. See peft's LoraConfig for its arguments.") from None
