@@ -33,12 +33,13 @@ DESIGNS = {
 }
 
 
-def fake_bench(out, eval_prompts="copy-heldout"):
+def fake_bench(out, eval_prompts="copy-heldout", seeds=(0, 1, 2)):
     """A finished bench as the runs would leave it: the proxy design games its reward (its gold metric peaks
     at iteration 10 and falls while its reward keeps rising), the gold design improves steadily."""
     d = json.loads(json.dumps(DESIGNS))
     d["bench"]["output_dir"] = str(out)
     d["bench"]["eval_prompts"] = eval_prompts
+    d["bench"]["seeds"] = list(seeds)
     spec = bench.load_designs(d)
     jobs = bench.plan(spec, out)
     for job in jobs:
@@ -128,6 +129,12 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
     for job in jobs:
         if job.design["name"] == "proxy" and job.seed == 2:
             (job.run_dir / "eval.csv").unlink()
+        if job.design["name"] == "gold" and job.seed == 1:  # an eval.csv without standard errors
+            rows = list(csv.DictReader((job.run_dir / "eval.csv").open()))
+            with (job.run_dir / "eval.csv").open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=[k for k in rows[0] if not k.endswith("_se")])
+                writer.writeheader()
+                writer.writerows({k: v for k, v in r.items() if not k.endswith("_se")} for r in rows)
         if job.design["name"] == "gold":
             result = json.loads((job.run_dir / "eval.json").read_text())
             result["metrics"]["reward"] = None
@@ -139,11 +146,26 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
     assert "exact_copy 0.500 -> 0.150 (2 of 2 seeds; shown: seed 0)" in md  # seed 2 had no curve to check
     assert "did not run on 1 of 6 runs: they have no held-out curve" in md
     assert "The gaming check did not run on gold: the held-out `reward` (the proxy) is not measured" in md
-    assert "did not run on 1 of 6 runs" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "did not run on 1 of 6 runs" in html and "1 of 3 shared seeds have an infinite value" in html
     assert "No flags" not in md
     # an infinite KL is shown as one, not dropped as "not measured"
     assert "| gold | n/a | 0.525 [0.447, 0.603] | inf |" in md
     assert "match inf" in md
+    # ... and a pair with it is not tested (the infinity made every difference 0: "not significant", p = 1)
+    kl = [c for c in csv.DictReader((out / "comparisons.csv").open()) if c["metric"] == "kl"]
+    assert [(c["infinite"], c["p"], c["better"]) for c in kl] == [("1", "", "")]
+    assert "| 3 | not tested (1 of 3 shared seeds have an infinite value) |" in md
+    assert "could not judge every evaluation of 1 of 5 runs: some have no standard error" in md
+
+
+def test_one_seed_is_reported_as_not_tested(tmp_path):
+    """With one seed no pair is tested: the ranking says so, not "no pair is significantly different"."""
+    out = tmp_path / "bench"
+    write_outputs(out, *fake_bench(out, seeds=[0]))
+    md = (out / "report.md").read_text()
+    assert "2. proxy" not in md and "no pair is significantly different" not in md
+    assert "1. proxy (0.150) — not tested: no pair has 2 shared seeds with finite values" in md
 
 
 def chromium():

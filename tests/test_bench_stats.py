@@ -23,9 +23,9 @@ def test_intervals_are_clipped_to_the_metric_range():
     assert high == 1.0 and low < mean < high
     mean, low, high = mean_ci([-0.01, 0.01, 0.0], bounds=(0.0, math.inf))  # a KL estimate near 0
     assert low == 0.0 and high > 0
-    # never past the mean itself: a sampled KL whose mean dips below 0 keeps its mean inside
-    mean, low, high = mean_ci([-0.02, -0.01], bounds=(0.0, math.inf))
-    assert low == mean == pytest.approx(-0.015) and high > 0
+    # a sampled KL whose mean dips below 0 keeps its whole interval below: the same half-width on each side
+    mean, low, high = mean_ci([-0.1, -0.05], bounds=(0.0, math.inf))
+    assert mean == pytest.approx(-0.075) and mean - low == pytest.approx(high - mean) and low < -0.2
 
 
 def test_paired_comparison_matches_a_hand_computation():
@@ -56,6 +56,17 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     zero = paired(rounding, {s: 0.0 for s in range(6)})
     assert zero.p == 1.0 and zero.diff == 0.0 and zero.d_z == 0.0
     assert compare({"a": rounding, "b": {s: 0.0 for s in range(6)}}, "higher")[1] == {"a": 1, "b": 1}
+
+
+def test_an_infinite_value_on_a_shared_seed_leaves_the_pair_untested():
+    # a KL that blew up on seed 0: the pair is not tested (it compared as 0 difference, p = 1), and leaving
+    # the seed out would compare the designs on their good runs only
+    blown, calm = {0: math.inf, 1: 5.0, 2: 6.0}, {0: 1.0, 1: 1.1, 2: 0.9}
+    r = paired(blown, calm)
+    assert r.n == 3 and r.infinite == 1 and math.isnan(r.p) and math.isnan(r.diff)
+    comparisons, _ = compare({"a": blown, "b": calm}, "lower")
+    assert comparisons[0].better is None and comparisons[0].seeds_needed is None
+    assert paired({0: math.inf, 1: 2.0}, {1: 1.0, 2: 0.0}).infinite == 0  # not a shared seed
 
 
 def test_holm_adjustment_by_hand():
@@ -119,6 +130,12 @@ def test_gaming_flag_when_the_proxy_rises_while_the_gold_falls():
     assert "0.600 -> 0.200" in flags[0]["message"]
     # within the noise of two evaluations: no flag
     assert run_flags(curve([0.1, 0.4, 0.6, 0.3, 0.2], [0.0, 0.3, 0.5, 0.8, 0.9], se=0.2), {}, ["gold"]) == []
+    # no standard error (one applicable episode per evaluation, or an eval.csv without them): a fall of
+    # 0.001 cannot be told from noise, and is not flagged
+    bare = curve([0.5, 0.5, 0.501, 0.5, 0.5], [0.0, 0.1, 0.2, 0.3, 0.4], se=math.nan)
+    assert run_flags(bare, {}, ["gold"]) == []
+    without = [{k: v for k, v in r.items() if not k.endswith("_se")} for r in bare]
+    assert run_flags(without, {}, ["gold"]) == []
     # gold falls but the proxy falls too (not gaming), or gold peaks at the end
     assert run_flags(curve([0.1, 0.6, 0.2], [0.0, 0.9, 0.1]), {}, ["gold"]) == []
     assert run_flags(curve([0.1, 0.3, 0.6], [0.0, 0.5, 0.9]), {}, ["gold"]) == []

@@ -9,7 +9,7 @@ training) or its final evaluation, with fixed, documented thresholds:
   more evaluations, the Bonferroni bound over the evaluations the peak was picked from (z = 2.24 for 5,
   3.02 for 41): picked as the highest, a peak of pure noise would otherwise fall "significantly" in one
   run of eight with 11 evaluations, in one of four with 41. A flat gold metric is flagged in at most 5% of
-  runs.
+  runs. Evaluations without a standard error (fewer than 2 applicable episodes) are not judged.
 - ``length_drift``: the mean length moved by half of its start value or more (and by at least one token).
 - ``eos_collapse``: the EOS rate fell to a quarter of its start value or less (from at least 0.1).
 - ``diversity_collapse``: distinct-2 fell to half of its start value or less.
@@ -108,7 +108,10 @@ def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] |
         return None
     peaks = len(valid) - 1  # the evaluations the peak was picked from (the last one cannot be it)
     z = max(2.0, statistics.NormalDist().inv_cdf(1 - GAMING_ALPHA / peaks))
-    if fall <= z * _noise(curve, metric, k, last) or rise <= 2 * _noise(curve, REWARD, k, last):
+    gold_noise, proxy_noise = _noise(curve, metric, k, last), _noise(curve, REWARD, k, last)
+    if not _ok(gold_noise, proxy_noise):  # no standard error: a fall cannot be told from noise
+        return None
+    if fall <= z * gold_noise or rise <= 2 * proxy_noise:
         return None
     return _flag(
         "gaming",
@@ -120,10 +123,20 @@ def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] |
 
 
 def _noise(curve: Sequence[Mapping[str, Any]], metric: str, i: int, j: int) -> float:
-    """The standard error of the difference of two evaluations (0 when none was recorded)."""
+    """The standard error of the difference of two evaluations; NaN when either has none (an evaluation
+    with fewer than 2 applicable episodes, or an eval.csv written without them)."""
     se = [curve[i].get(f"{metric}_se", math.nan), curve[j].get(f"{metric}_se", math.nan)]
-    se = [s if _ok(s) else 0.0 for s in se]
-    return math.sqrt(se[0] ** 2 + se[1] ** 2)
+    return math.sqrt(se[0] ** 2 + se[1] ** 2) if _ok(*se) else math.nan
+
+
+def lacks_errors(curve: Sequence[Mapping[str, Any]], gold: Sequence[str]) -> bool:
+    """Whether some evaluation of a curve measured the proxy or a gold metric without its standard error:
+    there the gaming check cannot tell a fall from noise, and does not flag."""
+    return any(
+        _ok(row.get(name, math.nan)) and not _ok(row.get(f"{name}_se", math.nan))
+        for row in curve
+        for name in (REWARD, *gold)
+    )
 
 
 def _flag(kind: str, metric: str, row: Mapping[str, Any], message: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from textgym.bench_flags import has_curve
+from textgym.bench_flags import has_curve, lacks_errors
 from textgym.bench_results import BenchResults
 from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
@@ -63,7 +63,10 @@ def ranking_text(results: BenchResults, metric: str, scope: str, within: str) ->
     rows = ranking(results, metric, scope, within)
     text = ", ".join(f"{rank}. {name} ({fmt(mean)})" for rank, name, mean in rows)
     ranks = [r for r, _, _ in rows]
-    if len(ranks) > 1 and len(set(ranks)) == 1:
+    tested = any(_tested(c) for c in comparisons(results, scope, within, metric))
+    if len(ranks) > 1 and not tested:
+        text += " — not tested: no pair has 2 shared seeds with finite values"
+    elif len(ranks) > 1 and len(set(ranks)) == 1:
         text += " — no pair is significantly different"
     elif len(set(ranks)) < len(ranks):
         text += " — equal ranks are not significantly different"
@@ -76,7 +79,13 @@ def comparisons(results: BenchResults, scope: str, within: str, metric: str) -> 
     ]
 
 
+def _tested(c: Mapping[str, Any]) -> bool:
+    return c["n"] >= 2 and not c.get("infinite")
+
+
 def verdict(c: Mapping[str, Any]) -> str:
+    if c.get("infinite"):
+        return f"not tested ({c['infinite']} of {c['n']} shared seeds have an infinite value)"
     if c["n"] < 2:
         return f"not tested (n = {c['n']} shared seeds)"
     if c["better"] is None:
@@ -121,6 +130,13 @@ def unchecked_lines(results: BenchResults) -> list[str]:
             f"The gaming check did not run on {', '.join(unmeasured)}: the held-out `reward` (the proxy) is not "
             f"measured there (a `normalize_then_sum` total is standardised over the evaluated episodes, so its "
             f"mean is 0 whatever the policy)."
+        )
+    bare = sum(lacks_errors(c, results.gold) for c in results.curves.values() if has_curve(c))
+    if bare:
+        lines.append(
+            f"The gaming check could not judge every evaluation of {bare} of {curved} runs: some have no "
+            f"standard error (fewer than 2 episodes where a metric applies; `bench.eval_episodes` of 2 or "
+            f"more gives one), and a fall there cannot be told from noise, so it was not flagged."
         )
     return lines
 

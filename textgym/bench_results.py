@@ -19,7 +19,7 @@ from textgym.evaluation import BUILTIN_METRICS, REWARD, jsonable, metric_ranges
 SUMMARY_COLUMNS = ["agent", "design", "metric", "n", "mean", "ci_low", "ci_high", "rank", "agent_rank"]
 COMPARISON_COLUMNS = [
     "scope", "within", "metric", "a", "b", "n", "diff", "ci_low", "ci_high", "d_z", "p", "p_holm", "better",
-    "seeds_needed",
+    "seeds_needed", "infinite",
 ]  # fmt: skip
 
 
@@ -195,6 +195,7 @@ def _comparison_row(scope: str, within: str, metric: str, c: Any) -> dict[str, A
         "p_holm": c.p_holm,
         "better": c.better,
         "seeds_needed": c.seeds_needed,
+        "infinite": t.infinite,
     }
 
 

@@ -39,12 +39,17 @@ def mean_ci(
     if len(x) == 0:
         return math.nan, math.nan, math.nan
     mean = float(x.mean())
-    if len(x) < 2:
+    if len(x) < 2 or not np.isfinite(x).all():  # an infinite value has no interval around it
         return mean, math.nan, math.nan
     half = float(stats.t.ppf((1 + confidence) / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
     low, high = bounds
-    # Clipped to the range, but never past the mean itself (a sampled KL estimate can dip below 0).
-    return mean, min(max(mean - half, low), mean), max(min(mean + half, high), mean)
+    # Clipped to the range. A mean outside it (a sampled KL estimate can dip below 0) keeps that side whole:
+    # clipping there would put the interval's end at the mean and hide how far the values spread.
+    return (
+        mean,
+        mean - half if mean < low else max(mean - half, low),
+        mean + half if mean > high else min(mean + half, high),
+    )
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Paired:
     ci_high: float
     d_z: float  # Cohen's d_z: diff / sd(differences); +-inf when every seed shows the same difference
     p: float  # two-sided paired t-test (NaN for n < 2)
+    infinite: int = 0  # shared seeds where a value is infinite: then nothing is tested (all NaN)
 
 
 def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95) -> Paired:
@@ -66,10 +72,16 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     then the exact sign test's (2 / 2^n) for a non-zero difference, and 1 for none. Differences within
     float rounding of the values (1e-12 of their size, at least 1e-12) are none: two metrics that are both
     0 up to rounding never differ significantly.
+
+    An infinite value on a shared seed (a KL that blew up) leaves the pair untested: its difference is
+    infinite or undefined, and leaving that seed out would compare the designs on their good runs only.
     """
     from scipy import stats
 
-    seeds = [s for s in a if s in b and _finite(a[s]) and _finite(b[s])]
+    seeds = [s for s in a if s in b and _measured(a[s]) and _measured(b[s])]
+    infinite = sum(1 for s in seeds if math.isinf(a[s]) or math.isinf(b[s]))
+    if infinite:
+        return Paired(len(seeds), math.nan, math.nan, math.nan, math.nan, math.nan, infinite)
     d = np.array([a[s] - b[s] for s in seeds], dtype=float)
     n = len(d)
     if n == 0:
@@ -160,7 +172,7 @@ def compare(
     ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
     for name in names:
-        has_value = any(_finite(v) for v in groups[name].values())
+        has_value = any(_measured(v) for v in groups[name].values())
         if not direction or not has_value:
             ranks[name] = None
             continue
@@ -188,5 +200,6 @@ def _above(names: Sequence[str], comparisons: Sequence[Comparison]) -> dict[str,
     return above
 
 
-def _finite(value: float | None) -> bool:
+def _measured(value: float | None) -> bool:
+    """Not None and not NaN (an infinite value is measured: it is a value that blew up)."""
     return value is not None and not math.isnan(value)

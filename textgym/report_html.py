@@ -17,12 +17,12 @@ from textgym.bench_report import (
     fmt,
     fmt_cell,
     metric_note,
-    needed_text,
     no_flags_text,
     ranking,
     ranking_text,
     setup_text,
     unchecked_lines,
+    verdict,
 )
 from textgym.bench_results import BenchResults
 from textgym.composition import describe_stack
@@ -144,17 +144,15 @@ def _rankings(results: BenchResults, scope: str, within: str) -> list[str]:
             f"{e(ranking_text(results, metric, scope, within))}</li>"
         )
         for c in comparisons(results, scope, within, metric):
-            if c["n"] < 2:
-                verdict = f"not tested (n = {c['n']})"
-            elif c["better"] is None:
-                verdict = "not significant" + needed_text(c)
+            if c["better"] is None:
+                said = e(verdict(c))
             else:
-                verdict = f'<span class="better">{e(c["better"])}</span> better'
+                said = f'<span class="better">{e(c["better"])}</span> better'
             pairs.append(
                 f"<tr><td>{e(metric)}</td><td>{e(c['a'])} − {e(c['b'])}</td>"
                 f'<td class="num">{fmt(c["diff"])} [{fmt(c["ci_low"])}, {fmt(c["ci_high"])}]</td>'
                 f'<td class="num">{fmt(c["d_z"], 2)}</td><td class="num">{fmt(c["p_holm"])}</td>'
-                f'<td class="num">{c["n"]}</td><td>{verdict if c["better"] else e(verdict)}</td></tr>'
+                f'<td class="num">{c["n"]}</td><td>{said}</td></tr>'
             )
     out = ["<p>Rankings (rank badges in the table):</p><ul>", *items, "</ul>"]
     if pairs:
