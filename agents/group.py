@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from textgym.agents.base import LMAgent
-from textgym.agents.lm_config import LMAgentConfig, check_positive_int
+from textgym.agents.lm_config import LMAgentConfig, check_number, check_positive_int
 from textgym.agents.rollout_batch import RolloutBatch
 from textgym.errors import ConfigError
 
@@ -54,7 +54,8 @@ class GroupConfig(LMAgentConfig):
             raise ConfigError(f"epsilon must be in (0, 1), not {self.epsilon!r}.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        if not isinstance(self.epsilon_high, (int, float)) or self.epsilon_high < self.epsilon:
+        check_number("epsilon_high", self.epsilon_high)
+        if self.epsilon_high < self.epsilon:
             raise ConfigError(
                 f"epsilon_high must be >= epsilon ({self.epsilon}) (clip-higher widens the upper bound), "
                 f"not {self.epsilon_high!r}."

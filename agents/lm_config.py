@@ -61,8 +61,7 @@ class LMAgentConfig:
             check_positive_int("micro_batch_size", self.micro_batch_size)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed must be a non-negative integer, not {self.seed!r}.")
-        if not self.max_abs_score > 0:
-            raise ConfigError(f"max_abs_score must be > 0, not {self.max_abs_score!r}.")
+        check_number("max_abs_score", self.max_abs_score, above=0, inf_ok=True)  # inf: no limit
         # a negative max_grad_norm flips the gradients' sign (torch scales them by max_norm / norm), a
         # negative score_clip clamps every score to -score_clip: both were accepted, and trained backwards
         check_number("max_grad_norm", self.max_grad_norm, above=0)
@@ -84,12 +83,14 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def check_number(
     name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
-    at_most: float | None = None, none_ok: bool = False,
+    at_most: float | None = None, none_ok: bool = False, inf_ok: bool = False,
 ) -> None:  # fmt: skip
-    """A finite number in the given range (``None`` too, where ``none_ok``), else a ConfigError naming it."""
+    """A finite number in the given range (``None`` too, where ``none_ok``; +-inf too, where ``inf_ok``),
+    else a ConfigError naming it. NaN is never accepted."""
     if value is None and none_ok:
         return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    number = number and (inf_ok or math.isfinite(value))
     if (
         number
         and (above is None or value > above)

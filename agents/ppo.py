@@ -78,10 +78,8 @@ class LMPPOConfig(LMAgentConfig):
             check_positive_int(name, getattr(self, name))
         if self.kl_estimator not in ("k1", "k3"):
             raise ConfigError(f"kl_estimator must be 'k1' or 'k3', not {self.kl_estimator!r}.")
-        if not self.clip_range > 0:
-            raise ConfigError(f"clip_range must be > 0, not {self.clip_range!r}.")
-        if self.kl_coef < 0:
-            raise ConfigError(f"kl_coef must be >= 0, not {self.kl_coef!r}.")
+        check_number("clip_range", self.clip_range, above=0, inf_ok=True)  # inf: no clipping
+        check_number("kl_coef", self.kl_coef, at_least=0)
         check_number("gamma", self.gamma, at_least=0, at_most=1)
         check_number("gae_lambda", self.gae_lambda, at_least=0, at_most=1)
         check_number("clip_range_vf", self.clip_range_vf, above=0, none_ok=True)

@@ -14,6 +14,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 
 from textgym import TextGenVectorEnv
 from textgym.agents.base import COMMON_STATS
+from textgym.agents.group import GroupConfig
 from textgym.agents.ppo import LMPPO, LMPPOConfig
 from textgym.agents.ppo_core import logprobs_from_logits
 from textgym.errors import ConfigError
@@ -254,13 +255,23 @@ def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as
     [("max_grad_norm", -1.0), ("max_grad_norm", 0), ("score_clip", -1.0), ("score_scale", 0),
      ("score_scale", float("nan")), ("missing_eos_penalty", "big"), ("gamma", 2.0), ("gae_lambda", 5),
      ("vf_coef", -0.1), ("target_kl", 0), ("kl_target", -1.0), ("kl_horizon", 0), ("lora", 8),
-     ("device", "gpu")],
+     ("device", "gpu"), ("kl_coef", float("nan")), ("kl_coef", float("inf")), ("kl_coef", "0.1"),
+     ("clip_range", "0.2"), ("clip_range", float("nan")), ("max_abs_score", "1e6")],
 )  # fmt: skip
 def test_hyperparameters_that_would_train_backwards_or_not_at_all_are_refused(name, value):
     """A negative max_grad_norm flips the gradients (torch scales them by max_norm / norm); a negative
-    score_clip clamps every score to one value; gamma above 1 grows returns without bound; ..."""
+    score_clip clamps every score to one value; gamma above 1 grows returns without bound; a NaN kl_coef
+    makes every reward NaN; a string was a TypeError traceback ..."""
     with pytest.raises(ConfigError, match=f"^{name} must be"):
         LMPPOConfig(**{name: value})
+
+
+def test_an_infinite_clip_range_or_score_limit_is_accepted_as_none():
+    config = LMPPOConfig(clip_range=float("inf"), max_abs_score=float("inf"))  # no clipping, no limit
+    assert config.clip_range == config.max_abs_score == float("inf")
+    for bad in (float("nan"), "0.3"):
+        with pytest.raises(ConfigError, match="^epsilon_high must be a number"):
+            GroupConfig(epsilon_high=bad)
 
 
 def test_bad_lora_settings_are_config_errors_not_peft_tracebacks():
