@@ -58,6 +58,22 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     assert compare({"a": rounding, "b": {s: 0.0 for s in range(6)}}, "higher")[1] == {"a": 1, "b": 1}
 
 
+def test_a_difference_every_seed_shows_says_how_many_seeds_the_sign_test_needs():
+    """A zero-width interval and an infinite d_z with "not significant" read as a contradiction: the verdict
+    says why (the exact sign test), and how many seeds it needs, where it said nothing."""
+    from textgym.bench_report import verdict
+    from textgym.bench_results import _comparison_row
+
+    comparisons, _ = compare({"a": {s: 1.0 for s in range(3)}, "b": {s: 0.0 for s in range(3)}}, "higher")
+    assert comparisons[0].better is None and comparisons[0].seeds_needed == 6  # 2 / 2^6 < 0.05 <= 2 / 2^5
+    row = _comparison_row("designs", "lmppo", "eos_rate", comparisons[0])
+    assert verdict(row) == (
+        "not significant (every seed shows the same difference: the exact sign test needs 6 such seeds)"
+    )
+    three = compare({k: {s: v for s in range(3)} for k, v in (("a", 1.0), ("b", 0.5), ("c", 0.0))}, "higher")
+    assert {c.seeds_needed for c in three[0]} == {7}  # Holm's first step over 3 pairs: 0.05 / 3
+
+
 def test_an_infinite_value_on_a_shared_seed_leaves_the_pair_untested():
     # a KL that blew up on seed 0: the pair is not tested (it compared as 0 difference, p = 1), and leaving
     # the seed out would compare the designs on their good runs only

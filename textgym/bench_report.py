@@ -95,9 +95,11 @@ def verdict(c: Mapping[str, Any]) -> str:
 
 def needed_text(c: Mapping[str, Any]) -> str:
     n = c.get("seeds_needed")
-    if n is None:
+    if n is None or n <= c["n"]:
         return ""
-    return f" (~{n} seeds for 80% power at this effect)" if n > c["n"] else ""
+    if math.isinf(c["d_z"]):  # a CI of zero width and an infinite d_z: say why this is not significant
+        return f" (every seed shows the same difference: the exact sign test needs {n} such seeds)"
+    return f" (~{n} seeds for 80% power at this effect)"
 
 
 def flag_lines(results: BenchResults) -> list[str]:

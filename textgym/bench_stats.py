@@ -137,6 +137,15 @@ def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int
     return None
 
 
+def sign_test_seeds(alpha: float = ALPHA) -> int:
+    """Seeds that all show the same difference for the exact sign test to reach ``alpha``: the smallest n
+    with 2 / 2^n < alpha (6 at 0.05)."""
+    n = 1
+    while 2 * 0.5**n >= alpha:
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One pair of groups on one metric: ``a`` against ``b``, and which is better if significant."""
@@ -146,7 +155,8 @@ class Comparison:
     test: Paired
     p_holm: float
     better: str | None  # the significantly better group, None when the difference is not significant
-    seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z
+    seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z, or
+    # where every seed shows the same difference, the seeds that the exact sign test needs
 
 
 def compare(
@@ -167,7 +177,8 @@ def compare(
             better = a if a_higher == (direction == "higher") else b
         needed = None
         if better is None and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
-            needed = seeds_needed(test.d_z, alpha / max(len(tests), 1))
+            level = alpha / max(len(tests), 1)
+            needed = sign_test_seeds(level) if math.isinf(test.d_z) else seeds_needed(test.d_z, level)
         comparisons.append(Comparison(a, b, test, p, better, needed))
     ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
