@@ -211,6 +211,11 @@ class LMAgent(SB3Contract, UpdateGuards):
         """Completions per prompt in a batch (1: every sub-env draws its own prompt)."""
         return 1
 
+    @property
+    def minibatches(self) -> tuple[str, int]:
+        """The hyperparameter that splits a batch into optimizer steps, and its value."""
+        return "", 1
+
     def build_modules(self, model: Any) -> dict[str, nn.Module]:
         """Trainable modules besides the policy (saved and loaded with it), e.g. a value head."""
         return {}
@@ -260,6 +265,12 @@ class LMAgent(SB3Contract, UpdateGuards):
             raise ConfigError(
                 f"the env's batch (num_envs={env.num_envs}) must be a multiple of num_generations="
                 f"{self.group_size}: each prompt gets {self.group_size} completions."
+            )
+        knob, steps = self.minibatches
+        if steps > env.num_envs:
+            raise ConfigError(
+                f"{knob}={steps} splits a batch of {env.num_envs} episodes (num_envs) into more minibatches "
+                f"than it has episodes: give {knob} <= {env.num_envs}, or more num_envs."
             )
         check_tokenizer(self.rollout_model.config, self.policy_source, env)
         self.env = env

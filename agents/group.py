@@ -34,7 +34,8 @@ class GroupConfig(LMAgentConfig):
     num_iterations: int = 1
     """Passes over each batch (mu in the GRPO paper); beyond 1 the importance ratio matters."""
     steps_per_generation: int = 1
-    """Optimizer steps per pass: the batch is split into this many minibatches of whole sequences."""
+    """Optimizer steps per pass: the batch is split into this many minibatches of whole sequences (their
+    sizes differ by one at most where it does not divide the batch). At most the batch's episodes."""
     mask_truncated_completions: bool = False
     """Leave completions cut at max_new_tokens (no EOS) out of the loss (DAPO)."""
 
@@ -83,6 +84,10 @@ class GroupAgent(LMAgent):
     def group_size(self) -> int:
         return self.config.num_generations
 
+    @property
+    def minibatches(self) -> tuple[str, int]:
+        return "steps_per_generation", self.config.steps_per_generation
+
     def advantages(
         self, scores: torch.Tensor, kl: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -124,8 +129,6 @@ class GroupAgent(LMAgent):
     def train(self, batch: GroupBatch) -> dict[str, float]:
         c = self.config
         n = len(batch)
-        mb_size = math.ceil(n / c.steps_per_generation)
-        micro = c.micro_batch_size or mb_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
         # statistics stay tensors on the device until the update ends: no host read per micro-batch
         sums: dict[str, list[torch.Tensor | float]] = {}
@@ -136,9 +139,9 @@ class GroupAgent(LMAgent):
             acc[1] = acc[1] + count
 
         for _ in range(c.num_iterations):
-            for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
+            for mb_inds in torch.randperm(n, generator=generator).tensor_split(c.steps_per_generation):
                 self.optimizer.zero_grad()
-                micros = mb_inds.split(micro)
+                micros = mb_inds.split(c.micro_batch_size or len(mb_inds))
                 totals = {  # the optimizer step's totals over every process, for global normalisers
                     "num_sequences": int(self.dist.sum(len(mb_inds))),
                     "num_tokens": self.dist.sum(batch.loss_mask[mb_inds].sum()).float(),

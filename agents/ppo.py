@@ -14,7 +14,6 @@ since one token is one env step.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +45,8 @@ class LMPPOConfig(LMAgentConfig):
     n_epochs: int = 4
     """PPO epochs over each batch of episodes."""
     n_minibatches: int = 1
-    """Minibatches of whole sequences per epoch (one optimizer step each)."""
+    """Minibatches of whole sequences per epoch (one optimizer step each; their sizes differ by one at most
+    where it does not divide the batch). At most the batch's episodes (num_envs)."""
     gamma: float = 1.0
     """Discount over tokens."""
     gae_lambda: float = 0.95
@@ -142,6 +142,10 @@ class LMPPO(LMAgent):
     def value_head(self) -> nn.Module:
         return self.modules["value_head"]
 
+    @property
+    def minibatches(self) -> tuple[str, int]:
+        return "n_minibatches", self.config.n_minibatches
+
     def extra_state(self) -> dict[str, Any]:
         return {"kl_coef": self.kl_ctl.kl_coef}
 
@@ -195,8 +199,6 @@ class LMPPO(LMAgent):
         their share of the minibatch's tokens, so the result equals one forward over the minibatch."""
         c = self.config
         n = len(batch)
-        mb_size = math.ceil(n / c.n_minibatches)
-        micro = c.micro_batch_size or mb_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
         # each micro-batch's token means, times its tokens: the update's statistics are means over all tokens
         logs: dict[str, list[torch.Tensor]] = {
@@ -205,11 +207,11 @@ class LMPPO(LMAgent):
         ratio_chunks = []  # (ratios, mask) per micro-batch, on the device
         for _ in range(c.n_epochs):
             epoch_start = len(logs["approxkl"])  # this epoch's approx-KLs follow
-            for mb_inds in torch.randperm(n, generator=generator).split(mb_size):
+            for mb_inds in torch.randperm(n, generator=generator).tensor_split(c.n_minibatches):
                 self.optimizer.zero_grad()
                 # the minibatch's tokens on every process: each micro-batch's loss is its share of their mean
                 mb_tokens = self.dist.sum(batch.action_mask[mb_inds].sum()).clamp(min=1).float()
-                micros = mb_inds.split(micro)
+                micros = mb_inds.split(c.micro_batch_size or len(mb_inds))
                 for k, micro_inds in enumerate(micros):
                     mb = batch.select(micro_inds)
                     mask = mb.action_mask.to(self.device)  # no loss on environment tokens

@@ -193,6 +193,15 @@ def test_bad_hyperparameters_are_clear_errors(kwargs, message):
         GRPOConfig(**kwargs)
 
 
+def test_steps_per_generation_is_the_number_of_optimizer_steps_per_pass():
+    from test_ppo_agent import optimizer_steps
+
+    agent = agent_of("grpo", env=make_env(8), steps_per_generation=3)  # 8 episodes: 3, 3 and 2
+    assert optimizer_steps(agent) == 2 * 3  # num_iterations = 2
+    with pytest.raises(ConfigError, match=r"^steps_per_generation=9 splits a batch of 8 episodes"):
+        agent_of("grpo", env=make_env(8), steps_per_generation=9)
+
+
 def test_a_batch_that_does_not_split_into_groups_is_refused():
     with pytest.raises(ConfigError, match=r"num_envs=6\) must be a multiple of num_generations=4"):
         agent_of("grpo", env=make_env(6))

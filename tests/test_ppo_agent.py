@@ -69,6 +69,24 @@ def test_micro_batches_accumulate_to_the_same_update_and_statistics():
     assert whole_stats["loss/policy_avg"] == pytest.approx(0.0, abs=1e-6)
 
 
+def optimizer_steps(agent):
+    """The optimizer steps of one update of ``agent``."""
+    steps = []
+    torch_optimizer = getattr(agent.optimizer, "optimizer", agent.optimizer)  # accelerate's wraps torch's
+    torch_optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    agent.train(agent.collect_rollouts())
+    return len(steps)
+
+
+def test_n_minibatches_is_the_number_of_optimizer_steps_per_epoch():
+    """5 minibatches of 16 episodes were 4 (ceil(16 / 5) = 4 episodes each); more minibatches than episodes
+    silently gave one per episode."""
+    agent = LMPPO(char_llama(), make_env(16), n_epochs=2, n_minibatches=5, seed=0, **FAST)
+    assert optimizer_steps(agent) == 2 * 5
+    with pytest.raises(ConfigError, match=r"^n_minibatches=32 splits a batch of 16 episodes \(num_envs\)"):
+        LMPPO(char_llama(), make_env(16), n_minibatches=32, **FAST)
+
+
 def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bit(tmp_path):
     straight = iterations(LMPPO(char_llama(), make_env(), seed=0, **FAST), 4)
 
