@@ -204,7 +204,7 @@ def test_a_multi_turn_evaluation_counts_the_turn_rewards_and_only_the_policys_to
     config = {"env": {"id": "tests/PaidTurns-v0", "num_envs": 8}, "agent": {"policy": "tiny-char-llama"}}
     env = gymnasium.make_vec("tests/PaidTurns-v0", num_envs=8, vectorization_mode="vector_entry_point",
                              autoreset_mode="Disabled")  # fmt: skip
-    spec = {**EVAL_DEFAULTS, "episodes": 8, "rewards": [], "builtin": ["length", "distinct_2"]}
+    spec = {**EVAL_DEFAULTS, "episodes": 8, "rewards": [], "builtin": ["length", "distinct_2", "eos_rate"]}
     result = Evaluator(config, spec, env.reward_stack, lm_agent=True)(
         LMPPO("tiny-char-llama", env, verbose=0)
     )
@@ -212,6 +212,18 @@ def test_a_multi_turn_evaluation_counts_the_turn_rewards_and_only_the_policys_to
     assert set(rewards) <= {0.0, 1.0, 2.0, 3.0} and max(rewards) >= 2  # the turns each episode completed
     assert result.metrics["reward"] == pytest.approx(sum(rewards) / 8)
     assert sum(map(len, read)) == sum(e["num_tokens"] for e in result.episodes)
+    # an episode stopped by its turn limit ended its last turn on EOS: eos_rate counted only "stop"
+    reasons = [e["finish_reason"] for e in result.episodes]
+    assert "max_turns" in reasons
+    assert result.metrics["eos_rate"] == pytest.approx(sum(r != "length" for r in reasons) / 8)
+
+
+def test_distinct_2_of_replies_without_bigrams_is_not_measured_not_perfect():
+    from textgym.scoring import corpus_distinct_n
+
+    assert math.isnan(corpus_distinct_n([[1]] * 8, 2))  # a policy that collapsed to bare EOS: it was 1.0
+    assert math.isnan(corpus_distinct_n([[], []], 2))
+    assert corpus_distinct_n([[2, 3, 4], [2, 3, 4], [2, 3, 5]], 2) == pytest.approx(3 / 6)
 
 
 def test_check_eval_section_fills_defaults_and_jsonable_is_strict():

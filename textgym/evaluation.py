@@ -46,7 +46,9 @@ BUILTIN_METRICS: dict[str, MetricInfo] = {
     "distinct_2": MetricInfo(
         "higher", 0.0, 1.0, "unique token bigrams / all token bigrams over the held-out completions"
     ),
-    "eos_rate": MetricInfo("higher", 0.0, 1.0, "share of completions that ended on EOS or a stop string"),
+    "eos_rate": MetricInfo(
+        "higher", 0.0, 1.0, "share of completions that ended on EOS or a stop string (multi-turn: the last turn)"
+    ),
 }  # fmt: skip
 REWARD = "reward"  # the training total on the held-out prompts: always reported
 RESERVED = (REWARD, *BUILTIN_METRICS, "iteration", "timesteps")
@@ -345,6 +347,7 @@ class Evaluator:
         self, episodes: list[dict[str, Any]], tokens: list[list[int]], kls: list[float]
     ) -> Evaluation:
         from textgym.composition import standardize
+        from textgym.rewards import ENDED_ON_A_TOKEN
         from textgym.scoring import corpus_distinct_n
 
         columns = {  # (N,) raw scores per component, NaN = not applicable
@@ -372,8 +375,10 @@ class Evaluator:
         if "distinct_2" in builtin:
             metrics["distinct_2"] = corpus_distinct_n(tokens, 2)
         if "eos_rate" in builtin:
+            # multi-turn: an episode stopped by its turn limit, or by a reply that did not fit, ended its
+            # last turn on EOS too; only "length" was cut without one (training's clipped_ratio)
             metrics["eos_rate"] = _mean(
-                np.array([e["finish_reason"] == "stop" for e in episodes], dtype=float)
+                np.array([e["finish_reason"] in ENDED_ON_A_TOKEN for e in episodes], dtype=float)
             )
 
         weights = self.stack.weights

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -115,9 +116,11 @@ def distinct_n(text: str, n: int) -> float:
 
 def corpus_distinct_n(sequences: Sequence[Sequence[Any]], n: int) -> float:
     """Distinct-n of a set of generations (Li et al. 2016): unique n-grams / all n-grams, over all of them.
-    Give token ids (the model's units, which also works for character-level tasks) or words."""
+    Give token ids (the model's units, which also works for character-level tasks) or words. NaN (not
+    measured) when no generation has n units: a policy that collapsed to bare EOS replies is not maximally
+    diverse."""
     grams = [g for seq in sequences for g in ngrams(list(seq), n)]
-    return len(set(grams)) / len(grams) if grams else 1.0
+    return len(set(grams)) / len(grams) if grams else math.nan
 
 
 def shared_prefix_length(rows: Sequence[Sequence[int]], limit: int) -> int:
