@@ -1,5 +1,6 @@
 """Held-out evaluation (textgym.evaluation) and the diagnostics `textgym train` records with an [eval] section."""
 
+import json
 import math
 
 import gymnasium
@@ -176,6 +177,25 @@ def test_a_normalize_then_sum_total_is_not_measured_on_held_out_prompts(tmp_path
     result = evaluator(LMPPO("tiny-char-llama", env, seed=0, verbose=0))
     assert math.isnan(result.metrics["reward"]) and math.isnan(result.errors["reward"])
     assert 0 <= result.metrics["exact_copy"] <= 1 and result.metrics["length"] > 0
+
+
+def test_a_normalize_then_sum_sample_table_is_standardised_over_the_whole_table(tmp_path):
+    """Training standardises each component over the whole batch; the sample tables were scored per step,
+    over the episodes that ended on the same step (an episode that ended alone scored 0)."""
+    from textgym.composition import standardize
+
+    components = COPY.split("rewards = ")[1].split("\n")[0]
+    text = COPY.replace(components, f'{{ aggregate = "normalize_then_sum", components = {components} }}')
+    text = text.replace("sample_prompts = 2", "sample_prompts = 16").replace("= 280", "= 60")
+    stops = 'stop = ["a", "e", "i", "o", "u"]\nmax_new_tokens = 8'  # replies that end on several steps
+    text = text.replace('prompts = "copy-train"', f'prompts = "copy-train"\n{stops}')
+    out = run(config_file(tmp_path, text), [f"run.output_dir='{tmp_path / 'run'}'"])
+    for name in ("samples_before.jsonl", "samples_after.jsonl"):
+        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        assert len({r["num_tokens"] for r in rows}) > 2  # the episodes ended on several steps
+        column = {c: np.array([r["reward_components"][c] for r in rows]) for c in ("match", "length_penalty")}
+        expected = standardize(column["match"]) + 0.5 * standardize(column["length_penalty"])
+        np.testing.assert_allclose([r["reward"] for r in rows], expected, atol=1e-9)
 
 
 def paid(conversations):  # every agent turn earns 1: an episode's return is its number of turns
