@@ -198,6 +198,19 @@ def test_a_normalize_then_sum_sample_table_is_standardised_over_the_whole_table(
         np.testing.assert_allclose([r["reward"] for r in rows], expected, atol=1e-9)
 
 
+def test_the_held_out_total_uses_the_weights_of_the_training_progress_it_was_measured_at(tmp_path):
+    """The final evaluation of a run whose match weight falls from 1 to 0 weighs match 0 (it weighed it by
+    the progress of the rollout before the last: 1/12 here)."""
+    scheduled = '{ name = "match", partial = true, weight = { start = 1.0, end = 0.0 } }'
+    text = COPY.replace('{ name = "match", partial = true }', scheduled)
+    gold = '{ name = "match", partial = true, label = "partial" }, { name = "length_penalty", target = 3 }'
+    text += EVAL.replace("range = [0, 1] }", f"range = [0, 1] }}, {gold}")
+    out = run(config_file(tmp_path, text), [f"run.output_dir='{tmp_path / 'run'}'"])
+    final = csv_rows(out / "eval.csv")[-1]
+    assert float(final["partial"]) > 0  # the weight, not the score, makes match count for nothing
+    assert float(final["reward"]) == pytest.approx(0.5 * float(final["length_penalty"]), abs=1e-9)
+
+
 def paid(conversations):  # every agent turn earns 1: an episode's return is its number of turns
     from textgym import Reply
 
