@@ -211,6 +211,32 @@ def test_the_held_out_total_uses_the_weights_of_the_training_progress_it_was_mea
     assert float(final["reward"]) == pytest.approx(0.5 * float(final["length_penalty"]), abs=1e-9)
 
 
+def test_distinct_2_of_an_sb3_policy_reads_the_tokens_it_chose_as_for_an_lm_agent(monkeypatch):
+    """Both paths give distinct-2 the policy's own tokens, EOS included; the SB3 path re-encoded the
+    completion text (no EOS, a stop string cut off, a multi-turn episode's last turn only)."""
+    import textgym.scoring
+    from textgym.evaluation import EVAL_DEFAULTS
+
+    read = []
+    distinct = textgym.scoring.corpus_distinct_n
+    monkeypatch.setattr(textgym.scoring, "corpus_distinct_n", lambda t, n: read.extend(t) or distinct(t, n))
+    tokenizer = gymnasium.make("textgym/Copy-v0", model="tiny-char-llama").unwrapped.tokenizer
+    word = [*tokenizer.encode("ab"), tokenizer.eos_token_id]
+
+    class Spells:  # an SB3-style policy: "ab", then EOS
+        step = 0
+
+        def predict(self, obs, deterministic=False):
+            self.step += 1
+            return np.array([word[(self.step - 1) % len(word)]]), None
+
+    config = {"env": {"id": "textgym/Copy-v0", "num_envs": 4}, "agent": {"policy": "tiny-char-llama"}}
+    spec = {**EVAL_DEFAULTS, "episodes": 4, "rewards": [], "builtin": ["distinct_2", "length"]}
+    result = Evaluator(config, spec, [{"name": "match"}], lm_agent=False)(Spells())
+    assert read == [word] * 4 and result.metrics["length"] == 3
+    assert result.metrics["distinct_2"] == pytest.approx(2 / 8)  # (a, b) and (b, EOS), 4 times each
+
+
 def paid(conversations):  # every agent turn earns 1: an episode's return is its number of turns
     from textgym import Reply
 

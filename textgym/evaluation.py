@@ -318,11 +318,14 @@ class Evaluator:
         env = make_vec_env(self.config["env"]["id"], n_envs=1, seed=self.spec["seed"], **kwargs)
         episodes: list[dict[str, Any]] = []
         tokens: list[list[int]] = []
+        chosen: list[int] = []  # the policy's tokens of the episode under way, EOS included, as the LM path's
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.spec["seed"])
             obs = env.reset()
             while len(episodes) < n:
-                obs, _, dones, infos = env.step(agent.predict(obs, deterministic=False)[0])
+                action = agent.predict(obs, deterministic=False)[0]
+                chosen.append(int(np.asarray(action).reshape(-1)[0]))
+                obs, _, dones, infos = env.step(action)
                 if dones[0]:
                     info = infos[0]
                     components = {
@@ -339,7 +342,8 @@ class Evaluator:
                             "turn_rewards": [float(r) for r in info.get("turn_rewards", [])],
                         }
                     )
-                    tokens.append(list(env.env.tokenizer.encode(str(info["completion"]))))
+                    tokens.append(chosen)
+                    chosen = []
         return episodes, tokens, [math.nan] * len(episodes)
 
     # -- the numbers -------------------------------------------------------------------------------
