@@ -79,13 +79,17 @@ class RMScore:
             raise ValueError(
                 f"model {model!r} is not a local directory with a sequence-classification model: {how}."
             )
+        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.tokenizer.truncation_side = "left"
         self.tokenizer.padding_side = "right"
-        self.model = AutoModelForSequenceClassification.from_pretrained(model).to(self.device).eval()
+        # fp32 whatever dtype the checkpoint was saved in (bf16 is the bf16 option's, below): a bf16-saved
+        # reward model would otherwise run in bf16 with bf16 off, norms included
+        loaded = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32)
+        self.model = loaded.to(self.device).eval()
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         if self.model.config.pad_token_id is None:
@@ -132,9 +136,10 @@ class RMScore:
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         if not samples:
             return []  # the tokenizer has nothing to pad
-        encodings = self.tokenizer(
-            [self.format(s) for s in samples], truncation=True, max_length=self.max_length
-        )
+        encodings = self.tokenizer(  # a chat template writes its own BOS: the tokenizer adds none again
+            [self.format(s) for s in samples], truncation=True, max_length=self.max_length,
+            add_special_tokens=not self.chat,
+        )  # fmt: skip
         rows = [{key: values[i] for key, values in encodings.items()} for i in range(len(samples))]
         scores = [0.0] * len(rows)
         prompts = [s.prompt for s in samples]

@@ -48,13 +48,15 @@ class Similarity:
         bf16: bool | None = None,
     ):
         check_positive(batch_size=batch_size, max_length=max_length)
+        import torch
         from transformers import AutoModel, AutoTokenizer
 
         path = model or minilm_dir()
         self.device = resolve_device(device)
         self.bf16 = resolve_bf16(bf16, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).to(self.device).eval()
+        model = AutoModel.from_pretrained(path, dtype=torch.float32)  # whatever it was saved in: see rm_score
+        self.model = model.to(self.device).eval()
         if self.bf16:
             bf16_linears(self.model)
         self.target, self.reference_key = target, reference_key

@@ -122,6 +122,32 @@ def test_the_trainer_formats_texts_as_rm_score_does(toy):
     assert format_text(rm.tokenizer, False, sample.prompt, sample.completion) == plain.format(sample)
 
 
+def test_rm_score_reads_a_bf16_checkpoint_in_fp32_and_a_chat_templates_bos_once(toy, tmp_path):
+    """A reward model saved in bf16 ran in bf16 with bf16 off; a tokenizer that adds BOS put a second one
+    before the chat template's own."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out, rows, _ = toy
+    copy = tmp_path / "rm"
+    shutil.copytree(out, copy)
+    AutoModelForSequenceClassification.from_pretrained(copy).to(torch.bfloat16).save_pretrained(copy)
+    tokenizer = AutoTokenizer.from_pretrained(copy)
+    tokenizer.add_bos_token = True
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(copy)
+    rm = make_reward("rm_score", model=str(copy), bf16=False, device="cpu")
+    assert {p.dtype for p in rm.model.parameters()} == {torch.float32}
+    sample = Sample(rows[0]["prompt"], rows[0]["chosen"], (), (), "stop", {})
+    ids = tokenizer(rm.format(sample), add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.bos_token_id) == 1 and tokenizer(rm.format(sample))["input_ids"][:2] == [1, 1]
+    with torch.no_grad():
+        expected = float(rm.model(input_ids=torch.tensor([ids])).logits[0, 0])
+    assert rm([sample])[0] == pytest.approx(expected, abs=1e-5)
+
+
 def test_lora_is_merged_into_a_plain_directory_that_rm_score_loads(tmp_path):
     rows = marker_pairs(32, seed=1)
     report = train_reward_model(

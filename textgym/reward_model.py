@@ -247,9 +247,10 @@ class _Scorer:
 
     def margins(self, pairs: Sequence[Pair]) -> tuple[Any, Any]:
         """``(r_chosen - r_rejected, rewards)``: (B,) and (2B,), in one forward over the 2B texts."""
-        enc = self.tokenizer(
-            self.texts(pairs), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(self.device)
+        enc = self.tokenizer(  # a chat template writes its own BOS, as in rm_score
+            self.texts(pairs), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
+            add_special_tokens=not self.chat,
+        ).to(self.device)  # fmt: skip
         rewards = self.model(**enc).logits[:, 0].float()  # (2B,)
         return rewards[: len(pairs)] - rewards[len(pairs) :], rewards
 
