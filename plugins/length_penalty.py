@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from textgym import Sample, hookimpl
+from textgym.errors import RewardError
 from textgym.rewards import ENDED_ON_A_TOKEN
 
 
@@ -53,6 +54,11 @@ class LengthPenalty:
         if self.unit == "words":
             return len(sample.completion.split())
         n = len(sample.completion_ids)
+        if not n and sample.completion:  # a length of 0 for a text, and the same penalty for every one
+            raise RewardError(
+                f"length_penalty counts tokens and completion {sample.completion[:40]!r} has no completion_ids "
+                f"(a TRL call without them?): pass the token ids, or give unit = 'words'."
+            )
         # The token that ended the (last) turn is not text: a completion that stopped, and in a multi-turn
         # episode an agent turn that ended before its reply was withheld (max_turns) or did not fit (overflow)
         return n - 1 if sample.finish_reason in ENDED_ON_A_TOKEN and n else n

@@ -43,7 +43,7 @@ class Match:
         self.normalize, self.partial = normalize, partial
 
     def _reference(self, sample: Sample) -> str | None:
-        """The sample's reference; None where its prompt has an empty one (a JSONL null, an empty CSV cell):
+        """The sample's reference; None where its prompt has an empty one (a JSONL null, a blank CSV cell):
         the reward does not apply there, rather than scoring against the text "None" or ""."""
         if self.reference is not None:
             return self.reference
@@ -53,7 +53,8 @@ class Match:
                 f"prompts a {self.reference_key!r} field or the reward a fixed `reference`."
             )
         reference = sample.meta[self.reference_key]
-        return None if reference is None or reference == "" else str(reference)
+        # blank too (a CSV cell with a space): stripped to "", every completion would "contain" it
+        return None if reference is None or str(reference).strip() == "" else str(reference)
 
     def score(self, completion: str, reference: str) -> float:
         if self.mode == "regex":

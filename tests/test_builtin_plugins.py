@@ -37,6 +37,10 @@ def test_length_penalty_target_range_shapes_units_and_missing_eos():
         assert make_reward("length_penalty", target=4)([ended]) == [0.0]
     with pytest.raises(PluginArgumentError, match="either target, or min and/or max"):
         make_reward("length_penalty", target=4, max=3)
+    # counting tokens without token ids gave every text length 0: the same penalty whatever its length
+    with pytest.raises(RewardError, match="has no completion_ids .*give unit = 'words'"):
+        make_reward("length_penalty", target=4)([s("one two three", completion_ids=())])
+    assert make_reward("length_penalty", target=4)([s("", completion_ids=())]) == [-1.0]  # empty: length 0
 
 
 def test_match_modes_and_references():
@@ -49,8 +53,13 @@ def test_match_modes_and_references():
         make_reward("match")([s("x")])
     # an empty reference (a JSONL null, an empty CSV cell) is no reference: not applicable, not "None" or ""
     for mode in ("exact", "contains"):
-        empty = [s("None", reference=None), s("", reference=""), s("42", reference="42")]
-        assert make_reward("match", mode=mode)(empty) == [None, None, 1.0]
+        empty = [
+            s("None", reference=None),
+            s("", reference=""),
+            s("x", reference="  "),
+            s("42", reference="42"),
+        ]
+        assert make_reward("match", mode=mode)(empty) == [None, None, None, 1.0]  # "  ": "contains" said 1.0
     with pytest.raises(PluginArgumentError, match="partial=True needs mode='exact'"):
         make_reward("match", mode="contains", partial=True)
 

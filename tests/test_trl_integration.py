@@ -120,6 +120,9 @@ def test_the_whole_stack_is_none_where_no_component_applies_as_trl_expects():
     baseline as a real score."""
     func = total_reward_func(build_reward_stack([(correct, 2.0)]))
     assert trl_call(func, SAMPLES) == [2.0, 0.0, None]  # the third sample has no reference
+    # a metric-only component (weight 0) applies everywhere but adds nothing: still None (it was 0.0)
+    func = total_reward_func(build_reward_stack([(correct, 2.0), (n_tokens, 0.0)]))
+    assert trl_call(func, SAMPLES) == [2.0, 0.0, None]
 
 
 def test_errors_name_the_component_and_the_bad_call():

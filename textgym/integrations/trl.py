@@ -99,10 +99,12 @@ def total_reward_func(
             samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id)
         )
         applies = np.zeros(len(total), dtype=bool)
-        for scores in components.values():
-            applies |= ~np.isnan(scores)
-        # None where no component applies, as TRL's own functions do: TRL leaves such a completion out
-        # rather than train on a made-up 0
+        weights = stack.weights  # at the current progress: a metric-only (weight 0) score adds nothing
+        for name, scores in components.items():
+            if weights[name]:
+                applies |= ~np.isnan(scores)
+        # None where no weighted component applies, as TRL's own functions do: TRL leaves such a completion
+        # out rather than train on a made-up 0
         return [float(v) if ok else None for v, ok in zip(total, applies)]
 
     return textgym_total
