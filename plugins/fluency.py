@@ -34,7 +34,9 @@ LSE_ROWS = 32  # logits rows per logsumexp: 32 x 49,152 floats (6 MB) stay in th
 
 class Fluency:
     """Mean log p(completion token | prompt, earlier tokens) under ``model`` (EOS included when the
-    completion ended on it), minus ``repetition_penalty * (1 - distinct-n)`` of the completion's words.
+    completion ended by itself, on EOS or a stop string: p(EOS) scores a finished reply), minus
+    ``repetition_penalty * (1 - distinct-n)`` of the completion's words. In a multi-turn episode the
+    completion is the agent's last turn, scored after the prompt alone (not the turns between).
 
     Args:
         model: zoo name, model directory or hub id of a causal LM (default: the embedded SmolLM2).

@@ -27,7 +27,8 @@ from textgym.scoring import (
 
 
 class RMScore:
-    """One label's logit (or probability) from a sequence-classification model on prompt + completion.
+    """One label's logit (or probability) from a sequence-classification model on prompt + completion
+    (in a multi-turn episode: the agent's last turn after the prompt, without the turns between).
 
     Args:
         model: a local directory with an ``AutoModelForSequenceClassification`` model and its tokenizer.
