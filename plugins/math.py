@@ -16,7 +16,8 @@ class MathVerify:
 
     ``math-verify`` extracts the answer from the completion (LaTeX such as ``\\boxed{\\frac{1}{2}}`` or a plain
     expression such as ``-8``; a ``\\boxed`` answer first, else the last expression when there are several) and
-    compares it with the reference numerically and symbolically, so ``0.5``, ``1/2`` and ``\\frac12`` all match ``\\frac{1}{2}``.
+    compares it with the reference numerically and symbolically, so ``0.5``, ``1/2`` and ``\\frac12`` all
+    match ``\\frac{1}{2}``.
 
     Args:
         reference_key: the metadata key holding the reference answer (default ``"reference"``, as in the
