@@ -393,17 +393,20 @@ def gpu_section(
         "",
         "<!-- not run: needs a GPU and a model directory (DIR) -->",
         "```bash",
-        "python -m benchmarks.gpu_check --model DIR --random-weights   # DIR: a model directory",
+        "python -m benchmarks.gpu_check --model DIR --random-weights --also-fp32-rollout   # DIR: a model directory",
         "python -m benchmarks.gpu_check --model DIR --random-weights --skip-rollout --agents lmppo grpo \\",
         "    --batches 256 --micro-batch 256 --out benchmarks/results/gpu_check_micro256.json",
         "python -m benchmarks.gpu_check --model DIR --random-weights --also-fp32-rollout --agents \\",
         "    --out benchmarks/results/gpu_check_interleaved.json",
-        "# a larger policy: SmolLM2-1.7B's shape (DIR: SmolLM2-135M's config and tokenizer)",
-        'SHAPE=\'{"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32, "rope_theta": 130000}\'',
-        'python -m benchmarks.gpu_check --model DIR --random-weights --override "$SHAPE" --batches 64 \\',
-        "    --also-fp32-rollout --agents lmppo-lora grpo-lora lmppo --out benchmarks/results/gpu_check_1b7.json",
-        'python -m benchmarks.gpu_check --model DIR --random-weights --override "$SHAPE" --batches 64 \\',
-        "    --skip-rollout --agents grpo-lora lmppo-lora --out benchmarks/results/gpu_check_lora_1b7.json",
+        "# larger policies: SmolLM2-1.7B's shape, then a 6.5B Llama's (DIR: SmolLM2-135M's config and tokenizer)",
+        "for SIZE in 1b7 7b; do",
+        '  [ $SIZE = 1b7 ] && SHAPE=\'{"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 8192, "rope_theta": 130000}\'',
+        '  [ $SIZE = 7b ] && SHAPE=\'{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000}\'',
+        '  python -m benchmarks.gpu_check --model DIR --random-weights --override "$SHAPE" --batches 64 \\',
+        "      --also-fp32-rollout --agents lmppo-lora grpo-lora lmppo --out benchmarks/results/gpu_check_$SIZE.json",
+        '  python -m benchmarks.gpu_check --model DIR --random-weights --override "$SHAPE" --batches 64 \\',
+        "      --skip-rollout --agents grpo-lora lmppo-lora --out benchmarks/results/gpu_check_lora_$SIZE.json",
+        "done",
         "```",
         "",
     ]
@@ -697,6 +700,23 @@ def load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _platforms() -> list[str]:
+    """A line naming the kernel each CPU result was measured under, where they differ (the same 2-core
+    machine type, started at different times)."""
+    by_platform: dict[str, list[str]] = {}
+    for path in sorted(results_dir().glob("*.json")):
+        machine = json.loads(path.read_text()).get("machine") or {}
+        if not machine.get("cuda") and machine.get("platform"):
+            by_platform.setdefault(machine["platform"], []).append(path.stem)
+    if len(by_platform) < 2:
+        return []
+    parts = [f"{platform} ({', '.join(names)})" for platform, names in by_platform.items()]
+    return [
+        f"The CPU results come from machines of this type under {len(parts)} kernels: {'; '.join(parts)}.",
+        "",
+    ]
+
+
 def write_report(quick: bool = False) -> Path:
     lines = ["# Performance", ""]
     any_result = next(
@@ -710,6 +730,7 @@ def write_report(quick: bool = False) -> Path:
             "The machine is shared and noisy (timings vary up to 2x between runs), so every figure is a median "
             "over repetitions and every ratio compares two sides measured in the same run.",
             "",
+            *_platforms(),
             "Reproduce everything with `make bench` (the first run also installs TRL into "
             "`.bench/trl-venv`). Each section names the command for its own figures; the raw numbers are in "
             "`benchmarks/results/*.json`.",
@@ -743,7 +764,8 @@ def write_report(quick: bool = False) -> Path:
         lines += [
             "## Multi-turn rollout against `model.generate` turn by turn",
             "",
-            "`python -m benchmarks.multiturn_rollout`. The user-simulator task (shipped `followups` prompts: after "
+            f"`python -m benchmarks.multiturn_rollout --batches {' '.join(map(str, a['batches']))} --repeats "
+            f"{a['repeats']}`. The user-simulator task (shipped `followups` prompts: after "
             f"each answer the user asks the prompt's next follow-up), up to {a['max_turns']} turns of the model, "
             f"{a['new_tokens']} tokens for the whole conversation, turns ending on EOS or {a['stop']!r}, greedy. "
             "The env side is LMPPO's rollout: one agent token per step through the KV cache, each reply prefilled "

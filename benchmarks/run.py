@@ -178,7 +178,8 @@ def main() -> None:
             "--stop",
             "\n",  # the tiny random model writes newlines, never a full stop
         ]
-        module("multiturn_rollout", *(quick if q else []))
+        # the settings of the recorded run, which docs/performance.md states
+        module("multiturn_rollout", *(quick if q else ["--batches", "1", "8", "--repeats", "2"]))
     if "ppo" in args.only:
         from textgym.models import smollm2_dir
 
