@@ -332,10 +332,15 @@ class LMAgent(SB3Contract, UpdateGuards):
 
     def rollout(self, env: TextGenVectorEnv, **kwargs: Any) -> Rollout:
         """:func:`~textgym.sampling.rollout` of the policy on ``env`` in the agent's precision (see
-        agents/precision.py), in lockstep when sharded. ``kwargs`` go to the rollout."""
+        agents/precision.py), in lockstep when sharded. ``kwargs`` go to the rollout. A ``normalize_then_sum``
+        stack's totals are recombined over the whole rollout (the env standardised each episode with those
+        that ended on the same step only)."""
         model = self.rollout_model
         with precision.bf16_linear_weights(model, self.bf16 and not self.sharded):
-            return rollout(model, env, lockstep=self.lockstep, precision=self.autocast, **kwargs)
+            r = rollout(model, env, lockstep=self.lockstep, precision=self.autocast, **kwargs)
+        if getattr(env.reward_stack, "aggregate", "sum") != "sum":
+            recombine_totals(env.reward_stack, r)
+        return r
 
     # -- forwards ------------------------------------------------------------------------------------
     def forward(
@@ -459,8 +464,6 @@ class LMAgent(SB3Contract, UpdateGuards):
         self.dist.agree(error)
         t_rollout = time.perf_counter() - start
         t_reward = env.reward_seconds - reward_before
-        if getattr(stack, "aggregate", "sum") != "sum":
-            recombine_totals(stack, r)
         batch, hidden = RolloutBatch.from_rollout(r), r.hidden
         if self.bf16:  # the behaviour log-probs from whole-sequence forwards, as training's (precision.py)
             batch.logprobs, hidden = self.sequence_logprobs(self.rollout_model, batch, hidden=keep_hidden)

@@ -198,6 +198,30 @@ def test_a_normalize_then_sum_sample_table_is_standardised_over_the_whole_table(
         np.testing.assert_allclose([r["reward"] for r in rows], expected, atol=1e-9)
 
 
+def test_evaluate_policy_of_an_lm_agent_standardises_normalize_then_sum_over_its_episodes():
+    """evaluate_policy rolls an LM agent out as the sample tables do: its episode rewards were the env's
+    per-step totals (0 for an episode that ended alone)."""
+    from textgym.agents.ppo import LMPPO
+    from textgym.composition import standardize
+    from textgym.evaluate import evaluate_policy
+
+    stack = {"aggregate": "normalize_then_sum", "components": [{"name": "match", "partial": True},
+             {"name": "length_penalty", "weight": 0.5, "target": 3}]}  # fmt: skip
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=16, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled", model="tiny-char-llama", rewards=stack,
+                             stop=["a", "e", "i", "o", "u"], max_new_tokens=8)  # fmt: skip
+    agent = LMPPO("tiny-char-llama", env, seed=0, verbose=0)
+    rewards, lengths = evaluate_policy(
+        agent, env, n_eval_episodes=16, deterministic=False, return_episode_rewards=True, seed=3
+    )
+    assert len(set(lengths)) > 2  # the episodes ended on several steps
+    r = agent.rollout(env, temperature=agent.config.temperature, seed=3)
+    column = {c: np.array([e["reward_components"][c] for e in r.infos]) for c in ("match", "length_penalty")}
+    expected = standardize(column["match"]) + 0.5 * standardize(column["length_penalty"])
+    np.testing.assert_allclose([e["reward"] for e in r.infos], expected, atol=1e-9)
+    np.testing.assert_allclose(rewards, expected, atol=1e-9)
+
+
 def test_the_held_out_total_uses_the_weights_of_the_training_progress_it_was_measured_at(tmp_path):
     """The final evaluation of a run whose match weight falls from 1 to 0 weighs match 0 (it weighed it by
     the progress of the rollout before the last: 1/12 here)."""

@@ -324,7 +324,6 @@ def _run_native(
     from stable_baselines3.common.callbacks import BaseCallback
     from tqdm.auto import tqdm
 
-    from textgym.agents.batch_checks import recombine_totals
     from textgym.agents.checkpoint import gather_checkpoint
     from textgym.diagnostics import finish_evaluations, training_callbacks
 
@@ -355,10 +354,7 @@ def _run_native(
         )
 
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        r = agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed)
-        if sample_env.reward_stack.aggregate != "sum":  # over the whole table, as training's batches
-            recombine_totals(sample_env.reward_stack, r)
-        return r.infos
+        return agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed).infos
 
     def samples() -> Any:
         """The sample table, for the main process to write. Sharded, every process rolls it out (each
