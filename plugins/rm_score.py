@@ -13,6 +13,7 @@ from textgym.scoring import (
     cache_argument,
     can_group,
     can_share_prefix,
+    chat_pair,
     check_positive,
     grouped_forward,
     length_sorted_batches,
@@ -128,10 +129,7 @@ class RMScore:
 
     def format(self, s: Sample) -> str:
         if self.chat:
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": s.completion}],
-                tokenize=False,
-            )
+            return chat_pair(self.tokenizer, s.prompt, s.completion)
         return self.template.format(prompt=s.prompt, completion=s.completion)
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:

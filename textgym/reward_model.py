@@ -25,6 +25,7 @@ from typing import Any
 from textgym.errors import ConfigError, ModelError, UnknownNameError
 from textgym.models import EMBEDDED, SMOLLM2_PAD, atomic_build_dir, is_complete
 from textgym.pairs import Pair, PairsLike, read_pairs, split_pairs
+from textgym.scoring import chat_pair
 
 REPORT = "train_rm.json"
 LEARNING_RATE = 1e-5  # full fine-tuning; LoRA trains fewer weights and takes a larger step
@@ -136,10 +137,7 @@ def check_train_settings(
 def format_text(tokenizer: Any, chat: bool, prompt: str, completion: str) -> str:
     """The text a reward model scores, as ``rm_score`` formats it by default (``RMScore.format``)."""
     if chat:
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
-            tokenize=False,
-        )
+        return chat_pair(tokenizer, prompt, completion)
     return f"{prompt}{completion}"
 
 

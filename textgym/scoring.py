@@ -104,6 +104,15 @@ def chat_prompt(tokenizer: Any, prompt: str) -> str:
     )
 
 
+def chat_pair(tokenizer: Any, prompt: str, completion: str) -> str:
+    """The prompt as a user turn and the completion as the assistant's, as a reward model scores them
+    (``rm_score`` and the ``train-rm`` trainer alike). The template writes its own BOS, if any: tokenize the
+    text with ``add_special_tokens=False``."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], tokenize=False
+    )
+
+
 def ngrams(units: Sequence[Any], n: int) -> list[tuple[Any, ...]]:
     return [tuple(units[i : i + n]) for i in range(len(units) - n + 1)]
 
