@@ -96,7 +96,7 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     if sd <= 1e-12 * max(1.0, float(np.abs(d).max())):
         # Every seed shows the same difference: the t statistic is undefined. The exact sign test of n
         # differences of one sign is what is left (p = 2 / 2^n: 0.5 for two seeds, < 0.05 from six).
-        p = 1.0 if diff == 0 else min(1.0, 2 * 0.5**n)
+        p = 1.0 if diff == 0 else sign_test_p(n)
         d_z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
         return Paired(n, diff, diff, diff, d_z, p)
     se = sd / math.sqrt(n)
@@ -137,11 +137,16 @@ def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int
     return None
 
 
+def sign_test_p(n: int) -> float:
+    """The exact two-sided sign test's p-value for ``n`` differences of one sign: 2 / 2^n (at most 1)."""
+    return min(1.0, 2 * 0.5**n)
+
+
 def sign_test_seeds(alpha: float = ALPHA) -> int:
     """Seeds that all show the same difference for the exact sign test to reach ``alpha``: the smallest n
-    with 2 / 2^n < alpha (6 at 0.05)."""
+    with :func:`sign_test_p` below it (6 at 0.05)."""
     n = 1
-    while 2 * 0.5**n >= alpha:
+    while sign_test_p(n) >= alpha:
         n += 1
     return n
 
