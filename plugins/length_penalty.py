@@ -6,7 +6,6 @@ from collections.abc import Callable, Sequence
 
 from textgym import Sample, hookimpl
 from textgym.errors import RewardError
-from textgym.rewards import ENDED_ON_A_TOKEN
 
 
 class LengthPenalty:
@@ -59,9 +58,8 @@ class LengthPenalty:
                 f"length_penalty counts tokens and completion {sample.completion[:40]!r} has no completion_ids "
                 f"(a TRL call without them?): pass the token ids, or give unit = 'words'."
             )
-        # The token that ended the (last) turn is not text: a completion that stopped, and in a multi-turn
-        # episode an agent turn that ended before its reply was withheld (max_turns) or did not fit (overflow)
-        return n - 1 if sample.finish_reason in ENDED_ON_A_TOKEN and n else n
+        # The tokens that ended the (last) turn are not text: the EOS, or a stop string's
+        return sample.text_tokens()
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         scores = []

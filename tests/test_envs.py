@@ -95,6 +95,30 @@ def test_stop_strings_end_the_episode_and_are_cut_from_the_completion():
     assert terminated and info["completion"] == "ab" and info["finish_reason"] == "stop" and reward == 2.0
 
 
+def test_a_stop_strings_tokens_are_not_counted_as_the_completions():
+    seen = []
+
+    def tokens(samples):
+        seen.extend(samples)
+        return [float(s.text_tokens()) for s in samples]
+
+    stack = RewardStack(
+        [(FunctionReward("tokens", tokens), 1), (textgym.make_reward("length_penalty", target=2), 1)]
+    )
+    env = char_env(stop=["cd"], max_new_tokens=10, rewards=stack)
+    env.reset(seed=0)
+    for token in CHARS.encode("abcd"):
+        _, _, terminated, _, info = env.step(token)
+    # "ab" and the stop string's 2 tokens: 2 tokens of text, which length_penalty took for 3 (4 less the 1
+    # token that ends a completion on EOS)
+    assert terminated and info["completion"] == "ab" and seen[0].completion_ids == tuple(CHARS.encode("abcd"))
+    assert seen[0].stop_tokens == 2 and info["reward_components"] == {"tokens": 2.0, "length_penalty": 0.0}
+    env.reset(seed=0)
+    for token in [*CHARS.encode("ab"), CHARS.eos_token_id]:
+        env.step(token)
+    assert seen[1].stop_tokens == 1 and seen[1].text_tokens() == 2
+
+
 def test_step_before_reset_and_after_the_end_need_reset():
     env = char_env(max_new_tokens=1)
     with pytest.raises(ResetNeeded):

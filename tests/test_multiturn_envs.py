@@ -160,6 +160,17 @@ def test_stop_strings_end_agent_turns_but_not_inside_the_environments_reply():
     assert obs["input_ids"][2:7].tolist() == ids("ahhhh")  # agent "ahh" (stop string), env "hh"
     (_, _, terminated, _, info), _ = run(env, [*ids("a"), EOS])  # "hh" + "a" must not count as a stop
     assert terminated and [t["text"] for t in info["turns"]] == ["ahh", "hh", "a"]
+    # a last agent turn ended by the stop string: its text is "a", its tokens "ahh"
+    recorder = Recorder()
+    env = char_env(say("hh", done_after=1), stop=["hh"], max_new_tokens=14, rewards=[(recorder, 1.0)])
+    env.reset(seed=0)
+    (_, _, terminated, _, info), _ = run(env, [*ids("ahh")])
+    sample = recorder.samples[-1]
+    assert terminated and (sample.completion, sample.completion_ids, sample.stop_tokens) == (
+        "a",
+        tuple(ids("ahh")),
+        2,
+    )
 
 
 def test_the_chat_template_formats_replies_with_the_responders_role(tokenizer):

@@ -57,7 +57,8 @@ class Sample:
         prompt: the prompt text as the user wrote it (before any chat template).
         completion: the generated text, without the EOS token or the stop string.
         prompt_ids: token ids the model saw as the prompt (chat template applied, if any).
-        completion_ids: generated token ids, EOS included when the episode ended on it.
+        completion_ids: generated token ids, EOS included when the episode ended on it, and the tokens of the
+            stop string when one ended it.
         finish_reason: ``"stop"`` (EOS or a stop string; in a multi-turn episode: the responder ended it),
             ``"length"`` (hit ``max_new_tokens``), and in multi-turn episodes ``"max_turns"`` (the agent's
             last allowed turn ended) or ``"overflow"`` (the environment's reply did not fit the token budget).
@@ -65,6 +66,10 @@ class Sample:
         turns: in a multi-turn episode, every turn after the prompt in order, the agent's and the
             environment's (:class:`Turn`); ``completion`` is then the agent's last turn. Empty for a
             single-turn episode.
+        stop_tokens: how many of the last ``completion_ids`` ended the completion and are not in its text:
+            1 for an EOS, the tokens of a stop string, 0 for a completion cut at the limit. ``None`` (a sample
+            built outside an env, as from TRL's arguments): not known, and taken as 1 where ``finish_reason``
+            says it ended on a token (:data:`ENDED_ON_A_TOKEN`), else 0 (:meth:`text_tokens`).
     """
 
     prompt: str
@@ -74,6 +79,14 @@ class Sample:
     finish_reason: FinishReason = "stop"
     meta: Mapping[str, Any] = field(default_factory=dict)
     turns: tuple[Turn, ...] = ()
+    stop_tokens: int | None = None
+
+    def text_tokens(self) -> int:
+        """How many of ``completion_ids`` make up ``completion``: those before the EOS or stop string."""
+        n = len(self.completion_ids)
+        if self.stop_tokens is not None:
+            return max(n - self.stop_tokens, 0)
+        return n - 1 if self.finish_reason in ENDED_ON_A_TOKEN and n else n
 
 
 @runtime_checkable

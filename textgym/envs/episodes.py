@@ -405,10 +405,15 @@ class Episodes:
             else completion_ids
         )
         text = self.tokenizer.decode(body, skip_special_tokens=True)
+        whole = len(text)
         for s in self.stop:
             cut = text.find(s)
             if cut >= 0:
                 text = text[:cut]
+        kept = len(body)
+        if len(text) < whole:  # a stop string ended it: its tokens are the ones past the text
+            while kept and len(self.tokenizer.decode(body[:kept], skip_special_tokens=True)) > len(text):
+                kept -= 1
         prompt = self.prompts[self.prompt_index[i]]
         prompt_ids = self.input_ids[i, : self.P][self.attention_mask[i, : self.P] == 1]
         return Sample(
@@ -419,6 +424,7 @@ class Episodes:
             finish_reason=finish_reason,  # type: ignore[arg-type]
             meta=prompt.meta,
             turns=turns,
+            stop_tokens=len(completion_ids) - kept,
         )
 
     def finish(self, slots: np.ndarray, reasons: list[str]) -> tuple[np.ndarray, list[dict[str, Any]]]:
