@@ -171,6 +171,40 @@ def test_demo_config_trains_the_embedded_model(tmp_path):
     )
 
 
+def test_a_normalize_then_sum_runs_iteration_lines_and_plot_show_each_components_raw_mean(
+    tmp_path, capsys, monkeypatch
+):
+    """Its total is standardised per batch: "reward 0.000" in every iteration line and a flat plot said
+    nothing about training."""
+    import textgym.train
+
+    plotted = []
+    curves = textgym.train.training_curves
+    monkeypatch.setattr(
+        textgym.train,
+        "training_curves",
+        lambda path, history, keys, kl: plotted.append(keys) or curves(path, history, keys, kl),
+    )
+    config = tmp_path / "nts.toml"
+    config.write_text(
+        TINY.replace(
+            'rewards = [{ name = "sentiment" }, { name = "length_penalty", weight = 0.5, target = 4 }]',
+            'rewards = { aggregate = "normalize_then_sum", components = [{ name = "sentiment" }, '
+            '{ name = "length_penalty", weight = 0.5, target = 4 }] }',
+        )
+    )
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")]
+    metrics = csv_rows(run_dir / "metrics.csv")
+    assert len(lines) == len(metrics) >= 2
+    for line, row in zip(lines, metrics):
+        assert "reward " not in line
+        assert f"sentiment {float(row['rewards/sentiment/mean']):7.3f}" in line
+        assert f"length_penalty {float(row['rewards/length_penalty/mean']):7.3f}" in line
+    assert plotted == [["rewards/sentiment/mean", "rewards/length_penalty/mean"]]
+    assert (run_dir / "reward_kl.png").stat().st_size > 0
+
+
 def test_the_reward_trend_of_a_normalize_then_sum_run_is_each_components(capsys):
     """Standardised per batch, the total's mean is 0 whatever the policy: the summary shows what moved."""
     from textgym.train import _print_trend

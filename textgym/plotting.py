@@ -39,18 +39,24 @@ def fit(fig: Any, bottom: float = 0.6, top: float = 0.4, left: float = 0.65) -> 
 
 
 def training_curves(
-    path: Path, history: Sequence[dict[str, Any]], score_key: str, kl_key: str | None
+    path: Path, history: Sequence[dict[str, Any]], score_keys: Sequence[str], kl_key: str | None
 ) -> None:
-    """The score (and, where any iteration logged one, the KL) per generated token, one panel each."""
+    """The scores (one line each: ``["reward"]``, or each reward component's ``rewards/<name>/mean``) and,
+    where any iteration logged one, the KL per generated token, one panel each."""
     plt = pyplot()
     steps = [row["timesteps"] for row in history]
     has_kl = kl_key is not None and any(math.isfinite(row.get(kl_key, math.nan)) for row in history)
-    panels = [(score_key, "reward (mean episode score)")] + (
-        [(kl_key, "KL to the reference")] if has_kl else []
+    title = (
+        "reward (mean episode score)" if list(score_keys) == ["reward"] else "reward components (raw means)"
     )
+    panels = [(list(score_keys), title)] + ([([kl_key], "KL to the reference")] if has_kl else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
-    for ax, (key, title) in zip(axes[0], panels):
-        ax.plot(steps, [row[key] for row in history], marker="o", markersize=3)
+    for ax, (keys, title) in zip(axes[0], panels):
+        for key in keys:
+            label = key[8:-5] if key.startswith("rewards/") and key.endswith("/mean") else key
+            ax.plot(steps, [row.get(key, math.nan) for row in history], marker="o", markersize=3, label=label)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
         ax.set_title(title)
         ax.set_xlabel("generated tokens")
         ax.grid(alpha=0.3)

@@ -304,8 +304,18 @@ def _report(rd: RunDir, name: str, rows: list[dict[str, Any]], title: str) -> No
     print(f"{title}:\n" + format_table(rows))
 
 
-def _iteration_line(stats: dict[str, Any], tokens: int) -> str:
-    line = f"iter {stats['iteration']:4d}  tokens {tokens:7d}  reward {stats['reward']:7.3f}"
+def _component_keys(stats: dict[str, Any]) -> list[str]:
+    """The raw per-component means an iteration logged (``rewards/<name>/mean``)."""
+    return [key for key in stats if key.startswith("rewards/") and key.endswith("/mean")]
+
+
+def _iteration_line(stats: dict[str, Any], tokens: int, aggregate: str = "sum") -> str:
+    line = f"iter {stats['iteration']:4d}  tokens {tokens:7d}  "
+    if aggregate == "normalize_then_sum" and (keys := _component_keys(stats)):
+        # the total is standardised per batch (mean ~0 whatever the policy): each component's raw mean
+        line += "  ".join(f"{key[8:-5]} {stats[key]:7.3f}" for key in keys)
+    else:
+        line += f"reward {stats['reward']:7.3f}"
     if "kl" in stats:
         line += f"  kl {stats['kl']:7.3f}  len {stats['completions/mean_length']:5.1f}"
         line += f"  eos {1 - stats['completions/clipped_ratio']:4.2f}  {stats['time/iteration']:6.1f} s"
@@ -380,7 +390,7 @@ def _run_native(
                 rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
                 rd.write_metrics(model.history)
                 crash_point("after-metrics")
-                tqdm.write(_iteration_line(model.history[-1], model.num_timesteps))
+                tqdm.write(_iteration_line(model.history[-1], model.num_timesteps, aggregate))
                 if checkpoint:
                     rd.write_checkpoint(model.save)
 
@@ -389,6 +399,7 @@ def _run_native(
             # one more iteration; the checkpoint after learn() then saves this one
             return not (stop or dist.any(flag.stop))
 
+    aggregate = stack_table(config["env"].get("rewards", []), "env.rewards")["aggregate"]
     remaining = run["total_timesteps"] - agent.num_timesteps
     with flag:
         if remaining > 0:
@@ -407,7 +418,6 @@ def _run_native(
     after = samples() if not stopped else None
 
     def finish() -> Path:
-        aggregate = stack_table(config["env"].get("rewards", []), "env.rewards")["aggregate"]
         return _finish(
             rd,
             agent.history,
@@ -438,7 +448,9 @@ def _finish(
 ) -> Path:
     """The plot and, unless ``stopped``, the after-training sample table (``samples()``) and summary."""
     if history:
-        training_curves(rd.path / "reward_kl.png", history, "reward", "kl" if has_kl else None)
+        # a normalize_then_sum total has mean ~0 in every batch: the components' raw means show what moved
+        keys = _component_keys(history[-1]) if aggregate == "normalize_then_sum" else []
+        training_curves(rd.path / "reward_kl.png", history, keys or ["reward"], "kl" if has_kl else None)
     if stopped:
         again = f" (sharded with {sharding}: {SHARDING_HOW})" if sharding else ""
         print(
@@ -469,7 +481,7 @@ def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> N
             f"reward trend: {first:.3f} (first {span}) -> {last:.3f} (last {span}), {len(history)} iterations"
         )
         return
-    keys = [key for key in history[-1] if key.startswith("rewards/") and key.endswith("/mean")]
+    keys = _component_keys(history[-1])
     moves = ", ".join(
         f"{key[8:-5]} {mean(history[:k], key):.3f} -> {mean(history[-k:], key):.3f}" for key in keys
     )
