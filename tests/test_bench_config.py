@@ -78,14 +78,18 @@ def test_a_design_of_metrics_only_is_refused(tmp_path):
     ("key", "value", "match"),
     [
         ("seeds", [0, 0], "repeats seed 0"),
-        ("seeds", [0, -1], "non-negative integers"),
-        ("seeds", [True, 2], "non-negative integers"),
+        ("seeds", [0, -1], r"integers in \[0, 2\*\*32\)"),
+        ("seeds", [True, 2], r"integers in \[0, 2\*\*32\)"),
+        ("seeds", [2**40], r"integers in \[0, 2\*\*32\), not \[1099511627776\]"),  # numpy's seeds stop there
         ("seeds", [], "non-empty"),
         ("eval_episodes", 0, "eval_episodes must be a positive integer"),
         ("eval_episodes", True, "eval_episodes must be a positive integer"),
         ("eval_episodes", "16", "eval_episodes must be a positive integer"),
         ("eval_every", -1, "eval_every must be a non-negative integer"),
         ("eval_prompts", 3, "eval_prompts must be a prompt source"),
+        # checked before the first run trains, not when it is evaluated
+        ("eval_prompts", "copy-heldou", "bench.eval_prompts: unknown prompt source 'copy-heldou'"),
+        ("eval_prompts", [], "bench.eval_prompts: .*empty"),
         ("evl_episodes", 3, "unknown key bench.evl_episodes"),
     ],
 )
@@ -152,17 +156,20 @@ def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
         ([{"name": "lmppo"}, {"name": "lmppo"}], "agents 'lmppo' and 'lmppo' share the name", ConfigError),
         ([{"name": "lmppo", "label": "a/b"}], "agent name 'a/b' is not a safe directory name", ConfigError),
         ([{"name": "sb3-ppo", "policy": "MultiInputPolicyy"}], "not one of .*MultiInputPolicy", ConfigError),
-        ([{"label": "x"}], "has no name", ConfigError),
+        ([{"label": "x"}], r"needs name = a registered agent \(a string\), not None", ConfigError),
+        ([{"name": 3}], "needs name = a registered agent .*not 3", ConfigError),
     ],
 )
 def test_bad_agents_are_refused(tmp_path, agents, match, error):
     bad = designs(tmp_path)
+    del bad["agent"]["name"]
     bad["agents"] = agents
     refused(tmp_path, bad, match, error)
 
 
 def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path):
     d = designs(tmp_path)
+    del d["agent"]["name"]
     d["agents"] = [
         {"name": "lmppo", "n_epochs": 2},
         {"name": "grpo", "label": "grpo-b0", "num_generations": 4, "learning_rate": 5e-4},
@@ -175,6 +182,12 @@ def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path)
     # each entry is the agent's own table over the shared [agent] keys, as [agent.<name>] in textgym train
     assert grpo.config["agent"] == {"name": "grpo", "policy": "tiny-char-llama", "learning_rate": 1e-3,
                                     "grpo": {"num_generations": 4, "learning_rate": 5e-4}}  # fmt: skip
+    # a name in the shared [agent] table was never trained: refused, not ignored
+    d["agent"]["name"] = "lmppo"
+    with pytest.raises(
+        ConfigError, match=r"\[agent\] name = 'lmppo' would not be trained.*Add \{ name = 'lmppo' \}"
+    ):
+        load_designs(d)
     assert "eval" in grpo.config  # LM agents get held-out curves during training
     sb3 = next(j for j in jobs if j.agent["label"] == "sb3-ppo")
     assert sb3.config["agent"]["sb3-ppo"]["policy"] == "MultiInputPolicy" and "eval" not in sb3.config
@@ -281,3 +294,103 @@ def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_t
         bench_rm.pending(spec2["reward_models"])
     assert bench_rm.pending(spec["reward_models"]) == []
     assert (tmp_path / "rm" / bench_rm.RECORD).read_text() == record
+
+
+def test_metric_rewards_that_are_not_a_list_are_refused(tmp_path):
+    for value in ("match", {"name": "match"}):  # iterated, they said "unknown reward 'm'" or "'name'"
+        bad = designs(tmp_path)
+        bad["metrics"]["rewards"] = value
+        refused(tmp_path, bad, r"\[metrics\] rewards must be a list of reward specs")
+
+
+def test_relative_paths_in_a_designs_file_mean_the_same_from_any_directory(tmp_path, monkeypatch):
+    """As in a `textgym train` config: prompt files, fn files and held-out prompts next to the file."""
+    import tomli_w
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.jsonl").write_text('{"prompt": "abc"}\n{"prompt": "cab"}\n')
+    (project / "heldout.jsonl").write_text('{"prompt": "bca"}\n')
+    (project / "gold.py").write_text("def gold(samples):\n    return [1.0 for s in samples]\n")
+    d = designs(tmp_path, eval_prompts="heldout.jsonl")
+    d["env"]["prompts"] = "train.jsonl"
+    d["metrics"]["rewards"].append({"fn": "gold.py:gold", "label": "gold"})
+    path = project / "designs.toml"
+    path.write_text(tomli_w.dumps(d))
+    monkeypatch.chdir(tmp_path)  # not the designs file's directory
+    spec = load_designs(path)
+    assert spec["bench"]["eval_prompts"] == str(project / "heldout.jsonl")
+    assert spec["metric_rewards"][-1]["fn"] == f"{project / 'gold.py'}:gold"
+    job = plan(spec, tmp_path / "bench")[0]
+    assert job.config["env"]["prompts"] == str(project / "train.jsonl")
+    assert job.identity["data"] == {str(project / "train.jsonl"): bench.file_digest(project / "train.jsonl")}
+
+
+def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_path):
+    """A prompt file, a held-out prompt file, a metric's fn file and a proxy reward model's gold function
+    are part of what a run was trained or evaluated with, by content."""
+    prompts, heldout, metric = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl", tmp_path / "metric.py"
+    prompts.write_text('{"prompt": "abc"}\n')
+    heldout.write_text('{"prompt": "bca"}\n')
+    metric.write_text("def gold(samples):\n    return [1.0 for s in samples]\n")
+    d = designs(tmp_path, eval_prompts=str(heldout))
+    d["env"]["prompts"] = str(prompts)
+    d["metrics"]["rewards"].append({"fn": f"{metric}:gold", "label": "gold"})
+    d["designs"][1]["rewards"].append({"name": "length_penalty", "weight": 0.5, "target": 3})
+    out = tmp_path / "bench"
+    jobs = plan(load_designs(d), out)
+    for job in jobs:
+        job.run_dir.mkdir(parents=True)
+        bench._record(out, job)
+        (job.run_dir / "eval.json").write_text(
+            json.dumps({"config_hash": job.config_hash, "eval_hash": job.eval_hash})
+        )
+    assert set(actions(jobs, out).values()) == {"reuse"}
+
+    metric.write_text("def gold(samples):\n    return [0.0 for s in samples]\n")  # evaluated again
+    assert set(actions(plan(load_designs(d), out), out).values()) == {"evaluate"}
+    with pytest.raises(ConfigError, match=f"{metric} changed while the bench was running"):
+        bench._check_unchanged(bench.evaluation_files(load_designs(d)) | {"code": {str(metric): "0" * 16}})
+    metric.write_text("def gold(samples):\n    return [1.0 for s in samples]\n")
+    heldout.write_text('{"prompt": "cab"}\n')
+    assert set(actions(plan(load_designs(d), out), out).values()) == {"evaluate"}
+    heldout.write_text('{"prompt": "bca"}\n')
+    assert set(actions(plan(load_designs(d), out), out).values()) == {"reuse"}
+
+    prompts.write_text('{"prompt": "cba"}\n')  # trained on other prompts: refused, naming the file
+    with pytest.raises(
+        ConfigError, match=rf"exact-seed0 was trained with another config \(data.{prompts}: changed\)"
+    ):
+        actions(plan(load_designs(d), out), out)
+    with pytest.raises(ConfigError, match=f"{prompts} changed while the bench was running"):
+        bench._check_unchanged(jobs[0].identity)
+    prompts.write_text('{"prompt": "abc"}\n')
+    # a change inside a list is named down to the value, not as two identical 37-character prefixes
+    d["designs"][1]["rewards"][1]["weight"] = 0.6
+    with pytest.raises(
+        ConfigError,
+        match=r"partial-seed0 was trained with another config \(env.rewards\[1\].weight: 0.5 -> 0.6\)",
+    ):
+        actions(plan(load_designs(d), out), out)
+
+
+def test_a_proxy_reward_models_settings_digest_follows_its_gold_function(tmp_path):
+    from textgym.bench_rm import check_reward_models
+
+    gold = tmp_path / "gold.py"
+    gold.write_text("def gold(samples):\n    return [1.0 for s in samples]\n")
+    entry = {**RM, "output": str(tmp_path / "rm")}
+    entry["pairs"] = {**RM["pairs"], "rewards": [{"fn": f"{gold}:gold"}]}
+    first = check_reward_models([entry], "d")[0]["digest"]
+    assert check_reward_models([entry], "d")[0]["digest"] == first
+    gold.write_text("def gold(samples):\n    return [-1.0 for s in samples]\n")  # inverted labels
+    assert check_reward_models([entry], "d")[0]["digest"] != first
+
+
+def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_path):
+    """`v1.5-seed0` and `v1.6-seed0` wrote to one `v1.log`."""
+    for name in ("v1.5-seed0", "v1.6-seed0"):
+        with bench._logged(tmp_path / name / "train.log"):
+            print(f"failed {name}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.5-seed0.log", "v1.6-seed0.log"]
+    assert (tmp_path / "v1.5-seed0.log").read_text() == "failed v1.5-seed0\n"

@@ -131,6 +131,15 @@ def test_reward_decorator_in_a_plain_file(tmp_path):
         with pytest.raises(textgym.errors.PluginArgumentError, match="Valid arguments: per_mark"):
             textgym.make_reward("exclaim", per_marks=2)
         assert plugin_manager.load_plugin_file(path) == name  # loading twice is a no-op
+        # edited since (a notebook, between two bench calls): imported again, where the old code ran on
+        path.write_text(PLUGIN_FILE.replace('count("!")', 'count("?")'))
+        assert plugin_manager.load_plugin_file(path) == name
+        assert list(textgym.make_reward("exclaim")([textgym.Sample("p", "hi!?")])) == [1.0]
+        assert list(textgym.make_reward("exclaim")([textgym.Sample("p", "hi??")])) == [2.0]
+        fn = textgym.reward_functions.load_function(f"{path}:exclaim")
+        path.write_text(PLUGIN_FILE.replace('count("!")', "count('?') * 10"))
+        assert textgym.reward_functions.load_function(f"{path}:exclaim") is not fn
+        assert list(textgym.make_reward("exclaim")([textgym.Sample("p", "hi??")])) == [20.0]
     finally:
         plugin_manager.unregister_plugin(name)
         plugin_manager.unregister_plugin(f"{path.resolve()}::exclaim")

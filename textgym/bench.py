@@ -75,7 +75,9 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
     from textgym.config import validate
 
     jobs = []
-    evaluation = {**eval_settings(spec), "samples": spec["bench"]["samples_in_report"]}
+    # the metric code and held-out data by content: an edited file gets the runs evaluated again
+    files = evaluation_files(spec)
+    evaluation = {**eval_settings(spec), "samples": spec["bench"]["samples_in_report"], **files}
     reward_models = {e["output"]: e["digest"] for e in spec.get("reward_models", [])}
     for agent in spec["agents"]:
         for design in spec["designs"]:
@@ -92,7 +94,8 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                     config["eval"] = eval_settings(spec)
                 config = validate(config, f"run {run_id}")
                 ident = identity(config, reward_models)
-                hashes = _digest(ident), _digest(evaluation), _digest(config.get("eval"))
+                curves = {**config["eval"], **files} if "eval" in config else None
+                hashes = _digest(ident), _digest(evaluation), _digest(curves)
                 jobs.append(Job(agent, design, seed, run_dir, run_id, config, ident, *hashes))
     return jobs
 
@@ -104,18 +107,54 @@ def config_hash(config: Mapping[str, Any], reward_models: Mapping[str, str] | No
 
 def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a run's training depends on: its config without ``run.output_dir`` and ``[eval]`` (evaluations
-    never change training), each code file's digest (plugin files, ``fn`` reward files), and the settings
-    digest of each proxy reward model the bench trains (``[[reward_models]]``)."""
+    never change training), each code file's digest (plugin files, ``fn`` reward files), each data file's or
+    directory's (prompt files, policy and reward-model directories: ``data``), and the settings digest of
+    each proxy reward model the bench trains (``[[reward_models]]``)."""
     ident = {k: copy.deepcopy(v) for k, v in config.items() if k != "eval"}
     ident["run"] = {k: v for k, v in ident["run"].items() if k != "output_dir"}
-    files = list(ident["run"].get("plugins", [])) + _fn_files(ident["env"].get("rewards"))
-    ident["code"] = {f: _file_digest(f) for f in sorted(set(files))}
+    files = list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards"))
+    ident["code"] = {f: file_digest(f) for f in sorted(set(files))}
+    data = data_paths({"env": ident["env"], "agent": ident["agent"]})
+    if data:
+        ident["data"] = {p: file_digest(p) for p in sorted(set(data))}
     if reward_models:
         ident["reward_models"] = dict(reward_models)
     return ident
 
 
-def _fn_files(specs: Any) -> list[str]:
+def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The digests the held-out evaluation depends on besides its settings: the ``fn`` files of the metrics
+    (``code``), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
+    are none."""
+    code = fn_files(spec["metric_rewards"])
+    data = data_paths({"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]})
+    out: dict[str, Any] = {}
+    if code:
+        out["code"] = {f: file_digest(f) for f in sorted(set(code))}
+    if data:
+        out["data"] = {p: file_digest(p) for p in sorted(set(data))}
+    return out
+
+
+# the config keys whose values may be paths to data: prompt files, policy and reward-model directories
+DATA_KEYS = ("prompts", "model", "policy")
+
+
+def data_paths(value: Any, key: str | None = None) -> list[str]:
+    """The existing files and directories ``value`` names under a :data:`DATA_KEYS` key (a registered name,
+    as ``"copy"`` or ``"tiny-char-llama"``, is not a path)."""
+    from textgym.config import _is_registered_name
+
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in data_paths(v, k)]
+    if isinstance(value, list):
+        return [p for v in value if isinstance(v, (Mapping, list)) for p in data_paths(v)]
+    is_path = key in DATA_KEYS and isinstance(value, str) and value and not _is_registered_name(value)
+    return [value] if is_path and Path(value).expanduser().exists() else []
+
+
+def fn_files(specs: Any) -> list[str]:
+    """The ``.py`` files of the ``fn`` components of a stack spec."""
     if isinstance(specs, Mapping):
         specs = specs.get("components", [specs])
     files = []
@@ -127,9 +166,27 @@ def _fn_files(specs: Any) -> list[str]:
     return files
 
 
-def _file_digest(path: str) -> str:
+_digests: dict[tuple[str, int, int], str] = {}  # (file, size, mtime) -> digest: each file read once
+
+
+def file_digest(path: str | Path) -> str:
+    """A digest of a file's bytes, or of a directory's files (their relative paths and bytes); ``"missing"``
+    for neither."""
+    root = Path(path).expanduser()
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        parts = [f"{p.relative_to(root).as_posix()}:{file_digest(p)}" for p in files]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        stat = root.stat()
+        key = (str(root.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in _digests:
+            digest = hashlib.sha256()
+            with root.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+            _digests[key] = digest.hexdigest()[:16]
+        return _digests[key]
     except OSError:
         return "missing"
 
@@ -189,14 +246,21 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
 
 
 def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """What differs between two configs, down to the single value (``env.rewards[1].weight: 0.5 -> 0.6``)."""
     out = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             out += _changes(a, b, f"{prefix}{key}.")
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                if isinstance(x, Mapping) and isinstance(y, Mapping):
+                    out += _changes(x, y, f"{prefix}{key}[{i}].")
+                elif jsonable(x) != jsonable(y):
+                    out.append(f"{prefix}{key}[{i}]: {_short(x)} -> {_short(y)}")
         elif jsonable(a) != jsonable(b):
-            what = "changed" if prefix in ("code.", "reward_models.") else f"{_short(a)} -> {_short(b)}"
-            out.append(f"{prefix}{key}: {what}")
+            digests = prefix in ("code.", "data.", "reward_models.")
+            out.append(f"{prefix}{key}: {'changed' if digests else f'{_short(a)} -> {_short(b)}'}")
     return out
 
 
@@ -238,7 +302,7 @@ def _logged(path: Path) -> Iterator[None]:
             yield
     finally:
         run_dir = path.parent
-        where = path if RunDir(run_dir).is_run() else run_dir.with_suffix(".log")
+        where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
         with where.open("a", encoding="utf-8") as f:
             f.write(log.getvalue())
 
@@ -309,6 +373,7 @@ def run(
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}")
     jobs = plan(spec, out)
+    files = evaluation_files(spec)
     todo = actions(jobs, out)
     bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
     with _threads(spec["bench"]["threads"]):
@@ -318,6 +383,7 @@ def run(
             for job in jobs:
                 bar.set_postfix(run=job.run_id)
                 if todo[job.run_id] == "train":
+                    _check_unchanged(job.identity)
                     _record(out, job)
                     _train(job)
                     total, done = job.config["run"]["total_timesteps"], RunDir(job.run_dir).tokens_trained()
@@ -329,6 +395,7 @@ def run(
                             f"train); the same command continues it"
                         )
                 if todo[job.run_id] != "reuse":
+                    _check_unchanged(files)
                     with _logged(job.run_dir / "train.log"):
                         result = evaluate(job, spec)
                     _write_json(
@@ -339,6 +406,19 @@ def run(
 
         write_outputs(out, spec, jobs)
     return out
+
+
+def _check_unchanged(recorded: Mapping[str, Any]) -> None:
+    """Every file in ``recorded["code"]`` and ``recorded["data"]`` still has the digest the bench planned
+    with: a file edited while the bench runs would train (or evaluate) the next runs with other code or data
+    than their record says."""
+    for kind in ("code", "data"):
+        for path, digest in recorded.get(kind, {}).items():
+            if file_digest(path) != digest:
+                raise ConfigError(
+                    f"{path} changed while the bench was running, and the runs before this one used it as it "
+                    f"was. Run the bench again: it checks every run against the {kind} as it is now."
+                )
 
 
 @contextlib.contextmanager

@@ -25,8 +25,8 @@ from typing import Any
 
 from textgym import plugin_manager
 from textgym.bench_rm import check_reward_models
-from textgym.config import apply_override, read_toml, validate
-from textgym.errors import ConfigError
+from textgym.config import MAX_SEED, apply_override, read_toml, resolve_paths, resolve_value, validate
+from textgym.errors import ConfigError, TextgymError
 from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import check_reward_specs
@@ -56,7 +56,8 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if isinstance(path, Mapping):
         raw, source, base_dir = copy.deepcopy(dict(path)), "the designs", Path.cwd()
     else:
-        raw, source, base_dir = read_toml(path, "designs file"), str(path), Path(path).resolve().parent
+        source, base_dir = str(path), Path(path).resolve().parent
+        raw = _resolve_paths(read_toml(path, "designs file"), base_dir)
     for override in overrides:
         apply_override(raw, override)
     unknown = sorted(set(raw) - set(SECTIONS))
@@ -74,6 +75,11 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     metrics = raw.pop("metrics", {})
     if not isinstance(metrics, Mapping) or set(metrics) - {"rewards", "builtin"}:
         raise ConfigError(f"{source}: [metrics] takes 'rewards' and 'builtin' only, not {metrics!r}.")
+    if not isinstance(metrics.get("rewards", []), list):
+        raise ConfigError(
+            f"{source}: [metrics] rewards must be a list of reward specs (each with a label), not "
+            f"{metrics['rewards']!r}."
+        )
     metric_rewards = metric_specs(
         [resolve_fn_paths(m, base_dir) if isinstance(m, Mapping) else m for m in metrics.get("rewards", [])],
         f"{source}: [metrics] rewards",
@@ -84,6 +90,13 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     )
     reward_models = check_reward_models(raw.pop("reward_models", None), source)
     agents_raw = raw.pop("agents", None)
+    shared_name = raw.get("agent", {}).get("name") if isinstance(raw.get("agent"), Mapping) else None
+    if agents_raw is not None and shared_name is not None:
+        raise ConfigError(
+            f"{source}: [agent] name = {shared_name!r} would not be trained: with an [[agents]] list each entry "
+            f"names its agent, and [agent] holds what they share. Add {{ name = {shared_name!r} }} to "
+            f"[[agents]] to train it too, and remove name from [agent]."
+        )
     if isinstance(raw.get("env"), Mapping) and "rewards" in raw["env"]:
         raise ConfigError(f"{source}: rewards belong to the [[designs]], not to [env].")
     base = validate(raw, source)  # [run], [env], [agent] as textgym train takes them
@@ -98,6 +111,32 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
         "builtin": builtin,
         "reward_models": reward_models,
     }
+
+
+def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """The paths in a designs file mean the same from any working directory, as in a ``textgym train``
+    config: the relative ones that name a file or directory next to it are made absolute (prompt files,
+    policy and reward-model directories, ``fn`` files; see :func:`textgym.config.resolve_paths`). Output
+    directories (``bench.output_dir``, a reward model's ``output``) stay relative to the working directory."""
+    raw = resolve_paths(raw, base_dir)  # [run] plugins, [env], [agent]
+    bench = raw.get("bench")
+    if isinstance(bench, dict) and "eval_prompts" in bench:
+        bench["eval_prompts"] = resolve_value(bench["eval_prompts"], base_dir)
+    if isinstance(raw.get("agents"), list):
+        raw["agents"] = resolve_value(raw["agents"], base_dir)
+    for design in raw.get("designs") or []:
+        if isinstance(design, dict) and "rewards" in design:
+            design["rewards"] = resolve_value(design["rewards"], base_dir)
+    metrics = raw.get("metrics")
+    if isinstance(metrics, dict) and "rewards" in metrics:
+        metrics["rewards"] = resolve_value(metrics["rewards"], base_dir)
+    for entry in raw.get("reward_models") or []:
+        for key in ("pairs", "train"):
+            if isinstance(entry, dict) and isinstance(entry.get(key), dict):
+                entry[key] = resolve_value(entry[key], base_dir)
+                if "rewards" in entry[key]:
+                    entry[key]["rewards"] = resolve_fn_paths(entry[key]["rewards"], base_dir)
+    return raw
 
 
 def _resolve(path: Any, base_dir: Path) -> Path:
@@ -118,10 +157,10 @@ def _bench_settings(given: Any, source: str) -> dict[str, Any]:
     if (
         not isinstance(seeds, list)
         or not seeds
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < MAX_SEED for s in seeds)
     ):
         raise ConfigError(
-            f"{source}: bench.seeds must be a non-empty list of non-negative integers, not {seeds!r}."
+            f"{source}: bench.seeds must be a non-empty list of integers in [0, 2**32), not {seeds!r}."
         )
     repeated = sorted({s for s in seeds if seeds.count(s) > 1})
     if repeated:
@@ -142,6 +181,13 @@ def _bench_settings(given: Any, source: str) -> dict[str, Any]:
             f"{source}: bench.eval_prompts must be a prompt source (a registered name or a file) or a list of "
             f"prompts, not {bench['eval_prompts']!r}."
         )
+    if bench["eval_prompts"] is not None:  # a typo or an empty list fails now, not after the first run
+        from textgym.prompts import load_prompts
+
+        try:
+            load_prompts(bench["eval_prompts"])
+        except TextgymError as exc:
+            raise ConfigError(f"{source}: bench.eval_prompts: {exc}") from None
     if bench["output_dir"] is not None and not isinstance(bench["output_dir"], str):
         raise ConfigError(f"{source}: bench.output_dir must be a path, not {bench['output_dir']!r}.")
     return bench
@@ -206,9 +252,10 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
     else:
         tables = []
         for entry in agents:
-            if "name" not in entry:
+            if not isinstance(entry.get("name"), str) or not entry["name"]:
                 raise ConfigError(
-                    f"{source}: [[agents]] entry {dict(entry)!r} has no name (a registered agent)."
+                    f"{source}: [[agents]] entry {dict(entry)!r} needs name = a registered agent (a string), "
+                    f"not {entry.get('name')!r}."
                 )
             # the entry's keys become the agent's own table ([agent.<name>]), over the shared ones; the
             # shared policy (an LM) stays the env's tokenizer, as in `textgym train --agent`

@@ -36,6 +36,7 @@ REQUIRED_PAIRS = ("prompts", "policy", "rewards")
 def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
     """The ``[[reward_models]]`` entries, checked (names, arguments, values, gold rewards) and each with its
     settings ``digest``. Nothing is loaded or trained here."""
+    from textgym.bench import data_paths, file_digest, fn_files
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
     from textgym.reward_model import check_train_settings, train_reward_model
 
@@ -77,7 +78,10 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
             raise ConfigError(f"{where}: {exc}") from None
         check_reward_specs(gold_specs(pairs["rewards"]), where=f"{where}: pairs.rewards")
         settings = {"pairs": dict(pairs), "train": dict(train)}
-        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        # the gold functions' code and the data (prompt files, policy and model directories) by content
+        files = sorted(set(fn_files(gold_specs(pairs["rewards"])) + data_paths(settings)))
+        digested = {**settings, "files": {f: file_digest(f) for f in files}} if files else settings
+        digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
         out.append({"output": output, **settings, "digest": digest})
     outputs = [Path(e["output"]).resolve() for e in out]
     if len(set(outputs)) < len(outputs):

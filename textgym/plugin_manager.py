@@ -174,15 +174,21 @@ def load_plugin_file(path: str | os.PathLike) -> str:
     """Import a Python file as a plugin. It may define ``@hookimpl`` functions or ``@textgym.reward`` ones.
 
     Returns:
-        The plugin name (the resolved path). Loading the same file twice is a no-op.
+        The plugin name (the resolved path). Loading the same file again is a no-op while it is unchanged; a
+        file edited since (in a notebook, between two runs) is imported again and replaces its registrations.
     """
     load_plugins()
     file = Path(path).expanduser().resolve()
     name = str(file)
-    if pm.has_plugin(name):
-        return name
     if not file.is_file() or file.suffix != ".py":
+        if pm.has_plugin(name):
+            return name  # (loaded before, and gone since: what was loaded stays)
         raise PluginError(f"plugin file {str(path)!r} does not exist or is not a .py file.")
+    content = file.read_bytes()
+    if pm.has_plugin(name):
+        if _file_contents.get(name) == content:
+            return name
+        unregister_plugin(name)
     module_name = f"textgym_plugin_{abs(hash(name)):x}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -202,7 +208,11 @@ def load_plugin_file(path: str | os.PathLike) -> str:
                 f"put @textgym.hookimpl on the line above `def {hook}`."
             )
     register_plugin(module, name=name, source=f"file {name}")
+    _file_contents[name] = content
     return name
+
+
+_file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes, as imported
 
 
 _load_error: Exception | None = None
