@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from textgym.config import MAX_SEED
 from textgym.errors import ConfigError
 
 
@@ -34,8 +35,9 @@ class LMAgentConfig:
     score_clip: float | None = None
     """Clip (scaled, normalised) scores to [-score_clip, score_clip]."""
     max_abs_score: float = 1e6
-    """A reward-stack total beyond ±this stops training with the plugin that produced it named (a reward
-    of 1e20 is finite but drives the losses to inf)."""
+    """An episode's return (the reward-stack total, plus a multi-turn episode's turn rewards) beyond ±this
+    stops training with the plugin or responder that produced it named (a reward of 1e20 is finite but
+    drives the losses to inf)."""
     lora: dict[str, Any] | None = None
     """peft LoraConfig arguments (e.g. {"r": 8}); the reference is then the adapter-disabled model."""
     device: str = "auto"
@@ -59,8 +61,8 @@ class LMAgentConfig:
             raise ConfigError(f"lr_schedule must be 'constant' or 'linear', not {self.lr_schedule!r}.")
         if self.micro_batch_size is not None:
             check_positive_int("micro_batch_size", self.micro_batch_size)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be a non-negative integer, not {self.seed!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"seed must be an integer in [0, 2**32), not {self.seed!r}.")
         check_number("max_abs_score", self.max_abs_score, above=0, inf_ok=True)  # inf: no limit
         # a negative max_grad_norm flips the gradients' sign (torch scales them by max_norm / norm), a
         # negative score_clip clamps every score to -score_clip: both were accepted, and trained backwards

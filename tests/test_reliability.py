@@ -497,8 +497,9 @@ def test_a_failed_start_leaves_no_run_directory(config, tmp_path, capsys):
     [
         ("env.id='os:system'", "would import module 'os'"),
         ("env.id='textgym/Cpy-v0'", "unknown env 'textgym/Cpy-v0'. Did you mean 'textgym/Copy-v0'"),
-        ("run.seed=-1", "run.seed must be a non-negative integer, not -1"),
-        ("run.seed=1.5", "run.seed must be a non-negative integer, not 1.5"),
+        ("run.seed=-1", "run.seed must be an integer in [0, 2**32), not -1"),
+        ("run.seed=1.5", "run.seed must be an integer in [0, 2**32), not 1.5"),
+        ("run.seed=4294967296", "run.seed must be an integer in [0, 2**32), not 4294967296"),  # numpy's limit
         ("run.output_dir=3", "run.output_dir must be a path"),
         ("agent.learning_rate=0", "learning_rate must be a positive number, not 0"),
         ("env.num_envs=true", "env.num_envs must be an integer in"),

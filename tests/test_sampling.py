@@ -85,7 +85,9 @@ def test_sample_command_bad_reward_is_a_clear_error(capsys):
     assert main(["sample", "--model", "tiny-random-llama", "--reward", "lenght_penalty"]) == 2
     assert "unknown reward 'lenght_penalty'. Did you mean 'length_penalty'?" in capsys.readouterr().err
     assert main(["sample", "--model", "tiny-random-llama", "--seed", "-1"]) == 2  # was gymnasium's traceback
-    assert "--seed must be >= 0, not -1." in capsys.readouterr().err
+    assert "--seed must be in [0, 2**32), not -1." in capsys.readouterr().err
+    assert main(["sample", "--model", "tiny-random-llama", "--seed", str(2**32)]) == 2  # numpy's traceback
+    assert f"--seed must be in [0, 2**32), not {2**32}." in capsys.readouterr().err
 
 
 @pytest.mark.slow

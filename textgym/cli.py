@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from textgym.config import MAX_SEED
 from textgym.errors import TextgymError
 
 DEMO_REWARDS = [
@@ -262,8 +263,8 @@ def _sample(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num and --batch-size must be positive, not {args.num} and {args.batch_size}.")
     if not args.temperature >= 0:
         raise ConfigError(f"--temperature must be >= 0 (0 = greedy), not {args.temperature}.")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, not {args.seed}.")
+    if not 0 <= args.seed < MAX_SEED:
+        raise ConfigError(f"--seed must be in [0, 2**32), not {args.seed}.")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = off), not {args.top_k}.")
     batch = min(args.batch_size, args.num)

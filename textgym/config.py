@@ -58,6 +58,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts", "processes")
 MAX_NUM_ENVS = 65_536
+MAX_SEED = 2**32  # numpy's seeds (and so every library seeded from run.seed) stop below it
 MAX_EPISODE_BYTES = 2**31  # observation arrays of all sub-envs (int64 ids + int8 mask): refuse beyond 2 GiB
 
 
@@ -83,28 +84,44 @@ def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     from textgym.reward_functions import resolve_fn_paths
 
     config = copy.deepcopy(config)
-
-    def resolve(value: Any) -> Any:
-        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            candidate = base_dir / value
-            if candidate.exists() and not _is_registered_name(value):
-                return str(candidate.resolve())
-        if isinstance(value, list):
-            return [resolve(v) for v in value]
-        if isinstance(value, dict):
-            return {k: (v if k in ("name", "id") else resolve(v)) for k, v in value.items()}
-        return value
-
     run = config.get("run")
     if isinstance(run, dict) and isinstance(run.get("plugins"), list):
         run["plugins"] = [str((base_dir / p).resolve()) if isinstance(p, str) else p for p in run["plugins"]]
     for section in ("env", "agent"):
         if isinstance(config.get(section), dict):
-            config[section] = resolve(config[section])
+            config[section] = resolve_value(config[section], base_dir)
     env = config.get("env")
     if isinstance(env, dict) and "rewards" in env:
         env["rewards"] = resolve_fn_paths(env["rewards"], base_dir)
+    if isinstance(env, dict) and isinstance(env.get("responder"), dict):  # text_env / tool_env files
+        env["responder"] = {
+            k: _resolve_file_ref(v, base_dir) if k in ("text_env", "tool_env") else v
+            for k, v in env["responder"].items()
+        }
     return config
+
+
+def _resolve_file_ref(ref: Any, base_dir: Path) -> Any:
+    """``"file.py:Name"`` with a relative file made absolute against ``base_dir`` (anything else as it is)."""
+    target, sep, attribute = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
+    if sep and target.endswith(".py") and not Path(target).expanduser().is_absolute():
+        return f"{(base_dir / target).resolve()}:{attribute}"
+    return ref
+
+
+def resolve_value(value: Any, base_dir: Path) -> Any:
+    """``value`` with every relative path in it (a string, in lists and tables, that is not a registered name
+    and names an existing file or directory under ``base_dir``) made absolute. Table keys ``name`` and ``id``
+    are names, never paths."""
+    if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+        candidate = base_dir / value
+        if candidate.exists() and not _is_registered_name(value):
+            return str(candidate.resolve())
+    if isinstance(value, list):
+        return [resolve_value(v, base_dir) for v in value]
+    if isinstance(value, dict):
+        return {k: (v if k in ("name", "id") else resolve_value(v, base_dir)) for k, v in value.items()}
+    return value
 
 
 def _is_registered_name(value: str) -> bool:
@@ -176,8 +193,8 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
     for key in POSITIVE_INTS:
         if not _is_int(run[key]) or run[key] < 1:
             raise ConfigError(f"{source}: run.{key} must be a positive integer, not {run[key]!r}.")
-    if not _is_int(run["seed"]) or run["seed"] < 0:
-        raise ConfigError(f"{source}: run.seed must be a non-negative integer, not {run['seed']!r}.")
+    if not _is_int(run["seed"]) or not 0 <= run["seed"] < MAX_SEED:
+        raise ConfigError(f"{source}: run.seed must be an integer in [0, 2**32), not {run['seed']!r}.")
     if run["output_dir"] is not None and not isinstance(run["output_dir"], str):
         raise ConfigError(f"{source}: run.output_dir must be a path (a string), not {run['output_dir']!r}.")
     if not isinstance(run["report_to"], list) or not set(run["report_to"]) <= {"tensorboard"}:

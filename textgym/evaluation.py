@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from textgym.config import MAX_SEED
 from textgym.errors import ConfigError
 
 
@@ -76,8 +77,8 @@ def check_eval_section(section: Any, where: str) -> dict[str, Any]:
     for key in ("every", "episodes"):
         check_positive_int(f"eval.{key}", resolved[key], where)
     seed = resolved["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError(f"{where}: eval.seed must be a non-negative integer, not {seed!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+        raise ConfigError(f"{where}: eval.seed must be an integer in [0, 2**32), not {seed!r}.")
     if resolved["prompts"] is not None and not isinstance(resolved["prompts"], (str, list)):
         raise ConfigError(
             f"{where}: eval.prompts must be a prompt source (a registered name or a file) or a list of "
