@@ -42,12 +42,21 @@ def check_totals(raw: torch.Tensor, episodes: list[dict[str, Any]], limit: float
         return
     i = int(bad.nonzero()[0])
     episode = episodes[i]
-    components = {k: v for k, v in episode["reward_components"].items() if v is not None}
-    culprit = max(components, key=lambda k: abs(components[k]), default=None)
     where = f"for completion {episode['completion'][:50]!r}"
-    cause = f"reward plugin {culprit!r} returned {components[culprit]:.3g} {where}: " if culprit else ""
+    # the largest part of the episode's return: a reward plugin's score, or (multi-turn) the turn rewards
+    parts = {
+        f"reward plugin {k!r} returned {v:.3g} {where}": v
+        for k, v in episode["reward_components"].items()
+        if v is not None
+    }
+    if episode.get("turn_rewards"):
+        parts[f"the responder's turn rewards sum to {sum(episode['turn_rewards']):.3g} {where}"] = sum(
+            episode["turn_rewards"]
+        )
+    culprit = max(parts, key=lambda k: (not math.isfinite(parts[k]), abs(parts[k])), default=None)
+    cause = f"{culprit}: " if culprit else ""
     raise TrainingError(
-        f"{cause}the reward-stack total {float(raw[i]):.3g} is beyond max_abs_score={limit:g}. Fix or rescale "
+        f"{cause}the episode's return {float(raw[i]):.3g} is beyond max_abs_score={limit:g}. Fix or rescale "
         "that reward (its weight, score_scale), or raise max_abs_score if such values are meant. Training "
         "stopped before the update: the weights and checkpoints are untouched."
     )

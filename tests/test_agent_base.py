@@ -81,6 +81,21 @@ def test_an_absurd_reward_stops_training_before_the_update_and_names_the_plugin(
     assert all(torch.equal(a, b) for a, b in zip(before, agent.params))
 
 
+def test_an_absurd_turn_reward_names_the_responder_not_a_reward_plugin():
+    from textgym import Reply
+
+    def game(conversations):  # a game whose turn reward is (mis)scaled
+        return [Reply("b", reward=1e6, done=c.agent_turns >= 2) for c in conversations]
+
+    stack = RewardStack([(FunctionReward("share_of_a", share_of_a), 1.0)])
+    env = TextGenVectorEnv(num_envs=4, model=CHARS, prompts=["ab"], rewards=stack, responder=game, max_new_tokens=8,
+                           max_prompt_tokens=3, chat_template=False, autoreset_mode="Disabled")  # fmt: skip
+    with pytest.raises(
+        TrainingError, match=r"the responder's turn rewards sum to [12]e\+06 .*episode's return"
+    ):
+        LMPPO(char_llama(), env, verbose=0, n_epochs=1).learn(1)
+
+
 @pytest.mark.parametrize("cls", [LMPPO, GRPO])
 def test_a_diverging_learning_rate_stops_training_and_never_checkpoints_broken_weights(cls, tmp_path):
     kwargs = {"num_generations": 4} if cls is GRPO else {}

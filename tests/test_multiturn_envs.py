@@ -133,7 +133,7 @@ def test_a_reply_that_overflows_the_token_budget_is_cut_and_ends_the_episode():
     (obs, _, terminated, truncated, info), _ = run(env, [*ids("h"), EOS])
     assert (terminated, truncated, info["finish_reason"]) == (False, True, "overflow")
     assert obs["input_ids"][2:].tolist() == [*ids("h"), EOS, *ids("abcd")]  # cut at the budget
-    assert info["turns"][-1] == {"role": "user", "text": "abcdefgh"}
+    assert info["turns"][-1] == {"role": "user", "text": "abcd"}  # what was written, as the agent saw it
     # a reply that fits exactly leaves no room for the agent: also an overflow
     env = char_env(say("ab"), max_new_tokens=4)
     env.reset(seed=0)
@@ -345,7 +345,7 @@ def test_echo_rewards_each_echo_and_says_the_next_word():
 
 # -- adapters and registration --------------------------------------------------------------------------
 class HotCold:
-    """A text-level game in the GEM/TextArena shape: reset() -> text, step(text) -> 5-tuple."""
+    """A text-level game in the shape of GEM's envs: reset() -> text, step(text) -> 5-tuple."""
 
     def __init__(self, target="c"):
         self.target = target
@@ -560,3 +560,124 @@ def test_a_turn_ended_on_a_time_limits_last_step_is_the_last_turn():
         obs, reward, terminated, truncated, info = env.step(token)
     assert (terminated, truncated, info["finish_reason"], reward) == (False, True, "max_turns", 1.0)
     assert told == [True] and tok.decode(obs["input_ids"][obs["attention_mask"] == 1]).endswith("aa<eos>")
+
+
+# -- seeds, openings, endings, limits -------------------------------------------------------------------
+class Dice:
+    """A game with a random secret drawn in reset(seed): GEM's envs take the seed there."""
+
+    instances, closed = 0, 0
+
+    def __init__(self):
+        Dice.instances += 1
+
+    def reset(self, seed=None):
+        self.secret = "abcdefgh"[np.random.default_rng(seed).integers(8)]
+        return self.secret
+
+    def step(self, text):
+        return "", float(text == self.secret), True, False, {}
+
+    def close(self):
+        Dice.closed += 1
+
+
+def dice_env(n=None, **kwargs):
+    """Copies of one prompt, so only the game differs between episodes."""
+    args = dict(model=CharTokenizer("abcdefgh\n"), prompts=["ab"], rewards=[], chat_template=False,
+                max_new_tokens=4, max_prompt_tokens=8, responder=textgym.responders.TextEnvResponder(Dice))  # fmt: skip
+    if n is None:
+        return TextGenEnv(**args, **kwargs)
+    return TextGenVectorEnv(num_envs=n, autoreset_mode="Disabled", **args, **kwargs)
+
+
+def test_a_text_envs_games_follow_the_envs_seed_and_a_group_plays_one_game():
+    from gymnasium.utils.env_checker import check_env
+
+    env = dice_env()
+    games = [env.reset(seed=0)[1]["prompt"] for _ in range(4)]  # drew an unseeded game each time
+    assert len(set(games)) == 1 and games[0].startswith("ab\n\n")
+    assert len({env.reset()[1]["prompt"] for _ in range(20)}) > 1  # and another each episode
+    check_env(env)  # Gymnasium's determinism checks: the same seed, the same episode
+    vector = dice_env(n=8)
+    prompts = vector.reset(seed=1, options={"group_size": 4})[1]["prompt"]
+    assert len(set(prompts[:4])) == len(set(prompts[4:])) == 1  # GRPO's group: one game per prompt
+    assert list(prompts) == list(vector.reset(seed=1, options={"group_size": 4})[1]["prompt"])
+
+
+def test_each_episodes_text_env_is_closed_when_the_episode_is_over():
+    Dice.instances = Dice.closed = 0
+    env = dice_env(n=2)
+    env.reset(seed=0)
+    env.step(np.array([2, 2]))
+    env.step(np.array([env.eos_token_id, 3]))  # env 0's turn ends, and its game ends the episode
+    assert Dice.closed == 1
+    env.reset(seed=1)  # env 1 was reset before its episode ended: its game is over too
+    assert (Dice.instances, Dice.closed) == (4, 2)
+    env.close()  # and the episodes still going
+    assert Dice.closed == 4
+
+
+def test_an_opening_in_a_vocabulary_without_newlines_is_joined_with_what_it_can_write():
+    def opening(conversations):
+        return ["bye" for _ in conversations]
+
+    responder = named(lambda cs: ["c" for _ in cs], "greeter")
+    responder.start = opening
+    env = TextGenEnv(model=CharTokenizer("abcdefghiy "), prompts=["hi"], rewards=[], responder=responder,
+                     chat_template=False, max_new_tokens=4, max_prompt_tokens=8)  # fmt: skip
+    assert env.reset(seed=0)[1]["prompt"] == "hi bye"  # "\n\n" is not in the alphabet: a PromptError
+    env = TextGenEnv(model=CharTokenizer("abcdefghiy"), prompts=["hi"], rewards=[], responder=responder,
+                     chat_template=False, max_new_tokens=4, max_prompt_tokens=8)  # fmt: skip
+    assert env.reset(seed=0)[1]["prompt"] == "hibye"
+
+
+def test_a_turn_ended_by_a_stop_string_that_is_the_end_of_message_marker_is_not_closed_twice():
+    """A base model whose EOS is not the template's end of turn (Qwen2.5 base, Gemma) ends its turns on a
+    stop string: the environment's tokens must not write that marker again."""
+    import copy
+
+    tok = copy.deepcopy(textgym.load_tokenizer("smollm2-135m-instruct"))
+    tok.eos_token = "<|endoftext|>"
+    env = TextGenEnv(model=tok, prompts=["Hello"], rewards=[], responder=say("hi", done_after=2),
+                     stop=["<|im_end|>"], max_new_tokens=32, max_prompt_tokens=48, pad_token="<repo_name>")  # fmt: skip
+    env.reset(seed=0)
+    (obs, *_), _ = run(env, tok.encode("Yo<|im_end|>", add_special_tokens=False))
+    text = tok.decode(obs["input_ids"][obs["attention_mask"] == 1])
+    assert text.endswith("assistant\nYo<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_turn_that_uses_up_the_token_budget_is_the_last_and_the_tool_env_scores_it():
+    """Same tokens, same reward: the Counter's get_reward() was skipped when the budget, not max_turns,
+    ended the episode."""
+    tok = textgym.load_tokenizer("tiny-random-llama")
+    turn = [*tok.encode('<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>',
+                        add_special_tokens=False), tok.eos_token_id]  # fmt: skip
+    seen = []
+    for limits in (dict(max_turns=1, max_new_tokens=64), dict(max_new_tokens=len(turn))):
+        env = TextGenEnv(model=tok, prompts=[{"prompt": "Use the counter.", "goal": 2}], rewards=[],
+                         responder=textgym.responders.ToolEnvResponder(Counter), max_prompt_tokens=160, **limits)  # fmt: skip
+        env.reset(seed=0)
+        (_, reward, _, truncated, info), _ = run(env, turn)
+        seen.append((info["finish_reason"], truncated, reward))
+    assert seen == [("max_turns", True, 1.0), ("max_turns", True, 1.0)]
+
+
+def test_responders_may_return_numpy_rewards_and_flags():
+    respond = named(lambda cs: [Reply("c", np.float32(0.5), np.bool_(True)) for _ in cs], "np")
+    env = char_env(respond)
+    env.reset(seed=0)
+    (_, reward, terminated, _, info), _ = run(env, [EOS])
+    assert terminated and reward == 0.5 and type(info["turn_rewards"][0]) is float
+
+
+def test_a_text_env_file_in_a_config_resolves_against_the_configs_directory(tmp_path, monkeypatch):
+    from textgym.config import load_config
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "run.toml").write_text(
+        '[env]\nresponder = { text_env = "games.py:Game", x = "games.py" }\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    responder = load_config(tmp_path / "cfg" / "run.toml")["env"]["responder"]
+    assert responder == {"text_env": f"{tmp_path / 'cfg' / 'games.py'}:Game", "x": "games.py"}

@@ -9,24 +9,29 @@ every conversation whose agent turn ended on the same step.
 A responder is anything with a ``name`` and ``__call__(conversations) -> replies``, one :class:`Reply` (or a
 plain string) per :class:`Conversation`. It may also have ``role`` (the role of its replies in the chat
 template, default ``"user"``), ``start(conversations) -> texts`` (called when episodes begin; a string is
-appended to that episode's prompt, ``None`` keeps it) and ``close()``.
+appended to that episode's prompt, ``None`` keeps it), ``end(conversations)`` (called once when episodes are
+over, whatever ended them: where per-episode resources are released) and ``close()``.
 
 Environments written for other tools adapt into responders: :class:`TextEnvResponder` runs a text-level env
-(``reset() -> text``, ``step(text) -> (text, reward, terminated, truncated, info)``, the GEM/TextArena shape)
+(``reset() -> text``, ``step(text) -> (text, reward, terminated, truncated, info)``, the shape of GEM's envs)
 and :class:`ToolEnvResponder` a TRL ``environment_factory``-style class (``reset()``, public methods as tools,
 optional ``get_reward()``). docs/environments.md is the user's guide.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from textgym.errors import ConfigError, TextgymError
 from textgym.rewards import Turn
@@ -62,9 +67,12 @@ class Conversation:
             is ``"assistant"``). Before the first turn (in ``start``) it is empty.
         state: a dict that belongs to the responder for this episode (fresh at every episode start): where a
             stateful responder keeps e.g. its game or tool instance.
-        last_turn: True when this is the agent's last allowed turn (``max_turns``, or a TimeLimit's last
-            step ended it): the episode ends after it
-            whatever the reply says, and the reply's text is not shown (its reward still counts).
+        last_turn: True when this is the agent's last allowed turn (``max_turns``, a TimeLimit's last step
+            ended it, or the token budget is used up): the episode ends after it whatever the reply says, and
+            the reply's text is not shown (its reward still counts).
+        seed: this episode's seed, drawn from the env's generator: a responder with randomness (a game's
+            secret) seeds from it, so that the env's ``reset(seed=...)`` replays the same episodes. The
+            completions of one prompt in a group (``group_size``) share it.
     """
 
     prompt: str
@@ -72,6 +80,7 @@ class Conversation:
     turns: tuple[Turn, ...] = ()
     state: dict[str, Any] = field(default_factory=dict)
     last_turn: bool = False
+    seed: int | None = None
 
     @property
     def last(self) -> str:
@@ -131,24 +140,37 @@ class FunctionResponder:
 
 
 # -- adapters ---------------------------------------------------------------------------------------------
-def _call_reset(obj: Any, meta: Mapping[str, Any]) -> Any:
+def _call_reset(obj: Any, conversation: Conversation) -> Any:
     """``obj.reset(...)`` with the prompt's metadata keys that it takes (all of them for ``**kwargs``), as
-    TRL passes a dataset row's columns."""
+    TRL passes a dataset row's columns, and the episode's seed when it takes a ``seed`` (and the metadata
+    has none)."""
+    meta = dict(conversation.meta)
     try:
         params = inspect.signature(obj.reset).parameters
     except (TypeError, ValueError):
         return obj.reset()
+    if "seed" in params and "seed" not in meta and conversation.seed is not None:
+        meta["seed"] = conversation.seed
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return obj.reset(**meta)
     return obj.reset(**{k: v for k, v in meta.items() if k in params})
 
 
-class TextEnvResponder:
-    """A text-level environment class (GEM/TextArena shape) as a responder.
+def _end_envs(conversations: Sequence[Conversation]) -> None:
+    """Close each episode's env instance (``state["env"]``) that has a ``close()``, once."""
+    for c in conversations:
+        env = c.state.pop("env", None)
+        if callable(getattr(env, "close", None)):
+            env.close()
 
-    ``factory(**kwargs)`` is called once per episode. Its ``reset()`` (given the prompt's metadata keys it
-    takes) returns the first observation text, or ``(text, info)``, or None: the text is appended to the
-    episode's prompt. Each agent turn is passed to ``step(text)``, which returns ``(text, reward, terminated,
+
+class TextEnvResponder:
+    """A text-level environment class (the shape of GEM's envs) as a responder.
+
+    ``factory(**kwargs)`` is called once per episode, and the instance's ``close()`` (when it has one) when
+    the episode is over. Its ``reset()`` (given the prompt's metadata keys it takes, and the episode's
+    ``seed`` when it takes one) returns the first observation text, or ``(text, info)``, or None: the text is
+    appended to the episode's prompt. Each agent turn is passed to ``step(text)``, which returns ``(text, reward, terminated,
     truncated, info)``: the text is the reply, the reward the turn's reward, and either flag ends the episode.
 
     Args:
@@ -170,7 +192,7 @@ class TextEnvResponder:
         openings = []
         for c in conversations:
             env = c.state["env"] = self.factory(**self.kwargs)
-            first = _call_reset(env, c.meta)
+            first = _call_reset(env, c)
             if isinstance(first, tuple) and first:
                 first = first[0]  # GEM returns (observation, info)
             if first is not None and not isinstance(first, str):
@@ -194,6 +216,9 @@ class TextEnvResponder:
             done, cut = bool(terminated or truncated), bool(truncated and not terminated)
             replies.append(Reply(text, None if reward is None else float(reward), done, truncated=cut))
         return replies
+
+    def end(self, conversations: Sequence[Conversation]) -> None:
+        _end_envs(conversations)
 
     def close(self) -> None:
         pass
@@ -258,7 +283,7 @@ class ToolEnvResponder:
         openings = []
         for c in conversations:
             env = c.state["env"] = self.factory(**self.kwargs)
-            first = _call_reset(env, c.meta)
+            first = _call_reset(env, c)
             parts = [first] if isinstance(first, str) and first else []
             if self.describe:
                 parts.append(self.describe_tools(env))
@@ -303,8 +328,9 @@ class ToolEnvResponder:
         except Exception as exc:  # the tool's own failure is information for the model, as in TRL
             return f"error: {call['name']} raised {type(exc).__name__}: {exc}"
 
-    def close(self) -> None:
-        pass
+    def end(self, conversations: Sequence[Conversation]) -> None:
+        for c in conversations:  # (a public close() here is a tool, not called: only the instance goes)
+            c.state.pop("env", None)
 
 
 # -- building responders from specs -------------------------------------------------------------------------
@@ -413,16 +439,25 @@ def validated_replies(responder: Responder, conversations: Sequence[Conversation
                 f"{label} returned {type(bad).__name__} {bad!r} {where}; a reply must be a string or a "
                 f"textgym.Reply whose text is a string."
             )
-        if reply.reward is not None:
-            ok = isinstance(reply.reward, (int, float)) and not isinstance(reply.reward, bool)
-            if not ok or not math.isfinite(reply.reward):
+        # numpy scalars (np.float32, np.bool_) are taken, as from a reward plugin
+        reward, done = reply.reward, reply.done
+        if reward is not None:
+            ok = isinstance(reward, numbers.Real) and not isinstance(reward, (bool, np.bool_))
+            if not ok or not math.isfinite(reward):
                 raise ResponderError(
-                    f"{label} returned reward {reply.reward!r} {where}; a turn reward must be a finite number "
-                    f"or None."
+                    f"{label} returned reward {reward!r} {where}; a turn reward must be a finite number or None."
                 )
-        if not isinstance(reply.done, bool):
-            raise ResponderError(f"{label} returned done={reply.done!r} {where}; it must be True or False.")
-        replies.append(reply)
+            reward = float(reward)
+        if not isinstance(done, (bool, np.bool_)) or not isinstance(reply.truncated, (bool, np.bool_)):
+            bad = (
+                f"done={done!r}"
+                if not isinstance(done, (bool, np.bool_))
+                else f"truncated={reply.truncated!r}"
+            )
+            raise ResponderError(f"{label} returned {bad} {where}; it must be True or False.")
+        replies.append(
+            dataclasses.replace(reply, reward=reward, done=bool(done), truncated=bool(reply.truncated))
+        )
     return replies
 
 

@@ -26,14 +26,33 @@ class ReplyFormatter:
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self._parts: dict[str, tuple[str, str, str]] = {}
 
-    def encode(self, role: str, text: str, after_eos: bool) -> list[int]:
+    def encode(self, role: str, text: str, ending: str | None = None) -> list[int]:
+        """The ids of a ``role`` reply ``text`` after an agent turn that ended on ``ending`` (the EOS token's
+        text, the stop string, or None)."""
         if not self.chat_template:
             return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-        close, head, tail = self.parts(role)
-        eos = getattr(self.tokenizer, "eos_token", None)
-        if after_eos and eos and close.startswith(eos):
-            close = close[len(eos) :]  # the agent already wrote the end of its message
-        return list(self.tokenizer.encode(close + head + text + tail, add_special_tokens=False))
+        return list(self.tokenizer.encode(self._before(role, ending) + text + self.parts(role)[2],
+                                          add_special_tokens=False))  # fmt: skip
+
+    def _before(self, role: str, ending: str | None) -> str:
+        """The template's text between the agent's message and the reply. When the agent's turn ended on the
+        end of its message (the EOS, or a stop string such as ``<|im_end|>`` where EOS is another token), that
+        end is not written again."""
+        close, head, _ = self.parts(role)
+        if ending and close.startswith(ending):
+            close = close[len(ending) :]
+        return close + head
+
+    def written(self, role: str, ids: list[int], text: str, ending: str | None = None) -> str:
+        """The part of a reply ``text`` that ``ids`` (its encoding cut at the token budget) hold."""
+        decoded = self.tokenizer.decode(ids)
+        if self.chat_template:
+            before = self._before(role, ending)
+            decoded = decoded[len(before) :] if decoded.startswith(before) else ""
+        k = 0
+        while k < min(len(text), len(decoded)) and text[k] == decoded[k]:
+            k += 1
+        return text[:k]
 
     def parts(self, role: str) -> tuple[str, str, str]:
         """``(end of an assistant message, start of a role message, end of it + the next generation prompt)``

@@ -12,7 +12,7 @@ from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
 from textgym.envs.conversation import ReplyFormatter
-from textgym.errors import ConfigError, PromptError
+from textgym.errors import ConfigError, PromptError, TextgymError
 from textgym.models import check_pad_token, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.responders import (
@@ -134,7 +134,10 @@ class Episodes:
         self.turns: list[list[Turn]] = [[] for _ in range(n)]
         self.turn_rewards: list[list[float]] = [[] for _ in range(n)]
         self.states: list[dict[str, Any]] = [{} for _ in range(n)]
+        self.seeds = np.zeros(n, dtype=np.int64)  # each episode's seed for its responder (Conversation.seed)
+        self.open = np.zeros(n, dtype=bool)  # episodes the responder has not been told the end of (end())
         self.openings: list[str | None] = [None] * n
+        self.separator = self._separator()
         self.formatter = ReplyFormatter(self.tokenizer, self.chat_template)
         self._encoded: dict[int, np.ndarray] = {}
         self._cursor = 0
@@ -224,7 +227,45 @@ class Episodes:
     def prompt_text(self, i: int) -> str:
         """Slot ``i``'s prompt text, with the responder's opening when ``start`` gave one."""
         text = self.prompts[self.prompt_index[i]].text
-        return text if self.openings[i] is None else f"{text}\n\n{self.openings[i]}"
+        return text if self.openings[i] is None else f"{text}{self.separator}{self.openings[i]}"
+
+    def _separator(self) -> str:
+        """What goes between a prompt and a responder's opening: a blank line, or where the tokenizer cannot
+        write one (a small character vocabulary), a space, or nothing."""
+        if self.responder is None or self.chat_template:
+            return "\n\n"
+        for separator in ("\n\n", " "):
+            try:
+                self.tokenizer.encode(separator)
+                return separator
+            except ValueError:
+                continue
+        return ""
+
+    def conversation(self, i: int, last_turn: bool = False) -> Conversation:
+        """What the responder sees of slot ``i``'s episode."""
+        prompt = self.prompts[self.prompt_index[i]]
+        return Conversation(self.prompt_text(i), prompt.meta, tuple(self.turns[i]), self.states[i],
+                            last_turn=last_turn, seed=int(self.seeds[i]))  # fmt: skip
+
+    def end(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Tell the responder (its ``end``, when it has one) that the episodes in ``slots`` are over: ended,
+        reset before their end, or closed with the env. Each episode once."""
+        slots = [int(i) for i in slots if self.open[i]]
+        if self.responder is None or not slots:
+            return
+        self.open[slots] = False
+        end = getattr(self.responder, "end", None)
+        if callable(end):
+            try:
+                end([self.conversation(i) for i in slots])
+            except TextgymError:
+                raise
+            except Exception as exc:
+                raise ResponderError(
+                    f"responder {getattr(self.responder, 'name', self.responder)!r} raised "
+                    f"{type(exc).__name__} in end(): {exc}"
+                ) from exc
 
     def draw(self, k: int, rng: np.random.Generator) -> list[int]:
         """The indices of the next ``k`` prompts, in ``prompt_order``."""
@@ -239,10 +280,14 @@ class Episodes:
         slots: Sequence[int] | np.ndarray,
         rng: np.random.Generator,
         prompts: Sequence[Any] | None = None,
+        group: int = 1,
     ) -> None:
         """Begin new episodes in ``slots``: ``prompts[k]`` (a prompt index or a text) in ``slots[k]``, or the
-        next prompts of the source when ``prompts`` is None."""
+        next prompts of the source when ``prompts`` is None. With a responder each episode gets a seed from
+        ``rng``, one per ``group`` consecutive slots (a group method's completions of one prompt play one
+        game)."""
         slots = list(slots)
+        self.end(slots)  # episodes reset before they ended
         indices = self.draw(len(slots), rng) if prompts is None else [self.prompt_option(p) for p in prompts]
         for slot, index in zip(slots, indices):
             self.prompt_index[slot], self.length[slot], self.active[slot] = index, 0, True
@@ -251,11 +296,10 @@ class Episodes:
             self.openings[slot] = None
             self.env_mask[slot] = 0
         if self.responder is not None and slots:
-            conversations = [
-                Conversation(self.prompts[self.prompt_index[i]].text, self.prompts[self.prompt_index[i]].meta,
-                             state=self.states[i])
-                for i in slots
-            ]  # fmt: skip
+            seeds = rng.integers(2**32, size=-(-len(slots) // group), dtype=np.int64)
+            self.seeds[slots] = np.repeat(seeds, group)[: len(slots)]
+            self.open[slots] = True
+            conversations = [self.conversation(i) for i in slots]
             for slot, opening in zip(slots, validated_openings(self.responder, conversations)):
                 self.openings[slot] = opening or None
         for slot in slots:
@@ -331,12 +375,11 @@ class Episodes:
             self.turns[i].append(self._agent_turn(i, self.turn_start[i], self.length[i]))
             self.turn_start[i] = self.length[i]
             last = self.max_turns is not None and len(self.turn_rewards[i]) + 1 >= self.max_turns
-            # a TimeLimit's last step ended this turn: the agent gets no other, as after its max_turns-th
+            # a TimeLimit's last step ended this turn, or the token budget is used up: the agent gets no
+            # other turn, as after its max_turns-th
             last = last or bool(self.limit < self.T and self.agent_tokens[i] >= self.limit)
-            conversations.append(
-                Conversation(self.prompt_text(i), self.prompts[self.prompt_index[i]].meta, tuple(self.turns[i]),
-                             self.states[i], last_turn=last)
-            )  # fmt: skip
+            last = last or bool(self.length[i] >= self.T)
+            conversations.append(self.conversation(i, last_turn=last))
         ended: dict[int, str] = {}
         for i, conversation, reply in zip(
             rows, conversations, validated_replies(self.responder, conversations)
@@ -355,9 +398,9 @@ class Episodes:
     def _write_reply(self, i: int, reply: Reply) -> bool:
         """Write ``reply`` after slot ``i``'s agent turn; False when it had to be cut at the token budget."""
         role = reply.role or getattr(self.responder, "role", "user")
-        after_eos = self.input_ids[i, self.P + self.length[i] - 1] == self.eos_id
+        ending = self._turn_ending(i)
         try:
-            ids = self.formatter.encode(role, reply.text, bool(after_eos))
+            ids = self.formatter.encode(role, reply.text, ending)
         except ValueError as exc:  # e.g. a character outside a small vocabulary
             raise ResponderError(
                 f"responder {self.responder.name!r} replied {reply.text[:60]!r}, which the env's tokenizer "
@@ -372,8 +415,18 @@ class Episodes:
         self.env_mask[i, start : start + len(ids)] = 1
         self.length[i] += len(ids)
         self.turn_start[i] = self.length[i]
-        self.turns[i].append(Turn(role, reply.text, tuple(int(t) for t in ids)))
+        # a reply cut at the budget is recorded as what was written: what the agent saw, and what a reward reads
+        text = reply.text if fits else self.formatter.written(role, ids, reply.text, ending)
+        self.turns[i].append(Turn(role, text, tuple(int(t) for t in ids)))
         return fits
+
+    def _turn_ending(self, i: int) -> str | None:
+        """The text that ended slot ``i``'s last agent turn: the EOS token, or the stop string it wrote."""
+        ids = self.turns[i][-1].token_ids
+        if ids and ids[-1] == self.eos_id:
+            return getattr(self.tokenizer, "eos_token", None)
+        tail = self.tokenizer.decode(list(ids[-self._stop_window :]))
+        return next((s for s in self.stop if s in tail), None)
 
     def _hit_stop(self, i: int) -> bool:
         end = self.P + self.length[i]
@@ -444,6 +497,7 @@ class Episodes:
             for k, s in enumerate(samples)
         ]
         if self.responder is not None:
+            self.end(slots)
             for i, info, s in zip(slots, infos, samples):
                 info["num_tokens"] = int(self.agent_tokens[i])  # every action of the episode
                 info["turns"] = [{"role": t.role, "text": t.text} for t in s.turns]

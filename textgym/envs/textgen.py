@@ -116,6 +116,7 @@ class _Accessors:
 
     def _close(self) -> None:
         self.reward_stack.close()
+        self.episodes.end(np.arange(self.episodes.n))  # the episodes still going
         close = getattr(self.episodes.responder, "close", None)
         if callable(close):
             close()
@@ -356,7 +357,8 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
                     f"reset_mask must be a bool array of shape ({self.num_envs},), not {options['reset_mask']!r}."
                 )
             slots = np.flatnonzero(mask)
-        self.episodes.start(slots, self.np_random, self._prompts_option(options, len(slots)))
+        prompts = self._prompts_option(options, len(slots))
+        self.episodes.start(slots, self.np_random, prompts, group=int(options.get("group_size", 1)))
         self._started = True
         infos: dict[str, Any] = {}
         for i in slots:
