@@ -120,6 +120,8 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
             "skipped_steps": agent.skipped_steps,
             "score_moments": asdict(agent.score_moments),
             "extra": agent.extra_state(),
+            # where a sequential prompt order is: a resume goes on from there, not from the first prompt
+            "prompt_cursor": getattr(agent.env, "prompt_cursor", None),
             "history": agent.history,
             "sharding": agent.sharding_engine,  # how the run was trained (a resume may differ: it is said)
         }
@@ -221,6 +223,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.history = state["history"]
         agent.trained_sharding = state.get("sharding", agent.sharding_engine)  # older checkpoints: unknown
         agent.load_extra_state(state.get("extra", {}))
+        if state.get("prompt_cursor") is not None and hasattr(env, "prompt_cursor"):
+            env.prompt_cursor = state["prompt_cursor"]
     except (ConfigError, TrainingError):
         raise
     except Exception as exc:  # whatever a damaged file makes the loaders raise

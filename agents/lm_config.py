@@ -52,6 +52,15 @@ class LMAgentConfig:
     """Folder for tensorboard (and CSV) logs."""
 
     def __post_init__(self) -> None:
+        # a TOML `False` typed as "False" (a string: --set takes what TOML cannot parse as text) is truthy
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if kind in ("bool", "bool | None") and not (
+                isinstance(value, bool) or (value is None and kind == "bool | None")
+            ):
+                also = " (or none)" if kind == "bool | None" else ""
+                raise ConfigError(f"{f.name} must be true or false{also}, not {value!r}.")
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             # log-probs divide by it; greedy rollouts have no importance ratio
             raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")

@@ -101,5 +101,7 @@ class UpdateGuards:
                     if self.skipped_steps
                     else ""
                 )
-                + "). Lower the learning rate (or max_grad_norm) and resume from the last checkpoint."
+                + "). The last checkpoint holds the weights from before it (a --resume would diverge the same "
+                "way): start a new run with a lower learning_rate (or max_grad_norm), from scratch or from "
+                "those weights (agent.policy = '<run>/checkpoint/policy')."
             )

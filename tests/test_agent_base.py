@@ -105,7 +105,11 @@ def test_a_diverging_learning_rate_stops_training_and_never_checkpoints_broken_w
     for group in agent.optimizer.param_groups:
         group["lr"] = 1e6
     agent.config.learning_rate = 1e6
-    with pytest.raises(TrainingError, match=r"no longer finite after iteration \d+: the update diverged"):
+    # the advice is one a resume can follow: it refuses a new learning rate, and would diverge again
+    advice = r"a --resume would diverge the same way\): start a new run with a lower learning_rate"
+    with pytest.raises(
+        TrainingError, match=r"no longer finite after iteration \d+: the update diverged.*" + advice
+    ):
         for _ in range(5):
             agent.learn(1, reset_num_timesteps=False)
     with pytest.raises(TrainingError, match="No checkpoint was written"):

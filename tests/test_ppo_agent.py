@@ -274,7 +274,9 @@ def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as
      ("score_scale", float("nan")), ("missing_eos_penalty", "big"), ("gamma", 2.0), ("gae_lambda", 5),
      ("vf_coef", -0.1), ("target_kl", 0), ("kl_target", -1.0), ("kl_horizon", 0), ("lora", 8),
      ("device", "gpu"), ("kl_coef", float("nan")), ("kl_coef", float("inf")), ("kl_coef", "0.1"),
-     ("clip_range", "0.2"), ("clip_range", float("nan")), ("max_abs_score", "1e6")],
+     ("clip_range", "0.2"), ("clip_range", float("nan")), ("max_abs_score", "1e6"),
+     # --set agent.score_norm=False gives the string "False": it switched score_norm on
+     ("score_norm", "False"), ("bf16", "false"), ("whiten_rewards", 0), ("score_norm", None)],
 )  # fmt: skip
 def test_hyperparameters_that_would_train_backwards_or_not_at_all_are_refused(name, value):
     """A negative max_grad_norm flips the gradients (torch scales them by max_norm / norm); a negative
@@ -290,6 +292,9 @@ def test_an_infinite_clip_range_or_score_limit_is_accepted_as_none():
     for bad in (float("nan"), "0.3"):
         with pytest.raises(ConfigError, match="^epsilon_high must be a number"):
             GroupConfig(epsilon_high=bad)
+    with pytest.raises(ConfigError, match="^mask_truncated_completions must be true or false, not 'yes'"):
+        GroupConfig(mask_truncated_completions="yes")
+    assert LMPPOConfig(bf16=None).bf16 is None  # "auto" stays allowed where the default is None
 
 
 def test_bad_lora_settings_are_config_errors_not_peft_tracebacks():

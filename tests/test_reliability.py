@@ -492,6 +492,71 @@ def test_a_failed_start_leaves_no_run_directory(config, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_failed_start_in_an_empty_directory_leaves_it_empty(config, tmp_path, capsys):
+    """It kept config.toml and the run marker: the corrected command was told to --resume, which replayed the
+    typo."""
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert (
+        main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "env.max_new_token=4"]) == 2
+    )
+    assert "Did you mean 'max_new_tokens'?" in capsys.readouterr().err  # as for run.* and agent.* keys
+    assert out.is_dir() and list(out.iterdir()) == []
+    assert (
+        main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=8"])
+        == 0
+    )
+
+
+def test_a_resume_that_starts_over_keeps_its_changed_settings(config, tmp_path, capsys):
+    out = tmp_path / "run"
+    killed = textgym("train", config, "--set", f"run.output_dir='{out}'", "--set", "run.checkpoint_every=5",
+                     env={"TEXTGYM_CRASH_AT": "after-metrics:1"})  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL and not (out / "checkpoint").exists()
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=64"]) == 0
+    assert "starting the run from the beginning" in capsys.readouterr().out
+    assert (
+        load_config(out / "config.toml")["run"]["total_timesteps"] == 64
+    )  # said 160: a later resume trained on
+    assert int(csv_rows(out / "metrics.csv")[-1]["timesteps"]) == 64
+
+
+def test_a_config_toml_edited_after_the_checkpoint_is_refused_on_resume(config, tmp_path, capsys):
+    """A new n_epochs took effect and the checkpoint's learning rate did not, while state.json recorded the
+    edited one."""
+    out = tmp_path / "run"
+    run(config, [f"run.output_dir='{out}'", "run.total_timesteps=64"])
+    text = (out / "config.toml").read_text()
+    (out / "config.toml").write_text(text.replace("n_epochs = 1", "n_epochs = 4"))
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_epochs: 1 -> 4" in err
+    assert len(csv_rows(out / "metrics.csv")) == 2  # nothing trained
+    (out / "config.toml").write_text(text)
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 0
+
+
+def test_a_resumed_run_goes_on_with_the_next_prompts_in_sequential_order(config, tmp_path):
+    """The prompt cursor was not in the checkpoint: a resume started the prompt list over."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    order = "env.prompt_order='sequential'"
+    run(config, [f"run.output_dir='{whole}'", "run.total_timesteps=128", order])
+    run(config, [f"run.output_dir='{cut}'", "run.total_timesteps=64", order])
+    run(resume=cut, overrides=["run.total_timesteps=128"])
+    assert [s["prompt"] for s in samples(cut)] == [s["prompt"] for s in samples(whole)]
+    assert len({s["prompt"] for s in samples(whole)}) == len(samples(whole))  # 4 x 8 different prompts
+
+
+def test_a_home_relative_output_dir_and_plugin_file_are_expanded(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "plug.py").write_text("")
+    run_dir = run(config, ["run.output_dir='~/runs/r'", "run.total_timesteps=8", "run.plugins=['~/plug.py']"])
+    assert run_dir == tmp_path / "home" / "runs" / "r" and (run_dir / "metrics.csv").is_file()
+    assert not (tmp_path / "~").exists()  # a directory named "~" in the working directory
+    assert load_config(run_dir / "config.toml")["run"]["plugins"] == [str(tmp_path / "home" / "plug.py")]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -90,6 +90,19 @@ def test_sample_command_bad_reward_is_a_clear_error(capsys):
     assert f"--seed must be in [0, 2**32), not {2**32}." in capsys.readouterr().err
 
 
+def test_sample_command_bad_model_directory_or_output_path_is_a_clear_error(tmp_path, capsys):
+    """Both were tracebacks: transformers' "Couldn't instantiate the backend tokenizer", an IsADirectoryError."""
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "config.json").write_text("{}")
+    assert main(["sample", "--model", str(tmp_path / "weights")]) == 2
+    assert f"{tmp_path / 'weights'} has no tokenizer files" in capsys.readouterr().err
+    (tmp_path / "weights" / "adapter_config.json").write_text("{}")
+    assert main(["sample", "--model", str(tmp_path / "weights")]) == 2
+    assert "it is a LoRA adapter, not a whole model" in capsys.readouterr().err
+    assert main(["sample", "--model", "tiny-random-llama", "--num", "1", "--output", str(tmp_path)]) == 2
+    assert f"--output {str(tmp_path)!r} cannot be written" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "demo.jsonl"

@@ -297,8 +297,13 @@ def _sample(args: argparse.Namespace) -> int:
     # Rows are written as each batch finishes, so an interrupted run keeps what it sampled.
     output = None
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        output = args.output.open("w", encoding="utf-8")
+        try:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            output = args.output.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"--output {str(args.output)!r} cannot be written ({exc.strerror or exc}): give a file path."
+            ) from None
     try:
         with tqdm(total=args.num, desc="sampling", unit="episode", disable=None) as bar:
             for round_ in range(math.ceil(args.num / batch)):

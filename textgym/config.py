@@ -86,7 +86,10 @@ def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     config = copy.deepcopy(config)
     run = config.get("run")
     if isinstance(run, dict) and isinstance(run.get("plugins"), list):
-        run["plugins"] = [str((base_dir / p).resolve()) if isinstance(p, str) else p for p in run["plugins"]]
+        run["plugins"] = [
+            str((base_dir / Path(p).expanduser()).resolve()) if isinstance(p, str) else p
+            for p in run["plugins"]
+        ]
     for section in ("env", "agent"):
         if isinstance(config.get(section), dict):
             config[section] = resolve_value(config[section], base_dir)

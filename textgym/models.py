@@ -135,7 +135,23 @@ def _load_dir(path: Path | str, **kwargs: Any) -> tuple[Any, Any]:
 def _tokenizer_from_dir(path: str) -> Any:
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        adapter = (Path(path) / "adapter_config.json").is_file()
+        raise ModelError(
+            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+            + (
+                ": it is a LoRA adapter, not a whole model; merge it into its base model first "
+                "(peft's merge_and_unload, then save_pretrained with the tokenizer)."
+                if adapter
+                else ": give a model directory saved with its tokenizer (save_pretrained of both), or a model name "
+                "(`textgym plugins` lists them)."
+            )
+        )
     return AutoTokenizer.from_pretrained(path)
+
+
+# the files of a saved tokenizer, one of which a model directory needs (the vocabulary or its config)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _smollm2(**kwargs: Any) -> tuple[Any, Any]:

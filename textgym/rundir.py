@@ -102,6 +102,7 @@ class RunDir:
                 f"run.output_dir (textgym never writes into a directory it does not own)."
             )
         created = not self.path.exists()
+        self._was_empty = not created  # an existing empty directory: emptied again if the start fails
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / MARKER).write_text("a textgym run directory\n")
@@ -146,10 +147,19 @@ class RunDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def discard_failed_start(self, created: bool) -> None:
-        """Remove the directory a start ``created`` when it failed before its first iteration was logged: a
-        start that fails leaves nothing behind."""
-        if created and not (self.path / "metrics.csv").exists():
+        """Remove the directory a start ``created`` when it failed before its first iteration was logged, or
+        empty again the empty one it started in: a start that fails leaves nothing behind."""
+        if (self.path / "metrics.csv").exists():
+            return
+        if created:
             self.remove()
+        elif getattr(self, "_was_empty", False):
+            self.unlock()
+            for child in self.path.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def recover_checkpoint(self) -> Path | None:

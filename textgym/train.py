@@ -95,7 +95,9 @@ def run(
         if agent_name:
             config["agent"]["name"] = agent_name
         stem = Path(config_path).stem if config_path else "run"
-        run_dir = Path(config["run"]["output_dir"] or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir = Path(
+            config["run"]["output_dir"] or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        ).expanduser()
     for path in plugins:
         path = str(Path(path).expanduser().resolve())
         if path not in config["run"]["plugins"]:
@@ -151,6 +153,8 @@ def run(
                         f"textgym: {run_dir} has no complete checkpoint yet: starting the run from the beginning"
                     )
                 rd.clear_progress()
+                if changed:
+                    rd.write_config(config)
                 return False
             if changed:
                 rd.write_config(config)
@@ -177,6 +181,35 @@ def run(
         rd.unlock()
         if world > 1:
             end_process_group()
+
+
+# hyperparameters that say where and how loudly a run trains, not what it learns: a resume may differ in them
+MACHINE_SETTINGS = ("device", "verbose", "tensorboard_log")
+
+
+def _check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any]) -> None:
+    """The checkpoint was trained with the hyperparameters the run's config.toml gives now. A resume loads
+    the optimizer (its learning rate) and the counters from the checkpoint and the rest from config.toml: a
+    value edited there would half apply (a new n_epochs, the old learning rate), and state.json would record
+    one that was never used."""
+    from textgym.evaluation import jsonable
+
+    state_file = rd.checkpoint / "state.json"
+    try:
+        trained = json.loads(state_file.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError):
+        return  # an incomplete checkpoint: loading it says what is wrong
+    changed = [
+        f"agent.{key}: {trained[key]!r} -> {value!r}"
+        for key, value in hyperparameters.items()
+        if key in trained and key not in MACHINE_SETTINGS and jsonable(value) != jsonable(trained[key])
+    ]
+    if changed:
+        raise ConfigError(
+            f"{rd.path / 'config.toml'} no longer says what {rd.checkpoint} was trained with ({'; '.join(changed)}): "
+            f"a resume continues the run as it was trained. Put those values back, or start a new run to change "
+            f"them (agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights)."
+        )
 
 
 # what a resume may change: how long the run goes on and what it writes; not what it trains, or how
@@ -274,11 +307,34 @@ def env_errors(env_id: str) -> Iterator[None]:
     try:
         yield
     except TypeError as exc:  # an argument the env does not take
-        raise ConfigError(f"[env] {env_id}: {exc}") from exc
+        raise ConfigError(f"[env] {env_id}: {exc}{_closest_env_key(env_id, str(exc))}") from exc
     except gymnasium.error.Error as exc:
         raise ConfigError(f"[env] id: {exc}") from exc
     except (ImportError, AttributeError) as exc:  # a plugin registered an entry point that does not import
         raise ConfigError(f"[env] {env_id} cannot be made: {type(exc).__name__}: {exc}") from exc
+
+
+def _closest_env_key(env_id: str, message: str) -> str:
+    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
+    import difflib
+    import importlib
+    import inspect
+    import re
+
+    import gymnasium
+
+    bad = re.search(r"unexpected keyword argument '(\w+)'", message)
+    try:
+        spec = gymnasium.spec(env_id)
+        entry = spec.vector_entry_point or spec.entry_point
+        if isinstance(entry, str):
+            module, _, name = entry.partition(":")
+            entry = getattr(importlib.import_module(module), name)
+        known = [*inspect.signature(entry).parameters, *spec.kwargs]
+    except Exception:
+        return ""
+    close = difflib.get_close_matches(bad.group(1), known, n=1) if bad else []
+    return f". Did you mean {close[0]!r}?" if close else ""
 
 
 def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -342,6 +398,7 @@ def _run_native(
     env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     if resuming:
+        _check_checkpoint_config(rd, hyperparameters)
         agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
     else:
         agent = agent_class(policy, env, **hyperparameters)

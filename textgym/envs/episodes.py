@@ -140,7 +140,7 @@ class Episodes:
         self.separator = self._separator()
         self.formatter = ReplyFormatter(self.tokenizer, self.chat_template)
         self._encoded: dict[int, np.ndarray] = {}
-        self._cursor = 0
+        self.cursor = 0
         self.reward_seconds = 0.0  # time spent in the reward stack, for agents' time breakdowns
 
         self.observation_space = spaces.Dict(
@@ -270,8 +270,8 @@ class Episodes:
     def draw(self, k: int, rng: np.random.Generator) -> list[int]:
         """The indices of the next ``k`` prompts, in ``prompt_order``."""
         if self.prompt_order == "sequential":
-            indices = [(self._cursor + j) % self.n_source for j in range(k)]
-            self._cursor = (self._cursor + k) % self.n_source
+            indices = [(self.cursor + j) % self.n_source for j in range(k)]
+            self.cursor = (self.cursor + k) % self.n_source
             return indices
         return [int(rng.integers(self.n_source)) for _ in range(k)]
 

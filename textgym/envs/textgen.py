@@ -105,6 +105,15 @@ class _Accessors:
         return self.episodes.n_source
 
     @property
+    def prompt_cursor(self) -> int:
+        """The index of the next prompt in ``prompt_order = "sequential"`` (checkpoints keep it)."""
+        return self.episodes.cursor
+
+    @prompt_cursor.setter
+    def prompt_cursor(self, value: int) -> None:
+        self.episodes.cursor = int(value) % self.episodes.n_source
+
+    @property
     def reward_seconds(self) -> float:
         """Seconds spent in the reward stack since the env was made (for agents' time breakdowns)."""
         return self.episodes.reward_seconds
