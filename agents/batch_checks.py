@@ -69,7 +69,10 @@ def batch_statistics(batch: RolloutBatch, dist: Collective, group_size: int) -> 
     mask = batch.action_mask.float()  # the agent's tokens (a multi-turn episode's replies are not)
     stats = {
         "reward": float(scores.mean()),
-        "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        # group agents: the mean of the prompt groups' stds, as TRL's GRPO logs it (the spread advantages see)
+        "reward_std": float(groups.std(1).mean() if group_size > 1 else scores.std())
+        if len(scores) > 1
+        else 0.0,
         "frac_reward_zero_std": float((groups.max(1).values == groups.min(1).values).double().mean()),
         "kl": math.nan,
         "completions/mean_length": float(dist.gather(mask.sum(1)).mean()),

@@ -60,7 +60,7 @@ class LMPPOConfig(LMAgentConfig):
     ent_coef: float = 0.0
     """Weight of the entropy bonus."""
     target_kl: float | None = None
-    """Stop an update's epochs early when approx-KL exceeds 1.5 x this (cleanrl)."""
+    """Stop an update's epochs early when the k3 approx-KL exceeds 1.5 x this (SB3's rule)."""
     kl_coef: float = 0.05
     """Initial (or fixed) coefficient of the per-token KL penalty."""
     kl_target: float | None = None
@@ -202,9 +202,10 @@ class LMPPO(LMAgent):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
         # each micro-batch's token means, times its tokens: the update's statistics are means over all tokens
         logs: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "ent", "tokens")
+            k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "approxkl_trl", "ent", "tokens")
         }
         ratio_chunks = []  # (ratios, mask) per micro-batch, on the device
+        minibatch_ratios = []  # (sum of ratios, tokens) per minibatch, for TRL's val/ratio_var
         for _ in range(c.n_epochs):
             epoch_start = len(logs["approxkl"])  # this epoch's approx-KLs follow
             for mb_inds in torch.randperm(n, generator=generator).tensor_split(c.n_minibatches):
@@ -212,6 +213,7 @@ class LMPPO(LMAgent):
                 # the minibatch's tokens on every process: each micro-batch's loss is its share of their mean
                 mb_tokens = self.dist.sum(batch.action_mask[mb_inds].sum()).clamp(min=1).float()
                 micros = mb_inds.split(c.micro_batch_size or len(mb_inds))
+                ratio_sum = torch.zeros(2, dtype=torch.float64, device=self.device)
                 for k, micro_inds in enumerate(micros):
                     mb = batch.select(micro_inds)
                     mask = mb.action_mask.to(self.device)  # no loss on environment tokens
@@ -240,15 +242,19 @@ class LMPPO(LMAgent):
                         self.backward(loss * mask.sum() / mb_tokens.to(loss.device) * self.dist.world)
                     # statistics stay tensors on the device until the update ends: no host read per micro-batch
                     with torch.no_grad():  # (selecting the masked tokens here would sync: at the end)
-                        ratio_chunks.append(((logprobs - old["logprobs"]).exp(), mask.bool()))
+                        log_ratio = logprobs - old["logprobs"]
+                        ratio_chunks.append((log_ratio.exp(), mask.bool()))
+                        ratio_sum += torch.stack([(log_ratio.exp() * mask).sum(), mask.sum()]).double()
+                        approx_kl_trl = masked_mean(0.5 * log_ratio.square(), mask)  # TRL's approxkl
                     tokens = mask.sum().double()
                     for key, value in zip(
-                        ("pg", "vf", "clip", "vfclip", "approxkl", "ent"),
-                        (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, entropy),
+                        ("pg", "vf", "clip", "vfclip", "approxkl", "approxkl_trl", "ent"),
+                        (pg_loss, vf_loss, clipfrac, vf_clipfrac, approx_kl, approx_kl_trl, entropy),
                     ):
                         logs[key].append(value.detach().double() * tokens)
                     logs["tokens"].append(tokens)
                 self.optimizer_step()
+                minibatch_ratios.append(ratio_sum)
             # the epoch's approx-KL over every process's tokens: the processes stop the epochs together (one
             # host read per epoch, with a target only)
             if c.target_kl is not None:
@@ -266,17 +272,24 @@ class LMPPO(LMAgent):
         residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))
         sums = self.dist.sum(torch.stack([torch.stack(v).sum() for v in logs.values()])).tolist()
         means = {k: total / max(sums[-1], 1.0) for k, total in zip(logs, sums)}
+        # TRL's val/ratio_var: the variance of the minibatches' mean ratios (TRL's micro-batches'; the same
+        # without gradient accumulation), over every process's tokens
+        per_minibatch = self.dist.sum(torch.stack(minibatch_ratios)).cpu()
+        minibatch_means = per_minibatch[:, 0] / per_minibatch[:, 1].clamp(min=1)
+        # TRL's objective/entropy: minus the log-probs of the sampled tokens, summed per completion
+        sampled_entropy = self.dist.gather((-batch.logprobs * mask).sum(1)).mean()
         return {
             "entropy": means["ent"],
             "loss/policy_avg": means["pg"],
             "loss/value_avg": means["vf"],
             "policy/clipfrac_avg": means["clip"],
             "val/clipfrac_avg": means["vfclip"],
-            "policy/approxkl_avg": means["approxkl"],
+            "policy/approxkl_avg": means["approxkl_trl"],
+            "policy/approxkl_k3": means["approxkl"],
             "policy/entropy_avg": means["ent"],
-            "objective/entropy": means["ent"],
+            "objective/entropy": float(sampled_entropy),
             "val/ratio": float(all_ratios.mean()),
-            "val/ratio_var": float(all_ratios.var()) if len(all_ratios) > 1 else 0.0,
+            "val/ratio_var": float(minibatch_means.var()) if len(minibatch_means) > 1 else 0.0,
             "val/var_explained": float(1 - residual / var_returns) if var_returns > 0 else 0.0,
             "val/mean": masked_token_mean(self.dist.gather(batch.values), self.dist.gather(mask)),
         }

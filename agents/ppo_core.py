@@ -127,7 +127,7 @@ def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_range: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Clipped surrogate. Returns ``(loss, clipfrac, approx_kl)``; approx_kl is the k3 estimate of
-    KL(old || new), which cleanrl and TRL use for early stopping."""
+    KL(old || new), which SB3 and cleanrl compute for early stopping (TRL logs 0.5 * log(ratio)^2)."""
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio

@@ -180,19 +180,31 @@ class SB3Contract:
                 if k.startswith("time/") and k not in ("time/tokens_per_s", "time/iteration")
             )
             self.history.append(stats)
-            if log_interval and self.iteration % log_interval == 0 and self.dist.is_main:
-                for key, value in stats.items():
-                    if key not in ("iteration", "timesteps"):
-                        self.logger.record(key, value)
-                self.logger.record("time/iterations", self.iteration)
-                self.logger.dump(step=self.num_timesteps)
+            if log_interval and self.iteration % log_interval == 0:
+                self.dump_logs()
             bar.update(tokens)
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
+            # one call per iteration, as SB3 makes one per env step, with what SB3's callbacks read: each
+            # episode ended ("dones"), its info with Monitor's "episode" and its return ("rewards")
+            infos = [{**e, "episode": {"r": e["reward"], "l": e["num_tokens"]}} for e in self.last_episodes]
+            callback.update_locals({**locals(), "dones": np.ones(len(infos), dtype=bool), "infos": infos,
+                                    "rewards": np.array([e["reward"] for e in infos], dtype=np.float32)})  # fmt: skip
             if not callback.on_step():
                 break
         bar.close()
         callback.on_training_end()
         return self
+
+    def dump_logs(self, iteration: int = 0) -> None:
+        """Write the last iteration's statistics to the logger now (``learn`` does every ``log_interval``
+        iterations; SB3's ``LogEveryNTimesteps`` calls this). ``iteration`` is SB3's argument, unused."""
+        if not self.history or not self.dist.is_main:
+            return
+        for key, value in self.history[-1].items():
+            if key not in ("iteration", "timesteps"):
+                self.logger.record(key, value)
+        self.logger.record("time/iterations", self.iteration)
+        self.logger.dump(step=self.num_timesteps)
 
     def _init_callback(self, callback: Any) -> Any:
         from stable_baselines3.common.callbacks import BaseCallback, CallbackList, ConvertCallback

@@ -90,7 +90,7 @@ def test_a_design_of_metrics_only_is_refused(tmp_path):
         # checked before the first run trains, not when it is evaluated
         ("eval_prompts", "copy-heldou", "bench.eval_prompts: unknown prompt source 'copy-heldou'"),
         ("eval_prompts", [], "bench.eval_prompts: .*empty"),
-        ("evl_episodes", 3, "unknown key bench.evl_episodes"),
+        ("evl_episodes", 3, "unknown key bench.evl_episodes. Did you mean 'eval_episodes'?"),
     ],
 )
 def test_bad_bench_settings_are_refused(tmp_path, key, value, match):

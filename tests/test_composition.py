@@ -335,6 +335,7 @@ def test_trl_style_function_gets_lists_metadata_columns_and_completion_ids():
         "completion_ids": [[7, 8, 2], [9], []],
         "reference": ["ab", None, None],
         "topic": ["x", None, "y"],
+        "trainer_state": None,  # TRL passes its trainer's state; there is none
     }
     np.testing.assert_allclose(total, [1.0, 0.0, 0.0])
     assert np.isnan(components["scorer"][1:]).all()
@@ -346,6 +347,32 @@ def test_trl_style_function_without_kwargs_gets_only_what_it_names():
 
     stack = build_reward_stack([scorer])
     assert stack.score([Sample("q", "c", meta={"topic": "x", "other": 1})])[0].tolist() == [1.0]
+
+
+def test_trls_documented_reward_function_forms_load_as_they_are():
+    def ids_only(completion_ids, **kwargs):  # TRL's GRPO docs, example 1: was called as fn(samples)
+        return [float(len(ids)) for ids in completion_ids]
+
+    def only_kwargs(**kwargs):
+        return [float(len(c)) for c in kwargs["completions"]]
+
+    def curriculum(completions, trainer_state, **kwargs):  # TRL always passes trainer_state
+        assert trainer_state is None
+        return [1.0 for _ in completions]
+
+    def ground_truth(completions, ground_truth, **kwargs):  # a column every TRL batch has
+        return [None if g is None else float(c == g) for c, g in zip(completions, ground_truth)]
+
+    samples = [
+        Sample("q", "ab", completion_ids=(1, 2, 3), meta={"ground_truth": "ab"}),
+        Sample("q", "x", completion_ids=(4,)),
+    ]
+    _, components = build_reward_stack([ids_only, only_kwargs, curriculum, ground_truth]).score(samples)
+    assert components["ids_only"].tolist() == [3.0, 1.0] and components["only_kwargs"].tolist() == [2.0, 1.0]
+    assert components["curriculum"].tolist() == [1.0, 1.0]
+    assert components["ground_truth"][0] == 1.0 and np.isnan(components["ground_truth"][1])
+    # a batch where no sample has the column gets it all None: it was a TypeError on such batches only
+    assert np.isnan(build_reward_stack([ground_truth]).score([samples[1]])[1]["ground_truth"]).all()
 
 
 def test_plain_callables_are_rewards_named_from_their_function():

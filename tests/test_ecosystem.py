@@ -11,8 +11,8 @@ from pathlib import Path
 import gymnasium
 import numpy as np
 import pytest
-from lm_helpers import char_llama, make_env
-from stable_baselines3.common.callbacks import CheckpointCallback
+from lm_helpers import char_llama, csv_rows, make_env
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 
 import textgym
 from textgym.agents.ppo import LMPPO
@@ -137,6 +137,63 @@ def test_evaluate_policy_and_eval_callback_work_on_the_native_env_without_warnin
         agent.learn(16 * 6 * 2, callback=evaluation)
     assert np.load(tmp_path / "evaluations.npz")["results"].shape == (agent.iteration, 8)
     assert is_complete(tmp_path / "best" / "best_model")
+
+
+def test_stock_sb3_callbacks_read_the_iterations_episodes_and_logs(tmp_path):
+    """SB3's callbacks read `dones` and `infos` in on_step, and LogEveryNTimesteps calls dump_logs(): they
+    crashed, and a custom callback saw the previous iteration's locals."""
+    from stable_baselines3.common.callbacks import LogEveryNTimesteps, StopTrainingOnMaxEpisodes
+    from stable_baselines3.common.logger import configure
+
+    class Seen(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def _on_step(self):
+            infos = self.locals["infos"]
+            self.rows.append((self.locals["stats"]["iteration"], len(infos), self.locals["dones"].all(),
+                              [i["episode"]["r"] for i in infos], list(self.locals["rewards"])))  # fmt: skip
+            return True
+
+    agent = LMPPO(char_llama(), make_env(4), verbose=0, seed=0, n_epochs=1)
+    agent.set_logger(configure(str(tmp_path), ["csv"]))
+    seen = Seen()
+    callbacks = [seen, StopTrainingOnMaxEpisodes(max_episodes=2, verbose=0), LogEveryNTimesteps(n_steps=1)]
+    agent.learn(10_000, callback=callbacks, log_interval=0)  # the rows come from LogEveryNTimesteps alone
+    assert agent.iteration == 2  # 4 episodes an iteration
+    assert [row[:3] for row in seen.rows] == [(1, 4, True), (2, 4, True)]
+    episodes = [e["reward"] for e in agent.last_episodes]
+    assert seen.rows[-1][3] == pytest.approx(episodes) and seen.rows[-1][4] == pytest.approx(episodes)
+    rows = (tmp_path / "progress.csv").read_text().splitlines()
+    assert len(rows) == 3 and "reward" in rows[0].split(",")
+
+
+def test_textgyms_eval_callback_logs_each_evaluation_at_its_own_step(tmp_path):
+    """The agent writes its iteration's row before calling back: an evaluation that did not write its own
+    went out with the next iteration's row, and the last one never."""
+    from stable_baselines3.common.logger import configure
+
+    agent = LMPPO(char_llama(), make_env(4), verbose=0, seed=0, n_epochs=1)
+    agent.set_logger(configure(str(tmp_path), ["csv"]))
+    agent.learn(10_000, callback=[EvalCallback(make_env(4), n_eval_episodes=4, eval_freq=1, verbose=0),
+                                  StopAfterIterations(3)])  # fmt: skip
+    rows = csv_rows(tmp_path / "progress.csv")
+    evaluated = [
+        (r["time/total_timesteps"], r["eval/mean_reward"]) for r in rows if r.get("eval/mean_reward")
+    ]
+    assert [int(t) for t, _ in evaluated] == [
+        h["timesteps"] for h in agent.history
+    ]  # 3 of 3, each at its step
+
+
+class StopAfterIterations(BaseCallback):
+    def __init__(self, iterations):
+        super().__init__()
+        self.iterations = iterations
+
+    def _on_step(self):
+        return self.model.iteration < self.iterations
 
 
 def test_textgyms_eval_callback_drives_sb3s_stopping_callbacks():

@@ -114,7 +114,7 @@ n_epochs = 1
         ("every = 0", "eval.every must be a positive integer"),
         ("every = true", "eval.every must be a positive integer"),
         ("episodes = 0", "eval.episodes must be a positive integer"),
-        ("evry = 2", "unknown key eval.evry"),
+        ("evry = 2", "unknown key eval.evry. Did you mean 'every'?"),
         ("seed = -1", r"eval.seed must be an integer in \[0, 2\*\*32\)"),
         ("seed = 4294967296", r"eval.seed must be an integer in \[0, 2\*\*32\), not 4294967296"),
         ('rewards = [{ name = "match", label = "kl" }]', "label 'kl' clashes with a built-in metric"),

@@ -24,6 +24,12 @@ AGENTS = {
 FAST = dict(learning_rate=3e-3, verbose=0, seed=0)
 
 
+def test_a_group_agents_reward_std_is_the_mean_of_its_groups_std_as_trl_logs_it():
+    batch = GRPO(char_llama(), make_env(16), num_generations=4, **FAST).collect_rollouts()
+    groups = batch.raw_scores.double().view(-1, 4)
+    assert batch.stats["reward_std"] == pytest.approx(float(groups.std(1).mean()))
+
+
 def agent_of(key, env=None, **extra):
     cls, kwargs = AGENTS[key]
     return cls(char_llama(), make_env() if env is None else env, **{**kwargs, **FAST, **extra})

@@ -173,6 +173,34 @@ def test_evaluate_policy_runs_on_the_agent():
     assert 0.0 <= mean <= 1.0 and std >= 0.0
 
 
+def test_trls_ppo_statistics_have_trls_definitions(monkeypatch):
+    import textgym.agents.ppo as ppo
+
+    seen, real = [], ppo.policy_loss
+
+    def recording(logprobs, old_logprobs, advantages, mask, clip_range):
+        seen.append(((logprobs - old_logprobs).detach(), mask.bool()))
+        return real(logprobs, old_logprobs, advantages, mask, clip_range)
+
+    monkeypatch.setattr(ppo, "policy_loss", recording)
+    agent = LMPPO(
+        char_llama(), make_env(8), seed=0, learning_rate=3e-2, n_epochs=3, n_minibatches=2, verbose=0
+    )
+    batch = agent.collect_rollouts()
+    stats = agent.train(batch)
+    log_ratio = torch.cat([r[m] for r, m in seen])
+    assert stats["policy/approxkl_avg"] == pytest.approx(float((0.5 * log_ratio**2).mean()), rel=1e-4)
+    assert stats["policy/approxkl_k3"] == pytest.approx(
+        float((log_ratio.exp() - 1 - log_ratio).mean()), rel=1e-4
+    )
+    minibatch_means = torch.stack([r[m].exp().mean() for r, m in seen])  # one micro-batch per minibatch
+    assert stats["val/ratio_var"] == pytest.approx(float(minibatch_means.var()), rel=1e-4)
+    mask = batch.action_mask.float()
+    assert stats["objective/entropy"] == pytest.approx(
+        float((-batch.logprobs * mask).sum(1).mean()), rel=1e-5
+    )
+
+
 def test_logger_writes_trl_stat_names_and_reward_components(tmp_path):
     agent = LMPPO(char_llama(), make_env(), seed=0, tensorboard_log=str(tmp_path), **{**FAST, "verbose": 0})
     agent.learn(16 * 6 * 2, tb_log_name="run")

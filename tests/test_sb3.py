@@ -67,6 +67,44 @@ def test_the_vec_env_passes_on_turn_infos_and_refuses_per_index_attributes():
     assert env.get_attr("note") == ["shared", "shared"]
 
 
+def test_an_entry_only_some_ended_sub_envs_have_is_not_given_to_the_others():
+    """An episode cut at the budget on the step another one's turn ended read that one's turn_reward as
+    0.0, its vector info's filler."""
+    from textgym import Reply, TextGenVectorEnv
+    from textgym.models import CharTokenizer
+
+    def done(conversations):
+        return [Reply("b", 1.0, True) for _ in conversations]
+
+    tok = CharTokenizer("abcdefgh")
+    env = TextGymVecEnv(TextGenVectorEnv(num_envs=2, model=tok, prompts=["ab"], rewards=[], responder=done,
+                                         max_new_tokens=2, max_prompt_tokens=2, autoreset_mode="SameStep"))  # fmt: skip
+    env.reset()
+    env.step(np.array([2, 2]))
+    _, _, dones, infos = env.step(np.array([tok.eos_token_id, 2]))  # 0: its turn ends it; 1: the budget
+    assert dones.all() and infos[0]["turn_reward"] == 1.0 and "turn_reward" not in infos[1]
+    assert (infos[0]["finish_reason"], infos[1]["finish_reason"]) == ("stop", "length")
+
+
+def test_episode_times_are_monitors_seconds_since_the_env_was_made(monkeypatch):
+    import types
+
+    import textgym.sb3
+
+    now = [100.0]
+    monkeypatch.setattr(textgym.sb3, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    env = make_vec_env("textgym/Copy-v0", n_envs=1, seed=0)
+    env.reset()
+    times = []
+    for clock in (103.0, 107.0):
+        done = np.zeros(1, dtype=bool)
+        while not done.any():
+            now[0] = clock
+            _, _, done, infos = env.step(np.array([2]))
+        times.append(infos[0]["episode"]["t"])
+    assert times == [3.0, 7.0]  # each episode's own duration was written: [3.0, 4.0]
+
+
 def test_stock_sb3_ppo_learns_the_copy_task_well_beyond_random():
     torch.manual_seed(0)
     env = make_vec_env("textgym/Copy-v0", n_envs=16, seed=0)

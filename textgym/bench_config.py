@@ -26,7 +26,7 @@ from typing import Any
 from textgym import plugin_manager
 from textgym.bench_rm import check_reward_models
 from textgym.config import MAX_SEED, apply_override, read_toml, resolve_paths, resolve_value, validate
-from textgym.errors import ConfigError, TextgymError
+from textgym.errors import ConfigError, TextgymError, did_you_mean
 from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import check_reward_specs
@@ -151,7 +151,10 @@ def _bench_settings(given: Any, source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: [bench] must be a table, not {given!r}.")
     unknown = sorted(set(given) - set(BENCH_DEFAULTS))
     if unknown:
-        raise ConfigError(f"{source}: unknown key bench.{unknown[0]}. Keys: {', '.join(BENCH_DEFAULTS)}.")
+        raise ConfigError(
+            f"{source}: unknown key bench.{unknown[0]}.{did_you_mean(unknown[0], BENCH_DEFAULTS)} Keys: "
+            f"{', '.join(BENCH_DEFAULTS)}."
+        )
     bench = {**copy.deepcopy(BENCH_DEFAULTS), **given}
     seeds = bench["seeds"]
     if (

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, did_you_mean
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
@@ -190,8 +190,7 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
     unknown = set(run) - set(DEFAULTS["run"])
     if unknown:
         bad = sorted(unknown)[0]
-        close = difflib.get_close_matches(bad, DEFAULTS["run"], n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(bad, DEFAULTS["run"])
         raise ConfigError(f"{source}: unknown key run.{bad}.{hint} Keys: {', '.join(DEFAULTS['run'])}.")
     for key in POSITIVE_INTS:
         if not _is_int(run[key]) or run[key] < 1:

@@ -6,6 +6,12 @@ import difflib
 from collections.abc import Iterable
 
 
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" Did you mean 'x'?"`` for the known name closest to ``name``, or ``""``."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 class TextgymError(Exception):
     """Base class of every error textgym raises on purpose."""
 

@@ -158,6 +158,10 @@ class EvalCallback(EventCallback):
         self.last_mean_reward = mean
         self.logger.record("eval/mean_reward", mean)
         self.logger.record("eval/mean_ep_length", float(np.mean(lengths)))
+        # written now, at this step, as SB3's EvalCallback does: the agent dumped its iteration's row before
+        # calling back, so the evaluation went out with the next iteration's (and the last one never)
+        self.logger.record("time/total_timesteps", self.num_timesteps, exclude="tensorboard")
+        self.logger.dump(self.num_timesteps)
         if self.verbose:
             print(
                 f"Eval num_timesteps={self.num_timesteps}, episode_reward={mean:.3f} +/- {np.std(rewards):.3f}"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from textgym.config import MAX_SEED
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,10 @@ def check_eval_section(section: Any, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: [eval] must be a table, not {section!r}.")
     unknown = sorted(set(section) - set(EVAL_DEFAULTS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key eval.{unknown[0]}. Keys: {', '.join(EVAL_DEFAULTS)}.")
+        raise ConfigError(
+            f"{where}: unknown key eval.{unknown[0]}.{did_you_mean(unknown[0], EVAL_DEFAULTS)} Keys: "
+            f"{', '.join(EVAL_DEFAULTS)}."
+        )
     resolved = {**copy.deepcopy(EVAL_DEFAULTS), **section}
     for key in ("every", "episodes"):
         check_positive_int(f"eval.{key}", resolved[key], where)

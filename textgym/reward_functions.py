@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from textgym.rewards import Reward, Sample
 
 # The columns TRL passes to a reward function besides the dataset's own (TRL's GRPOTrainer._calculate_rewards).
-TRL_COLUMNS = ("prompts", "completions", "completion_ids")
+TRL_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
 class FunctionReward:
@@ -36,11 +36,20 @@ class FunctionReward:
             params = inspect.signature(fn).parameters
             self._accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
             self._accepted = set(params)
+            # a column the function requires by name, which a batch may lack (no sample has that key): TRL
+            # always passes its dataset's columns, so it gets one of None, not a TypeError on some batches
+            self._required = [
+                n for n, p in params.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            ]  # fmt: skip
 
     def __call__(self, samples: Sequence[Sample]) -> Sequence[float | None]:
         if not self.trl_style:
             return self.fn(samples, **self.kwargs)
-        arguments = {**trl_columns(samples), **self.kwargs}
+        # trainer_state: TRL's training state, which textgym has no equivalent of
+        arguments = {**trl_columns(samples), "trainer_state": None, **self.kwargs}
+        for name in self._required:
+            arguments.setdefault(name, [None] * len(samples))
         if not self._accepts_any:
             arguments = {k: v for k, v in arguments.items() if k in self._accepted}
         return self.fn(**arguments)
@@ -168,12 +177,14 @@ def resolve_fn_paths(specs: Any, base_dir: str | os.PathLike) -> Any:
 
 
 def is_trl_style(fn: Callable) -> bool:
-    """True for a function with TRL's reward-function signature: it names ``prompts`` or ``completions``."""
+    """True for a function with TRL's reward-function signature: it names ``prompts``, ``completions`` or
+    ``completion_ids``, or takes nothing but ``**kwargs`` (it cannot take textgym's ``samples``)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "prompts" in params or "completions" in params
+    only_kwargs = bool(params) and all(p.kind is p.VAR_KEYWORD for p in params.values())
+    return only_kwargs or any(name in params for name in ("prompts", "completions", "completion_ids"))
 
 
 def fixed_signature(fn: Callable) -> inspect.Signature | None:

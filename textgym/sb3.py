@@ -39,7 +39,7 @@ class TextGymVecEnv(VecEnv):
         self.env = env
         super().__init__(env.num_envs, env.single_observation_space, env.single_action_space)
         self._actions: np.ndarray | None = None
-        self._started = np.full(env.num_envs, time.perf_counter())
+        self._created = time.perf_counter()  # Monitor's "t": seconds since then, at each episode's end
         self._returns = np.zeros(env.num_envs)  # a multi-turn episode's turn rewards add up before its end
 
     def reset(self) -> dict[str, np.ndarray]:
@@ -69,13 +69,12 @@ class TextGymVecEnv(VecEnv):
             infos[i] = _ended(final, i)
             infos[i]["terminal_observation"] = vinfo["final_obs"][i]
             infos[i]["TimeLimit.truncated"] = False
-            now = time.perf_counter()
             infos[i]["episode"] = {
                 "r": float(self._returns[i]),
                 "l": int(final["num_tokens"][i]),
-                "t": now - self._started[i],
+                "t": round(time.perf_counter() - self._created, 6),
             }
-            self._started[i], self._returns[i] = now, 0.0
+            self._returns[i] = 0.0
         return obs, rewards.astype(np.float32), dones, infos
 
     def close(self) -> None:
@@ -133,7 +132,11 @@ def _row(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
 def _ended(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
     """Sub-env ``i``'s ended episode, from the vector info that holds it (``final_info`` in SameStep mode):
     its entries, with its reward components."""
-    row = {k: v[i] for k, v in vinfo.items() if not k.startswith("_") and not isinstance(v, dict)}
+    row = {
+        k: v[i]
+        for k, v in vinfo.items()
+        if not k.startswith("_") and not isinstance(v, dict) and vinfo.get(f"_{k}", np.ones(i + 1, bool))[i]
+    }  # an entry only some of the ended sub-envs have (a turn_reward) is not read as its zero filler
     row["reward_components"] = {
         k: v[i] for k, v in vinfo["reward_components"].items() if not k.startswith("_")
     }

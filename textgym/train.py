@@ -26,7 +26,7 @@ from textgym import plugin_manager
 from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.composition import stack_table
 from textgym.config import load_config, validate
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, did_you_mean
 from textgym.launch import (
     LAUNCHED_VAR,
     check_processes,
@@ -316,7 +316,6 @@ def env_errors(env_id: str) -> Iterator[None]:
 
 def _closest_env_key(env_id: str, message: str) -> str:
     """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
-    import difflib
     import importlib
     import inspect
     import re
@@ -333,8 +332,8 @@ def _closest_env_key(env_id: str, message: str) -> str:
         known = [*inspect.signature(entry).parameters, *spec.kwargs]
     except Exception:
         return ""
-    close = difflib.get_close_matches(bad.group(1), known, n=1) if bad else []
-    return f". Did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(bad.group(1), known) if bad else ""
+    return f".{hint}" if hint else ""
 
 
 def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
