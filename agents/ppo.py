@@ -60,7 +60,8 @@ class LMPPOConfig(LMAgentConfig):
     ent_coef: float = 0.0
     """Weight of the entropy bonus."""
     target_kl: float | None = None
-    """Stop an update's epochs early when the k3 approx-KL exceeds 1.5 x this (SB3's rule)."""
+    """Stop an update's epochs early when an epoch's k3 approx-KL exceeds 1.5 x this (SB3's threshold; SB3
+    checks it every minibatch)."""
     kl_coef: float = 0.05
     """Initial (or fixed) coefficient of the per-token KL penalty."""
     kl_target: float | None = None

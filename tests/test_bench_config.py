@@ -394,3 +394,40 @@ def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_pa
             print(f"failed {name}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.5-seed0.log", "v1.6-seed0.log"]
     assert (tmp_path / "v1.5-seed0.log").read_text() == "failed v1.5-seed0\n"
+
+
+def test_a_proxy_reward_models_output_appearing_does_not_change_the_runs(tmp_path, monkeypatch):
+    """The output exists from the bench's second call on: its path turned absolute and its files became a
+    data digest, so every run was refused as trained with another config."""
+    import tomli_w
+
+    monkeypatch.chdir(
+        tmp_path
+    )  # the designs file's directory, as for `textgym bench examples/...` from there
+    d = designs(tmp_path)
+    d["reward_models"] = [{**RM, "output": "rm"}]
+    d["designs"][0]["rewards"] = [{"name": "rm_score", "model": "rm"}]
+    d["metrics"]["rewards"].append({"name": "rm_score", "model": "rm", "label": "proxy"})
+    (tmp_path / "designs.toml").write_text(tomli_w.dumps(d))
+    out = tmp_path / "bench"
+    jobs = plan(load_designs(tmp_path / "designs.toml"), out)
+    for job in jobs:
+        job.run_dir.mkdir(parents=True)
+        bench._record(out, job)
+        (job.run_dir / "eval.json").write_text(
+            json.dumps({"config_hash": job.config_hash, "eval_hash": job.eval_hash})
+        )
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "model.safetensors").write_text("weights")
+    again = plan(load_designs(tmp_path / "designs.toml"), out)
+    assert again[0].config["env"]["rewards"][0]["model"] == "rm"
+    assert set(actions(again, out).values()) == {"reuse"}
+
+
+def test_a_home_relative_bench_output_dir_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home" / "b" / "runs" / "exact-seed0").mkdir(parents=True)  # found only under the real home
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'home' / 'b'}.* has no record of this bench"):
+        bench.run(designs(tmp_path) | {"bench": {**DESIGNS["bench"], "output_dir": "~/b"}}, progress=False)
+    assert not (tmp_path / "~").exists()

@@ -20,7 +20,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,9 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
     ident["run"] = {k: v for k, v in ident["run"].items() if k != "output_dir"}
     files = list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards"))
     ident["code"] = {f: file_digest(f) for f in sorted(set(files))}
-    data = data_paths({"env": ident["env"], "agent": ident["agent"]})
+    # a proxy reward model the bench trains counts by its settings (reward_models), not by its files, which
+    # appear after the first plan
+    data = data_paths({"env": ident["env"], "agent": ident["agent"]}, skip=reward_models or {})
     if data:
         ident["data"] = {p: file_digest(p) for p in sorted(set(data))}
     if reward_models:
@@ -127,7 +129,10 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     (``code``), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
     are none."""
     code = fn_files(spec["metric_rewards"])
-    data = data_paths({"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]})
+    outputs = [e["output"] for e in spec.get("reward_models", [])]
+    data = data_paths(
+        {"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]}, skip=outputs
+    )
     out: dict[str, Any] = {}
     if code:
         out["code"] = {f: file_digest(f) for f in sorted(set(code))}
@@ -140,17 +145,21 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
 DATA_KEYS = ("prompts", "model", "policy")
 
 
-def data_paths(value: Any, key: str | None = None) -> list[str]:
+def data_paths(value: Any, key: str | None = None, skip: Iterable[str] = ()) -> list[str]:
     """The existing files and directories ``value`` names under a :data:`DATA_KEYS` key (a registered name,
-    as ``"copy"`` or ``"tiny-char-llama"``, is not a path)."""
+    as ``"copy"`` or ``"tiny-char-llama"``, is not a path), except those in ``skip`` (the same place by
+    another spelling too)."""
     from textgym.config import _is_registered_name
 
+    skipped = {Path(s).expanduser().resolve() for s in skip}
     if isinstance(value, Mapping):
-        return [p for k, v in value.items() for p in data_paths(v, k)]
+        return [p for k, v in value.items() for p in data_paths(v, k, skip)]
     if isinstance(value, list):
-        return [p for v in value if isinstance(v, (Mapping, list)) for p in data_paths(v)]
+        return [p for v in value if isinstance(v, (Mapping, list)) for p in data_paths(v, None, skip)]
     is_path = key in DATA_KEYS and isinstance(value, str) and value and not _is_registered_name(value)
-    return [value] if is_path and Path(value).expanduser().exists() else []
+    if not is_path or not Path(value).expanduser().exists():
+        return []
+    return [] if Path(value).expanduser().resolve() in skipped else [value]
 
 
 def fn_files(specs: Any) -> list[str]:
@@ -371,7 +380,7 @@ def run(
 
     spec = load_designs(designs, overrides)
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
-    out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}")
+    out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}").expanduser()
     jobs = plan(spec, out)
     files = evaluation_files(spec)
     todo = actions(jobs, out)

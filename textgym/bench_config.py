@@ -119,6 +119,9 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     policy and reward-model directories, ``fn`` files; see :func:`textgym.config.resolve_paths`). Output
     directories (``bench.output_dir``, a reward model's ``output``) stay relative to the working directory."""
     raw = resolve_paths(raw, base_dir)  # [run] plugins, [env], [agent]
+    # a proxy reward model's output is where the bench writes it, as designs name it: it exists from the
+    # second call on, and its path must not change then
+    outputs = {e["output"] for e in raw.get("reward_models") or [] if isinstance(e, dict) and "output" in e}
     bench = raw.get("bench")
     if isinstance(bench, dict) and "eval_prompts" in bench:
         bench["eval_prompts"] = resolve_value(bench["eval_prompts"], base_dir)
@@ -126,10 +129,10 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         raw["agents"] = resolve_value(raw["agents"], base_dir)
     for design in raw.get("designs") or []:
         if isinstance(design, dict) and "rewards" in design:
-            design["rewards"] = resolve_value(design["rewards"], base_dir)
+            design["rewards"] = resolve_value(design["rewards"], base_dir, keep=outputs)
     metrics = raw.get("metrics")
     if isinstance(metrics, dict) and "rewards" in metrics:
-        metrics["rewards"] = resolve_value(metrics["rewards"], base_dir)
+        metrics["rewards"] = resolve_value(metrics["rewards"], base_dir, keep=outputs)
     for entry in raw.get("reward_models") or []:
         for key in ("pairs", "train"):
             if isinstance(entry, dict) and isinstance(entry.get(key), dict):

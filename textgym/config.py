@@ -34,7 +34,7 @@ import copy
 import difflib
 import json
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +112,18 @@ def _resolve_file_ref(ref: Any, base_dir: Path) -> Any:
     return ref
 
 
-def resolve_value(value: Any, base_dir: Path) -> Any:
+def resolve_value(value: Any, base_dir: Path, keep: Collection[str] = ()) -> Any:
     """``value`` with every relative path in it (a string, in lists and tables, that is not a registered name
     and names an existing file or directory under ``base_dir``) made absolute. Table keys ``name`` and ``id``
-    are names, never paths."""
-    if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+    are names, never paths; strings in ``keep`` stay as they are."""
+    if isinstance(value, str) and value and value not in keep and not Path(value).expanduser().is_absolute():
         candidate = base_dir / value
         if candidate.exists() and not _is_registered_name(value):
             return str(candidate.resolve())
     if isinstance(value, list):
-        return [resolve_value(v, base_dir) for v in value]
+        return [resolve_value(v, base_dir, keep) for v in value]
     if isinstance(value, dict):
-        return {k: (v if k in ("name", "id") else resolve_value(v, base_dir)) for k, v in value.items()}
+        return {k: (v if k in ("name", "id") else resolve_value(v, base_dir, keep)) for k, v in value.items()}
     return value
 
 

@@ -22,9 +22,9 @@ TRL_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 class FunctionReward:
     """A reward made from a plain function: textgym's ``fn(samples, **kwargs)``, or TRL's reward-function
-    signature ``fn(prompts, completions, completion_ids=None, **kwargs)`` (recognised by a parameter named
-    ``prompts`` or ``completions``), which receives lists and each metadata key as a keyword column (see
-    :func:`trl_columns`). ``kwargs`` are fixed arguments passed on every call.
+    signature ``fn(prompts, completions, completion_ids=None, **kwargs)`` (recognised by :func:`is_trl_style`),
+    which receives lists and each metadata key as a keyword column (see :func:`trl_columns`), and
+    ``trainer_state=None``. ``kwargs`` are fixed arguments passed on every call.
     """
 
     source: str | None = None  # where the function came from, for error messages ("file.py:func")
@@ -91,8 +91,8 @@ def load_function(ref: Any, base_dir: str | os.PathLike | None = None, where: st
     """The function named by ``"path/to/file.py:func"`` or ``"module:func"``.
 
     A relative file path resolves against ``base_dir`` (default: the current directory). The file is loaded
-    like a ``--plugin`` file, once per process, so a file that also defines ``@textgym.reward`` functions or
-    hooks is not imported twice.
+    like a ``--plugin`` file, once per process (again when it was edited since), so a file that also defines
+    ``@textgym.reward`` functions or hooks is not imported twice.
     """
     form = "'path/to/file.py:function' or 'module:function'"
     if not isinstance(ref, str):
