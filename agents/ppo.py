@@ -205,8 +205,7 @@ class LMPPO(LMAgent):
         logs: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "approxkl_trl", "ent", "tokens")
         }
-        ratio_chunks = []  # (ratios, mask) per micro-batch, on the device
-        minibatch_ratios = []  # (sum of ratios, tokens) per minibatch, for TRL's val/ratio_var
+        minibatch_ratios = []  # (sum of ratios, tokens) per minibatch: val/ratio and TRL's val/ratio_var
         for _ in range(c.n_epochs):
             epoch_start = len(logs["approxkl"])  # this epoch's approx-KLs follow
             for mb_inds in torch.randperm(n, generator=generator).tensor_split(c.n_minibatches):
@@ -242,9 +241,8 @@ class LMPPO(LMAgent):
                         # x world size: data-parallel training averages the processes' gradients
                         self.backward(loss * mask.sum() / mb_tokens.to(loss.device) * self.dist.world)
                     # statistics stay tensors on the device until the update ends: no host read per micro-batch
-                    with torch.no_grad():  # (selecting the masked tokens here would sync: at the end)
+                    with torch.no_grad():
                         log_ratio = logprobs - old["logprobs"]
-                        ratio_chunks.append((log_ratio.exp(), mask.bool()))
                         ratio_sum += torch.stack([(log_ratio.exp() * mask).sum(), mask.sum()]).double()
                         approx_kl_trl = masked_mean(0.5 * log_ratio.square(), mask)  # TRL's approxkl
                     tokens = mask.sum().double()
@@ -264,17 +262,13 @@ class LMPPO(LMAgent):
                 if kl / max(tokens, 1.0) > 1.5 * c.target_kl:
                     break
         self.kl_ctl.update(batch.stats["objective/kl"], n * self.dist.world)
-        # the agent's tokens, selected once for the whole update (one sync); every micro-batch has T columns
-        ratios = torch.cat([r for r, _ in ratio_chunks])[torch.cat([m for _, m in ratio_chunks])].cpu()
-        all_ratios = self.dist.gather_objects([ratios])
-        all_ratios = torch.cat(all_ratios) if isinstance(all_ratios[0], torch.Tensor) else ratios
         mask = batch.action_mask.float()
         var_returns = masked_var(self.dist.gather(batch.returns), self.dist.gather(mask))
         residual = masked_var(self.dist.gather(batch.returns - batch.values), self.dist.gather(mask))
         sums = self.dist.sum(torch.stack([torch.stack(v).sum() for v in logs.values()])).tolist()
         means = {k: total / max(sums[-1], 1.0) for k, total in zip(logs, sums)}
-        # TRL's val/ratio_var: the variance of the minibatches' mean ratios (TRL's micro-batches'; the same
-        # without gradient accumulation), over every process's tokens
+        # val/ratio: the mean ratio over every process's tokens; TRL's val/ratio_var: the variance of the
+        # minibatches' mean ratios (TRL's micro-batches'; the same without gradient accumulation)
         per_minibatch = self.dist.sum(torch.stack(minibatch_ratios)).cpu()
         minibatch_means = per_minibatch[:, 0] / per_minibatch[:, 1].clamp(min=1)
         # TRL's objective/entropy: minus the log-probs of the sampled tokens, summed per completion
@@ -289,7 +283,7 @@ class LMPPO(LMAgent):
             "policy/approxkl_k3": means["approxkl"],
             "policy/entropy_avg": means["ent"],
             "objective/entropy": float(sampled_entropy),
-            "val/ratio": float(all_ratios.mean()),
+            "val/ratio": float(per_minibatch[:, 0].sum() / per_minibatch[:, 1].sum().clamp(min=1)),
             "val/ratio_var": float(minibatch_means.var()) if len(minibatch_means) > 1 else 0.0,
             "val/var_explained": float(1 - residual / var_returns) if var_returns > 0 else 0.0,
             "val/mean": masked_token_mean(self.dist.gather(batch.values), self.dist.gather(mask)),

@@ -54,6 +54,7 @@ class Job:
     config_hash: str  # the training: config and code files, without the held-out evaluation settings
     eval_hash: str  # the final evaluation's settings
     curves_hash: str  # the settings of the held-out curves measured during training ([eval])
+    eval_files: dict[str, Any]  # the digests of the evaluation's files (evaluation_files) it was planned with
 
 
 # -- the plan ------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                 ident = identity(config, reward_models)
                 curves = {**config["eval"], **files} if "eval" in config else None
                 hashes = _digest(ident), _digest(evaluation), _digest(curves)
-                jobs.append(Job(agent, design, seed, run_dir, run_id, config, ident, *hashes))
+                jobs.append(Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files))
     return jobs
 
 
@@ -145,21 +146,24 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
 DATA_KEYS = ("prompts", "model", "policy")
 
 
-def data_paths(value: Any, key: str | None = None, skip: Iterable[str] = ()) -> list[str]:
+def data_paths(value: Any, skip: Iterable[str] = ()) -> list[str]:
     """The existing files and directories ``value`` names under a :data:`DATA_KEYS` key (a registered name,
     as ``"copy"`` or ``"tiny-char-llama"``, is not a path), except those in ``skip`` (the same place by
     another spelling too)."""
     from textgym.config import _is_registered_name
 
     skipped = {Path(s).expanduser().resolve() for s in skip}
-    if isinstance(value, Mapping):
-        return [p for k, v in value.items() for p in data_paths(v, k, skip)]
-    if isinstance(value, list):
-        return [p for v in value if isinstance(v, (Mapping, list)) for p in data_paths(v, None, skip)]
-    is_path = key in DATA_KEYS and isinstance(value, str) and value and not _is_registered_name(value)
-    if not is_path or not Path(value).expanduser().exists():
-        return []
-    return [] if Path(value).expanduser().resolve() in skipped else [value]
+
+    def found(value: Any, key: str | None) -> list[str]:
+        if isinstance(value, Mapping):
+            return [p for k, v in value.items() for p in found(v, k)]
+        if isinstance(value, list):
+            return [p for v in value if isinstance(v, (Mapping, list)) for p in found(v, None)]
+        is_path = key in DATA_KEYS and isinstance(value, str) and value and not _is_registered_name(value)
+        path = Path(value).expanduser() if is_path else None
+        return [value] if path is not None and path.exists() and path.resolve() not in skipped else []
+
+    return found(value, None)
 
 
 def fn_files(specs: Any) -> list[str]:
@@ -382,7 +386,6 @@ def run(
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}").expanduser()
     jobs = plan(spec, out)
-    files = evaluation_files(spec)
     todo = actions(jobs, out)
     bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
     with _threads(spec["bench"]["threads"]):
@@ -404,7 +407,7 @@ def run(
                             f"train); the same command continues it"
                         )
                 if todo[job.run_id] != "reuse":
-                    _check_unchanged(files)
+                    _check_unchanged(job.eval_files)
                     with _logged(job.run_dir / "train.log"):
                         result = evaluate(job, spec)
                     _write_json(

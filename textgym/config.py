@@ -81,7 +81,7 @@ def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     registered name and names an existing file or directory next to the config (prompt files, policy
     directories, reward-model directories, ``fn = "file.py:func"``). ``run.output_dir`` stays relative to the
     working directory, where runs are written."""
-    from textgym.reward_functions import resolve_fn_paths
+    from textgym.reward_functions import resolve_file_ref, resolve_fn_paths
 
     config = copy.deepcopy(config)
     run = config.get("run")
@@ -98,18 +98,10 @@ def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
         env["rewards"] = resolve_fn_paths(env["rewards"], base_dir)
     if isinstance(env, dict) and isinstance(env.get("responder"), dict):  # text_env / tool_env files
         env["responder"] = {
-            k: _resolve_file_ref(v, base_dir) if k in ("text_env", "tool_env") else v
+            k: resolve_file_ref(v, base_dir) if k in ("text_env", "tool_env") else v
             for k, v in env["responder"].items()
         }
     return config
-
-
-def _resolve_file_ref(ref: Any, base_dir: Path) -> Any:
-    """``"file.py:Name"`` with a relative file made absolute against ``base_dir`` (anything else as it is)."""
-    target, sep, attribute = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
-    if sep and target.endswith(".py") and not Path(target).expanduser().is_absolute():
-        return f"{(base_dir / target).resolve()}:{attribute}"
-    return ref
 
 
 def resolve_value(value: Any, base_dir: Path, keep: Collection[str] = ()) -> Any:

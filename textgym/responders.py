@@ -408,16 +408,27 @@ def load_class(ref: Any, base_dir: str | os.PathLike | None = None, key: str = "
     return obj
 
 
-def validated_replies(responder: Responder, conversations: Sequence[Conversation]) -> list[Reply]:
-    """Call ``responder`` and check its output: one :class:`Reply` or string per conversation, with a string
-    text, a finite reward or None, and a bool ``done``. Every error names the responder."""
-    label = f"responder {getattr(responder, 'name', responder)!r}"
+def _label(responder: Responder) -> str:
+    return f"responder {getattr(responder, 'name', responder)!r}"
+
+
+def _call(responder: Responder, method: Callable[..., Any], conversations: Sequence[Conversation],
+          where: str = "") -> Any:  # fmt: skip
+    """``method(conversations)`` (the responder itself, or its ``start``/``end``); an exception it raises is a
+    :class:`ResponderError` that names the responder and ``where`` (``" in start()"``)."""
     try:
-        out = responder(conversations)
+        return method(conversations)
     except TextgymError:
         raise
     except Exception as exc:
-        raise ResponderError(f"{label} raised {type(exc).__name__}: {exc}") from exc
+        raise ResponderError(f"{_label(responder)} raised {type(exc).__name__}{where}: {exc}") from exc
+
+
+def validated_replies(responder: Responder, conversations: Sequence[Conversation]) -> list[Reply]:
+    """Call ``responder`` and check its output: one :class:`Reply` or string per conversation, with a string
+    text, a finite reward or None, and a bool ``done``. Every error names the responder."""
+    label = _label(responder)
+    out = _call(responder, responder, conversations)
     if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
         raise ResponderError(
             f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return a list with one reply "
@@ -448,13 +459,9 @@ def validated_replies(responder: Responder, conversations: Sequence[Conversation
                     f"{label} returned reward {reward!r} {where}; a turn reward must be a finite number or None."
                 )
             reward = float(reward)
-        if not isinstance(done, (bool, np.bool_)) or not isinstance(reply.truncated, (bool, np.bool_)):
-            bad = (
-                f"done={done!r}"
-                if not isinstance(done, (bool, np.bool_))
-                else f"truncated={reply.truncated!r}"
-            )
-            raise ResponderError(f"{label} returned {bad} {where}; it must be True or False.")
+        for flag, value in (("done", done), ("truncated", reply.truncated)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ResponderError(f"{label} returned {flag}={value!r} {where}; it must be True or False.")
         replies.append(
             dataclasses.replace(reply, reward=reward, done=bool(done), truncated=bool(reply.truncated))
         )
@@ -466,13 +473,8 @@ def validated_openings(responder: Responder, conversations: Sequence[Conversatio
     start = getattr(responder, "start", None)
     if not callable(start):
         return [None] * len(conversations)
-    label = f"responder {getattr(responder, 'name', responder)!r}"
-    try:
-        out = start(conversations)
-    except TextgymError:
-        raise
-    except Exception as exc:
-        raise ResponderError(f"{label} raised {type(exc).__name__} in start(): {exc}") from exc
+    label = _label(responder)
+    out = _call(responder, start, conversations, " in start()")
     if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != len(conversations):
         raise ResponderError(
             f"{label}: start() returned {str(out)[:80]!r}; it must return a list with one opening (a string or "
@@ -484,6 +486,13 @@ def validated_openings(responder: Responder, conversations: Sequence[Conversatio
                 f"{label}: start() returned {type(opening).__name__} {opening!r}; an opening must be a string or None."
             )
     return list(out)
+
+
+def notify_end(responder: Responder, conversations: Sequence[Conversation]) -> None:
+    """Call ``responder.end`` when it has one: these episodes are over."""
+    end = getattr(responder, "end", None)
+    if callable(end):
+        _call(responder, end, conversations, " in end()")
 
 
 def responder(name: str, role: str = "user") -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -164,9 +164,7 @@ def resolve_fn_paths(specs: Any, base_dir: str | os.PathLike) -> Any:
 
     def component(spec: Any) -> Any:
         if isinstance(spec, Mapping) and isinstance(spec.get("fn"), str):
-            target, sep, attribute = spec["fn"].rpartition(":")
-            if sep and _is_file_target(target) and not Path(target).expanduser().is_absolute():
-                return {**spec, "fn": f"{(Path(base_dir) / target).resolve()}:{attribute}"}
+            return {**spec, "fn": resolve_file_ref(spec["fn"], base_dir)}
         return spec
 
     if isinstance(specs, Mapping) and isinstance(specs.get("components"), list):
@@ -174,6 +172,15 @@ def resolve_fn_paths(specs: Any, base_dir: str | os.PathLike) -> Any:
     if isinstance(specs, list):
         return [component(c) for c in specs]
     return component(specs)
+
+
+def resolve_file_ref(ref: Any, base_dir: str | os.PathLike) -> Any:
+    """``"path/to/file.py:name"`` with a relative file made absolute against ``base_dir``; a module reference
+    (``"package.module:name"``), an absolute one, or anything else as it is."""
+    target, sep, attribute = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
+    if sep and _is_file_target(target) and not Path(target).expanduser().is_absolute():
+        return f"{(Path(base_dir) / target).resolve()}:{attribute}"
+    return ref
 
 
 def is_trl_style(fn: Callable) -> bool:

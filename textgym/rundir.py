@@ -75,6 +75,9 @@ class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._was_empty = (
+            False  # create() reused an existing empty directory: emptied again if the start fails
+        )
 
     @property
     def checkpoint(self) -> Path:
@@ -153,7 +156,7 @@ class RunDir:
             return
         if created:
             self.remove()
-        elif getattr(self, "_was_empty", False):
+        elif self._was_empty:
             self.unlock()
             for child in self.path.iterdir():
                 if child.is_dir() and not child.is_symlink():

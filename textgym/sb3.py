@@ -132,11 +132,7 @@ def _row(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
 def _ended(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
     """Sub-env ``i``'s ended episode, from the vector info that holds it (``final_info`` in SameStep mode):
     its entries, with its reward components."""
-    row = {
-        k: v[i]
-        for k, v in vinfo.items()
-        if not k.startswith("_") and not isinstance(v, dict) and vinfo.get(f"_{k}", np.ones(i + 1, bool))[i]
-    }  # an entry only some of the ended sub-envs have (a turn_reward) is not read as its zero filler
+    row = _row(vinfo, i)  # an entry only some of the ended sub-envs have (a turn_reward) is left out
     row["reward_components"] = {
         k: v[i] for k, v in vinfo["reward_components"].items() if not k.startswith("_")
     }

@@ -12,7 +12,7 @@ from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
 from textgym.envs.conversation import ReplyFormatter
-from textgym.errors import ConfigError, PromptError, TextgymError
+from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.responders import (
@@ -22,6 +22,7 @@ from textgym.responders import (
     ResponderError,
     ResponderSpec,
     make_responder,
+    notify_end,
     validated_openings,
     validated_replies,
 )
@@ -255,17 +256,7 @@ class Episodes:
         if self.responder is None or not slots:
             return
         self.open[slots] = False
-        end = getattr(self.responder, "end", None)
-        if callable(end):
-            try:
-                end([self.conversation(i) for i in slots])
-            except TextgymError:
-                raise
-            except Exception as exc:
-                raise ResponderError(
-                    f"responder {getattr(self.responder, 'name', self.responder)!r} raised "
-                    f"{type(exc).__name__} in end(): {exc}"
-                ) from exc
+        notify_end(self.responder, [self.conversation(i) for i in slots])
 
     def draw(self, k: int, rng: np.random.Generator) -> list[int]:
         """The indices of the next ``k`` prompts, in ``prompt_order``."""
@@ -425,14 +416,18 @@ class Episodes:
         ids = self.turns[i][-1].token_ids
         if ids and ids[-1] == self.eos_id:
             return getattr(self.tokenizer, "eos_token", None)
-        tail = self.tokenizer.decode(list(ids[-self._stop_window :]))
-        return next((s for s in self.stop if s in tail), None)
+        return self._stop_string(list(ids))
 
     def _hit_stop(self, i: int) -> bool:
-        end = self.P + self.length[i]
-        begin = max(self.P + self.turn_start[i], end - self._stop_window)  # this agent turn only
-        tail = self.tokenizer.decode(self.input_ids[i, begin:end])
-        return any(s in tail for s in self.stop)
+        turn = self.input_ids[
+            i, self.P + self.turn_start[i] : self.P + self.length[i]
+        ]  # this agent turn only
+        return self._stop_string(turn) is not None
+
+    def _stop_string(self, ids: Sequence[int] | np.ndarray) -> str | None:
+        """The stop string in the text of the last tokens of an agent turn's ``ids``, if one is there."""
+        tail = self.tokenizer.decode(ids[-self._stop_window :])
+        return next((s for s in self.stop if s in tail), None)
 
     def _agent_turn(self, i: int, start: int, end: int) -> Turn:
         """The agent's turn in response positions ``[start, end)``: its text without EOS (stop strings kept)."""
