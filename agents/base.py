@@ -273,6 +273,8 @@ class LMAgent(SB3Contract, UpdateGuards):
                 f"than it has episodes: give {knob} <= {env.num_envs}, or more num_envs."
             )
         check_tokenizer(self.rollout_model.config, self.policy_source, env)
+        if self.dist.world > 1:  # sequential prompt order: each process its own prompts, not all the same
+            env.shard_prompts(self.dist.rank, self.dist.world)
         self.env = env
 
     def autocast(self) -> Any:

@@ -27,7 +27,10 @@ from textgym.rundir import RunDir
 
 HERE = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-COPY = copy_run_config(total_timesteps=96)
+# sequential prompt order: the processes must still draw different prompts (the env's shard)
+COPY = copy_run_config(total_timesteps=96).replace(
+    "num_envs = 8", 'num_envs = 8\nprompt_order = "sequential"'
+)
 # Summation order differs between one process and an all-reduce over two. AdamW's first step moves each
 # weight by lr * g / (|g| + eps), so where a gradient entry is near eps its float32 rounding changes that
 # weight's step noticeably (seen: 1.1e-5 on one weight of 2048). The bound is 1% of one step (lr = 1e-2);
@@ -358,6 +361,7 @@ def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_epi
     assert len(samples) == 8 * len(metrics)  # both processes' episodes: 4 each per iteration
     first = [s for s in samples if s["iteration"] == 1]
     assert float(metrics[0]["reward"]) == pytest.approx(sum(s["reward"] for s in first) / 8, abs=1e-6)
+    assert len({s["prompt"] for s in first}) == 8  # not the same four prompts twice
     assert result.stdout.count("after training:") == 1  # only the main process reports
     resumed = run_cmd(
         [sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=200"]

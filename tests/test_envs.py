@@ -289,6 +289,23 @@ def test_group_size_gives_consecutive_sub_envs_the_same_prompt(order):
         assert prompts_of(infos, 6) == ["fgh", "fgh", "hh", "hh", "abc", "abc"]
 
 
+def test_sharded_processes_draw_different_prompts_in_sequential_order_and_together_all_of_them():
+    prompts = ["aa", "bb", "cc", "dd", "ee", "ff"]
+    envs = [vector_char_env(2, prompts=prompts, prompt_order="sequential") for _ in range(2)]
+    for process, env in enumerate(envs):
+        env.shard_prompts(process, 2)
+    drawn = []
+    for _ in range(3):  # the two processes' batches, in step
+        batches = [prompts_of(env.reset(options={"group_size": 1})[1], 2) for env in envs]
+        assert not set(batches[0]) & set(batches[1])
+        drawn += batches[0] + batches[1]
+    assert sorted(drawn) == sorted(prompts * 2)  # 12 draws of 6 prompts: each twice
+    envs[1].prompt_cursor = envs[1].prompt_cursor  # a checkpoint's place, kept
+    assert prompts_of(envs[1].reset()[1], 2) == ["bb", "dd"]
+    with pytest.raises(ConfigError, match="process must be in 0..1, not 2"):
+        envs[0].shard_prompts(2, 2)
+
+
 def test_public_accessors_describe_the_episodes():
     env = vector_char_env(2, max_new_tokens=5, max_prompt_tokens=4)
     assert (env.max_prompt_tokens, env.max_new_tokens) == (4, 5)

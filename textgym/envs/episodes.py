@@ -141,7 +141,8 @@ class Episodes:
         self.separator = self._separator()
         self.formatter = ReplyFormatter(self.tokenizer, self.chat_template)
         self._encoded: dict[int, np.ndarray] = {}
-        self.cursor = 0
+        self.cursor = 0  # draws made in the sequential order (modulo the source's size)
+        self.shard = (0, 1)  # (process, processes): a data-parallel process's every processes-th prompt
         self.reward_seconds = 0.0  # time spent in the reward stack, for agents' time breakdowns
 
         self.observation_space = spaces.Dict(
@@ -259,9 +260,11 @@ class Episodes:
         notify_end(self.responder, [self.conversation(i) for i in slots])
 
     def draw(self, k: int, rng: np.random.Generator) -> list[int]:
-        """The indices of the next ``k`` prompts, in ``prompt_order``."""
+        """The indices of the next ``k`` prompts, in ``prompt_order``. Sequential draws of process ``p`` of
+        ``P`` (``shard``) are prompts p, p + P, p + 2P, ... (cycling), so processes in step draw different ones."""
         if self.prompt_order == "sequential":
-            indices = [(self.cursor + j) % self.n_source for j in range(k)]
+            process, processes = self.shard
+            indices = [(process + processes * (self.cursor + j)) % self.n_source for j in range(k)]
             self.cursor = (self.cursor + k) % self.n_source
             return indices
         return [int(rng.integers(self.n_source)) for _ in range(k)]

@@ -106,12 +106,21 @@ class _Accessors:
 
     @property
     def prompt_cursor(self) -> int:
-        """The index of the next prompt in ``prompt_order = "sequential"`` (checkpoints keep it)."""
+        """The place in ``prompt_order = "sequential"``: prompts drawn so far, modulo their number (checkpoints
+        keep it). Unsharded, the index of the next prompt."""
         return self.episodes.cursor
 
     @prompt_cursor.setter
     def prompt_cursor(self, value: int) -> None:
         self.episodes.cursor = int(value) % self.episodes.n_source
+
+    def shard_prompts(self, process: int, processes: int) -> None:
+        """Make this env process ``process``'s of ``processes`` data-parallel ones: its sequential order takes
+        every ``processes``-th prompt from ``process`` on, so the processes' batches hold different prompts
+        (LM agents call it under ``accelerate``; random order needs nothing, each process has its own seed)."""
+        if not 0 <= process < processes:
+            raise ConfigError(f"process must be in 0..{processes - 1}, not {process!r}.")
+        self.episodes.shard = (int(process), int(processes))
 
     @property
     def reward_seconds(self) -> float:
