@@ -111,7 +111,7 @@ def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_r
     how = {"TEXTGYM_CRASH_AT": "after-metrics:3"} if cut == "kill" else {INTERRUPT_VAR: "after-metrics"}
     result = textgym("train", config, "--agent", "sb3-ppo", "--set", f"run.output_dir='{out}'",
                      "--set", "run.total_timesteps=384", env=how)  # fmt: skip
-    assert result.returncode == (-signal.SIGKILL if cut == "kill" else 0), result.stdout + result.stderr
+    assert result.returncode == (-signal.SIGKILL if cut == "kill" else 130), result.stdout + result.stderr
     (expected, _), (weights, state) = sb3_policy(whole), sb3_policy(out)
     assert (
         state["iteration"] == iterations and state["num_timesteps"] == 128 * iterations
@@ -144,7 +144,7 @@ def test_a_ctrl_c_during_an_iterations_writes_stops_after_that_iteration(config,
     result = textgym(
         "train", config, "--set", f"run.output_dir='{out}'", env={INTERRUPT_VAR: "after-metrics"}
     )
-    assert result.returncode == 0 and "interrupted; checkpoint saved" in result.stdout, result.stderr
+    assert result.returncode == 130 and "interrupted; checkpoint saved" in result.stdout, result.stderr
     assert len(csv_rows(out / "metrics.csv")) == 1
     assert json.loads((out / "checkpoint" / "state.json").read_text())["iteration"] == 1
 
@@ -175,7 +175,7 @@ def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_
         time.sleep(0.2)
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output
+    assert proc.returncode == 130, output  # stopped before its end: as a Ctrl-C'd command exits
     assert "stopping after this iteration" in output and "checkpoint saved" in output
     assert is_complete(out / "checkpoint") and "Traceback" not in output
     assert_consistent(out)
@@ -305,7 +305,7 @@ def test_one_ctrl_c_to_a_run_and_its_forked_worker_stops_it(config, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, start_new_session=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "checkpoint saved" in output, output
+    assert proc.returncode == 130 and "checkpoint saved" in output, output
     assert output.count("stopping after this iteration") == 1
 
 
@@ -778,7 +778,7 @@ def test_a_run_stopped_by_a_signal_in_a_python_process_gives_back_the_signal_han
     finally:
         for s, handler in found.items():
             signal.signal(s, handler)
-    assert code == 0 and "interrupted; checkpoint saved" in capsys.readouterr().out
+    assert code == 130 and "interrupted; checkpoint saved" in capsys.readouterr().out
     assert handlers == {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
@@ -832,5 +832,7 @@ def test_the_textgym_command_keeps_a_stopped_runs_abort_handlers_until_it_exits(
     cmd = [sys.executable, "-u", "-m", "textgym", "--plugin", str(tmp_path / "exit.py"), "train", str(config),
            "--set", f"run.output_dir='{tmp_path / 'run'}'", "--set", "env.rewards=[{name='ctrl_c_then_exit'}]"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "interrupted; checkpoint saved" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 130 and "interrupted; checkpoint saved" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
     assert "at exit: ['_abort', '_abort']" in proc.stdout

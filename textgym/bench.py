@@ -380,7 +380,7 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    from textgym.rundir import SAMPLES_AFTER, RunDir
+    from textgym.rundir import RunDir
 
     spec = load_designs(designs, overrides)
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
@@ -398,13 +398,11 @@ def run(
                     _check_unchanged(job.identity)
                     _record(out, job)
                     _train(job)
-                    total, done = job.config["run"]["total_timesteps"], RunDir(job.run_dir).tokens_trained()
-                    # a signal stopped it and it saved (else it raised); a stop in the last iteration or
-                    # the final evaluation leaves every token trained, and no after-training samples
-                    if done < total or not (job.run_dir / SAMPLES_AFTER).is_file():
+                    total, trained = job.config["run"]["total_timesteps"], RunDir(job.run_dir)
+                    if not trained.finished(total):  # a signal stopped it and it saved (else it raised)
                         raise Stopped(
-                            f"bench stopped: {job.run_id} saved its checkpoint at {done} tokens ({total} to "
-                            f"train); the same command continues it"
+                            f"bench stopped: {job.run_id} saved its checkpoint at {trained.tokens_trained()} "
+                            f"tokens ({total} to train); the same command continues it"
                         )
                 if todo[job.run_id] != "reuse":
                     _check_unchanged(job.eval_files)

@@ -185,15 +185,24 @@ def _quiet_libraries() -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from textgym.config import load_config
     from textgym.errors import ConfigError
+    from textgym.launch import under_launcher
+    from textgym.rundir import RunDir
     from textgym.train import run
 
     if (args.config is None) == (args.resume is None):
         raise ConfigError(
             "give a config file to start a run, or --resume RUN_DIR to continue one (not both)."
         )
-    run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
-    return 0
+    path = run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
+    if (
+        under_launcher()
+    ):  # torchrun's and accelerate's processes: a launcher reports a nonzero exit as a failure
+        return 0
+    # stopped by a signal, the checkpoint saved: 130, as a Ctrl-C'd command exits, so a script does not go on
+    total = load_config(path / "config.toml")["run"]["total_timesteps"]
+    return 0 if RunDir(path).finished(total) else 130
 
 
 def _train_rm(args: argparse.Namespace) -> int:

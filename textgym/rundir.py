@@ -262,6 +262,12 @@ class RunDir:
             write_atomic(path, "".join(kept))
         return dropped
 
+    def finished(self, total_timesteps: int) -> bool:
+        """Whether the run trained its ``total_timesteps`` to the end. A Ctrl-C or SIGTERM stops it with a
+        checkpoint short of them or, in its last iteration or final evaluation, without the after-training
+        samples."""
+        return self.tokens_trained() >= total_timesteps and (self.path / SAMPLES_AFTER).is_file()
+
     def tokens_trained(self) -> int:
         """The tokens of the run's last checkpoint (-1 without one)."""
         return _tokens_in(self.checkpoint)
