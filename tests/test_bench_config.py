@@ -387,6 +387,26 @@ def test_a_proxy_reward_models_settings_digest_follows_its_gold_function(tmp_pat
     assert check_reward_models([entry], "d")[0]["digest"] != first
 
 
+@pytest.mark.parametrize("form", ["toml", "string"])
+def test_a_proxy_reward_models_digest_follows_its_gold_rewards_file_and_string_specs(tmp_path, form):
+    """A gold stack in a .toml file, or a string spec naming a function file: editing either kept the old
+    digest, so the bench reused a proxy model labelled by the old gold stack."""
+    from textgym.bench_rm import check_reward_models
+
+    gold = tmp_path / "gold.py"
+    gold.write_text("def gold(samples):\n    return [1.0 for s in samples]\n")
+    toml = tmp_path / "gold.toml"
+    toml.write_text(f'rewards = [{{ fn = "{gold}:gold" }}, {{ name = "length_penalty", target = 16 }}]\n')
+    entry = {**RM, "output": str(tmp_path / "rm")}
+    entry["pairs"] = {**RM["pairs"], "rewards": [str(toml)] if form == "toml" else [f"fn={gold}:gold"]}
+    first = check_reward_models([entry], "d")[0]["digest"]
+    if form == "toml":
+        toml.write_text(toml.read_text().replace("16", "2"))
+    else:
+        gold.write_text("def gold(samples):\n    return [-1.0 for s in samples]\n")
+    assert check_reward_models([entry], "d")[0]["digest"] != first
+
+
 def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_path):
     """`v1.5-seed0` and `v1.6-seed0` wrote to one `v1.log`."""
     for name in ("v1.5-seed0", "v1.6-seed0"):

@@ -283,6 +283,15 @@ def test_fn_relative_paths_resolve_against_base_dir_not_the_cwd(rewards_dir, tmp
     absolute = resolve_fn_paths({"components": [{"fn": "sub/my_rewards.py:brevity"}]}, rewards_dir)
     assert absolute["components"][0]["fn"] == f"{rewards_dir / 'sub' / 'my_rewards.py'}:brevity"
     check_reward_specs(absolute)
+    # the string form too (it stayed relative to the working directory), as a table; others stay strings
+    specs = resolve_fn_paths(
+        ["fn=sub/my_rewards.py:brevity weight=0.5", "length_penalty target=3"], rewards_dir
+    )
+    assert specs == [
+        {"fn": f"{rewards_dir / 'sub' / 'my_rewards.py'}:brevity", "weight": 0.5},
+        "length_penalty target=3",
+    ]
+    check_reward_specs(specs)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import reward_plugin
 from textgym import Sample, make_reward
 from textgym.cli import main
-from textgym.errors import ConfigError, ModelError, PairsError, UnknownNameError
+from textgym.errors import ConfigError, ModelError, PairsError, TrainingError, UnknownNameError
 from textgym.models import is_complete
 from textgym.pairs import label_pairs, read_pairs
 from textgym.reward_model import REPORT, format_text, train_reward_model
@@ -268,11 +268,13 @@ def test_too_few_pairs_for_the_held_out_split(tmp_path):
     ("settings", "message"),
     [
         ({"epochs": 0}, r"epochs \(--epochs\) must be an integer >= 1, not 0"),
-        ({"learning_rate": 0.0}, r"learning_rate \(--learning-rate\) must be > 0, not 0.0"),
-        ({"learning_rate": -1e-5}, r"must be > 0, not -1e-05"),
+        ({"learning_rate": 0.0}, r"learning_rate \(--learning-rate\) must be a finite number > 0, not 0.0"),
+        ({"learning_rate": -1e-5}, r"must be a finite number > 0, not -1e-05"),
+        ({"learning_rate": float("inf")}, r"must be a finite number > 0, not inf"),  # trained to all-nan
+        ({"learning_rate": True}, r"must be a finite number > 0, not True"),
         (
             {"head_learning_rate": 0},
-            r"head_learning_rate \(--head-learning-rate\) must be > 0, not 0, e.g. 0.001",
+            r"head_learning_rate \(--head-learning-rate\) must be a finite number > 0, not 0, e.g. 0.001",
         ),
         ({"batch_size": 0}, r"batch_size \(--batch-size\) must be an integer >= 1"),
         ({"eval_fraction": 1.0}, r"eval_fraction \(--eval-fraction\) must be between 0 and 1"),
@@ -314,6 +316,10 @@ def test_train_rm_never_replaces_a_directory_it_did_not_write(tmp_path):
         ({"label_noise": -0.1}, r"label_noise must be in \[0, 0.5\), not -0.1"),
         ({"temperature": 0.0}, r"temperature must be > 0, not 0.0: greedy decoding"),
         ({"num_prompts": 0}, r"num_prompts must be a positive integer"),
+        ({"num_prompts": True}, r"num_prompts must be a positive integer"),
+        ({"top_k": 1}, r"top_k must be 0 \(off\) or an integer >= 2, not 1: top_k = 1 is greedy"),
+        ({"top_k": -1}, r"top_k must be 0 \(off\) or an integer >= 2, not -1"),
+        ({"top_k": 10**7}, r"top_k 10000000 is larger than the vocabulary \(\d+ tokens\)"),  # a traceback
         ({"rewards": []}, r"give the gold reward stack"),
     ],
 )
@@ -323,6 +329,71 @@ def test_bad_label_pairs_settings(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
         label_pairs("chat", "tiny-random-llama", rewards, tmp_path / "pairs.jsonl", **kwargs)
     assert not (tmp_path / "pairs.jsonl").exists()
+
+
+def test_label_pairs_refuses_a_directory_as_its_output(tmp_path):
+    with pytest.raises(ConfigError, match=f"output '{tmp_path}' is a directory: give the JSONL file"):
+        label_pairs("chat", "tiny-random-llama", ["length_penalty target=4"], tmp_path)
+
+
+def test_a_loss_that_becomes_nan_stops_train_rm_and_saves_nothing(tmp_path):
+    """A learning rate far too high trained an all-nan model, saved it and said "wrote" (rm_score: nan)."""
+    with pytest.raises(TrainingError, match=r"the loss became nan at step \d+ of 6, so nothing was saved"):
+        train_reward_model(marker_pairs(20), tmp_path / "rm", model="tiny-random-llama", epochs=2,
+                           learning_rate=1e30, head_learning_rate=1e30)  # fmt: skip
+    assert not (tmp_path / "rm").exists()
+
+
+def test_the_epoch_loss_is_the_mean_over_its_pairs_not_over_its_batches(tmp_path, monkeypatch):
+    """9 training pairs in batches of 8: the last batch of 1 weighed as much as the 8 before it."""
+    import textgym.reward_model as rm
+
+    per_pair = []
+
+    def fit(scorer, train, *args):  # the model barely moves (learning rates 1e-30): its loss before = after
+        losses = real_fit(scorer, train, *args)
+        per_pair.append(scorer.evaluate(train, 100)[0].loss)
+        return losses
+
+    real_fit = rm._fit
+    monkeypatch.setattr(rm, "_fit", fit)
+    report = train_reward_model(marker_pairs(12), tmp_path / "rm", model="tiny-random-llama", batch_size=8,
+                                eval_fraction=0.25, learning_rate=1e-30, head_learning_rate=1e-30)  # fmt: skip
+    assert report.train_pairs == 9
+    assert report.train_loss[0] == pytest.approx(per_pair[0], abs=1e-4)
+
+
+def test_pairs_that_are_one_text_once_cut_to_max_length_are_refused(tmp_path):
+    """Their margin is 0 whatever the model: trained on without signal and counted as wrong answers."""
+    rows = marker_pairs(20)
+    tail = " and".join([" the end"] * 30)
+    rows[3] = {"prompt": "p", "chosen": "good" + tail, "rejected": "bad" + tail}
+    with pytest.raises(PairsError, match=r"1 pair\(s\) \(line 4\) have the same chosen and rejected text once "
+                       r"cut to max_length=16 tokens \(from the left\).*raise --max-length"):  # fmt: skip
+        train_reward_model(rows, tmp_path / "rm", model="tiny-random-llama", max_length=16)
+
+
+def test_pairs_files_split_lines_at_newlines_only_and_pairs_keep_their_lines(tmp_path):
+    """JSON strings may hold U+2028 and U+0085 raw; splitlines() cut the row there ("not valid JSON")."""
+    rows = [
+        {"prompt": "p\u2028q", "chosen": "a\x85b", "rejected": "c"},
+        {"prompt": "p", "chosen": "x", "rejected": "y"},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    pairs = read_pairs(path)
+    assert [p.prompt for p in pairs] == ["p\u2028q", "p"] and [p.line for p in pairs] == [1, 2]
+    assert [p.line for p in read_pairs(pairs[1:])] == [2]  # not renumbered from 1 (RMReport.eval_lines)
+
+
+def test_the_advice_for_too_few_pairs_is_enough():
+    from textgym.pairs import split_pairs
+
+    pairs = read_pairs([{"prompt": "p", "chosen": f"a{i}", "rejected": "b"} for i in range(3)])
+    with pytest.raises(PairsError, match="leave 2 held-out and 0 training .* Give at least 3 pairs"):
+        split_pairs(pairs[:2], 0.75, 0)  # it said 2, which fails the same way
+    train, held_out = split_pairs(pairs, 0.75, 0)
+    assert len(train) == 1 and len(held_out) == 2
 
 
 def test_a_rewards_file_without_a_rewards_list(tmp_path):

@@ -129,3 +129,13 @@ def test_a_reward_returning_strings_is_rejected_not_coerced(values, shown):
     with pytest.raises(RewardError, match="reward plugin 'stringly' returned") as err:
         stack.score(SAMPLES)
     assert shown in str(err.value) and "one float per sample" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "spec", ["length_penalty target=3 weight=1 target=30", "length_penalty name=sentiment"]
+)
+def test_a_reward_spec_giving_a_key_twice_is_refused(spec):
+    """The last value won without a word (a name= even replaced the reward)."""
+    key = "name" if "name=" in spec else "target"
+    with pytest.raises(ConfigError, match=f"{key} is given twice"):
+        parse_reward_spec(spec)

@@ -167,11 +167,14 @@ def data_paths(value: Any, skip: Iterable[str] = ()) -> list[str]:
 
 
 def fn_files(specs: Any) -> list[str]:
-    """The ``.py`` files of the ``fn`` components of a stack spec."""
-    if isinstance(specs, Mapping):
-        specs = specs.get("components", [specs])
+    """The ``.py`` files of the ``fn`` components of a stack spec (tables or ``"fn=file.py:name"`` strings)."""
+    from textgym.rewards import parse_reward_spec
+
+    if isinstance(specs, (Mapping, str)):
+        specs = specs.get("components", [specs]) if isinstance(specs, Mapping) else [specs]
     files = []
     for spec in specs or []:
+        spec = parse_reward_spec(spec) if isinstance(spec, str) else spec
         if isinstance(spec, Mapping) and isinstance(spec.get("fn"), str):
             target = spec["fn"].rpartition(":")[0]
             if target.endswith(".py"):

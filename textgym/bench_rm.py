@@ -39,6 +39,7 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
     from textgym.bench import data_paths, file_digest, fn_files
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
     from textgym.reward_model import check_train_settings, train_reward_model
+    from textgym.rewards import parse_reward_spec
 
     if entries is None:
         return []
@@ -78,8 +79,12 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
             raise ConfigError(f"{where}: {exc}") from None
         check_reward_specs(gold_specs(pairs["rewards"]), where=f"{where}: pairs.rewards")
         settings = {"pairs": dict(pairs), "train": dict(train)}
-        # the gold functions' code and the data (prompt files, policy and model directories) by content
-        files = sorted(set(fn_files(gold_specs(pairs["rewards"])) + data_paths(settings)))
+        # by content: the gold stack's .toml files, its functions' code, and the data (prompt files, policy
+        # and model directories, also those the gold stack names)
+        gold = [parse_reward_spec(s) if isinstance(s, str) else s for s in gold_specs(pairs["rewards"])]
+        named = pairs["rewards"] if isinstance(pairs["rewards"], list) else [pairs["rewards"]]
+        tomls = [str(item) for item in named if isinstance(item, str) and item.endswith(".toml")]
+        files = sorted(set(tomls + fn_files(gold) + data_paths(settings) + data_paths(gold)))
         digested = {**settings, "files": {f: file_digest(f) for f in files}} if files else settings
         digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
         out.append({"output": output, **settings, "digest": digest})

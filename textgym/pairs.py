@@ -50,7 +50,8 @@ def read_pairs(source: PairsLike) -> list[Pair]:
             )
         where = str(source)
         records: list[tuple[int, Any]] = []
-        for n, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        # lines end at "\n" only: JSON strings may hold U+2028, U+0085 (splitlines would cut them there)
+        for n, text in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
             if not text.strip():
                 continue
             try:
@@ -67,8 +68,11 @@ def read_pairs(source: PairsLike) -> list[Pair]:
 
 
 def _to_pair(record: Any, where: str, line: int) -> Pair:
-    if isinstance(record, Pair):
-        record = {"prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected}
+    if isinstance(record, Pair):  # keeps the line it was read from (RMReport.eval_lines)
+        record, line = (
+            {"prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected},
+            record.line,
+        )
     if not isinstance(record, Mapping):
         raise PairsError(
             f"{where}, line {line}: expected an object with prompt, chosen and rejected, not {record!r}."
@@ -102,7 +106,8 @@ def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple
     n = len(pairs)
     n_eval = math.floor(eval_fraction * n + 0.5)
     if n_eval < 1 or n_eval >= n:
-        need = max(2, math.ceil(0.5 / eval_fraction), math.ceil(0.5 / (1 - eval_fraction)))
+        # held-out >= 1 needs n >= 0.5 / f; training >= 1 needs n (1 - f) > 0.5
+        need = max(2, math.ceil(0.5 / eval_fraction), math.floor(0.5 / (1 - eval_fraction)) + 1)
         raise PairsError(
             f"{n} pair(s) at eval_fraction {eval_fraction} leave {n_eval} held-out and {n - n_eval} training "
             f"pair(s); both need at least one. Give at least {need} pairs, or change --eval-fraction."
@@ -114,13 +119,20 @@ def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple
 
 
 def check_label_settings(
-    num_prompts: int | None, max_new_tokens: int, temperature: float, label_noise: float, batch_size: int
+    num_prompts: int | None,
+    max_new_tokens: int,
+    temperature: float,
+    label_noise: float,
+    batch_size: int,
+    top_k: int = 0,
 ) -> None:
     """Raise :class:`ConfigError` for a value ``label_pairs`` cannot work with."""
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
-    if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
+    if num_prompts is not None and (
+        not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1
+    ):
         raise ConfigError(
             f"num_prompts must be a positive integer (or omitted for all), not {num_prompts!r}."
         )
@@ -128,6 +140,11 @@ def check_label_settings(
         raise ConfigError(
             f"temperature must be > 0, not {temperature!r}: greedy decoding would give both completions of a "
             f"prompt the same text."
+        )
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0 or top_k == 1:
+        raise ConfigError(
+            f"top_k must be 0 (off) or an integer >= 2, not {top_k!r}: top_k = 1 is greedy decoding, which "
+            f"would give both completions of a prompt the same text."
         )
     if not 0 <= label_noise < 0.5:
         raise ConfigError(
@@ -227,7 +244,10 @@ def label_pairs(
     from textgym.sampling import sample_episodes
     from textgym.scoring import resolve_device
 
-    check_label_settings(num_prompts, max_new_tokens, temperature, label_noise, batch_size)
+    check_label_settings(num_prompts, max_new_tokens, temperature, label_noise, batch_size, top_k)
+    output = Path(output)
+    if output.is_dir():
+        raise ConfigError(f"output {str(output)!r} is a directory: give the JSONL file to write.")
     specs = gold_specs(rewards)
     check_reward_specs(specs, where="gold rewards")
     source = load_prompts(prompts)
@@ -244,11 +264,15 @@ def label_pairs(
         chat_template=chat_template,
         autoreset_mode="Disabled",
     )
+    if top_k > env.single_action_space.n:
+        env.close()
+        raise ConfigError(
+            f"top_k {top_k} is larger than the vocabulary ({env.single_action_space.n} tokens)."
+        )
     model, _ = load_model(policy)
     model.to(resolve_device("auto"))
     noise_rng = np.random.default_rng(seed)
     written = ties = flipped = 0
-    output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         with (

@@ -162,7 +162,13 @@ def resolve_fn_paths(specs: Any, base_dir: str | os.PathLike) -> Any:
     """A copy of a stack spec with every relative ``fn`` file path made absolute against ``base_dir``, so
     the spec means the same from any working directory."""
 
+    from textgym.rewards import parse_reward_spec
+
     def component(spec: Any) -> Any:
+        if isinstance(spec, str) and "fn=" in spec:  # "fn=file.py:name weight=0.5": as a table, resolved
+            parsed = parse_reward_spec(spec)
+            resolved = component(parsed)
+            return resolved if resolved != parsed else spec
         if isinstance(spec, Mapping) and isinstance(spec.get("fn"), str):
             return {**spec, "fn": resolve_file_ref(spec["fn"], base_dir)}
         return spec

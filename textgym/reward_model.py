@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from textgym.errors import ConfigError, ModelError, UnknownNameError
+from textgym.errors import ConfigError, ModelError, PairsError, TrainingError, UnknownNameError
 from textgym.models import EMBEDDED, SMOLLM2_PAD, atomic_build_dir, is_complete
 from textgym.pairs import Pair, PairsLike, read_pairs, split_pairs
 from textgym.scoring import chat_pair
@@ -123,9 +123,11 @@ def check_train_settings(
         ("learning_rate", learning_rate, LEARNING_RATE),
         ("head_learning_rate", head_learning_rate, HEAD_LEARNING_RATE),
     ):
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        valid = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+        if value is not None and not valid:
             raise ConfigError(
-                f"{name} (--{name.replace('_', '-')}) must be > 0, not {value!r}, e.g. {example:g}."
+                f"{name} (--{name.replace('_', '-')}) must be a finite number > 0, not {value!r}, e.g. "
+                f"{example:g}."
             )
     if not (isinstance(eval_fraction, (int, float)) and 0 < eval_fraction < 1):
         raise ConfigError(
@@ -243,6 +245,13 @@ class _Scorer:
             format_text(*fmt, p.prompt, p.rejected) for p in pairs
         ]
 
+    def tied(self, pairs: Sequence[Pair]) -> list[Pair]:
+        """The pairs whose two texts are the same tokens once cut to ``max_length``."""
+        ids = self.tokenizer(
+            self.texts(pairs), truncation=True, max_length=self.max_length, add_special_tokens=not self.chat
+        )["input_ids"]
+        return [pair for k, pair in enumerate(pairs) if ids[k] == ids[len(pairs) + k]]
+
     def margins(self, pairs: Sequence[Pair]) -> tuple[Any, Any]:
         """``(r_chosen - r_rejected, rewards)``: (B,) and (2B,), in one forward over the 2B texts."""
         enc = self.tokenizer(  # a chat template writes its own BOS, as in rm_score
@@ -342,6 +351,13 @@ def train_reward_model(
     if lora_config is not None:
         rm = _with_lora(rm, lora_config)
     scorer = _Scorer(rm.to(device), tokenizer, max_length, device)
+    if tied := scorer.tied(all_pairs):  # their margin is 0 whatever the model: no signal, counted as wrong
+        lines = ", ".join(str(pair.line) for pair in tied[:5]) + (", ..." if len(tied) > 5 else "")
+        raise PairsError(
+            f"{len(tied)} pair(s) (line {lines}) have the same chosen and rejected text once cut to "
+            f"max_length={max_length} tokens (from the left), which teaches no preference: raise --max-length "
+            f"or remove them."
+        )
     before, _ = scorer.evaluate(held_out, batch_size)
     train_loss = _fit(scorer, train, epochs, (learning_rate, head_learning_rate), batch_size, seed, progress)
     if lora is not None:
@@ -410,7 +426,8 @@ def _fit(
         optimizer = torch.optim.AdamW(groups, fused=True)
     except (RuntimeError, TypeError):
         optimizer = torch.optim.AdamW(groups)
-    total_steps = epochs * math.ceil(len(train) / batch_size)
+    steps = math.ceil(len(train) / batch_size)  # per epoch
+    total_steps = epochs * steps
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)
     order_rng = torch.Generator().manual_seed(seed)
     autocast = scorer.device.startswith("cuda")  # bf16 on GPUs; fp32 on the CPU
@@ -421,20 +438,28 @@ def _fit(
             model.train()
             order = torch.randperm(len(train), generator=order_rng).tolist()
             losses = []
-            for first in range(0, len(train), batch_size):
+            for step, first in enumerate(
+                range(0, len(train), batch_size), start=len(epoch_losses) * steps + 1
+            ):
                 batch = [train[i] for i in order[first : first + batch_size]]
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                     margin, _ = scorer.margins(batch)  # (B,)
                 loss = -F.logsigmoid(margin).mean()  # Bradley–Terry: -log P(chosen is preferred)
+                if not torch.isfinite(loss):  # saved, it would score nan for every text
+                    raise TrainingError(
+                        f"train-rm: the loss became {loss.item()} at step {step} of {total_steps}, so nothing was saved. "
+                        f"Lower the learning rates (learning_rate={learning_rates[0]:g}, "
+                        f"head_learning_rate={learning_rates[1]:g})."
+                    )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 schedule.step()
-                losses.append(loss.item())
+                losses.append(loss.item() * len(batch))  # a short last batch weighs by its pairs
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{float((margin > 0).float().mean()):.2f}")
-            epoch_losses.append(sum(losses) / len(losses))
+            epoch_losses.append(sum(losses) / len(train))
     return epoch_losses
 
 

@@ -394,6 +394,8 @@ def parse_reward_spec(text: str) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ConfigError(f"reward spec {text!r}: {pair!r} is not key=value.")
+        if key in spec:  # the last one would win without a word; a name= would replace the leading name
+            raise ConfigError(f"reward spec {text!r}: {key} is given twice; give it once.")
         try:
             spec[key] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
