@@ -132,6 +132,8 @@ def test_gate_with_max_gates_apply_in_order_and_after_normalization():
         ),
         ({"component": "safety"}, "needs min and/or max"),
         ({"component": "safety", "min": 1, "max": 0}, "min = 1 is above max = 0"),
+        ({"component": "safety", "min": math.inf}, "min = inf fails every score"),  # every total was 0
+        ({"component": "safety", "max": -math.inf}, "max = -inf fails every score"),
         ({"component": "safety", "min": 0, "action": "clip"}, "action 'clip' is not one of 'zero', 'cap'"),
         ({"component": "safety", "min": 0, "cap": 1.0}, "cap only applies with action = 'cap'"),
         ({"component": "safety", "min": 0, "mn": 1}, "unknown key"),

@@ -530,7 +530,7 @@ def interrupted_two_process_run(config, out, signals, ready=None, options=(), si
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     ready = ready or out / "metrics.csv"
     deadline = time.time() + 300
-    while not ready.is_file() and time.time() < deadline:
+    while not ready.is_file() and time.time() < deadline and proc.poll() is None:  # a failed start: at once
         time.sleep(0.2)
     for i in range(signals):
         time.sleep(0.05 * bool(i))

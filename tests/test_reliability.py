@@ -171,7 +171,7 @@ def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.time() + 300
-    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+    while not (out / "metrics.csv").is_file() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)

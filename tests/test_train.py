@@ -144,7 +144,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_code_130(config, tmp_path):
            "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.time() + 300
-    while not (out / "metrics.csv").is_file() and time.time() < deadline:
+    while not (out / "metrics.csv").is_file() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)

@@ -233,6 +233,11 @@ class Gate:
                 raise ConfigError(f"{where}: gate on {component!r}: {key} = {value!r} must be a number.")
         if low > high:
             raise ConfigError(f"{where}: gate on {component!r}: min = {low} is above max = {high}.")
+        if low == math.inf or high == -math.inf:  # no finite score passes: every total gated
+            raise ConfigError(
+                f"{where}: gate on {component!r}: {'min = inf' if low == math.inf else 'max = -inf'} fails "
+                f"every score; leave that bound out for no bound."
+            )
         action = spec.get("action", "zero")
         if action not in GATE_ACTIONS:
             raise ConfigError(
