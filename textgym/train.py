@@ -11,12 +11,11 @@ the current iteration and writes the checkpoint; a second one aborts at once, ke
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from textgym import plugin_manager
 from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.composition import stack_table
 from textgym.config import load_config, validate
-from textgym.errors import ConfigError, did_you_mean
+from textgym.errors import ConfigError
 from textgym.launch import (
     LAUNCHED_VAR,
     check_processes,
@@ -39,8 +38,10 @@ from textgym.launch import (
     world_size,
 )
 from textgym.plotting import training_curves
+from textgym.resume_checks import check_checkpoint_config, check_resume_changes
 from textgym.rundir import CHECKPOINT, SAMPLES_AFTER, RunDir, crash_point
 from textgym.stopping import StopFlag
+from textgym.train_env import check_env_id, check_sb3_rewards, make_env
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
 
@@ -74,7 +75,7 @@ def run(
                 f"{run_dir} was trained by {trained_by} process(es); a resume keeps that number, as the seeds "
                 f"and the batch split depend on it: drop run.processes={config['run']['processes']} from --set."
             )
-        _check_resume_changes(run_dir, saved, config, agent_name)
+        check_resume_changes(run_dir, saved, config, agent_name)
         changed = config != saved
         before, after = saved["run"]["total_timesteps"], config["run"]["total_timesteps"]
         if before != after and rank() == 0:
@@ -110,7 +111,7 @@ def run(
     check_env_id(config["env"]["id"], config["run"]["allow_env_import"])
     agent_class, policy, hyperparameters = resolve_agent(config["agent"])
     if not is_lm_agent(agent_class):
-        _check_sb3_rewards(config)
+        check_sb3_rewards(config)
     world = world_size()
     check_processes(config, world, resume is not None, agent_class, hyperparameters)
     if "tensorboard" in config["run"]["report_to"]:  # one TensorBoard run per run directory, resumes included
@@ -183,159 +184,6 @@ def run(
             end_process_group()
 
 
-# hyperparameters that say where and how loudly a run trains, not what it learns: a resume may differ in them
-MACHINE_SETTINGS = ("device", "verbose", "tensorboard_log")
-
-
-def _check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any]) -> None:
-    """The checkpoint was trained with the hyperparameters the run's config.toml gives now. A resume loads
-    the optimizer (its learning rate) and the counters from the checkpoint and the rest from config.toml: a
-    value edited there would half apply (a new n_epochs, the old learning rate), and state.json would record
-    one that was never used."""
-    from textgym.evaluation import jsonable
-
-    state_file = rd.checkpoint / "state.json"
-    try:
-        trained = json.loads(state_file.read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError):
-        return  # an incomplete checkpoint: loading it says what is wrong
-    changed = [
-        f"agent.{key}: {trained[key]!r} -> {value!r}"
-        for key, value in hyperparameters.items()
-        if key in trained and key not in MACHINE_SETTINGS and jsonable(value) != jsonable(trained[key])
-    ]
-    if changed:
-        raise ConfigError(
-            f"{rd.path / 'config.toml'} no longer says what {rd.checkpoint} was trained with ({'; '.join(changed)}): "
-            f"a resume continues the run as it was trained. Put those values back, or start a new run to change "
-            f"them (agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights)."
-        )
-
-
-# what a resume may change: how long the run goes on and what it writes; not what it trains, or how
-RESUME_SETTINGS = ("run.total_timesteps", "run.checkpoint_every", "run.sample_prompts", "run.plugins",
-                   "run.report_to")  # fmt: skip
-
-
-def _check_resume_changes(
-    run_dir: Path, saved: dict[str, Any], config: dict[str, Any], agent_name: str | None
-) -> None:
-    if agent_name and agent_name != saved["agent"]["name"]:
-        raise ConfigError(
-            f"--agent {agent_name}: {run_dir} trains {saved['agent']['name']!r}, and a resume continues it; start "
-            f"a new run for another agent (textgym train {run_dir / 'config.toml'} --agent {agent_name})."
-        )
-    changed = [key for key in _differences(saved, config) if key not in RESUME_SETTINGS]
-    if changed:
-        raise ConfigError(
-            f"--set {', '.join(changed)} on --resume: a resume continues {run_dir} as it was trained (its "
-            f"optimizer, KL controller, seeds and env come from the checkpoint and config.toml), so only "
-            f"{', '.join(RESUME_SETTINGS)} may change. Start a new run to change the others."
-        )
-
-
-def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two configs."""
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return [prefix] if a != b else []
-    return [
-        key
-        for name in dict.fromkeys([*a, *b])
-        for key in _differences(a.get(name), b.get(name), f"{prefix}.{name}" if prefix else str(name))
-    ]
-
-
-def check_env_id(env_id: str, allow_import: bool) -> None:
-    """Only registered env ids: Gymnasium imports the module of a ``"module:Env-v0"`` id, which would run
-    code the user never named as a plugin (``run.allow_env_import = true`` opts in)."""
-    import gymnasium
-
-    if ":" in env_id and not allow_import:
-        raise ConfigError(
-            f"env.id {env_id!r} would import module {env_id.split(':')[0]!r}: textgym only makes registered envs. "
-            f"Register the env through a plugin (run.plugins), or set run.allow_env_import = true to allow it."
-        )
-    if ":" not in env_id and env_id not in gymnasium.registry:
-        from textgym.errors import UnknownNameError
-
-        raise UnknownNameError(
-            "env", env_id, [k for k in gymnasium.registry if k.startswith("textgym/") or "/" in k]
-        )
-
-
-def _check_sb3_rewards(config: dict[str, Any]) -> None:
-    rewards = config["env"].get("rewards")
-    if isinstance(rewards, dict) and rewards.get("aggregate", "sum") != "sum":
-        raise ConfigError(
-            "aggregate = 'normalize_then_sum' standardises rewards over a batch of episodes; Stable-Baselines3 "
-            "agents score episodes step by step (a batch is whatever ends on one step): use 'sum', or an LM agent."
-        )
-
-
-def _env_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
-    policy = config["agent"]["policy"]
-    if "model" not in kwargs and isinstance(policy, str):
-        kwargs["model"] = policy  # the env tokenizes with the policy's tokenizer
-    return kwargs
-
-
-def make_env(config: dict[str, Any], num_envs: int, **extra: Any) -> Any:
-    """The run's ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``, for LM agents and sampling)."""
-    import gymnasium
-
-    kwargs = {**_env_kwargs(config), "autoreset_mode": "Disabled", **extra}
-    with env_errors(config["env"]["id"]):
-        env = gymnasium.make_vec(
-            config["env"]["id"], num_envs=num_envs, vectorization_mode="vector_entry_point", **kwargs
-        )
-    from textgym.envs import TextGenVectorEnv
-
-    if not isinstance(env, TextGenVectorEnv):
-        raise ConfigError(
-            f"[env] {config['env']['id']} made a {type(env).__name__}; textgym trains on envs whose vector entry "
-            f"point is a TextGenVectorEnv."
-        )
-    return env
-
-
-@contextlib.contextmanager
-def env_errors(env_id: str) -> Iterator[None]:
-    """Making the env of ``[env] id``: its errors as one-line ConfigErrors."""
-    import gymnasium
-
-    try:
-        yield
-    except TypeError as exc:  # an argument the env does not take
-        raise ConfigError(f"[env] {env_id}: {exc}{_closest_env_key(env_id, str(exc))}") from exc
-    except gymnasium.error.Error as exc:
-        raise ConfigError(f"[env] id: {exc}") from exc
-    except (ImportError, AttributeError) as exc:  # a plugin registered an entry point that does not import
-        raise ConfigError(f"[env] {env_id} cannot be made: {type(exc).__name__}: {exc}") from exc
-
-
-def _closest_env_key(env_id: str, message: str) -> str:
-    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
-    import importlib
-    import inspect
-    import re
-
-    import gymnasium
-
-    bad = re.search(r"unexpected keyword argument '(\w+)'", message)
-    try:
-        spec = gymnasium.spec(env_id)
-        entry = spec.vector_entry_point or spec.entry_point
-        if isinstance(entry, str):
-            module, _, name = entry.partition(":")
-            entry = getattr(importlib.import_module(module), name)
-        known = [*inspect.signature(entry).parameters, *spec.kwargs]
-    except Exception:
-        return ""
-    hint = did_you_mean(bad.group(1), known) if bad else ""
-    return f".{hint}" if hint else ""
-
-
 def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
     """The first ``run.sample_prompts`` prompts with a fixed seed: the same before and after training."""
     env = make_env(config, config["run"]["sample_prompts"], prompt_order="sequential")
@@ -397,7 +245,7 @@ def _run_native(
     env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     if resuming:
-        _check_checkpoint_config(rd, hyperparameters)
+        check_checkpoint_config(rd, hyperparameters)
         agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
     else:
         agent = agent_class(policy, env, **hyperparameters)

@@ -12,7 +12,8 @@ import numpy as np
 from textgym.errors import ConfigError
 from textgym.rundir import RunDir, crash_point
 from textgym.stopping import StopFlag
-from textgym.train import _finish, _iteration_line, _report, _resumed, _sample_table, env_errors
+from textgym.train import _finish, _iteration_line, _report, _resumed, _sample_table
+from textgym.train_env import env_errors
 
 
 def run_sb3(

@@ -12,6 +12,7 @@ from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
 from textgym.envs.conversation import ReplyFormatter
+from textgym.envs.responder_calls import notify_end, validated_openings, validated_replies
 from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
@@ -22,9 +23,6 @@ from textgym.responders import (
     ResponderError,
     ResponderSpec,
     make_responder,
-    notify_end,
-    validated_openings,
-    validated_replies,
 )
 from textgym.rewards import RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 

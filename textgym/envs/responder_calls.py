@@ -1,0 +1,104 @@
+"""The env's calls of its responder: each reply, opening and end checked, every error naming the responder
+(:class:`~textgym.responders.ResponderError`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from textgym.errors import TextgymError
+from textgym.responders import Conversation, Reply, Responder, ResponderError
+
+__all__ = ["notify_end", "validated_openings", "validated_replies"]
+
+
+def _label(responder: Responder) -> str:
+    return f"responder {getattr(responder, 'name', responder)!r}"
+
+
+def _call(responder: Responder, method: Callable[..., Any], conversations: Sequence[Conversation],
+          where: str = "") -> Any:  # fmt: skip
+    """``method(conversations)`` (the responder itself, or its ``start``/``end``); an exception it raises is a
+    :class:`ResponderError` that names the responder and ``where`` (``" in start()"``)."""
+    try:
+        return method(conversations)
+    except TextgymError:
+        raise
+    except Exception as exc:
+        raise ResponderError(f"{_label(responder)} raised {type(exc).__name__}{where}: {exc}") from exc
+
+
+def validated_replies(responder: Responder, conversations: Sequence[Conversation]) -> list[Reply]:
+    """Call ``responder`` and check its output: one :class:`Reply` or string per conversation, with a string
+    text, a finite reward or None, and a bool ``done``. Every error names the responder."""
+    label = _label(responder)
+    out = _call(responder, responder, conversations)
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise ResponderError(
+            f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return a list with one reply "
+            f"(a string or a textgym.Reply) per conversation."
+        )
+    if len(out) != len(conversations):
+        raise ResponderError(
+            f"{label} returned {len(out)} replies for {len(conversations)} conversations; it must return exactly "
+            f"one per conversation."
+        )
+    replies = []
+    for i, reply in enumerate(out):
+        if isinstance(reply, str):
+            reply = Reply(reply)
+        where = f"for conversation {i} (agent's turn {conversations[i].last[:60]!r})"
+        if not isinstance(reply, Reply) or not isinstance(reply.text, str):
+            bad = reply.text if isinstance(reply, Reply) else reply
+            raise ResponderError(
+                f"{label} returned {type(bad).__name__} {bad!r} {where}; a reply must be a string or a "
+                f"textgym.Reply whose text is a string."
+            )
+        # numpy scalars (np.float32, np.bool_) are taken, as from a reward plugin
+        reward, done = reply.reward, reply.done
+        if reward is not None:
+            ok = isinstance(reward, numbers.Real) and not isinstance(reward, (bool, np.bool_))
+            if not ok or not math.isfinite(reward):
+                raise ResponderError(
+                    f"{label} returned reward {reward!r} {where}; a turn reward must be a finite number or None."
+                )
+            reward = float(reward)
+        for flag, value in (("done", done), ("truncated", reply.truncated)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ResponderError(f"{label} returned {flag}={value!r} {where}; it must be True or False.")
+        replies.append(
+            dataclasses.replace(reply, reward=reward, done=bool(done), truncated=bool(reply.truncated))
+        )
+    return replies
+
+
+def validated_openings(responder: Responder, conversations: Sequence[Conversation]) -> list[str | None]:
+    """Call ``responder.start`` when it has one: a string (appended to the prompt) or None per conversation."""
+    start = getattr(responder, "start", None)
+    if not callable(start):
+        return [None] * len(conversations)
+    label = _label(responder)
+    out = _call(responder, start, conversations, " in start()")
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != len(conversations):
+        raise ResponderError(
+            f"{label}: start() returned {str(out)[:80]!r}; it must return a list with one opening (a string or "
+            f"None) per conversation ({len(conversations)})."
+        )
+    for opening in out:
+        if opening is not None and not isinstance(opening, str):
+            raise ResponderError(
+                f"{label}: start() returned {type(opening).__name__} {opening!r}; an opening must be a string or None."
+            )
+    return list(out)
+
+
+def notify_end(responder: Responder, conversations: Sequence[Conversation]) -> None:
+    """Call ``responder.end`` when it has one: these episodes are over."""
+    end = getattr(responder, "end", None)
+    if callable(end):
+        _call(responder, end, conversations, " in end()")

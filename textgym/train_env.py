@@ -1,0 +1,103 @@
+"""The env of a ``textgym train`` config: its id checked, made as a ``TextGenVectorEnv``, its errors as
+one-line :class:`~textgym.errors.ConfigError` s."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from textgym.errors import ConfigError, did_you_mean
+
+__all__ = ["check_env_id", "check_sb3_rewards", "env_errors", "make_env"]
+
+
+def check_env_id(env_id: str, allow_import: bool) -> None:
+    """Only registered env ids: Gymnasium imports the module of a ``"module:Env-v0"`` id, which would run
+    code the user never named as a plugin (``run.allow_env_import = true`` opts in)."""
+    import gymnasium
+
+    if ":" in env_id and not allow_import:
+        raise ConfigError(
+            f"env.id {env_id!r} would import module {env_id.split(':')[0]!r}: textgym only makes registered envs. "
+            f"Register the env through a plugin (run.plugins), or set run.allow_env_import = true to allow it."
+        )
+    if ":" not in env_id and env_id not in gymnasium.registry:
+        from textgym.errors import UnknownNameError
+
+        raise UnknownNameError(
+            "env", env_id, [k for k in gymnasium.registry if k.startswith("textgym/") or "/" in k]
+        )
+
+
+def check_sb3_rewards(config: dict[str, Any]) -> None:
+    rewards = config["env"].get("rewards")
+    if isinstance(rewards, dict) and rewards.get("aggregate", "sum") != "sum":
+        raise ConfigError(
+            "aggregate = 'normalize_then_sum' standardises rewards over a batch of episodes; Stable-Baselines3 "
+            "agents score episodes step by step (a batch is whatever ends on one step): use 'sum', or an LM agent."
+        )
+
+
+def _env_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    kwargs = {k: v for k, v in config["env"].items() if k not in ("id", "num_envs")}
+    policy = config["agent"]["policy"]
+    if "model" not in kwargs and isinstance(policy, str):
+        kwargs["model"] = policy  # the env tokenizes with the policy's tokenizer
+    return kwargs
+
+
+def make_env(config: dict[str, Any], num_envs: int, **extra: Any) -> Any:
+    """The run's ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``, for LM agents and sampling)."""
+    import gymnasium
+
+    kwargs = {**_env_kwargs(config), "autoreset_mode": "Disabled", **extra}
+    with env_errors(config["env"]["id"]):
+        env = gymnasium.make_vec(
+            config["env"]["id"], num_envs=num_envs, vectorization_mode="vector_entry_point", **kwargs
+        )
+    from textgym.envs import TextGenVectorEnv
+
+    if not isinstance(env, TextGenVectorEnv):
+        raise ConfigError(
+            f"[env] {config['env']['id']} made a {type(env).__name__}; textgym trains on envs whose vector entry "
+            f"point is a TextGenVectorEnv."
+        )
+    return env
+
+
+@contextlib.contextmanager
+def env_errors(env_id: str) -> Iterator[None]:
+    """Making the env of ``[env] id``: its errors as one-line ConfigErrors."""
+    import gymnasium
+
+    try:
+        yield
+    except TypeError as exc:  # an argument the env does not take
+        raise ConfigError(f"[env] {env_id}: {exc}{_closest_env_key(env_id, str(exc))}") from exc
+    except gymnasium.error.Error as exc:
+        raise ConfigError(f"[env] id: {exc}") from exc
+    except (ImportError, AttributeError) as exc:  # a plugin registered an entry point that does not import
+        raise ConfigError(f"[env] {env_id} cannot be made: {type(exc).__name__}: {exc}") from exc
+
+
+def _closest_env_key(env_id: str, message: str) -> str:
+    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
+    import importlib
+    import inspect
+    import re
+
+    import gymnasium
+
+    bad = re.search(r"unexpected keyword argument '(\w+)'", message)
+    try:
+        spec = gymnasium.spec(env_id)
+        entry = spec.vector_entry_point or spec.entry_point
+        if isinstance(entry, str):
+            module, _, name = entry.partition(":")
+            entry = getattr(importlib.import_module(module), name)
+        known = [*inspect.signature(entry).parameters, *spec.kwargs]
+    except Exception:
+        return ""
+    hint = did_you_mean(bad.group(1), known) if bad else ""
+    return f".{hint}" if hint else ""
