@@ -24,6 +24,7 @@ import torch
 
 from textgym.agents import lora, sharding, zero3
 from textgym.agents.rollout_batch import RunningMoments
+from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.errors import ConfigError, TrainingError
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
                 f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
             ) from None
     policy = agent.rollout_model
+    _check_save_target(path)
     if agent.policy_source is None and agent.config.lora is not None:
         raise ConfigError(
             "saving a LoRA policy needs the base model given by name or path, not as an object."
@@ -128,6 +130,19 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
         (out / "state.json").write_text(json.dumps(state, indent=2))
 
     atomic_build_dir(path, build, replace=True)
+
+
+def _check_save_target(path: Path) -> None:
+    """A save replaces a checkpoint, or fills an empty or new directory; anything else in ``path`` is the
+    user's: a save refuses it rather than delete it."""
+    from textgym.models import is_complete
+
+    empty = path.is_dir() and not any(path.iterdir())
+    if path.exists() and not empty and not (is_complete(path) and (path / "state.json").is_file()):
+        raise ConfigError(
+            f"{str(path)!r} exists and is not a textgym checkpoint: save to a new or empty directory (a "
+            f"checkpoint there is replaced, nothing else is)."
+        )
 
 
 def _sharded_over_processes() -> bool:
@@ -188,6 +203,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         else:
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
         agent.policy_source = source
+        if env is not None and source is not None:  # built from an object, set_env compared sizes only
+            check_tokenizer(agent.rollout_model.config, source, env)
         if agent.ref_policy is not None and not from_main:
             reference = (
                 cls._load_policy(source)
@@ -217,12 +234,16 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             sharding.load_full_optimizer_state(agent.optimizer, optimizer_state)
         else:
             agent.optimizer.load_state_dict(optimizer_state)
+        if "learning_rate" in overrides:  # the optimizer's state holds the saved rate: the override's instead
+            for group in agent.optimizer.param_groups:
+                group["lr"] = agent.config.learning_rate
         agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
         agent.skipped_steps = state.get("skipped_steps", 0)
         agent.score_moments = RunningMoments(**state["score_moments"])
         agent.history = state["history"]
         agent.trained_sharding = state.get("sharding", agent.sharding_engine)  # older checkpoints: unknown
-        agent.load_extra_state(state.get("extra", {}))
+        # what the agent keeps between iterations (LMPPO's adaptive KL coefficient), but not what load overrides
+        agent.load_extra_state({k: v for k, v in state.get("extra", {}).items() if k not in overrides})
         if state.get("prompt_cursor") is not None and hasattr(env, "prompt_cursor"):
             env.prompt_cursor = state["prompt_cursor"]
     except (ConfigError, TrainingError):

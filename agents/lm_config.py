@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,15 @@ class LMAgentConfig:
             raise ConfigError(
                 f"lora must be a table of peft LoraConfig arguments (e.g. {{r = 8}}), not {self.lora!r}."
             )
+        if self.lora is not None:  # sets as lists: peft takes both, and a checkpoint's state.json records it
+            self.lora = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in self.lora.items()}
+            for key, value in self.lora.items():
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"lora.{key} = {value!r} cannot be saved with a checkpoint: give a list, string or number."
+                    ) from None
         if self.lora is not None and "r" in self.lora:
             check_positive_int("lora.r", self.lora["r"])
         if self.device not in DEVICES:

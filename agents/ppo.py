@@ -151,7 +151,8 @@ class LMPPO(LMAgent):
         return {"kl_coef": self.kl_ctl.kl_coef}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.kl_ctl.kl_coef = state["kl_coef"]
+        if "kl_coef" in state:  # else load(..., kl_coef=...) gave a new one
+            self.kl_ctl.kl_coef = state["kl_coef"]
 
     def collect_rollouts(self) -> PPOBatch:
         """Generate one episode per sub-env and compute everything the update needs."""

@@ -521,3 +521,62 @@ def test_fsdp_in_one_process_trains_unsharded(monkeypatch):
     )
     assert not agent.sharded
     iterations(agent, 1)
+
+
+def test_save_refuses_a_directory_that_is_not_a_checkpoint_and_keeps_its_files(tmp_path):
+    """It renamed the directory aside and deleted it, whatever it held."""
+    agent = LMPPO(char_llama(), make_env(8), verbose=0)
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="exists and is not a textgym checkpoint: save to a new or empty"):
+        agent.save(mine)
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub").is_dir()
+    (tmp_path / "empty").mkdir()
+    agent.save(tmp_path / "empty")  # an empty directory is filled
+    agent.save(tmp_path / "empty")  # and a checkpoint replaced
+    assert is_complete(tmp_path / "empty")
+
+
+def char_llama_env(n=8, alphabet=None):
+    """An env tokenizing as tiny-char-llama does (or with ``alphabet``: the same size, other ids)."""
+    from textgym.models import CharTokenizer
+
+    return make_env(n, model="tiny-char-llama" if alphabet is None else CharTokenizer(alphabet))
+
+
+def test_load_applies_a_learning_rate_and_kl_coef_given_over_the_saved_state(tmp_path):
+    """The optimizer's saved state brought its old rate back, and the saved KL coefficient replaced the given
+    one: overrides that were recorded in the config and never used."""
+    agent = iterations(LMPPO("tiny-char-llama", char_llama_env(), learning_rate=1e-3, verbose=0), 1)
+    agent.save(tmp_path / "ckpt")
+    loaded = LMPPO.load(tmp_path / "ckpt", char_llama_env(), learning_rate=5e-2, kl_coef=0.5)
+    assert {group["lr"] for group in loaded.optimizer.param_groups} == {5e-2}
+    assert loaded.kl_ctl.kl_coef == 0.5
+    kept = LMPPO.load(tmp_path / "ckpt", char_llama_env())
+    assert {group["lr"] for group in kept.optimizer.param_groups} == {1e-3}
+    assert kept.kl_ctl.kl_coef == agent.kl_ctl.kl_coef
+
+
+def test_load_checks_the_envs_tokenizer_as_a_new_agent_does(tmp_path):
+    """Built from the checkpoint's weights (an object), the agent compared vocabulary sizes only: an env
+    with other ids for the same characters was accepted."""
+    LMPPO("tiny-char-llama", char_llama_env(), verbose=0).save(tmp_path / "ckpt")
+    permuted = "zyxwvutsrqponmlkjihgfedcba .,!?"
+    with pytest.raises(ConfigError, match="tokenizes differently"):
+        LMPPO("tiny-char-llama", char_llama_env(alphabet=permuted), verbose=0)
+    with pytest.raises(ConfigError, match="tokenizes differently"):
+        LMPPO.load(tmp_path / "ckpt", char_llama_env(alphabet=permuted))
+
+
+def test_lora_settings_are_checked_when_the_agent_is_made_not_when_it_saves(tmp_path):
+    """A set of target modules (peft takes one) trained, then failed the save: not JSON serializable."""
+    agent = LMPPO("tiny-char-llama", char_llama_env(), lora={"r": 4, "target_modules": {"v_proj", "q_proj"}},
+                  verbose=0)  # fmt: skip
+    assert agent.config.lora["target_modules"] == ["q_proj", "v_proj"]
+    agent.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["config"]["lora"]["r"] == 4
+    with pytest.raises(
+        ConfigError, match="lora.layers_pattern = <object .*> cannot be saved with a checkpoint"
+    ):
+        LMPPO("tiny-char-llama", char_llama_env(), lora={"r": 4, "layers_pattern": object()}, verbose=0)

@@ -116,3 +116,23 @@ def test_char_tokenizer_round_trip_and_bad_characters():
     assert tok.decode([4, 2, 1, 0]) == "ca<eos><pad>" and tok.decode([4, 1], skip_special_tokens=True) == "c"
     with pytest.raises(ValueError, match="'z' is not in the alphabet"):
         tok.encode("z")
+
+
+def test_a_tokenizer_directory_is_read_again_when_saved_again_or_named_from_elsewhere(
+    tokenizer, tmp_path, monkeypatch
+):
+    """The cache was keyed by the path as given: a directory saved again, or the same relative path from
+    another working directory, gave the tokenizer read first."""
+    for where, extra in (("one", []), ("two", ["<extra>"])):
+        (tmp_path / where).mkdir()
+        saved = copy.deepcopy(tokenizer)
+        saved.add_tokens(extra)
+        saved.save_pretrained(tmp_path / where / "tok")
+    monkeypatch.chdir(tmp_path / "one")
+    assert len(textgym.load_tokenizer("tok")) == len(tokenizer)
+    monkeypatch.chdir(tmp_path / "two")
+    assert len(textgym.load_tokenizer("tok")) == len(tokenizer) + 1
+    again = copy.deepcopy(tokenizer)
+    again.add_tokens(["<a>", "<b>"])
+    again.save_pretrained(tmp_path / "two" / "tok")
+    assert len(textgym.load_tokenizer("tok")) == len(tokenizer) + 2

@@ -64,3 +64,22 @@ def test_bad_records_and_files_are_errors(tmp_path):
 def test_unknown_prompt_source_name_suggests():
     with pytest.raises(UnknownNameError, match="Did you mean 'reviews'"):
         load_prompts("reveiws")
+
+
+def test_prompt_files_read_a_bom_as_no_text_and_split_lines_at_newlines_only(tmp_path):
+    """A BOM became part of the first prompt (.txt) or of the 'prompt' column's name (.csv: "no 'prompt'
+    column"); U+2028 and form feeds split a prompt in two (.txt) or a JSON row ("not valid JSON")."""
+    (tmp_path / "p.txt").write_text("\ufeffHello\r\nfirst\u2028second\x0cthird\n", encoding="utf-8")
+    assert [p.text for p in load_prompts(tmp_path / "p.txt")] == ["Hello", "first\u2028second\x0cthird"]
+    (tmp_path / "p.csv").write_text("\ufeffprompt,reference\nhi,there\n", encoding="utf-8")
+    assert [(p.text, p.meta) for p in load_prompts(tmp_path / "p.csv")] == [("hi", {"reference": "there"})]
+    row = json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False)
+    (tmp_path / "p.jsonl").write_text(f"{row}\n", encoding="utf-8")
+    assert [p.text for p in load_prompts(tmp_path / "p.jsonl")] == ["a\u2028b\x85c"]
+
+
+def test_a_csv_column_named_twice_is_an_error(tmp_path):
+    """The last column's cells won without a word."""
+    (tmp_path / "p.csv").write_text("prompt,prompt\nreal,other\n")
+    with pytest.raises(PromptError, match="has column 'prompt' more than once"):
+        load_prompts(tmp_path / "p.csv")

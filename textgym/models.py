@@ -131,8 +131,20 @@ def _load_dir(path: Path | str, **kwargs: Any) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-@functools.lru_cache(maxsize=8)
 def _tokenizer_from_dir(path: str) -> Any:
+    """The tokenizer saved in ``path``, cached by the resolved directory and its files' sizes and times (a
+    relative path in another working directory, or a directory saved again, is another tokenizer)."""
+    folder = Path(path).expanduser().resolve()
+    stamp = tuple(
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+        for f in sorted(folder.iterdir() if folder.is_dir() else [])
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt"))
+    )
+    return _cached_tokenizer(path, str(folder), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
     from transformers import AutoTokenizer
 
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
@@ -147,7 +159,7 @@ def _tokenizer_from_dir(path: str) -> Any:
                 "(`textgym plugins` lists them)."
             )
         )
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 # the files of a saved tokenizer, one of which a model directory needs (the vocabulary or its config)

@@ -72,16 +72,19 @@ def read_prompt_file(path: Path) -> list[Any]:
     """Records from a ``.txt``, ``.jsonl`` or ``.csv`` prompt file."""
     suffix = path.suffix.lower()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not text
     except UnicodeDecodeError as exc:
         raise PromptError(
             f"prompt file {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8."
         ) from None
+    # lines end at "\n" ("\r\n" too) only: splitlines() also cut at U+2028, form feeds and the like, which a
+    # prompt may hold (and a JSON string may hold raw)
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
     if suffix == ".txt":
-        return [line for line in text.splitlines() if line.strip()]
+        return [line for line in lines if line.strip()]
     if suffix == ".jsonl":
         records = []
-        for n, line in enumerate(text.splitlines(), start=1):
+        for n, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
@@ -107,6 +110,9 @@ def _read_csv(path: Path, text: str) -> list[dict[str, str]]:
             return rows
         if "prompt" not in header:
             raise PromptError(f"{path} has no 'prompt' column (columns: {', '.join(header)}).")
+        twice = sorted({name for name in header if header.count(name) > 1})
+        if twice:  # the last such column's cells would win without a word
+            raise PromptError(f"{path} has column {twice[0]!r} more than once; name each column once.")
         for cells in reader:
             if not cells:
                 continue
