@@ -143,6 +143,9 @@ class LMAgent(SB3Contract, UpdateGuards):
         self._total_timesteps = 0
         self._logger = None
         self.env: TextGenVectorEnv | None = None
+        self.action_n: int | None = (
+            None  # the env's tokens (a policy's vocabulary may be larger), kept by save
+        )
         if env is not None:
             self.set_env(env)
         self.last_episodes: list[dict[str, Any]] = []
@@ -275,7 +278,7 @@ class LMAgent(SB3Contract, UpdateGuards):
         check_tokenizer(self.rollout_model.config, self.policy_source, env)
         if self.dist.world > 1:  # sequential prompt order: each process its own prompts, not all the same
             env.shard_prompts(self.dist.rank, self.dist.world)
-        self.env = env
+        self.env, self.action_n = env, int(env.single_action_space.n)
 
     def autocast(self) -> Any:
         """bf16 autocast on the agent's device when ``bf16`` is on (the policy's forwards run in it). Sharded,

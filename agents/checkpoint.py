@@ -124,6 +124,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
             "extra": agent.extra_state(),
             # where a sequential prompt order is: a resume goes on from there, not from the first prompt
             "prompt_cursor": getattr(agent.env, "prompt_cursor", None),
+            "action_n": agent.action_n,  # predict() without an env samples only the env's tokens
             "history": agent.history,
             "sharding": agent.sharding_engine,  # how the run was trained (a resume may differ: it is said)
         }
@@ -244,6 +245,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.trained_sharding = state.get("sharding", agent.sharding_engine)  # older checkpoints: unknown
         # what the agent keeps between iterations (LMPPO's adaptive KL coefficient), but not what load overrides
         agent.load_extra_state({k: v for k, v in state.get("extra", {}).items() if k not in overrides})
+        if env is None:
+            agent.action_n = state.get("action_n")
         if state.get("prompt_cursor") is not None and hasattr(env, "prompt_cursor"):
             env.prompt_cursor = state["prompt_cursor"]
     except (ConfigError, TrainingError):

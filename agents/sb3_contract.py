@@ -235,8 +235,8 @@ class SB3Contract:
         with torch.no_grad(), self.autocast():  # the agent's precision, as in its rollouts
             logits = self.rollout_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         logits = logits[torch.arange(len(ids)), last].float()  # (N, V)
-        if self.env is not None:
-            logits = logits[:, : self.env.single_action_space.n]
+        if self.action_n is not None:  # the env's actions only (loaded without an env: the saved one's)
+            logits = logits[:, : self.action_n]
         if deterministic:
             actions = logits.argmax(-1)
         else:

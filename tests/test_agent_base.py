@@ -580,3 +580,15 @@ def test_lora_settings_are_checked_when_the_agent_is_made_not_when_it_saves(tmp_
         ConfigError, match="lora.layers_pattern = <object .*> cannot be saved with a checkpoint"
     ):
         LMPPO("tiny-char-llama", char_llama_env(), lora={"r": 4, "layers_pattern": object()}, verbose=0)
+
+
+def test_predict_of_an_agent_loaded_without_an_env_picks_only_the_envs_tokens(tmp_path):
+    """A policy's vocabulary may be larger than the env's (padded embeddings): without the env, sampling ran
+    over all of it and most actions were ids the env does not have."""
+    env = make_env(8)
+    LMPPO(char_llama(vocab_size=64), env, verbose=0).save(tmp_path / "ckpt")
+    loaded = LMPPO.load(tmp_path / "ckpt")
+    obs, _ = env.reset(seed=0)
+    torch.manual_seed(0)
+    actions = np.concatenate([loaded.predict(obs)[0] for _ in range(20)])
+    assert actions.max() < env.single_action_space.n == len(CHARS)

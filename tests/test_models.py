@@ -7,7 +7,7 @@ import torch
 import textgym
 from textgym import models
 from textgym.agents.ppo import LMPPO
-from textgym.errors import ModelError, UnknownNameError
+from textgym.errors import ConfigError, ModelError, UnknownNameError
 from textgym.models import CharTokenizer, atomic_build_dir, check_pad_token
 
 
@@ -136,3 +136,16 @@ def test_a_tokenizer_directory_is_read_again_when_saved_again_or_named_from_else
     again.add_tokens(["<a>", "<b>"])
     again.save_pretrained(tmp_path / "two" / "tok")
     assert len(textgym.load_tokenizer("tok")) == len(tokenizer) + 2
+
+
+def test_models_built_in_code_take_dtype_and_refuse_what_they_would_ignore():
+    """dtype and attn_implementation were silently ignored by tiny-char-llama, and a typo by both tiny models."""
+    model, _ = textgym.load_model("tiny-char-llama", dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and not model.training
+    for name in ("tiny-char-llama", "tiny-random-llama"):
+        with pytest.raises(
+            ConfigError, match=f"model '{name}' is built in code: it takes dtype, not attn_impl"
+        ):
+            textgym.load_model(name, attn_implementation="eager")
+    with pytest.raises(ConfigError, match="'chars' is a tokenizer without a model: it takes no dtype"):
+        textgym.load_model("chars", dtype=torch.bfloat16)

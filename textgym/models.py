@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from textgym.errors import ModelError, UnknownNameError
+from textgym.errors import ConfigError, ModelError, UnknownNameError
 from textgym.hookspecs import hookimpl
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -196,11 +196,19 @@ def _tiny_random_llama(**kwargs: Any) -> tuple[Any, Any]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
+    return _built(model, "tiny-random-llama", kwargs), tokenizer
+
+
+def _built(model: Any, name: str, kwargs: dict[str, Any]) -> Any:
+    """A model built in code, in eval mode, in ``dtype`` if given; other ``from_pretrained`` arguments do not
+    apply to it, and are refused rather than ignored."""
     dtype = kwargs.pop("dtype", None)
-    if dtype is not None:
-        model.to(dtype)
-    model.eval()
-    return model, tokenizer
+    if kwargs:
+        raise ConfigError(
+            f"model {name!r} is built in code: it takes dtype, not {', '.join(sorted(kwargs))} (arguments of "
+            f"from_pretrained, for model directories)."
+        )
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 class CharTokenizer:
@@ -240,7 +248,9 @@ class CharTokenizer:
         return f"CharTokenizer({self.alphabet!r})"
 
 
-def _chars() -> tuple[None, CharTokenizer]:
+def _chars(**kwargs: Any) -> tuple[None, CharTokenizer]:
+    if kwargs:
+        raise ConfigError(f"'chars' is a tokenizer without a model: it takes no {', '.join(sorted(kwargs))}.")
     return None, CharTokenizer()
 
 
@@ -259,7 +269,7 @@ def _tiny_char_llama(**kwargs: Any) -> tuple[Any, CharTokenizer]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
-    return model.eval(), tokenizer
+    return _built(model, "tiny-char-llama", kwargs), tokenizer
 
 
 @hookimpl
