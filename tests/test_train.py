@@ -222,3 +222,36 @@ def test_the_reward_trend_of_a_normalize_then_sum_run_is_each_components(capsys)
         "reward trend: 0.000 (first 2 iterations) -> 0.000 (last 2 iterations), 8 iterations"
         in capsys.readouterr().out
     )
+
+
+RESOLVED = """
+[env]
+id = "textgym/Copy-v0"
+prompts = "p.txt"
+stop = [".", "runs"]
+rewards = [{ name = "match", reference = "runs" }]
+
+[eval]
+prompts = "held.csv"
+"""
+
+
+def test_config_paths_resolve_against_its_directory_and_texts_that_name_a_directory_stay_texts(
+    tmp_path, monkeypatch
+):
+    """Every string naming an existing file or directory was made absolute: stop = ["."] became the config's
+    directory (and "." never ended a turn); [eval] prompts resolved against the working directory."""
+    cfg = tmp_path / "cfg"
+    (cfg / "runs").mkdir(parents=True)
+    (cfg / "p.txt").write_text("ab\n")
+    (cfg / "held.csv").write_text("prompt\ncd\n")
+    (cfg / "run.toml").write_text(RESOLVED)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(cfg / "run.toml")
+    assert config["env"]["prompts"] == str(cfg / "p.txt") and config["eval"]["prompts"] == str(
+        cfg / "held.csv"
+    )
+    assert config["env"]["stop"] == [".", "runs"]
+    assert config["env"]["rewards"][0]["reference"] == "runs"

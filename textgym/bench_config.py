@@ -124,7 +124,7 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     outputs = {e["output"] for e in raw.get("reward_models") or [] if isinstance(e, dict) and "output" in e}
     bench = raw.get("bench")
     if isinstance(bench, dict) and "eval_prompts" in bench:
-        bench["eval_prompts"] = resolve_value(bench["eval_prompts"], base_dir)
+        bench["eval_prompts"] = resolve_value(bench["eval_prompts"], base_dir, key="prompts")
     if isinstance(raw.get("agents"), list):
         raw["agents"] = resolve_value(raw["agents"], base_dir)
     for design in raw.get("designs") or []:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 import tomllib
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -90,12 +91,15 @@ def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
             str((base_dir / Path(p).expanduser()).resolve()) if isinstance(p, str) else p
             for p in run["plugins"]
         ]
-    for section in ("env", "agent"):
+    for section in ("env", "agent", "eval"):
         if isinstance(config.get(section), dict):
             config[section] = resolve_value(config[section], base_dir)
     env = config.get("env")
     if isinstance(env, dict) and "rewards" in env:
         env["rewards"] = resolve_fn_paths(env["rewards"], base_dir)
+    evaluation = config.get("eval")
+    if isinstance(evaluation, dict) and isinstance(evaluation.get("rewards"), list):
+        evaluation["rewards"] = resolve_fn_paths(evaluation["rewards"], base_dir)
     if isinstance(env, dict) and isinstance(env.get("responder"), dict):  # text_env / tool_env files
         env["responder"] = {
             k: resolve_file_ref(v, base_dir) if k in ("text_env", "tool_env") else v
@@ -104,18 +108,26 @@ def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     return config
 
 
-def resolve_value(value: Any, base_dir: Path, keep: Collection[str] = ()) -> Any:
-    """``value`` with every relative path in it (a string, in lists and tables, that is not a registered name
-    and names an existing file or directory under ``base_dir``) made absolute. Table keys ``name`` and ``id``
-    are names, never paths; strings in ``keep`` stay as they are."""
+# keys whose string is a file or directory when one of that name exists; elsewhere a string must also look
+# like a path (a "/" or a file suffix), so a text that happens to name a directory ("." or "runs") stays text
+PATH_KEYS = ("prompts", "model", "policy")
+TEXT_KEYS = ("name", "id", "stop")  # names and texts, never paths
+
+
+def resolve_value(value: Any, base_dir: Path, keep: Collection[str] = (), key: str | None = None) -> Any:
+    """``value`` with every relative path in it made absolute: a string, in lists and tables, that is not a
+    registered name, names an existing file or directory under ``base_dir``, and is under a
+    :data:`PATH_KEYS` key (``key`` for ``value`` itself) or looks like a path. Strings under
+    :data:`TEXT_KEYS` and those in ``keep`` stay as they are."""
     if isinstance(value, str) and value and value not in keep and not Path(value).expanduser().is_absolute():
         candidate = base_dir / value
-        if candidate.exists() and not _is_registered_name(value):
+        looks = key in PATH_KEYS or "/" in value or os.sep in value or bool(Path(value).suffix)
+        if looks and candidate.exists() and not _is_registered_name(value):
             return str(candidate.resolve())
     if isinstance(value, list):
         return [resolve_value(v, base_dir, keep) for v in value]
     if isinstance(value, dict):
-        return {k: (v if k in ("name", "id") else resolve_value(v, base_dir, keep)) for k, v in value.items()}
+        return {k: (v if k in TEXT_KEYS else resolve_value(v, base_dir, keep, k)) for k, v in value.items()}
     return value
 
 
