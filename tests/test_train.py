@@ -255,3 +255,22 @@ def test_config_paths_resolve_against_its_directory_and_texts_that_name_a_direct
     )
     assert config["env"]["stop"] == [".", "runs"]
     assert config["env"]["rewards"][0]["reference"] == "runs"
+
+
+def test_the_after_training_samples_are_scored_with_the_weights_training_ended_with(tmp_path):
+    """Both tables were scored at progress 0: a schedule from sentiment to length_penalty showed the
+    after-training samples scored by sentiment alone."""
+    config = tmp_path / "scheduled.toml"
+    config.write_text(
+        TINY.replace(
+            'rewards = [{ name = "sentiment" }, { name = "length_penalty", weight = 0.5, target = 4 }]',
+            'rewards = [{ name = "sentiment", weight = { start = 1.0, end = 0.0 } }, '
+            '{ name = "length_penalty", target = 4, weight = { start = 0.0, end = 1.0 } }]',
+        )
+    )
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    for name, scored_by in (("samples_before.jsonl", "sentiment"), ("samples_after.jsonl", "length_penalty")):
+        rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+        assert rows and all(r["reward"] == pytest.approx(r["reward_components"][scored_by]) for r in rows), (
+            name
+        )

@@ -184,9 +184,12 @@ def run(
             end_process_group()
 
 
-def _sample_table(generate: Any, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The first ``run.sample_prompts`` prompts with a fixed seed: the same before and after training."""
+def _sample_table(generate: Any, config: dict[str, Any], progress: float = 0.0) -> list[dict[str, Any]]:
+    """The first ``run.sample_prompts`` prompts with a fixed seed: the same before and after training, scored
+    with the reward weights of training's ``progress`` (0 before, 1 after: where weight schedules were)."""
     env = make_env(config, config["run"]["sample_prompts"], prompt_order="sequential")
+    if hasattr(env.reward_stack, "set_progress"):
+        env.reward_stack.set_progress(progress)
     return generate(env, config["run"]["seed"])
 
 
@@ -270,16 +273,16 @@ def _run_native(
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
         return agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed).infos
 
-    def samples() -> Any:
+    def samples(progress: float) -> Any:
         """The sample table, for the main process to write. Sharded, every process rolls it out (each
         forward gathers the weights from all) and the function returns it; else the main process alone."""
-        rows = _sample_table(generate, config) if agent.sharded else None
-        return lambda: rows if rows is not None else _sample_table(generate, config)
+        rows = _sample_table(generate, config, progress) if agent.sharded else None
+        return lambda: rows if rows is not None else _sample_table(generate, config, progress)
 
     if resuming:
         dist.on_main(lambda: _resumed(rd, agent.iteration, agent.history, agent.num_timesteps))
     else:
-        before = samples()
+        before = samples(0.0)
         dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))
 
     class Recorder(BaseCallback):
@@ -319,7 +322,7 @@ def _run_native(
     stopped = dist.any(flag.stop)
     gather_checkpoint(agent)
     dist.on_main(lambda: rd.write_checkpoint(agent.save))
-    after = samples() if not stopped else None
+    after = samples(1.0) if not stopped else None
 
     def finish() -> Path:
         return _finish(

@@ -121,4 +121,4 @@ def run_sb3(
             finish_evaluations(diagnostics, agent)
     if not saved:
         rd.write_checkpoint(save)
-    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config), has_kl=False)
+    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config, 1.0), has_kl=False)
