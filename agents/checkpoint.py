@@ -72,10 +72,12 @@ def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
 
 
 def _saves_itself(tokenizer: Any) -> bool:
-    """A Hugging Face tokenizer (the test models' character tokenizer is not one, and has no files)."""
+    """A Hugging Face tokenizer, or textgym's character tokenizer (it writes its alphabet)."""
     from transformers import PreTrainedTokenizerBase
 
-    return isinstance(tokenizer, PreTrainedTokenizerBase)
+    from textgym.models import CharTokenizer
+
+    return isinstance(tokenizer, (PreTrainedTokenizerBase, CharTokenizer))
 
 
 def save_checkpoint(agent: LMAgent, path: Path) -> None:

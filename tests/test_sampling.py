@@ -174,3 +174,20 @@ def test_rollout_returns_host_log_probs_and_keeps_hidden_states_on_the_model_dev
     device = next(model.parameters()).device
     assert r.logprobs.device.type == "cpu" and r.hidden.device == device
     assert torch.isfinite(r.logprobs).all() and (r.logprobs[r.response_mask.bool()] < 0).all()
+
+
+def test_a_tiny_char_llama_checkpoints_policy_samples_from_the_command_line(tmp_path, capsys):
+    """Its character tokenizer wrote no files, so `textgym sample --model RUN/checkpoint/policy` (as the
+    docs say) failed with "has no tokenizer files" for every Copy run."""
+    from textgym.agents.ppo import LMPPO
+    from textgym.models import CharTokenizer, load_model
+
+    env = TextGenVectorEnv(num_envs=2, model="tiny-char-llama", prompts="copy", autoreset_mode="Disabled")
+    LMPPO("tiny-char-llama", env, verbose=0).save(tmp_path / "ckpt")
+    _, tokenizer = load_model(tmp_path / "ckpt" / "policy")
+    assert isinstance(tokenizer, CharTokenizer) and tokenizer.alphabet == CharTokenizer().alphabet
+    policy = str(tmp_path / "ckpt" / "policy")
+    assert (
+        main(["sample", "--model", policy, "--prompts", "copy", "--num", "2", "--max-new-tokens", "3"]) == 0
+    )
+    assert "completion" in capsys.readouterr().out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -147,6 +148,10 @@ def _tokenizer_from_dir(path: str) -> Any:
 def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
     from transformers import AutoTokenizer
 
+    if (Path(folder) / CHAR_TOKENIZER).is_file():
+        return CharTokenizer(
+            json.loads((Path(folder) / CHAR_TOKENIZER).read_text(encoding="utf-8"))["alphabet"]
+        )
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         adapter = (Path(path) / "adapter_config.json").is_file()
         raise ModelError(
@@ -163,7 +168,8 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
 
 
 # the files of a saved tokenizer, one of which a model directory needs (the vocabulary or its config)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CHAR_TOKENIZER = "char_tokenizer.json"  # a CharTokenizer's alphabet
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", CHAR_TOKENIZER)
 
 
 def _smollm2(**kwargs: Any) -> tuple[Any, Any]:
@@ -227,6 +233,12 @@ class CharTokenizer:
 
     def __len__(self) -> int:
         return len(self.alphabet) + 2
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write ``char_tokenizer.json`` into ``path``, so that a model directory holding it loads with this
+        tokenizer (``load_model``, ``textgym sample --model RUN/checkpoint/policy``)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / CHAR_TOKENIZER).write_text(json.dumps({"alphabet": self.alphabet}) + "\n")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
