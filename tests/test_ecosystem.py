@@ -48,6 +48,14 @@ def test_one_flag_swaps_the_agent_of_a_config(tmp_path, config, agent):
     assert textgym.config.load_config(out / "config.toml")["agent"]["name"] == agent
 
 
+@pytest.mark.parametrize("agent", ["dqn", "qrdqn", "trpo", "ars", "ppo", "a2c"])
+def test_the_sb3_example_takes_any_sb3_or_sb3_contrib_algorithm_as_it_says(agent):
+    """Its shared [agent] table held ent_coef, which DQN, QR-DQN, TRPO and ARS do not take."""
+    from textgym.agent_config import resolve_agent
+
+    resolve_agent(textgym.config.load_config(EXAMPLES / "copy-sb3.toml", [f"agent.name='{agent}'"])["agent"])
+
+
 def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(tmp_path):
     with pytest.raises(
         ConfigError, match=r"\[agent.a2c\] a2c: unknown hyperparameter 'n_step'. Did you mean 'n_steps'"
