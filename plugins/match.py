@@ -38,7 +38,12 @@ class Match:
         if partial and mode != "exact":
             raise ValueError("partial=True needs mode='exact'.")
         if mode == "regex" and reference is not None:
-            re.compile(reference)
+            try:
+                re.compile(reference)
+            except re.error as exc:
+                raise ValueError(
+                    f"reference {reference!r} is not a valid regular expression: {exc}."
+                ) from None
         self.mode, self.reference, self.reference_key = mode, reference, reference_key
         self.normalize, self.partial = normalize, partial
 
@@ -50,7 +55,8 @@ class Match:
         if self.reference_key not in sample.meta:
             raise RewardError(
                 f"prompt {sample.prompt[:50]!r} has no {self.reference_key!r} in its metadata; give the "
-                f"prompts a {self.reference_key!r} field or the reward a fixed `reference`."
+                f"prompts a {self.reference_key!r} field (null where none applies: the reward skips those) or "
+                f"the reward a fixed `reference`."
             )
         reference = sample.meta[self.reference_key]
         # blank too (a CSV cell with a space): stripped to "", every completion would "contain" it
@@ -69,7 +75,16 @@ class Match:
 
     def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
         references = [self._reference(s) for s in samples]
-        return [None if r is None else self.score(s.completion, r) for s, r in zip(samples, references)]
+        scores = []
+        for sample, reference in zip(samples, references):
+            try:
+                scores.append(None if reference is None else self.score(sample.completion, reference))
+            except re.error as exc:  # a prompt's reference, in regex mode
+                raise RewardError(
+                    f"prompt {sample.prompt[:50]!r}: its {self.reference_key!r} {reference!r} is not a valid "
+                    f"regular expression ({exc}); fix it, or use mode = 'exact' or 'contains'."
+                ) from None
+        return scores
 
 
 @hookimpl

@@ -51,6 +51,11 @@ def test_match_modes_and_references():
     assert make_reward("match", partial=True)(samples)[2] == pytest.approx(0.5)
     with pytest.raises(RewardError, match="has no 'reference' in its metadata"):
         make_reward("match")([s("x")])
+    # an invalid pattern was re's traceback: fixed (at construction) or a prompt's (naming the prompt)
+    with pytest.raises(PluginArgumentError, match=r"reference '\[a-z' is not a valid regular expression"):
+        make_reward("match", mode="regex", reference="[a-z")
+    with pytest.raises(RewardError, match=r"prompt 'p'.*'reference' '\(4' is not a valid regular expression"):
+        make_reward("match", mode="regex")([s("42", reference="(4")])
     # an empty reference (a JSONL null, an empty CSV cell) is no reference: not applicable, not "None" or ""
     for mode in ("exact", "contains"):
         empty = [
