@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,3 +275,23 @@ def test_the_after_training_samples_are_scored_with_the_weights_training_ended_w
         assert rows and all(r["reward"] == pytest.approx(r["reward_components"][scored_by]) for r in rows), (
             name
         )
+
+
+def test_the_command_suggested_for_another_agent_on_resume_starts_a_run(config, tmp_path, capsys):
+    """It suggested the run's own config.toml, whose output_dir is the run: "already holds a run"."""
+    import shlex
+
+    out = tmp_path / "out"
+    run(config, [f"run.output_dir='{out}'", "run.total_timesteps=32"])
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--agent", "rloo"]) == 2
+    suggested = re.search(r"\(textgym (train .*)\)\.$", capsys.readouterr().err.strip()).group(1)
+    args = [
+        *shlex.split(suggested),
+        "--set",
+        "run.total_timesteps=32",
+        "--set",
+        "agent.rloo.num_generations=2",
+    ]
+    assert main(args) == 0, capsys.readouterr().err
+    assert (tmp_path / "out-rloo" / "checkpoint").is_dir()

@@ -53,7 +53,8 @@ def check_resume_changes(
     if agent_name and agent_name != saved["agent"]["name"]:
         raise ConfigError(
             f"--agent {agent_name}: {run_dir} trains {saved['agent']['name']!r}, and a resume continues it; start "
-            f"a new run for another agent (textgym train {run_dir / 'config.toml'} --agent {agent_name})."
+            f"a new run for another agent, in a directory of its own (textgym train {run_dir / 'config.toml'} "
+            f"--agent {agent_name} --set run.output_dir='{run_dir}-{agent_name}')."
         )
     changed = [key for key in _differences(saved, config) if key not in RESUME_SETTINGS]
     if changed:
