@@ -27,6 +27,9 @@ class LengthPenalty:
         scale: float | None = None,
         missing_eos_penalty: float = 1.0,
     ):
+        for key, value in (("target", target), ("min", min), ("max", max), ("scale", scale)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{key} must be a number, not {value!r}.")
         if (target is None) == (min is None and max is None):
             raise ValueError("give either target, or min and/or max (a range), not both and not neither.")
         if target is not None and target < 0:

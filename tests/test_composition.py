@@ -320,7 +320,7 @@ def test_fn_that_does_not_exist_is_an_error_naming_it(rewards_dir, fn, match):
 def test_fn_fixed_arguments_are_checked_against_the_signature(rewards_dir):
     with pytest.raises(
         PluginArgumentError,
-        match="reward function 'brevity' got unknown argument.*'limt'. Valid arguments: limit",
+        match="reward function 'brevity' got unknown argument.*'limt'. Did you mean 'limit'. Valid arguments: limit",
     ):
         check_reward_specs([{"fn": "sub/my_rewards.py:brevity", "limt": 2}], base_dir=rewards_dir)
     with pytest.raises(PluginArgumentError, match="'completions' is filled in by textgym"):

@@ -76,11 +76,20 @@ def test_unknown_plugin_argument_lists_valid_ones():
     with pytest.raises(PluginArgumentError, match="'targte'") as err:
         make_reward("length_penalty", targte=3)
     assert "Valid arguments: target, min, max, unit, shape, scale, missing_eos_penalty" in str(err.value)
+    # a misspelt key of the spec itself: it said only the plugin's arguments were valid
+    with pytest.raises(PluginArgumentError, match=r"'wieght'. Did you mean 'weight'\? Valid arguments: target, .* \(and "
+                       r"the spec's weight, timeout\)"):  # fmt: skip
+        build_reward_stack([{"name": "length_penalty", "target": 3, "wieght": 1}])
 
 
 def test_bad_argument_value_names_the_reward():
     with pytest.raises(PluginArgumentError, match="reward 'length_penalty': unit must be"):
         make_reward("length_penalty", target=3, unit="lines")
+    # a string target failed in a comparison: "'<' not supported between instances of 'str' and 'int'"
+    with pytest.raises(
+        PluginArgumentError, match="reward 'length_penalty': target must be a number, not 'abc'"
+    ):
+        make_reward("length_penalty", target="abc")
 
 
 def test_reward_spec_strings_parse_values_as_toml():

@@ -19,7 +19,7 @@ import numpy as np
 
 from textgym import composition
 from textgym.composition import Gate, Weight
-from textgym.errors import ConfigError, PluginArgumentError, RewardError
+from textgym.errors import ConfigError, PluginArgumentError, RewardError, did_you_mean
 from textgym.reward_checks import TimeoutReward, validated_scores
 from textgym.reward_functions import (
     TRL_COLUMNS,
@@ -201,11 +201,18 @@ class RewardStack:
         return "RewardStack(" + ", ".join(parts) + ")"
 
 
+REWARD_SPEC_KEYS = ("weight", "timeout")  # a reward spec's keys that are not its plugin's arguments
+
+
 def check_arguments(
-    kind: str, name: str, factory: Callable[..., Any] | inspect.Signature, kwargs: Mapping[str, Any]
+    kind: str,
+    name: str,
+    factory: Callable[..., Any] | inspect.Signature,
+    kwargs: Mapping[str, Any],
+    spec_keys: Sequence[str] = (),
 ) -> None:
     """Raise :class:`PluginArgumentError` if ``factory`` (or a signature) does not take every key of
-    ``kwargs``."""
+    ``kwargs``, with the closest valid key (``spec_keys``: the spec's own, e.g. ``weight``, count too)."""
     try:
         params = (
             factory if isinstance(factory, inspect.Signature) else inspect.signature(factory)
@@ -217,9 +224,10 @@ def check_arguments(
     valid = [p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
+        own = f" (and the spec's {', '.join(spec_keys)})" if spec_keys else ""
         raise PluginArgumentError(
-            f"{kind} {name!r} got unknown argument(s) {', '.join(map(repr, unknown))}. "
-            f"Valid arguments: {', '.join(valid) or '(none)'}."
+            f"{kind} {name!r} got unknown argument(s) {', '.join(map(repr, unknown))}."
+            f"{did_you_mean(unknown[0], [*valid, *spec_keys])} Valid arguments: {', '.join(valid) or '(none)'}{own}."
         )
 
 
@@ -293,7 +301,9 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
             )
         name = args.pop("name")
         weight = composition.parse_weight(args.pop("weight", 1.0), f"{where}: reward {name!r}")
-        check_arguments("reward", name, plugin_manager.get("register_rewards", name).value, args)
+        check_arguments(
+            "reward", name, plugin_manager.get("register_rewards", name).value, args, REWARD_SPEC_KEYS
+        )
         return _Component(name, weight, lambda: make_reward(name, **args))
     if isinstance(spec, tuple) and len(spec) == 2:
         reward = as_reward(spec[0])
