@@ -295,3 +295,11 @@ def test_the_command_suggested_for_another_agent_on_resume_starts_a_run(config, 
     ]
     assert main(args) == 0, capsys.readouterr().err
     assert (tmp_path / "out-rloo" / "checkpoint").is_dir()
+
+
+def test_textgym_version(capsys):
+    import textgym
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"textgym {textgym.__version__}"

@@ -25,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --plugin before the command or after it: two destinations, because a subcommand's default would
     # overwrite what the main parser read before it (argparse gives a subparser's defaults the last word)
     parser = argparse.ArgumentParser(prog="textgym", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"textgym {_version()}")
     plugin_args = argparse.ArgumentParser(add_help=False)
     for options, dest in ((parser, "plugin"), (plugin_args, "plugin_after_command")):
         options.add_argument(
@@ -168,6 +169,12 @@ def _command(args: argparse.Namespace) -> int:
         if rank() == 0 and not os.environ.get(LAUNCHED_VAR):
             print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
         return 130
+
+
+def _version() -> str:
+    from textgym import __version__
+
+    return __version__
 
 
 def _quiet_libraries() -> None:
