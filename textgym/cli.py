@@ -46,7 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name or model directory")
     p.add_argument("--prompts", default="chat", help="prompt-source name or prompt file")
-    p.add_argument("--num", type=int, default=8, help="number of prompts (taken in order)")
+    p.add_argument(
+        "--num",
+        type=int,
+        default=8,
+        help="number of prompts (taken in order, from the first again past the last)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="episodes generated together")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
