@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from textgym.agents import lora, precision, sharding, zero3
+from textgym.agents import checkpoint, lora, precision, sharding, zero3
 from textgym.agents.batch_checks import batch_statistics, check_totals, recombine_totals
 from textgym.agents.distributed import Collective, cpu_has_native_bf16
 from textgym.agents.lm_config import LMAgentConfig, make_config
@@ -108,6 +108,7 @@ class LMAgent(SB3Contract, UpdateGuards):
         self.seed = c.seed + 10_007 * self.accelerator.process_index
         set_seed(self.seed)
         self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
+        self.source_fingerprint = checkpoint.source_fingerprint(self.policy_source)  # a load checks it
         skeleton = None  # sharded, from a name: only the main process reads it (sharding.load_on_main)
         if self.sharded and self.policy_source is not None:
             load = functools.partial(self._load_policy, policy)

@@ -15,6 +15,7 @@ process loads, and resumes sharded or not.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -71,6 +72,37 @@ def gather_checkpoint(agent: LMAgent) -> dict[str, Any] | None:
     return full
 
 
+FINGERPRINT_BYTES = 1 << 20  # read from each end of each file: a changed model changes its first or last MB
+
+
+def source_fingerprint(source: str | None) -> str | None:
+    """A digest of a policy directory (each file's name, size, first and last MB), or None for a zoo name
+    (built the same by this textgym). A checkpoint keeps it: a load reads the reference (and a LoRA policy's
+    base) from the source again, and refuses a directory that changed since."""
+    path = Path(source).expanduser() if source is not None else None
+    if path is None or not path.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(path).as_posix()}:{size}\n".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            if size > 2 * FINGERPRINT_BYTES:
+                f.seek(-FINGERPRINT_BYTES, 2)
+                digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _check_source_unchanged(source: str | None, saved: str | None) -> None:
+    if saved is not None and source_fingerprint(source) != saved:
+        raise ConfigError(
+            f"the policy directory {source!r} changed since this checkpoint was trained from it, and a load reads "
+            f"the KL reference (and a LoRA policy's base weights) from it: put the original weights back, or "
+            f"train a new run from this checkpoint's policy/ (its weights, with a new reference)."
+        )
+
+
 def _saves_itself(tokenizer: Any) -> bool:
     """A Hugging Face tokenizer, or textgym's character tokenizer (it writes its alphabet)."""
     from transformers import PreTrainedTokenizerBase
@@ -119,6 +151,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
             "agent": agent.name,
             "config": asdict(agent.config),
             "policy_source": agent.policy_source,
+            "source_fingerprint": agent.source_fingerprint,  # the directory as the agent was built from it
             "num_timesteps": agent.num_timesteps,
             "iteration": agent.iteration,
             "skipped_steps": agent.skipped_steps,
@@ -190,6 +223,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             )
         config = {**state["config"], **overrides}
         source = state["policy_source"]
+        _check_source_unchanged(source, state.get("source_fingerprint"))
         from_main = source is not None and config.get("lora") is None and _sharded_over_processes()
         if from_main:  # sharded: only the main process reads the models (sharding.load_on_main)
             # the reference is the source, sharded from the main process's copy
@@ -205,7 +239,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             agent = cls(policy, env, **config)
         else:
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
-        agent.policy_source = source
+        agent.policy_source, agent.source_fingerprint = source, state.get("source_fingerprint")
         if env is not None and source is not None:  # built from an object, set_env compared sizes only
             check_tokenizer(agent.rollout_model.config, source, env)
         if agent.ref_policy is not None and not from_main:

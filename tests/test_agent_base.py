@@ -592,3 +592,23 @@ def test_predict_of_an_agent_loaded_without_an_env_picks_only_the_envs_tokens(tm
     torch.manual_seed(0)
     actions = np.concatenate([loaded.predict(obs)[0] for _ in range(20)])
     assert actions.max() < env.single_action_space.n == len(CHARS)
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4}])
+def test_load_refuses_a_policy_directory_that_changed_since_it_was_trained_from(tmp_path, lora):
+    """A load reads the KL reference (LoRA: the base weights) from the source directory again: its new
+    weights were taken without a word, and the loaded agent was another one."""
+    from textgym.models import load_model
+
+    source = tmp_path / "policy"
+    model, tokenizer = load_model("tiny-char-llama")
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    LMPPO(str(source), char_llama_env(), lora=lora, verbose=0).save(tmp_path / "ckpt")
+    LMPPO.load(tmp_path / "ckpt", char_llama_env())  # unchanged: loads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    model.save_pretrained(source)
+    with pytest.raises(ConfigError, match=f"the policy directory '{source}' changed since this checkpoint"):
+        LMPPO.load(tmp_path / "ckpt", char_llama_env())
