@@ -83,7 +83,13 @@ def source_fingerprint(source: str | None) -> str | None:
     if path is None or not path.is_dir():
         return None
     digest = hashlib.sha256()
-    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+    # not hidden files and directories (.git, .cache/huggingface): they change without the model changing
+    files = (
+        f
+        for f in path.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)
+    )
+    for file in sorted(files):
         size = file.stat().st_size
         digest.update(f"{file.relative_to(path).as_posix()}:{size}\n".encode())
         with file.open("rb") as f:
@@ -95,11 +101,14 @@ def source_fingerprint(source: str | None) -> str | None:
 
 
 def _check_source_unchanged(source: str | None, saved: str | None) -> None:
+    """Before a load reads ``source`` again. A directory that is gone fails in the loader, naming it."""
+    if source is None or not Path(source).expanduser().is_dir():
+        return
     if saved is not None and source_fingerprint(source) != saved:
         raise ConfigError(
-            f"the policy directory {source!r} changed since this checkpoint was trained from it, and a load reads "
-            f"the KL reference (and a LoRA policy's base weights) from it: put the original weights back, or "
-            f"train a new run from this checkpoint's policy/ (its weights, with a new reference)."
+            f"the policy directory {source!r} changed since this checkpoint was trained from it, and this load "
+            f"reads the KL reference or the LoRA base weights from it: put the original weights back, or train a "
+            f"new run from this checkpoint's policy/ (its weights, with a new reference)."
         )
 
 
@@ -116,6 +125,15 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
     from textgym.models import atomic_build_dir
 
     full, agent._gathered = getattr(agent, "_gathered", None), None
+    error = None
+    try:
+        _check_save_target(path)
+    except ConfigError as exc:
+        error = exc
+    if agent.sharded and full is None:  # every process is in this save: all stop, none waits in the gather
+        agent.dist.agree(error)
+    elif error is not None:
+        raise error
     if agent.sharded:
         if full is None:  # not gathered beforehand: every process is in this save
             full = gather_checkpoint(agent)
@@ -130,7 +148,6 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
                 f"{exc} No checkpoint was written to {str(path)!r}; the last good one is kept."
             ) from None
     policy = agent.rollout_model
-    _check_save_target(path)
     if agent.policy_source is None and agent.config.lora is not None:
         raise ConfigError(
             "saving a LoRA policy needs the base model given by name or path, not as an object."
@@ -222,16 +239,20 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
                 f"{str(path)!r} is a checkpoint of agent {saved_by!r}, not {cls.name!r}: load it with that agent."
             )
         config = {**state["config"], **overrides}
-        source = state["policy_source"]
-        _check_source_unchanged(source, state.get("source_fingerprint"))
+        # what a load changes: a resume passes every [agent] setting, most as they were saved
+        saved = state["config"]
+        changed = {k for k, v in overrides.items() if json.loads(json.dumps(v, default=str)) != saved.get(k)}
+        source, fingerprint = state["policy_source"], state.get("source_fingerprint")
         from_main = source is not None and config.get("lora") is None and _sharded_over_processes()
         if from_main:  # sharded: only the main process reads the models (sharding.load_on_main)
             # the reference is the source, sharded from the main process's copy
+            _check_source_unchanged(source, fingerprint)
             agent = cls(source, env, **config)
             _load_trained_policy(agent, path / "policy")
         elif config.get("lora") is not None:
             from peft import PeftModel
 
+            _check_source_unchanged(source, fingerprint)
             base = cls._load_policy(source)
             with lora.seeded_init(state["config"]["seed"]):  # the adapters remade as made (base._with_lora)
                 policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
@@ -240,9 +261,10 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         else:
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
         agent.policy_source, agent.source_fingerprint = source, state.get("source_fingerprint")
-        if env is not None and source is not None:  # built from an object, set_env compared sizes only
+        if env is not None and source is not None and not from_main:  # from an object: set_env compared sizes
             check_tokenizer(agent.rollout_model.config, source, env)
         if agent.ref_policy is not None and not from_main:
+            _check_source_unchanged(source, fingerprint)
             reference = (
                 cls._load_policy(source)
                 if source
@@ -271,7 +293,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             sharding.load_full_optimizer_state(agent.optimizer, optimizer_state)
         else:
             agent.optimizer.load_state_dict(optimizer_state)
-        if "learning_rate" in overrides:  # the optimizer's state holds the saved rate: the override's instead
+        if "learning_rate" in changed:  # the optimizer's state holds the saved rate: the override's instead
             for group in agent.optimizer.param_groups:
                 group["lr"] = agent.config.learning_rate
         agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
@@ -280,7 +302,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.history = state["history"]
         agent.trained_sharding = state.get("sharding", agent.sharding_engine)  # older checkpoints: unknown
         # what the agent keeps between iterations (LMPPO's adaptive KL coefficient), but not what load overrides
-        agent.load_extra_state({k: v for k, v in state.get("extra", {}).items() if k not in overrides})
+        agent.load_extra_state({k: v for k, v in state.get("extra", {}).items() if k not in changed})
         if env is None:
             agent.action_n = state.get("action_n")
         if state.get("prompt_cursor") is not None and hasattr(env, "prompt_cursor"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 from textgym import Sample, hookimpl
@@ -28,7 +29,7 @@ class LengthPenalty:
         missing_eos_penalty: float = 1.0,
     ):
         for key, value in (("target", target), ("min", min), ("max", max), ("scale", scale)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"{key} must be a number, not {value!r}.")
         if (target is None) == (min is None and max is None):
             raise ValueError("give either target, or min and/or max (a range), not both and not neither.")

@@ -606,9 +606,26 @@ def test_load_refuses_a_policy_directory_that_changed_since_it_was_trained_from(
     tokenizer.save_pretrained(source)
     LMPPO(str(source), char_llama_env(), lora=lora, verbose=0).save(tmp_path / "ckpt")
     LMPPO.load(tmp_path / "ckpt", char_llama_env())  # unchanged: loads
+    (source / ".git").mkdir()
+    (source / ".git" / "index").write_text("git status rewrote me")
+    LMPPO.load(tmp_path / "ckpt", char_llama_env())  # hidden files are not the model
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1)
     model.save_pretrained(source)
     with pytest.raises(ConfigError, match=f"the policy directory '{source}' changed since this checkpoint"):
         LMPPO.load(tmp_path / "ckpt", char_llama_env())
+
+
+def test_a_resume_keeps_the_adapted_kl_coefficient_when_its_settings_are_passed_as_saved(tmp_path):
+    """textgym train's resume passes every [agent] setting to load: kl_coef as configured replaced the
+    coefficient the adaptive controller had reached. Only a value that differs from the saved one applies."""
+    settings = {"kl_coef": 0.05, "kl_target": 0.01, "learning_rate": 1e-3}
+    agent = iterations(LMPPO("tiny-char-llama", char_llama_env(), verbose=0, **settings), 2)
+    assert agent.kl_ctl.kl_coef != 0.05  # adapted
+    agent.save(tmp_path / "ckpt")
+    resumed = LMPPO.load(tmp_path / "ckpt", char_llama_env(), **settings)
+    assert resumed.kl_ctl.kl_coef == agent.kl_ctl.kl_coef
+    assert {group["lr"] for group in resumed.optimizer.param_groups} == {
+        group["lr"] for group in agent.optimizer.param_groups
+    }

@@ -83,3 +83,8 @@ def test_a_csv_column_named_twice_is_an_error(tmp_path):
     (tmp_path / "p.csv").write_text("prompt,prompt\nreal,other\n")
     with pytest.raises(PromptError, match="has column 'prompt' more than once"):
         load_prompts(tmp_path / "p.csv")
+
+
+def test_blank_trailing_csv_columns_are_not_a_column_named_twice(tmp_path):
+    (tmp_path / "p.csv").write_text("prompt,reference,,\nhi,there,,\n")  # a spreadsheet's export
+    assert [p.text for p in load_prompts(tmp_path / "p.csv")] == ["hi"]

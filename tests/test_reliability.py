@@ -836,3 +836,19 @@ def test_the_textgym_command_keeps_a_stopped_runs_abort_handlers_until_it_exits(
         proc.stdout + proc.stderr
     )
     assert "at exit: ['_abort', '_abort']" in proc.stdout
+
+
+def test_a_finished_run_extended_and_stopped_exits_130_without_its_old_after_table(config, tmp_path):
+    """A resume kept the finished run's samples_after.jsonl: stopped, the extended run then counted as
+    finished (exit 0), next to an after-training table of the earlier weights."""
+    out = tmp_path / "run"
+    assert (
+        main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=32"])
+        == 0
+    )
+    assert (out / "samples_after.jsonl").is_file()
+    stopped = textgym(
+        "train", "--resume", out, "--set", "run.total_timesteps=320", env={INTERRUPT_VAR: "after-metrics"}
+    )
+    assert stopped.returncode == 130 and "interrupted; checkpoint saved" in stopped.stdout, stopped.stderr
+    assert not (out / "samples_after.jsonl").exists()

@@ -303,3 +303,24 @@ def test_textgym_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"textgym {textgym.__version__}"
+
+
+def test_sb3_runs_follow_weight_schedules_and_score_the_after_table_where_they_ended(tmp_path, monkeypatch):
+    """Only LM agents moved the stack's progress: an SB3 run trained with the starting weights throughout."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = tmp_path / "sb3.toml"
+    config.write_text(
+        '[run]\ntotal_timesteps = 2048\nsample_prompts = 2\n[env]\nid = "textgym/Copy-v0"\n'
+        'rewards = [{ name = "length_penalty", target = 3, weight = { start = 1.0, end = 0.0 } }, '
+        '{ name = "length_penalty", target = 1, weight = { start = 0.0, end = 1.0 } }]\n'
+        '[agent]\nname = "sb3-ppo"\nn_steps = 128\nbatch_size = 256\n'
+    )
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r["iteration"] == 2]  # 1024 of 2048 tokens trained when it began: 0.5 each
+    assert last and all(
+        r["reward"] == pytest.approx(0.5 * r["reward_components"]["length_penalty"]
+                                     + 0.5 * r["reward_components"]["length_penalty_2"]) for r in last
+    )  # fmt: skip
+    after = [json.loads(line) for line in (run_dir / "samples_after.jsonl").read_text().splitlines()]
+    assert all(r["reward"] == pytest.approx(r["reward_components"]["length_penalty_2"]) for r in after)

@@ -143,14 +143,11 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # the config keys whose values may be paths to data: prompt files, policy and reward-model directories
-DATA_KEYS = ("prompts", "model", "policy")
-
-
 def data_paths(value: Any, skip: Iterable[str] = ()) -> list[str]:
-    """The existing files and directories ``value`` names under a :data:`DATA_KEYS` key (a registered name,
+    """The existing files and directories ``value`` names under a ``config.PATH_KEYS`` key (a registered name,
     as ``"copy"`` or ``"tiny-char-llama"``, is not a path), except those in ``skip`` (the same place by
     another spelling too)."""
-    from textgym.config import _is_registered_name
+    from textgym.config import PATH_KEYS, _is_registered_name
 
     skipped = {Path(s).expanduser().resolve() for s in skip}
 
@@ -159,7 +156,7 @@ def data_paths(value: Any, skip: Iterable[str] = ()) -> list[str]:
             return [p for k, v in value.items() for p in found(v, k)]
         if isinstance(value, list):
             return [p for v in value if isinstance(v, (Mapping, list)) for p in found(v, None)]
-        is_path = key in DATA_KEYS and isinstance(value, str) and value and not _is_registered_name(value)
+        is_path = key in PATH_KEYS and isinstance(value, str) and value and not _is_registered_name(value)
         path = Path(value).expanduser() if is_path else None
         return [value] if path is not None and path.exists() and path.resolve() not in skipped else []
 

@@ -110,7 +110,9 @@ def _read_csv(path: Path, text: str) -> list[dict[str, str]]:
             return rows
         if "prompt" not in header:
             raise PromptError(f"{path} has no 'prompt' column (columns: {', '.join(header)}).")
-        twice = sorted({name for name in header if header.count(name) > 1})
+        twice = sorted(
+            {name for name in header if name and header.count(name) > 1}
+        )  # "": blank export columns
         if twice:  # the last such column's cells would win without a word
             raise PromptError(f"{path} has column {twice[0]!r} more than once; name each column once.")
         for cells in reader:

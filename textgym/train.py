@@ -197,6 +197,7 @@ def _resumed(rd: RunDir, iteration: int, history: list[dict[str, Any]], tokens: 
     """A resume's run directory cut back to its checkpoint (of ``iteration``, with ``history``), and said so."""
     dropped = rd.truncate_samples(iteration)
     rd.write_metrics(history)
+    (rd.path / SAMPLES_AFTER).unlink(missing_ok=True)  # a finished run's: this one writes its own at its end
     print(
         f"textgym: resuming {rd.path} at iteration {iteration}, {tokens} tokens"
         + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else "")

@@ -74,6 +74,9 @@ def run_sb3(
 
         def _on_rollout_start(self) -> None:
             self.episodes: list[dict[str, Any]] = []
+            stack = env.env.reward_stack  # weight schedules follow the tokens trained, as an LM agent's do
+            if hasattr(stack, "set_progress"):
+                stack.set_progress(min(1.0, self.num_timesteps / run["total_timesteps"]))
             if flag.stop:
                 rd.write_checkpoint(save)
                 raise StopAfterUpdate
