@@ -300,8 +300,11 @@ def test_sharded_processes_draw_different_prompts_in_sequential_order_and_togeth
         assert not set(batches[0]) & set(batches[1])
         drawn += batches[0] + batches[1]
     assert sorted(drawn) == sorted(prompts * 2)  # 12 draws of 6 prompts: each twice
-    envs[1].prompt_cursor = envs[1].prompt_cursor  # a checkpoint's place, kept
-    assert prompts_of(envs[1].reset()[1], 2) == ["bb", "dd"]
+    envs[1].reset()  # process 1 drew bb, dd: its place is 2 draws on
+    restored = vector_char_env(2, prompts=prompts, prompt_order="sequential")  # as a resume makes it
+    restored.shard_prompts(1, 2)
+    restored.prompt_cursor = envs[1].prompt_cursor  # the checkpoint's place
+    assert prompts_of(restored.reset()[1], 2) == prompts_of(envs[1].reset()[1], 2) == ["ff", "bb"]
     with pytest.raises(ConfigError, match="process must be in 0..1, not 2"):
         envs[0].shard_prompts(2, 2)
 
