@@ -179,8 +179,11 @@ def model_dir(model: str | os.PathLike) -> Iterator[Path]:
         if os.sep in name or name.startswith((".", "~")):
             raise ModelError(f"model directory {name!r} does not exist.")
         raise UnknownNameError("model", name, models.names())
+    from transformers import PreTrainedTokenizerBase
+
     lm, tokenizer = load_model(name)
-    if lm is None or not hasattr(lm, "save_pretrained") or not hasattr(tokenizer, "save_pretrained"):
+    # a Hugging Face tokenizer: textgym's character tokenizer saves itself, but AutoTokenizer cannot read it
+    if lm is None or not hasattr(lm, "save_pretrained") or not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ModelError(
             f"model {name!r} has no Hugging Face model and tokenizer to save ({type(tokenizer).__name__}); "
             f"rm_score loads both from the output directory. Use e.g. tiny-random-llama or a model directory."
