@@ -144,9 +144,8 @@ class LMAgent(SB3Contract, UpdateGuards):
         self._total_timesteps = 0
         self._logger = None
         self.env: TextGenVectorEnv | None = None
-        self.action_n: int | None = (
-            None  # the env's tokens (a policy's vocabulary may be larger), kept by save
-        )
+        # the env's tokens (a policy's vocabulary may be larger); a checkpoint keeps it for predict()
+        self.action_n: int | None = None
         if env is not None:
             self.set_env(env)
         self.last_episodes: list[dict[str, Any]] = []

@@ -125,11 +125,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
     from textgym.models import atomic_build_dir
 
     full, agent._gathered = getattr(agent, "_gathered", None), None
-    error = None
-    try:
-        _check_save_target(path)
-    except ConfigError as exc:
-        error = exc
+    error = _refused_save_target(path)
     if agent.sharded and full is None:  # every process is in this save: all stop, none waits in the gather
         agent.dist.agree(error)
     elif error is not None:
@@ -185,17 +181,18 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
     atomic_build_dir(path, build, replace=True)
 
 
-def _check_save_target(path: Path) -> None:
-    """A save replaces a checkpoint, or fills an empty or new directory; anything else in ``path`` is the
-    user's: a save refuses it rather than delete it."""
+def _refused_save_target(path: Path) -> ConfigError | None:
+    """The error of a save to ``path``, if it must not write there. A save replaces a checkpoint, or fills an
+    empty or new directory; anything else in ``path`` is the user's: a save refuses it rather than delete it."""
     from textgym.models import is_complete
 
     empty = path.is_dir() and not any(path.iterdir())
     if path.exists() and not empty and not (is_complete(path) and (path / "state.json").is_file()):
-        raise ConfigError(
+        return ConfigError(
             f"{str(path)!r} exists and is not a textgym checkpoint: save to a new or empty directory (a "
             f"checkpoint there is replaced, nothing else is)."
         )
+    return None
 
 
 def _sharded_over_processes() -> bool:
@@ -260,7 +257,7 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             agent = cls(policy, env, **config)
         else:
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
-        agent.policy_source, agent.source_fingerprint = source, state.get("source_fingerprint")
+        agent.policy_source, agent.source_fingerprint = source, fingerprint
         if env is not None and source is not None and not from_main:  # from an object: set_env compared sizes
             check_tokenizer(agent.rollout_model.config, source, env)
         if agent.ref_policy is not None and not from_main:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from textgym import __version__
 from textgym.config import MAX_SEED
 from textgym.errors import TextgymError
 
@@ -25,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --plugin before the command or after it: two destinations, because a subcommand's default would
     # overwrite what the main parser read before it (argparse gives a subparser's defaults the last word)
     parser = argparse.ArgumentParser(prog="textgym", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"textgym {_version()}")
+    parser.add_argument("--version", action="version", version=f"textgym {__version__}")
     plugin_args = argparse.ArgumentParser(add_help=False)
     for options, dest in ((parser, "plugin"), (plugin_args, "plugin_after_command")):
         options.add_argument(
@@ -176,12 +177,6 @@ def _command(args: argparse.Namespace) -> int:
         return 130
 
 
-def _version() -> str:
-    from textgym import __version__
-
-    return __version__
-
-
 def _quiet_libraries() -> None:
     """textgym draws its own progress bars; transformers' per-file bars (loading and saving shards at every
     checkpoint) would drown them."""
@@ -208,9 +203,8 @@ def _train(args: argparse.Namespace) -> int:
             "give a config file to start a run, or --resume RUN_DIR to continue one (not both)."
         )
     path = run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
-    if (
-        under_launcher()
-    ):  # torchrun's and accelerate's processes: a launcher reports a nonzero exit as a failure
+    # torchrun's and accelerate's processes exit 0: a launcher reports a nonzero exit as a failure
+    if under_launcher():
         return 0
     # stopped by a signal, the checkpoint saved: 130, as a Ctrl-C'd command exits, so a script does not go on
     total = load_config(path / "config.toml")["run"]["total_timesteps"]

@@ -110,9 +110,8 @@ def _read_csv(path: Path, text: str) -> list[dict[str, str]]:
             return rows
         if "prompt" not in header:
             raise PromptError(f"{path} has no 'prompt' column (columns: {', '.join(header)}).")
-        twice = sorted(
-            {name for name in header if name and header.count(name) > 1}
-        )  # "": blank export columns
+        # "" (a spreadsheet's blank columns) is no name
+        twice = sorted({name for name in header if name and header.count(name) > 1})
         if twice:  # the last such column's cells would win without a word
             raise PromptError(f"{path} has column {twice[0]!r} more than once; name each column once.")
         for cells in reader:

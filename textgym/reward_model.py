@@ -429,9 +429,8 @@ def _fit(
         optimizer = torch.optim.AdamW(groups, fused=True)
     except (RuntimeError, TypeError):
         optimizer = torch.optim.AdamW(groups)
-    steps = math.ceil(len(train) / batch_size)  # per epoch
-    total_steps = epochs * steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total_steps)
+    total_steps, step = epochs * math.ceil(len(train) / batch_size), 0
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1 - done / total_steps)
     order_rng = torch.Generator().manual_seed(seed)
     autocast = scorer.device.startswith("cuda")  # bf16 on GPUs; fp32 on the CPU
     epoch_losses: list[float] = []
@@ -441,9 +440,8 @@ def _fit(
             model.train()
             order = torch.randperm(len(train), generator=order_rng).tolist()
             losses = []
-            for step, first in enumerate(
-                range(0, len(train), batch_size), start=len(epoch_losses) * steps + 1
-            ):
+            for first in range(0, len(train), batch_size):
+                step += 1
                 batch = [train[i] for i in order[first : first + batch_size]]
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                     margin, _ = scorer.margins(batch)  # (B,)

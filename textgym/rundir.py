@@ -75,9 +75,8 @@ class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._lock_fd: int | None = None
-        self._was_empty = (
-            False  # create() reused an existing empty directory: emptied again if the start fails
-        )
+        # create() reused an existing empty directory: emptied again if the start fails
+        self._was_empty = False
 
     @property
     def checkpoint(self) -> Path:

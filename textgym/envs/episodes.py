@@ -420,9 +420,7 @@ class Episodes:
         return self._stop_string(list(ids))
 
     def _hit_stop(self, i: int) -> bool:
-        turn = self.input_ids[
-            i, self.P + self.turn_start[i] : self.P + self.length[i]
-        ]  # this agent turn only
+        turn = self.input_ids[i, self.P + self.turn_start[i] : self.P + self.length[i]]  # this agent turn
         return self._stop_string(turn) is not None
 
     def _stop_string(self, ids: Sequence[int] | np.ndarray) -> str | None:
