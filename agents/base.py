@@ -5,7 +5,8 @@
 implements those two and, if it has them, extra modules (a value head) and extra state. The base owns the
 rest: loading the policy (zoo name, directory or model object), LoRA, the reference model (a frozen copy, the
 adapter-disabled model, or none when the agent does not need one), ``accelerate``, the optimizer, seeding,
-the forward over prompt + response, reference log-probs and score shaping. Two mixins add the rest:
+the rollout and score shaping. Three mixins add the rest: :class:`~textgym.agents.forwards.Forwards`, the
+forwards over prompt + response (the policy's and the reference's log-probs, the KL);
 :class:`~textgym.agents.update_guards.UpdateGuards`, the guards against non-finite losses, gradients and
 weights; :class:`~textgym.agents.sb3_contract.SB3Contract`, SB3's user contract (``learn`` with callbacks,
 logger and progress bar, ``predict``, atomic ``save``, ``load``) and the one metrics schema every agent
@@ -27,15 +28,15 @@ from torch import nn
 from textgym.agents import checkpoint, lora, precision, sharding, zero3
 from textgym.agents.batch_checks import batch_statistics, check_totals, recombine_totals
 from textgym.agents.distributed import Collective, cpu_has_native_bf16
+from textgym.agents.forwards import Forwards
 from textgym.agents.lm_config import LMAgentConfig, make_config
-from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tensorboard
 from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.agents.update_guards import UpdateGuards
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
-from textgym.sampling import Rollout, logits_to_keep, rollout
+from textgym.sampling import Rollout, rollout
 
 __all__ = [
     "COMMON_STATS",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-class LMAgent(SB3Contract, UpdateGuards):
+class LMAgent(Forwards, SB3Contract, UpdateGuards):
     """Base class of textgym's LM agents. See the module docstring for the template.
 
     Args:
@@ -346,87 +347,6 @@ class LMAgent(SB3Contract, UpdateGuards):
         if getattr(env.reward_stack, "aggregate", "sum") != "sum":
             recombine_totals(env.reward_stack, r)
         return r
-
-    # -- forwards ------------------------------------------------------------------------------------
-    def forward(
-        self, model: Any, batch: RolloutBatch, hidden: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over prompt + response: the logits that chose each response token (N, T, V), and
-        the last hidden states they came from (N, T, H) if asked."""
-        # Prompts are left-padded to max_prompt_tokens; columns that are padding in every row are dropped
-        # (the batch lives on the host: reading its mask waits for no device work).
-        start = int(batch.query_mask.any(0).long().argmax())
-        query_ids, query_mask = batch.query_ids[:, start:], batch.query_mask[:, start:]
-        ids = torch.cat([query_ids, batch.response_ids], dim=1).to(self.device)  # (N, P'+T)
-        mask = torch.cat([query_mask, batch.response_mask], dim=1).to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        T = batch.response_ids.shape[1]
-        # the LM head runs over the response positions only (the engine's forward is the policy's)
-        keep = logits_to_keep(self.rollout_model if model is self.policy else model, T + 1)
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=hidden, **keep
-        )
-        P = query_ids.shape[1]
-        last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
-        logits = out.logits[:, -(T + 1) : -1]  # (N, T, V): positions P-1 .. P+T-2 chose the response tokens
-        if self.env is not None:  # a model's vocabulary padded past its tokenizer's: the rollout samples
-            logits = logits[..., : self.env.single_action_space.n]  # from the env's tokens; so does this
-        return logits, last_hidden
-
-    def policy_logprobs(
-        self, batch: RolloutBatch, hidden: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Log-probs (N, T) of the response tokens under the policy (with gradients), per-token entropy
-        (N, T; without a graph) and, if asked, the hidden states."""
-        with self.autocast():
-            logits, last_hidden = self.forward(self.policy, batch, hidden=hidden)
-        logprobs = logprobs_from_logits(logits, batch.response_ids.to(self.device), self.config.temperature)
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits, self.config.temperature)
-        return logprobs, entropy, last_hidden
-
-    def sequence_logprobs(
-        self, model: Any, batch: RolloutBatch, hidden: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (N, T) of the response tokens under ``model`` at the sampling temperature (0 on
-        environment tokens), and its last hidden states (N, T, H) if asked: whole-sequence forwards without
-        gradients in the agent's precision, one micro-batch at a time."""
-        chunks, states = [], []
-        step = self.config.micro_batch_size or len(batch)
-        for start in range(0, len(batch), step):
-            mb = batch.select(torch.arange(start, min(start + step, len(batch))))
-            with torch.no_grad():
-                with self.autocast():
-                    logits, last_hidden = self.forward(model, mb, hidden=hidden)
-                tokens = mb.response_ids.to(self.device)
-                chunks.append(logprobs_from_logits(logits, tokens, self.config.temperature).cpu())
-            states.append(last_hidden)
-        return torch.cat(chunks) * batch.action_mask, torch.cat(states) if hidden else None
-
-    def reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Log-probs (N, T) of the response tokens under the reference, at the sampling temperature."""
-        if self.ref_policy is None:  # LoRA: the same weights, as they started (agents/lora.py)
-            with lora.reference_weights(self.rollout_model):
-                return self.sequence_logprobs(self.rollout_model, batch)[0]
-        return self.sequence_logprobs(self.ref_policy, batch)[0]
-
-    def sequence_kl(self, batch: RolloutBatch) -> torch.Tensor:
-        """KL(policy || reference) per completion (N,): the sum over its tokens of log pi - log pi_ref for the
-        sampled tokens. Agents without a reference (e.g. GRPO with beta = 0) load the initial policy for this,
-        once, outside training (evaluation only)."""
-        if self.uses_reference or self.config.lora is not None:  # LoRA: the adapter-disabled model
-            ref = self.reference_logprobs(batch)
-        else:
-            if getattr(self, "_kl_reference", None) is None:
-                if self.policy_source is None:
-                    raise ConfigError(f"this {self.name} has no reference model to measure a KL against.")
-                self._kl_reference = (
-                    self._load_policy(self.policy_source).requires_grad_(False).to(self.device)
-                )
-            ref = self.sequence_logprobs(self._kl_reference, batch)[0]
-        # bf16: the policy's side from the same kind of forward as the reference's (agents/precision.py)
-        policy = self.sequence_logprobs(self.rollout_model, batch)[0] if self.bf16 else batch.logprobs
-        return ((policy - ref) * batch.action_mask).sum(1)
 
     # -- one batch of episodes -----------------------------------------------------------------------
     def shape_scores(self, raw: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def crossings(monkeypatch):
         if name not in ours:
             ours[name] = any(Path(name).is_relative_to(root) for root in PACKAGE)
         # LMAgent.forward reads the batch's prompt mask, which lives on the host, to drop padding columns
-        return ours[name] and not (frame.f_code.co_name == "forward" and name.endswith("base.py"))
+        return ours[name] and not (frame.f_code.co_name == "forward" and name.endswith("forwards.py"))
 
     for method in CROSSINGS:
         original = getattr(torch.Tensor, method)
