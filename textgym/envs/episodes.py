@@ -1,4 +1,5 @@
-"""The state both env classes share: N generation slots in fixed-size arrays, and their scoring."""
+"""The state both env classes share: N generation slots in fixed-size arrays, and their scoring. The
+multi-turn half (a responder's replies between agent turns) is the :class:`~textgym.envs.turns.Turns` mixin."""
 
 from __future__ import annotations
 
@@ -12,18 +13,12 @@ from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
 from textgym.envs.conversation import ReplyFormatter
-from textgym.envs.responder_calls import notify_end, validated_openings, validated_replies
+from textgym.envs.responder_calls import validated_openings
+from textgym.envs.turns import Turns
 from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
-from textgym.responders import (
-    AGENT_ROLE,
-    Conversation,
-    Reply,
-    ResponderError,
-    ResponderSpec,
-    make_responder,
-)
+from textgym.responders import AGENT_ROLE, ResponderSpec, make_responder
 from textgym.rewards import RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
@@ -42,7 +37,7 @@ class StepResult(NamedTuple):
     turn_rewards: np.ndarray  # (n,) the reward of each turn that ended, 0 elsewhere
 
 
-class Episodes:
+class Episodes(Turns):
     """``n`` episodes in lockstep: prompt left-padded into ``[0, P)``, completion written into ``[P, P+T)``.
 
     With a responder, ``[P, P+T)`` holds the whole conversation after the prompt: agent turns and the
@@ -126,9 +121,8 @@ class Episodes:
         self.active = np.zeros(n, dtype=bool)
         # multi-turn bookkeeping, per slot
         self.env_mask = np.zeros((n, L), dtype=np.int8)  # (N, L) 1 where the environment wrote
-        self.turn_start = np.zeros(
-            n, dtype=np.int64
-        )  # response position where the agent's current turn began
+        # the response position where the agent's current turn began
+        self.turn_start = np.zeros(n, dtype=np.int64)
         self.agent_tokens = np.zeros(n, dtype=np.int64)  # actions so far
         self.turns: list[list[Turn]] = [[] for _ in range(n)]
         self.turn_rewards: list[list[float]] = [[] for _ in range(n)]
@@ -228,34 +222,6 @@ class Episodes:
         """Slot ``i``'s prompt text, with the responder's opening when ``start`` gave one."""
         text = self.prompts[self.prompt_index[i]].text
         return text if self.openings[i] is None else f"{text}{self.separator}{self.openings[i]}"
-
-    def _separator(self) -> str:
-        """What goes between a prompt and a responder's opening: a blank line, or where the tokenizer cannot
-        write one (a small character vocabulary), a space, or nothing."""
-        if self.responder is None or self.chat_template:
-            return "\n\n"
-        for separator in ("\n\n", " "):
-            try:
-                self.tokenizer.encode(separator)
-                return separator
-            except ValueError:
-                continue
-        return ""
-
-    def conversation(self, i: int, last_turn: bool = False) -> Conversation:
-        """What the responder sees of slot ``i``'s episode."""
-        prompt = self.prompts[self.prompt_index[i]]
-        return Conversation(self.prompt_text(i), prompt.meta, tuple(self.turns[i]), self.states[i],
-                            last_turn=last_turn, seed=int(self.seeds[i]))  # fmt: skip
-
-    def end(self, slots: Sequence[int] | np.ndarray) -> None:
-        """Tell the responder (its ``end``, when it has one) that the episodes in ``slots`` are over: ended,
-        reset before their end, or closed with the env. Each episode once."""
-        slots = [int(i) for i in slots if self.open[i]]
-        if self.responder is None or not slots:
-            return
-        self.open[slots] = False
-        notify_end(self.responder, [self.conversation(i) for i in slots])
 
     def draw(self, k: int, rng: np.random.Generator) -> list[int]:
         """The indices of the next ``k`` prompts, in ``prompt_order``. Sequential draws of process ``p`` of
@@ -359,66 +325,6 @@ class Episodes:
         self.active[ended] = False
         return StepResult(ended, [finished[i] for i in ended], turn_rows, turn_rewards)
 
-    def _answer(self, rows: np.ndarray, turn_rewards: np.ndarray) -> dict[int, str]:
-        """Close the agent turns of ``rows``, ask the responder (one batched call) and write its replies.
-        Returns the slots whose episode ended, with their finish reasons."""
-        conversations = []
-        for i in rows:
-            self.turns[i].append(self._agent_turn(i, self.turn_start[i], self.length[i]))
-            self.turn_start[i] = self.length[i]
-            last = self.max_turns is not None and len(self.turn_rewards[i]) + 1 >= self.max_turns
-            # a TimeLimit's last step ended this turn, or the token budget is used up: the agent gets no
-            # other turn, as after its max_turns-th
-            last = last or bool(self.limit < self.T and self.agent_tokens[i] >= self.limit)
-            last = last or bool(self.length[i] >= self.T)
-            conversations.append(self.conversation(i, last_turn=last))
-        ended: dict[int, str] = {}
-        for i, conversation, reply in zip(
-            rows, conversations, validated_replies(self.responder, conversations)
-        ):
-            reward = 0.0 if reply.reward is None else float(reply.reward)
-            self.turn_rewards[i].append(reward)
-            turn_rewards[i] = reward
-            if reply.done:  # finished, or cut short (a wrapped env's time limit): truncated, as at max_turns
-                ended[int(i)] = "max_turns" if reply.truncated else "stop"
-            elif conversation.last_turn:
-                ended[int(i)] = "max_turns"
-            elif not self._write_reply(i, reply):
-                ended[int(i)] = "overflow"
-        return ended
-
-    def _write_reply(self, i: int, reply: Reply) -> bool:
-        """Write ``reply`` after slot ``i``'s agent turn; False when it had to be cut at the token budget."""
-        role = reply.role or getattr(self.responder, "role", "user")
-        ending = self._turn_ending(i)
-        try:
-            ids = self.formatter.encode(role, reply.text, ending)
-        except ValueError as exc:  # e.g. a character outside a small vocabulary
-            raise ResponderError(
-                f"responder {self.responder.name!r} replied {reply.text[:60]!r}, which the env's tokenizer "
-                f"cannot encode: {exc}"
-            ) from None
-        room = self.T - self.length[i]
-        fits = len(ids) < room  # the agent needs room for at least one more token
-        ids = ids[:room]
-        start = self.P + self.length[i]
-        self.input_ids[i, start : start + len(ids)] = ids
-        self.attention_mask[i, start : start + len(ids)] = 1
-        self.env_mask[i, start : start + len(ids)] = 1
-        self.length[i] += len(ids)
-        self.turn_start[i] = self.length[i]
-        # a reply cut at the budget is recorded as what was written: what the agent saw, and what a reward reads
-        text = reply.text if fits else self.formatter.written(role, ids, reply.text, ending)
-        self.turns[i].append(Turn(role, text, tuple(int(t) for t in ids)))
-        return fits
-
-    def _turn_ending(self, i: int) -> str | None:
-        """The text that ended slot ``i``'s last agent turn: the EOS token, or the stop string it wrote."""
-        ids = self.turns[i][-1].token_ids
-        if ids and ids[-1] == self.eos_id:
-            return getattr(self.tokenizer, "eos_token", None)
-        return self._stop_string(list(ids))
-
     def _hit_stop(self, i: int) -> bool:
         turn = self.input_ids[i, self.P + self.turn_start[i] : self.P + self.length[i]]  # this agent turn
         return self._stop_string(turn) is not None
@@ -427,13 +333,6 @@ class Episodes:
         """The stop string in the text of the last tokens of an agent turn's ``ids``, if one is there."""
         tail = self.tokenizer.decode(ids[-self._stop_window :])
         return next((s for s in self.stop if s in tail), None)
-
-    def _agent_turn(self, i: int, start: int, end: int) -> Turn:
-        """The agent's turn in response positions ``[start, end)``: its text without EOS (stop strings kept)."""
-        ids = self.input_ids[i, self.P + start : self.P + end]
-        body = ids[:-1] if len(ids) and ids[-1] == self.eos_id else ids
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
-        return Turn(AGENT_ROLE, text, tuple(int(t) for t in ids))
 
     def sample(self, i: int, finish_reason: str) -> Sample:
         turns: tuple[Turn, ...] = ()
