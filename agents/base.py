@@ -331,21 +331,33 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         return "FSDP2" if self.fsdp is not None else "DeepSpeed ZeRO-3" if self.zero3 is not None else None
 
     @property
-    def lockstep(self) -> Callable[[bool], bool] | None:
+    def lockstep(self) -> Callable[..., bool] | None:
         """For :func:`~textgym.sampling.rollout` under sharding: whether any process still has an active
-        episode (every forward of a sharded model needs every process). None otherwise: no collective."""
-        return self.dist.any if self.sharded else None
+        episode (every forward of a sharded model needs every process), and a failure on one process stops
+        all (:meth:`~textgym.agents.distributed.Collective.lockstep`). None otherwise: no collective."""
+        return self.dist.lockstep if self.sharded else None
 
-    def rollout(self, env: TextGenVectorEnv, **kwargs: Any) -> Rollout:
+    def rollout(self, env: TextGenVectorEnv, shares: bool = False, **kwargs: Any) -> Rollout:
         """:func:`~textgym.sampling.rollout` of the policy on ``env`` in the agent's precision (see
-        agents/precision.py), in lockstep when sharded. ``kwargs`` go to the rollout. A ``normalize_then_sum``
-        stack's totals are recombined over the whole rollout (the env standardised each episode with those
-        that ended on the same step only)."""
+        agents/precision.py), in lockstep when sharded (a process that fails stops all, each naming it).
+        ``kwargs`` go to the rollout. A ``normalize_then_sum`` stack's totals are recombined over the whole
+        rollout (the env standardised each episode with those that ended on the same step only); with
+        ``shares`` (each process's rollout is its share of one batch, as in training) over every process's."""
         model = self.rollout_model
+        error = None
         with precision.bf16_linear_weights(model, self.bf16 and not self.sharded):
-            r = rollout(model, env, lockstep=self.lockstep, precision=self.autocast, **kwargs)
+            try:
+                r = rollout(model, env, lockstep=self.lockstep, precision=self.autocast, **kwargs)
+            except TextgymError as exc:
+                error = exc
+        # sharded, every process left the rollout on the same step; with shares, the totals below gather:
+        # either way all processes now stop together, naming the failure
+        if self.sharded or shares:
+            self.dist.agree(error)
+        elif error is not None:
+            raise error
         if getattr(env.reward_stack, "aggregate", "sum") != "sum":
-            recombine_totals(env.reward_stack, r)
+            recombine_totals(env.reward_stack, r, self.dist if shares else None)
         return r
 
     # -- one batch of episodes -----------------------------------------------------------------------
@@ -379,6 +391,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         try:  # a reward plugin may fail on one process only: all processes must learn of it (agree below)
             r = self.rollout(
                 env,
+                shares=True,
                 temperature=self.config.temperature,
                 seed=self.seed * 1_000_003 + self.iteration,
                 options=options,
@@ -405,13 +418,15 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             batch.ref_logprobs = self.reference_logprobs(batch)
         t_reference = time.perf_counter() - start
         batch.stats = self.rollout_stats(batch)
-        mask = batch.action_mask.float()
+        # the run's throughput: every process's tokens over the slowest process's rollout
+        tokens = float(self.dist.sum(batch.action_mask.sum()))
+        slowest = float(self.dist.gather(torch.tensor([t_rollout])).max())
         batch.stats.update(
             {
                 "time/rollout": t_rollout - t_reward,
                 "time/reward": t_reward,
                 "time/reference": t_reference,
-                "time/tokens_per_s": float(mask.sum()) / max(t_rollout, 1e-9),
+                "time/tokens_per_s": tokens / max(slowest, 1e-9),
             }
         )
         self.last_episodes = self.dist.gather_objects(r.infos)  # every process's (the main one writes)

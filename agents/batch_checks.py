@@ -19,17 +19,24 @@ if TYPE_CHECKING:
 __all__ = ["batch_statistics", "check_totals", "recombine_totals"]
 
 
-def recombine_totals(stack: Any, rollout: Any) -> None:
+def recombine_totals(stack: Any, rollout: Any, dist: Collective | None = None) -> None:
     """Recompute each episode's total over the whole rollout, in place. ``normalize_then_sum`` standardises
     each component over a batch: the env saw only the episodes that ended on the same step, so the totals
-    are recombined over the whole rollout (the training signal)."""
-    components = {
-        name: np.array([np.nan if (v := e["reward_components"][name]) is None else v for e in rollout.infos])
-        for name in stack.names
-    }
+    are recombined over the whole rollout (the training signal). With ``dist`` (the processes' rollouts are
+    shares of one batch) over every process's episodes, as one process would on the whole batch."""
+    components = np.array(  # (N, K); NaN: not applicable
+        [[np.nan if (v := e["reward_components"][name]) is None else v for name in stack.names]
+         for e in rollout.infos], dtype=np.float64,
+    ).reshape(len(rollout.infos), len(stack.names))  # fmt: skip
     # a multi-turn episode's return also holds its turn rewards
-    turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in rollout.infos])
-    rollout.scores = stack.combine(components) + turn_rewards
+    turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in rollout.infos], dtype=np.float64)
+    rows = slice(None)
+    if dist is not None and dist.world > 1:  # the same number of episodes on every process
+        n = len(rollout.infos)
+        components = dist.gather(torch.from_numpy(components)).numpy()
+        rows = slice(dist.rank * n, (dist.rank + 1) * n)
+    totals = stack.combine({name: components[:, k] for k, name in enumerate(stack.names)})[rows]
+    rollout.scores = totals + turn_rewards
     for episode, total in zip(rollout.infos, rollout.scores):
         episode["reward"] = float(total)
 

@@ -14,7 +14,12 @@ from typing import Any
 
 import torch
 
-from textgym.errors import TrainingError
+from textgym.errors import TextgymError, TrainingError
+
+
+class PeerFailed(TextgymError):
+    """Raised on the processes of a lockstep rollout whose own work went well when another process's failed
+    (its reward plugin raised): all stop on the same step; :meth:`Collective.agree` then names the failure."""
 
 
 class Collective:
@@ -44,6 +49,19 @@ class Collective:
         """True on every process if it is true on any."""
         return bool(self.sum(float(flag)) > 0)
 
+    def lockstep(self, active: bool, failed: bool = False) -> bool:
+        """One step of a lockstep rollout (:func:`~textgym.sampling.rollout`): whether any process still has
+        an active episode. When a process failed, False on it and :class:`PeerFailed` on the others, so that
+        all leave the rollout on the same step instead of waiting in each other's collectives."""
+        if self.world == 1:
+            return active and not failed
+        counts = self.sum(torch.tensor([float(active), float(failed)]))
+        if counts[1] > 0:
+            if failed:
+                return False
+            raise PeerFailed("another process failed during the rollout; stopping with it.")
+        return bool(counts[0] > 0)
+
     def gather_objects(self, items: list[Any]) -> list[Any]:
         if self.world == 1:
             return items
@@ -58,6 +76,8 @@ class Collective:
             if error is not None:
                 raise error
             return
+        if isinstance(error, PeerFailed):  # not this process's failure: the one that failed is named below
+            error = None
         messages = self.gather_objects([None if error is None else f"{type(error).__name__}: {error}"])
         failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
         if not failed:

@@ -8,6 +8,7 @@
 - a loss that is not finite on one process only: every process still runs the backward (its reduce-scatter
   needs all) and every process skips the step;
 - a weight that is not finite in one process's shard only: every process's health check fails;
+- a ``normalize_then_sum`` stack standardises over every process's episodes, as over the whole batch;
 - a checkpoint saved before any optimizer step: the optimizer has no state yet, and the save has none;
 - under ZeRO-3, NaN in the padding of a shard (DeepSpeed leaves it uninitialized) is no weight: the save's
   health check passes.
@@ -15,21 +16,28 @@
     ACCELERATE_USE_FSDP=true python -m torch.distributed.run --nproc_per_node 2 tests/distributed_sharding.py
 """
 
+import math
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lm_helpers import char_llama, make_env
+from lm_helpers import char_llama, make_env, share_of_a
 
 from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import local
 from textgym.errors import TrainingError
 from textgym.launch import end_process_group
+from textgym.rewards import FunctionReward, RewardStack
 from textgym.sampling import rollout
+
+
+def length(samples):
+    return [float(len(s.completion)) for s in samples]
 
 
 def main() -> None:
@@ -70,8 +78,25 @@ def main() -> None:
     torch.testing.assert_close(sharded.hidden, alone.hidden)
     print(f"rank {rank}: {len(sharded.infos)} episodes of up to {tokens} tokens, as unsharded", flush=True)
 
-    agent.set_env(make_env(4))
+    stack = RewardStack(
+        [(FunctionReward("a", share_of_a), 1.0), (FunctionReward("len", length), 1.0)],
+        aggregate="normalize_then_sum",
+    )
+    agent.set_env(make_env(4, rewards=stack))
     batch, _ = agent.generate()
+    episodes = agent.last_episodes  # every process's
+    whole = stack.combine({k: [e["reward_components"][k] for e in episodes] for k in stack.names})
+    torch.testing.assert_close(
+        agent.dist.gather(batch.raw_scores), torch.as_tensor(whole, dtype=torch.float32)
+    )
+    halves = [stack.combine({k: [e["reward_components"][k] for e in episodes[h : h + 4]] for k in stack.names})
+              for h in (0, 4)]  # fmt: skip
+    assert not np.allclose(np.concatenate(halves), whole)  # each process's half alone would give other totals
+    print(f"rank {rank}: normalize_then_sum standardised over every process's episodes", flush=True)
+    seconds = agent.dist.gather(torch.tensor([batch.stats["time/rollout"] + batch.stats["time/reward"]]))
+    tokens = float(agent.dist.gather(batch.action_mask.sum()[None]).sum())
+    assert math.isclose(batch.stats["time/tokens_per_s"], tokens / float(seconds.max()), rel_tol=1e-6)
+    print(f"rank {rank}: tokens per second over every process's tokens", flush=True)
     weights = [local(p).clone() for p in agent.params]
     with agent.accumulating(last=True):
         logprobs, _, _ = agent.policy_logprobs(batch)

@@ -319,6 +319,9 @@ def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_eve
         "rank 0: saved before any step" in result.stdout and "rank 1: saved before any step" in result.stdout
     )
     assert "rank 0: 4 episodes of up to 2 tokens, as unsharded" in result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: normalize_then_sum standardised over every process's episodes" in result.stdout
+        assert f"rank {rank}: tokens per second over every process's tokens" in result.stdout
     assert "rank 1: 4 episodes of up to 6 tokens, as unsharded" in result.stdout
     for rank in (0, 1):
         assert f"rank {rank}: step skipped" in result.stdout and f"rank {rank}: not healthy" in result.stdout
@@ -661,12 +664,15 @@ def flaky(samples):
 """
 
 
-def test_a_reward_failing_on_one_process_stops_every_process_with_its_name(config, tmp_path):
+@pytest.mark.parametrize("shard", [None, "fsdp"], ids=["ddp", "fsdp"])
+def test_a_reward_failing_on_one_process_stops_every_process_with_its_name(config, tmp_path, shard):
+    """Sharded, the rollouts run in lockstep (a collective per step): the failing process must stop the
+    others in it, or they wait for its next forward forever (the timeout turns that hang into a failure)."""
     (tmp_path / "flaky.py").write_text(FAILS_ON_RANK_1)
     out = tmp_path / "run"
     result = run_cmd([*TORCHRUN, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'",
                       "--set", "run.sample_prompts=1", "--set", f"run.plugins=['{tmp_path / 'flaky.py'}']",
-                      "--set", "env.rewards=[{name='flaky'}]"])  # fmt: skip
+                      "--set", "env.rewards=[{name='flaky'}]"], shard=shard, timeout=240)  # fmt: skip
     assert result.returncode != 0
     assert "reward function 'flaky'" in result.stderr or "reward plugin 'flaky'" in result.stderr
     assert (

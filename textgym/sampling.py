@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from textgym.envs import TextGenVectorEnv
-from textgym.errors import TrainingError
+from textgym.errors import TextgymError, TrainingError
 
 
 @dataclass
@@ -55,7 +55,7 @@ def rollout(
     seed: int | None = None,
     options: dict[str, Any] | None = None,
     keep_hidden: bool = False,
-    lockstep: Callable[[bool], bool] | None = None,
+    lockstep: Callable[..., bool] | None = None,
     precision: Callable[[], Any] = contextlib.nullcontext,
 ) -> Rollout:
     """Run one episode in every sub-env of ``env`` (``autoreset_mode="Disabled"``), ``model`` choosing the
@@ -64,7 +64,9 @@ def rollout(
     ``lockstep`` (a sharded model, whose every forward needs every process): called each step with whether
     this process still has an active episode, it returns whether any process has. A process whose episodes
     have ended keeps feeding pad tokens (results discarded) until none has, so all run the same forwards;
-    its episodes are exactly those it gets without ``lockstep``.
+    its episodes are exactly those it gets without ``lockstep``. A process whose env fails (a reward plugin
+    raising) calls ``lockstep(False, True)`` before raising, and on that call the others raise, so that no
+    process waits for the failed one's next forward.
 
     ``precision``: a context for each forward of ``model`` (an agent's bf16 autocast). The env and its
     rewards run outside it, in their own precision."""
@@ -82,7 +84,14 @@ def rollout(
     generator = torch.Generator(device=device)
     # no seed: one drawn from torch's global stream, so calls differ and torch.manual_seed reproduces them
     generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
-    obs, _ = env.reset(seed=seed, options=options)
+    try:
+        obs, _ = env.reset(seed=seed, options=options)
+    except TextgymError:
+        if lockstep is not None:  # the others stop too (a responder's opening that failed on this process)
+            lockstep(False, True)
+        raise
+    if lockstep is not None:
+        lockstep(True)  # raises if another process's reset failed
     P, T, n = env.max_prompt_tokens, env.max_new_tokens, env.num_envs
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
     query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
@@ -163,7 +172,12 @@ def rollout(
                     hidden = torch.zeros(n, T, h.shape[-1], device=device)
                 hidden[every_row, cols] = torch.where(active[:, None], h, hidden[every_row, cols])
             step_tokens = tokens.cpu().numpy()  # the step's one transfer to the host
-            obs, rewards, terminated, truncated, step_infos = env.step(step_tokens)
+            try:
+                obs, rewards, terminated, truncated, step_infos = env.step(step_tokens)
+            except TextgymError:  # e.g. a reward plugin that failed on this process only
+                if lockstep is not None:  # the others leave the rollout on this step too
+                    lockstep(False, True)
+                raise
             scores += rewards  # turn rewards on the steps that end turns, the stack's total on the last
             for i in np.flatnonzero(terminated | truncated):
                 infos[i] = _episode_info(step_infos, i, scores[i])
