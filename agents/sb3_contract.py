@@ -99,8 +99,11 @@ class SB3Contract:
 
     def _setup_logger(self, tb_log_name: str, reset_num_timesteps: bool) -> None:
         """Log to stdout, CSV and TensorBoard under ``tensorboard_log/<tb_log_name>_<n>``; a learn() call that
-        continues (``reset_num_timesteps=False``) continues the latest run, as SB3 does."""
-        if self.config.tensorboard_log is None:
+        continues (``reset_num_timesteps=False``) continues the latest run, as SB3 does. Under several
+        processes, the main one only (the others log to stdout when verbose)."""
+        if (
+            self.config.tensorboard_log is None or not self.dist.is_main
+        ):  # one writer: statistics are gathered
             return
         from stable_baselines3.common.logger import configure
         from stable_baselines3.common.utils import get_latest_run_id

@@ -341,9 +341,8 @@ def two_process_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("two-process-run")
     (path / "copy.toml").write_text(COPY)
     out = path / "run"
-    result = run_cmd(
-        [*TORCHRUN, "-m", "textgym", "train", str(path / "copy.toml"), "--set", f"run.output_dir='{out}'"]
-    )
+    result = run_cmd([*TORCHRUN, "-m", "textgym", "train", str(path / "copy.toml"), "--set", f"run.output_dir='{out}'",
+                      "--set", "run.report_to=['tensorboard']"])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -366,6 +365,7 @@ def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_epi
     assert float(metrics[0]["reward"]) == pytest.approx(sum(s["reward"] for s in first) / 8, abs=1e-6)
     assert len({s["prompt"] for s in first}) == 8  # not the same four prompts twice
     assert result.stdout.count("after training:") == 1  # only the main process reports
+    assert len(list((out / "tensorboard" / "run_1").glob("events.out.tfevents.*"))) == 1  # the main one's
     resumed = run_cmd(
         [sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=200"]
     )
