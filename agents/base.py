@@ -94,6 +94,11 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             )
         with sharding.accelerate_without_sharding():
             self.accelerator = Accelerator(cpu=not on_gpu)
+        if self.accelerator.device.type != ("cuda" if on_gpu else "cpu"):  # a process group started before
+            raise ConfigError(  # the agent keeps the device it was started on (accelerate's PartialState)
+                f"device = {c.device!r}, but this process's group already runs on {self.accelerator.device}: "
+                f"start it on the agent's device (textgym.launch.init_process_group(device)) or set device."
+            )
         self.bf16 = bool(bf16)
         sharding.refuse_accelerate_sharding(self.accelerator)
         self.device = self.accelerator.device

@@ -709,3 +709,18 @@ def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, 
     captured = capsys.readouterr()
     assert code != 0 and "the 2-process run" in captured.err, captured.err[-2000:]
     assert not out.exists()
+
+
+def test_the_process_group_starts_on_the_agents_device(monkeypatch):
+    """accelerate keeps the device of the first PartialState: a group started for a GPU would put an agent
+    with device = "cpu" on the GPU (NCCL), so `textgym train` starts it on the agent's device."""
+    import accelerate
+
+    from textgym.launch import init_process_group
+
+    started = []
+    monkeypatch.setattr(accelerate, "PartialState", lambda cpu: started.append(cpu))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("cpu", "auto", "cuda"):
+        init_process_group(device)
+    assert started == [True, False, False]

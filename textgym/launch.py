@@ -39,13 +39,14 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def init_process_group() -> None:
+def init_process_group(device: str = "auto") -> None:
     """Start the process group before the agent exists (the run directory is prepared on the main process
-    while the others wait); the agent's Accelerator then joins it."""
+    while the others wait); the agent's Accelerator then joins it, and keeps its device: so the group is
+    started on the agent's ``device`` (``"cpu"`` on a GPU machine: gloo and the CPU, not NCCL and a GPU)."""
     import torch
     from accelerate import PartialState
 
-    PartialState(cpu=not torch.cuda.is_available())
+    PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
 
 
 def end_process_group() -> None:

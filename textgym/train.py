@@ -126,7 +126,7 @@ def run(
     resuming, created = resume is not None, False
     main = rank() == 0
     if world > 1:
-        init_process_group()
+        init_process_group(hyperparameters.get("device", "auto"))
 
     def prepare() -> bool:
         """The run directory, on the main process: created (or recovered, on resume) and locked."""
