@@ -4,11 +4,12 @@ reference per completion. A mixin of :class:`~textgym.agents.base.LMAgent`, whos
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from textgym.agents import lora
+from textgym.agents import lora, sharding, zero3
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch
 from textgym.errors import ConfigError
@@ -27,6 +28,9 @@ class Forwards:
     policy_source: Any
     bf16: bool
     name: str
+    dist: Any
+    fsdp: Any
+    zero3: Any
 
     def forward(
         self, model: Any, batch: RolloutBatch, hidden: bool = False
@@ -90,6 +94,19 @@ class Forwards:
                 return self.sequence_logprobs(self.rollout_model, batch)[0]
         return self.sequence_logprobs(self.ref_policy, batch)[0]
 
+    def _initial_policy(self) -> Any:
+        """The policy as loaded from its source, frozen, on the device; sharded as the policy is (read by the
+        main process only), so that a policy too large for one device is not loaded whole on each."""
+        if not self.sharded:
+            return self._load_policy(self.policy_source).requires_grad_(False).to(self.device)
+        load = functools.partial(self._load_policy, self.policy_source)
+        model, skeleton = sharding.load_on_main(load, self.dist)
+        model.requires_grad_(False)
+        weights = sharding.main_weights(model, self.dist) if skeleton is not None else None
+        if self.zero3 is not None:
+            return zero3.reference(model, self.zero3, self.device, weights)
+        return sharding.shard(model, self.fsdp, self.device, weights)
+
     def sequence_kl(self, batch: RolloutBatch) -> torch.Tensor:
         """KL(policy || reference) per completion (N,): the sum over its tokens of log pi - log pi_ref for the
         sampled tokens. Agents without a reference (e.g. GRPO with beta = 0) load the initial policy for this,
@@ -100,9 +117,7 @@ class Forwards:
             if getattr(self, "_kl_reference", None) is None:
                 if self.policy_source is None:
                     raise ConfigError(f"this {self.name} has no reference model to measure a KL against.")
-                self._kl_reference = (
-                    self._load_policy(self.policy_source).requires_grad_(False).to(self.device)
-                )
+                self._kl_reference = self._initial_policy()
             ref = self.sequence_logprobs(self._kl_reference, batch)[0]
         # bf16: the policy's side from the same kind of forward as the reference's (agents/precision.py)
         policy = self.sequence_logprobs(self.rollout_model, batch)[0] if self.bf16 else batch.logprobs

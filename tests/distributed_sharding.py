@@ -9,6 +9,8 @@
   needs all) and every process skips the step;
 - a weight that is not finite in one process's shard only: every process's health check fails;
 - a ``normalize_then_sum`` stack standardises over every process's episodes, as over the whole batch;
+- an agent without a reference (GRPO, beta = 0) measures its KL against the policy as loaded, sharded as
+  the policy is;
 - a checkpoint saved before any optimizer step: the optimizer has no state yet, and the save has none;
 - under ZeRO-3, NaN in the padding of a shard (DeepSpeed leaves it uninitialized) is no weight: the save's
   health check passes.
@@ -26,8 +28,9 @@ import torch
 import torch.distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lm_helpers import char_llama, make_env, share_of_a
+from lm_helpers import CHARS, char_llama, make_env, share_of_a
 
+from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import local
 from textgym.errors import TrainingError
@@ -97,6 +100,20 @@ def main() -> None:
     tokens = float(agent.dist.gather(batch.action_mask.sum()[None]).sum())
     assert math.isclose(batch.stats["time/tokens_per_s"], tokens / float(seconds.max()), rel_tol=1e-6)
     print(f"rank {rank}: tokens per second over every process's tokens", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:  # an agent without a reference measures a KL against its
+        source = agent.dist.gather_objects([tmp])[0]  # policy as loaded, sharded as the policy is
+        if agent.dist.is_main:
+            char_llama().save_pretrained(source)
+            CHARS.save_pretrained(source)
+        torch.distributed.barrier()
+        grpo = GRPO(source, None, beta=0.0, seed=0, verbose=0)
+        kl = grpo.sequence_kl(batch)  # LMPPO's batch: its policy has not moved, so the KL is 0
+        torch.distributed.barrier()  # the main process's directory stays until every process has read it
+    torch.testing.assert_close(kl, torch.zeros_like(kl), atol=1e-4, rtol=0)
+    whole = [getattr(p, "ds_numel", p.numel()) for p in grpo._kl_reference.parameters()]
+    if grpo.sharded and sum(local(p).numel() for p in grpo._kl_reference.parameters()) < sum(whole):
+        print(f"rank {rank}: the KL reference is sharded as the policy", flush=True)
+    del grpo
     weights = [local(p).clone() for p in agent.params]
     with agent.accumulating(last=True):
         logprobs, _, _ = agent.policy_logprobs(batch)

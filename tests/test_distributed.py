@@ -322,6 +322,9 @@ def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_eve
     for rank in (0, 1):
         assert f"rank {rank}: normalize_then_sum standardised over every process's episodes" in result.stdout
         assert f"rank {rank}: tokens per second over every process's tokens" in result.stdout
+        assert (f"rank {rank}: the KL reference is sharded as the policy" in result.stdout) == (
+            shard is not None
+        )
     assert "rank 1: 4 episodes of up to 6 tokens, as unsharded" in result.stdout
     for rank in (0, 1):
         assert f"rank {rank}: step skipped" in result.stdout and f"rank {rank}: not healthy" in result.stdout
