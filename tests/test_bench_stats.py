@@ -212,6 +212,19 @@ def test_flags_are_grouped_over_seeds():
     assert grouped[0]["message"] == "EOS collapse" and grouped[0]["first_seed"] == 0
 
 
+def test_seeds_needed_falls_as_the_effect_grows_and_as_the_level_loosens():
+    """Large effects: the power at 3-4 seeds is read from the noncentral t's upper tail (its lower tail is NaN
+    in scipy there); d_z = 5.1 at Holm's 0.05 / 3 has power 0.73 at 3 seeds and 0.99 at 4."""
+    from textgym.bench_stats import seeds_needed
+
+    assert seeds_needed(5.1, alpha=0.05 / 3) == 4 and seeds_needed(-25.5, alpha=0.05 / 3) == 3
+    effects = [0.3 * 1.25**k for k in range(30)]  # 0.3 .. ~193
+    for alpha in (0.05, 0.05 / 3):
+        needed = [seeds_needed(d, alpha=alpha) for d in effects]
+        assert needed == sorted(needed, reverse=True), needed
+    assert all(seeds_needed(d, alpha=0.05) <= seeds_needed(d, alpha=0.05 / 3) for d in effects)
+
+
 def test_seeds_needed_matches_the_textbook_power_of_a_paired_t_test():
     from textgym.bench_stats import seeds_needed
 

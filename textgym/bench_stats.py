@@ -131,7 +131,10 @@ def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int
     while n <= most:
         df, shift = n - 1, abs(d_z) * math.sqrt(n)
         critical = stats.t.ppf(1 - alpha / 2, df)
-        if stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift) >= power:
+        # the wrong-sign tail: negligible, and NaN in scipy's noncentral t once the shift is large (d_z
+        # above ~5 at 3 seeds), which would skip every n with enough power
+        wrong_sign = float(stats.nct.cdf(-critical, df, shift))
+        if stats.nct.sf(critical, df, shift) + (0.0 if math.isnan(wrong_sign) else wrong_sign) >= power:
             return n
         n = n + 1 if n < 64 else int(n * 1.1)
     return None
