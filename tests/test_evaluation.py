@@ -164,6 +164,33 @@ def test_an_evaluation_is_reproducible_and_reads_every_component(tmp_path):
     assert first.errors["exact_copy"] >= 0 and not math.isnan(first.errors["reward"])
 
 
+def test_a_metric_named_as_a_training_component_does_not_hide_it_in_the_episodes(tmp_path):
+    from textgym.agents.ppo import LMPPO
+
+    metric = '{ name = "length_penalty", target = 1 }]'  # training: length_penalty target 3, weight 0.5
+    config = load_config(
+        config_file(tmp_path, COPY + EVAL.replace("range = [0, 1] }]", f"range = [0, 1] }}, {metric}"))
+    )
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled", model="tiny-char-llama", prompts="copy-train")  # fmt: skip
+    result = Evaluator(config, config["eval"], config["env"]["rewards"], lm_agent=True)(
+        LMPPO("tiny-char-llama", env, seed=0, verbose=0)
+    )
+    assert set(result.episodes[0]["components"]) == {
+        "match",
+        "length_penalty",
+        "exact_copy",
+        "length_penalty (metric)",
+    }
+    for e in result.episodes:
+        c = e["components"]
+        assert e["reward"] == pytest.approx(c["match"] + 0.5 * c["length_penalty"])
+    assert any(
+        e["components"]["length_penalty"] != e["components"]["length_penalty (metric)"]
+        for e in result.episodes
+    )
+
+
 def test_a_normalize_then_sum_total_is_not_measured_on_held_out_prompts(tmp_path):
     """Standardised over the evaluated episodes themselves, its mean is 0 whatever the policy: not a number
     to compare or to watch rise (the bench's gaming check needs it, and says it did not run)."""

@@ -408,7 +408,7 @@ class Evaluator:
         }
         rows = []
         for e, total, kl in zip(episodes, totals, kls):
-            named = {self.labels.get(k, k): v for k, v in e["reward_components"].items()}
+            named = {self._shown_name(k): v for k, v in e["reward_components"].items()}
             rows.append(
                 {
                     "prompt": e["prompt"],
@@ -421,6 +421,15 @@ class Evaluator:
                 }
             )
         return Evaluation(metrics, errors, components, rows)
+
+    def _shown_name(self, name: str) -> str:
+        """An episode's score's name: a training component's own, a metric's label; ``"<label> (metric)"``
+        for a metric labelled as a training component is named (e.g. ``fluency`` with other arguments), so
+        that neither hides the other."""
+        label = self.labels.get(name)
+        if label is None:
+            return name
+        return f"{label} (metric)" if label in self.train_names else label
 
 
 def _mean(x: np.ndarray) -> float:
