@@ -111,6 +111,7 @@ def test_flags_rankings_and_clipped_intervals(report):
     assert "EOS collapse: EOS rate 0.80 -> 0.00 (2 of 3 seeds; shown: seed 0)" in md
     assert "component 'match' makes 95% of the total's spread" in md  # the gold design's stack
     assert "**exact_copy** (higher is better): 1. gold (0.525), 2. proxy (0.160)" in md
+    assert "| abc&lt;&amp;&gt; |" in md and "abc<&>" not in md  # a completion's text, not markup
     # `reward` is each design's own total: shown, not ranked between designs
     assert "**reward**" not in md.split("Rankings:")[1].split("Paired")[0]
     eos = results.cell("lmppo", "proxy", "eos_rate")  # 0, 0.09, 0.36: the t interval reaches below 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -269,9 +270,13 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
     return lines
 
 
-def _cell_text(text: str, width: int) -> str:
-    text = " ".join(str(text).split()).replace("|", "\\|")
-    return text if len(text) <= width else text[: width - 1] + "…"
+def _cell_text(text: str, width: int | None = None) -> str:
+    """User text (a prompt, a completion, a metric's label) as one Markdown table cell: on one line, cut at
+    ``width`` characters, and escaped, so that ``<b>`` or ``&amp;`` in it reads as written, not as markup."""
+    text = " ".join(str(text).split())
+    if width is not None and len(text) > width:
+        text = text[: width - 1] + "…"
+    return html.escape(text, quote=False).replace("|", "\\|")
 
 
 def _samples(results: BenchResults) -> list[str]:
@@ -288,7 +293,7 @@ def _samples(results: BenchResults) -> list[str]:
             "|---|---|---|---|---|",
         ]
         for s in e["samples"]:
-            scores = ", ".join(f"{k} {fmt(v)}" for k, v in s["components"].items())
+            scores = ", ".join(f"{_cell_text(k)} {fmt(v)}" for k, v in s["components"].items())
             lines.append(
                 f"| {_cell_text(s['prompt'], 60)} | {_cell_text(s['completion'], 120)} | {s['finish_reason']} | "
                 f"{fmt(s['reward'])} | {scores} |"
