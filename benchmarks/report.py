@@ -887,6 +887,8 @@ def write_report(quick: bool = False) -> Path:
         lora=[load("gpu_check_lora_1b7"), load("gpu_check_lora_7b")],
     )
     lines.append(PROFILE_NOTES)
-    path = results_dir() / "performance.md" if quick else ROOT / "docs" / "performance.md"
+    # docs/performance.md is written from benchmarks/results only; other results get their report beside them
+    in_docs = not quick and results_dir().resolve() == (ROOT / "benchmarks" / "results").resolve()
+    path = ROOT / "docs" / "performance.md" if in_docs else results_dir() / "performance.md"
     path.write_text("\n".join(lines))
     return path

@@ -148,7 +148,9 @@ def main() -> None:
         default=["env", "rewards", "rollout", "multiturn", "ppo", "scaling", "agents", "distributed", "bf16"],
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check that everything runs")
-    parser.add_argument("--results", type=Path, help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument(
+        "--results", type=Path, help="where the JSON and its report go (default benchmarks/results and docs/)"
+    )
     args = parser.parse_args()
     if args.results or args.quick:  # a quick check never overwrites the real results
         os.environ["TEXTGYM_BENCH_RESULTS"] = str(args.results or WORK / "quick-results")
@@ -194,8 +196,8 @@ def main() -> None:
         module("bf16_cpu", *(["--quick", "--repeats", "1"] if q else []))
     from benchmarks.report import write_report
 
-    write_report(quick=q)
-    print(f"benchmarks done in {time.time() - start:.0f} s; see docs/performance.md", flush=True)
+    report = write_report(quick=q)
+    print(f"benchmarks done in {time.time() - start:.0f} s; see {report}", flush=True)
 
 
 if __name__ == "__main__":

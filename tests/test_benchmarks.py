@@ -25,6 +25,19 @@ def test_quick_benchmarks_run_and_write_results_and_a_report(tmp_path):
     assert "## Rollout through the env against `model.generate`" in report and "## The env alone" in report
 
 
+def test_results_elsewhere_get_their_report_beside_them_not_in_the_docs(tmp_path, monkeypatch):
+    from benchmarks.report import write_report
+
+    page = ROOT / "docs" / "performance.md"
+    docs = page.read_text()
+    monkeypatch.setenv("TEXTGYM_BENCH_RESULTS", str(tmp_path))  # what run.py --results DIR sets
+    try:
+        assert write_report() == tmp_path / "performance.md" and (tmp_path / "performance.md").exists()
+        assert page.read_text() == docs
+    finally:
+        page.write_text(docs)
+
+
 def test_quick_multiturn_benchmark_runs_and_reports(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/run.py", "--quick", "--only", "multiturn", "--results", str(tmp_path)],
