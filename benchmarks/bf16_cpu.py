@@ -50,6 +50,7 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     for bf16 in (False, True):
         generate(bf16), env_rollout(bf16)  # warm-up
+    env_rollout(True, False)
     for _ in range(args.repeats):
         for bf16 in (False, True):
             tag = "bf16" if bf16 else "fp32"

@@ -74,7 +74,10 @@ def main() -> None:
         config.write_text(CONFIG.format(tokens=tokens, batch=batch, length=length, model=model, micro=micro))
         for processes, shard in ((1, None), (2, None), (2, "fsdp"), (2, "zero3")):
             metrics = train(config, Path(tmp) / f"p{processes}{shard}", processes, shard)
-            times = [float(m["time/iteration"]) for m in metrics[1:]] or [float(metrics[0]["time/iteration"])]
+            if len(metrics) < 2:
+                raise SystemExit(f"{processes} process(es), {shard or 'data-parallel'}: one iteration ran, and the "
+                                 "first is a warm-up; raise --iterations")  # fmt: skip
+            times = [float(m["time/iteration"]) for m in metrics[1:]]  # the first, a warm-up, left out
             key = shard or processes
             rows[key] = {"iteration_s": median(times), "iterations": len(metrics), "times": times}
             print(key, rows[key], flush=True)

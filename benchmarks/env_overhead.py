@@ -31,6 +31,7 @@ def main() -> None:
             for a in actions:
                 env.step(a)
 
+        run()  # warm-up: first-call costs (tokenizer caches, allocations) out of the timings
         times = [timed(run)[0] for _ in range(args.repeats)]
         t = median(times)
         rows.append({"num_envs": n, "vector_steps_per_s": args.steps / t, "env_steps_per_s": args.steps * n / t,

@@ -16,6 +16,10 @@ GPU_CHECK_AGENTS = (
     "default: 2), beta 0.05"
 )
 
+# the largest score change the report calls "the same scores": float32 summation order moves a mean log-prob by
+# ~1e-5 (the tests compare the fast formula to the slow one within that)
+SAME_SCORES = 1e-4
+
 PROFILE_NOTES = """\
 ## Profile and fix
 
@@ -45,12 +49,15 @@ and 3, and 16.8, 16.1 and 15.3 s after.
    implementation and 0.056 s with `fused=True` (measured side by side). Four steps per iteration.
    LMPPO now uses the fused kernel where torch has it. PPO iteration 16.5 -> 15.4 s.
 
-**What is left against TRL.** A forward + backward of 8 sequences of ~74 tokens takes about 2.4 s here, and
-an iteration runs four of them, so the update (~9 s) is compute in the model itself. TRL runs the same four
-with a second, separate value model, so its update costs about twice ours. Generation, reference and
-reward cost about the same on both sides. That bounds the ratio near 0.5 at equal settings. Across three
-`make bench` runs TRL's median iteration varied between 27.5 and 30.7 s, so the measured ratio moved
-between 0.50 and 0.62 with the machine's noise and the fixes above. bf16 autocast (`bf16 = true`) would cut textgym's
+**What is left against TRL.** An LMPPO iteration runs four forward + backward passes over 8 sequences of
+~74 tokens, one per optimizer step, and they are most of it (*update* in the breakdown above): compute in
+the model itself. TRL takes the same four optimizer steps (counted by the benchmark), each through the policy
+and a second, separate value model, and generation, reference and reward cost about the same on both sides,
+so at equal settings the ratio has little room below 0.5 (the measured one is in the table above). Earlier runs of this
+benchmark configured TRL with `gradient_accumulation_steps = 2` over micro-batches of 8, which in TRL's
+`PPOTrainer` accumulates across minibatches: it took 2 optimizer steps in most iterations instead of 4, so
+their ratios (0.50 to 0.62 over three runs) understated TRL's cost; the benchmark now gives TRL the whole
+minibatch per device and no accumulation. bf16 autocast (`bf16 = true`) would cut textgym's
 update further, but it is not used here because the comparison holds the settings equal.
 """
 
@@ -200,13 +207,20 @@ def reward_section(w: dict) -> list[str]:
     )
     if fluency:
         best = max(fluency["speedup"], fluency["speedup_bf16"])
+        moved = fluency["max_score_difference_before"]
+        same = moved <= SAME_SCORES
+        scores = (
+            f"with the same scores (fp32, largest difference {moved:.1e})"
+            if same
+            else f"but with other scores (fp32, largest difference {moved:.1e}, above {SAME_SCORES:g})"
+        )
+        met = fluency["speedup"] >= 10 and same
         lines += [
             "",
-            f"`fluency`: {fluency['speedup']:.1f}x the former throughput with the same scores (fp32, largest "
-            f"difference {fluency['max_score_difference_before']:.1e}), {fluency['speedup_bf16']:.1f}x with bf16 "
+            f"`fluency`: {fluency['speedup']:.1f}x the former throughput {scores}, {fluency['speedup_bf16']:.1f}x with bf16 "
             f"autocast (scores move by up to {fluency['max_score_difference_bf16']:.2f} in a mean log-prob). "
-            f"Target: at least 10x at batch 64 with the same scores: {'met' if fluency['speedup'] >= 10 else 'missed'} "
-            f"in fp32{'' if best < 10 or fluency['speedup'] >= 10 else ', met only with bf16, which changes the scores a little'}.",
+            f"Target: at least 10x at batch 64 with the same scores: {'met' if met else 'missed'} "
+            f"in fp32{'' if best < 10 or met else ', met only with bf16, which changes the scores a little'}.",
             "",
             *fluency_work(fluency, w.get("matmul_gflops")),
             *(group_work(groups) if groups else []),
@@ -232,6 +246,9 @@ def agents_section(a: dict | None) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for row in a["rows"]:
+        if "error" in row:  # gpu_check records a failed agent with its error
+            lines.append(f"| {row['agent']} | {row['batch']} | failed: {row['error'][:80]} | | | |")
+            continue
         b = row["breakdown"]
         lines.append(
             f"| {row['agent']} | {row['batch']} | {row['iteration_s']:.1f} | {row['peak_memory_mb']:.0f} | "
@@ -262,12 +279,12 @@ def distributed_section(d: dict | None) -> list[str]:
         "DeepSpeed ZeRO-3 (`ACCELERATE_USE_DEEPSPEED=true`, ZeRO stage 3). Median seconds per iteration, the "
         "first (warm-up) iteration left out. Each run in turn, with nothing else running.",
         "",
-        "| processes | seconds per iteration | iterations |",
+        "| processes | seconds per iteration | iterations measured |",
         "|---|---|---|",
-        f"| 1 | {one['iteration_s']:.1f} | {one['iterations']} |",
-        f"| 2, data-parallel | {two['iteration_s']:.1f} | {two['iterations']} |",
+        f"| 1 | {one['iteration_s']:.1f} | {len(one['times'])} |",
+        f"| 2, data-parallel | {two['iteration_s']:.1f} | {len(two['times'])} |",
         *[
-            f"| 2, sharded with {name} | {d[key]['iteration_s']:.1f} | {d[key]['iterations']} |"
+            f"| 2, sharded with {name} | {d[key]['iteration_s']:.1f} | {len(d[key]['times'])} |"
             for key, name in (("two_processes_fsdp2", "FSDP2"), ("two_processes_zero3", "DeepSpeed ZeRO-3"))
             if key in d
         ],
@@ -518,7 +535,8 @@ def gpu_section(
         )
     lines += [
         "",
-        "(Peak memory: the most GPU memory allocated during each row's iteration, counting whatever the rows "
+        "(Peak memory: the most GPU memory allocated from building each row's agent through its warm-up and "
+        "measured iterations (the iterations set it: activations, gradients and AdamW state), counting whatever the rows "
         "before it had not freed: this run predates the check's garbage collection before each agent, so a row "
         "can carry an earlier agent's memory. *rollout* includes the behaviour log-prob forwards.)",
     ]
@@ -727,8 +745,9 @@ def write_report(quick: bool = False) -> Path:
         lines += [
             f"Measured on: {m['platform']}, {m['cpu_count']} CPU cores, no GPU{'' if not m.get('cuda') else ' (' + m['cuda'] + ')'}; "
             f"Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), transformers {m.get('transformers')}. "
-            "The machine is shared and noisy (timings vary up to 2x between runs), so every figure is a median "
-            "over repetitions and every ratio compares two sides measured in the same run.",
+            "The machine is shared and noisy (timings vary up to 2x between runs), so most figures are medians "
+            "over repetitions (each section says over how many; a few are single measurements, and say so), and "
+            "every ratio compares two sides measured in the same benchmark run.",
             "",
             *_platforms(),
             "Reproduce everything with `make bench` (the first run also installs TRL into "
@@ -743,7 +762,15 @@ def write_report(quick: bool = False) -> Path:
             "",
             "`python -m benchmarks.rollout_vs_generate`. SmolLM2-135M-Instruct, fp32, the shipped chat prompts "
             f"with the chat template, {r['args']['new_tokens']} new tokens, greedy decoding on both sides, so "
-            "both write the same tokens and take the same number of steps. The env side is LMPPO's rollout: "
+            "both write the same tokens and take the same number of steps"
+            + (
+                " (checked: the same tokens in every row)"
+                if all(row.get("same_tokens") == 1.0 for row in r["rows"])
+                else " (not checked in this run)"
+                if not any("same_tokens" in row for row in r["rows"])
+                else " (yet not in every row: see `same_tokens` in the results)"
+            )
+            + ". The env side is LMPPO's rollout: "
             "`TextGenVectorEnv` stepping, a `length_penalty` reward, the KV cache, and the hidden states kept "
             f"for the value head. Median of {r['args']['repeats']} runs of each, alternated.",
             "",
@@ -817,7 +844,15 @@ def write_report(quick: bool = False) -> Path:
             + ", ".join(
                 f"{k.split('/')[1]} {v:.1f}" for k, v in t["breakdown"].items() if k != "time/tokens_per_s"
             )
-            + " s.",
+            + " s."
+            + (
+                f" Optimizer steps per measured iteration: textgym {s['ppo_epochs'] * s['minibatches']} (one per "
+                f"minibatch), TRL {trl['optimizer_steps']}, counted by a hook on TRL's optimizer (TRL "
+                f"{trl['versions']['trl']}, transformers {trl['versions']['transformers']}, torch "
+                f"{trl['versions']['torch']})."
+                if "optimizer_steps" in trl
+                else ""
+            ),
             "",
             f"Targets: textgym at most half of TRL's time per iteration: {'met' if p['time_ratio'] <= 0.5 else 'missed'} "
             f"({p['time_ratio']:.3f}); less peak memory: {'met' if p['memory_ratio'] < 1 else 'missed'} "

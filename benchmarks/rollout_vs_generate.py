@@ -17,6 +17,12 @@ from textgym import TextGenVectorEnv
 from textgym.sampling import rollout
 
 
+def written(ids: torch.Tensor, tokenizer) -> list[int]:
+    """The tokens ``generate`` wrote for one row: up to and including its first EOS (padding after)."""
+    ids = ids.tolist()
+    return ids[: ids.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ids else ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -53,6 +59,11 @@ def main() -> None:
             gen_times.append(t)
             t, r = timed(env_rollout)
             env_times.append(t)
+        same = [  # greedy on both sides: each row's tokens up to its EOS, compared
+            r.response_ids[i][r.response_mask[i].bool()].tolist()
+            == written(out[i, input_ids.shape[1] :], tokenizer)
+            for i in range(batch)
+        ]
         steps = int(r.response_mask.sum(1).max())
         tokens = int(r.response_mask.sum())
         gen_steps = out.shape[1] - input_ids.shape[1]
@@ -62,6 +73,7 @@ def main() -> None:
                 "new_tokens": args.new_tokens,
                 "steps_env": steps,
                 "steps_generate": gen_steps,
+                "same_tokens": sum(same) / batch,
                 "generated_tokens": tokens,
                 "generate_s": median(gen_times),
                 "env_rollout_s": median(env_times),

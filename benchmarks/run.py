@@ -62,14 +62,27 @@ def prompts_file() -> Path:
 
 
 def trl_python() -> Path:
-    """TRL in its own virtual environment, made here on first use (torch pinned first, as in the Makefile)."""
+    """TRL in its own virtual environment, made here on first use (torch pinned first, as in the Makefile),
+    with the transformers that textgym runs on, so that both sides run the same model code."""
+    import transformers
+
     python = TRL_VENV / "bin" / "python"
-    marker = TRL_VENV / f".trl-{TRL_VERSION}"
+    marker = TRL_VENV / f".trl-{TRL_VERSION}-transformers-{transformers.__version__}"
     if not marker.exists():
-        sh(["python3.11", "-m", "venv", TRL_VENV])
+        sh(["python3.11", "-m", "venv", "--clear", TRL_VENV])
         sh([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
         sh([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
-        sh([python, "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"])
+        sh(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                f"trl=={TRL_VERSION}",
+                f"transformers=={transformers.__version__}",
+            ]
+        )
         marker.touch()
     return python
 
@@ -126,13 +139,13 @@ def agents(quick: bool) -> None:
     """One iteration of each LM agent on this CPU, each in its own process so that its peak resident memory
     is its own (benchmarks/gpu_check.py without the rollout part)."""
     from benchmarks.common import results_dir, write_result
-    from benchmarks.gpu_check import AGENTS
+    from benchmarks.gpu_check import DEFAULT_AGENTS  # the LoRA variants are for the GPU's larger policies
 
     size = ["--model", "tiny-random-llama", "--batches", "8", "--new-tokens", "4", "--micro-batch", "4"]
     if not quick:
         size = ["--batches", "16", "--new-tokens", "24", "--micro-batch", "8"]
     rows = []
-    for name in AGENTS:
+    for name in DEFAULT_AGENTS:
         out = results_dir() / f".agent_{name}.json"
         module("gpu_check", "--device", "cpu", "--skip-rollout", "--agents", name, *size, "--out", str(out))
         rows += json.loads(out.read_text())["agents"]

@@ -17,8 +17,8 @@ def test_quick_benchmarks_run_and_write_results_and_a_report(tmp_path):
     rollout = json.loads((tmp_path / "rollout_vs_generate.json").read_text())
     assert [row["batch"] for row in rollout["rows"]] == [1, 2]
     assert all(
-        row["steps_env"] == row["steps_generate"] for row in rollout["rows"]
-    )  # same tokens, same steps
+        row["same_tokens"] == 1.0 and row["steps_env"] == row["steps_generate"] for row in rollout["rows"]
+    )
     env = json.loads((tmp_path / "env_overhead.json").read_text())
     assert [row["num_envs"] for row in env["rows"]] == [1, 8]
     report = (tmp_path / "performance.md").read_text()
@@ -182,3 +182,36 @@ def test_the_gpu_report_says_bf16_did_not_pay_when_no_size_gained():
     assert "bf16 paid only where matrix products, not kernel launches, set the pace: 1.80x" in "\n".join(
         gpu_section(g)
     )
+
+
+def recorded(name):
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+def test_the_reward_report_calls_scores_the_same_only_within_its_tolerance():
+    from benchmarks.report import reward_section
+
+    w = recorded("reward_throughput")
+    fluency = next(r for r in w["rows"] if r["reward"] == "fluency" and "speedup" in r and "case" not in r)
+    assert "with the same scores (fp32" in "\n".join(reward_section(w))
+    fluency.update(speedup=12.0, max_score_difference_before=0.9)  # fast, but the scores moved
+    text = "\n".join(reward_section(w))
+    assert "but with other scores (fp32, largest difference 9.0e-01, above 0.0001)" in text
+    assert "with the same scores: missed in fp32" in text
+
+
+def test_the_agents_report_shows_a_failed_agent_instead_of_failing():
+    from benchmarks.report import agents_section
+
+    a = recorded("agents_cpu")
+    a["rows"].append({"agent": "rloo", "batch": 16, "error": "OutOfMemoryError: out of memory"})
+    assert "| rloo | 16 | failed: OutOfMemoryError: out of memory | | | |" in agents_section(a)
+
+
+def test_the_distributed_report_counts_the_measured_iterations_not_the_warm_up():
+    from benchmarks.report import distributed_section
+
+    d = recorded("distributed_speedup")
+    one = d["one_process"]
+    assert one["iterations"] == len(one["times"]) + 1  # the run's iterations: the warm-up and those timed
+    assert f"| 1 | {one['iteration_s']:.1f} | {len(one['times'])} |" in distributed_section(d)
