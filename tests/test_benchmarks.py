@@ -143,7 +143,7 @@ def gpu_run(agents=(), rollout=(), override=None):
 
 
 def test_the_gpu_report_on_larger_policies_says_what_its_files_show():
-    from benchmarks.report import larger_policies
+    from benchmarks.report_gpu import larger_policies
 
     breakdown = {"time/rollout": 1.0, "time/reference": 0.1, "time/update": 0.4}
     lora = {"agent": "lmppo-lora", "batch": 64, "iteration_s": 1.5, "peak_memory_mb": 50 * 1024,
@@ -166,7 +166,7 @@ def test_the_gpu_report_on_larger_policies_says_what_its_files_show():
 
 
 def test_the_gpu_report_says_bf16_did_not_pay_when_no_size_gained():
-    from benchmarks.report import gpu_section
+    from benchmarks.report_gpu import gpu_section
 
     def row(batch, bf16, generate_s):
         return {"batch": batch, "bf16": bf16, "interleaved": True, "generate_s": generate_s,
@@ -189,7 +189,7 @@ def recorded(name):
 
 
 def test_the_reward_report_calls_scores_the_same_only_within_its_tolerance():
-    from benchmarks.report import reward_section
+    from benchmarks.report_rewards import reward_section
 
     w = recorded("reward_throughput")
     fluency = next(r for r in w["rows"] if r["reward"] == "fluency" and "speedup" in r and "case" not in r)
