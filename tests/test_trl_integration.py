@@ -115,14 +115,17 @@ def test_a_tool_calling_completion_is_a_multi_turn_sample_scored_on_its_last_ans
     assert match(prompts=["What is 14 + 15?"], completions=[completion], reference=["29"]) == [1.0]
 
 
-def test_the_whole_stack_is_none_where_no_component_applies_as_trl_expects():
-    """TRL leaves out a completion every reward function returns None for; a 0 would enter its group's
-    baseline as a real score."""
+def test_the_whole_stack_is_textgyms_total_everywhere_a_gates_penalty_included():
+    """TRL reads None as NaN and sums it to 0: a completion no weighted component applies to gets textgym's own
+    total instead, so that a gate on a metric-only component still charges it."""
     func = total_reward_func(build_reward_stack([(correct, 2.0)]))
-    assert trl_call(func, SAMPLES) == [2.0, 0.0, None]  # the third sample has no reference
-    # a metric-only component (weight 0) applies everywhere but adds nothing: still None (it was 0.0)
-    func = total_reward_func(build_reward_stack([(correct, 2.0), (n_tokens, 0.0)]))
-    assert trl_call(func, SAMPLES) == [2.0, 0.0, None]
+    assert trl_call(func, SAMPLES) == [2.0, 0.0, 0.0]  # the third sample has no reference: nothing applies
+    gated = {"components": [(correct, 2.0), (n_tokens, 0.0)],
+             "gates": [{"component": "n_tokens", "max": 4.0, "action": "cap", "cap": -1.0}]}  # fmt: skip
+    func = total_reward_func(build_reward_stack(gated))
+    # the third: no reference, and 5 tokens fail the gate: -1 as inside textgym (None would have made it 0)
+    assert trl_call(func, SAMPLES) == [2.0, 0.0, -1.0]
+    assert build_reward_stack(gated).score(SAMPLES)[0].tolist() == [2.0, 0.0, -1.0]
 
 
 def test_errors_name_the_component_and_the_bad_call():

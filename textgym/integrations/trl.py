@@ -22,8 +22,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from textgym.errors import ConfigError
 from textgym.responders import AGENT_ROLE
 from textgym.rewards import BaseDir, RewardStack, Sample, Turn, build_reward_stack
@@ -84,28 +82,23 @@ def total_reward_func(
     stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: int | None = None
 ) -> TRLRewardFunc:
     """The whole stack as one TRL reward function named ``textgym_total``: aggregation, weight schedules and
-    gates as textgym computes them (give it weight 1), ``None`` for a completion no component applies to.
+    gates as textgym computes them (give it weight 1): textgym's total for every completion (0 where no
+    component applies and no gate fails, as inside textgym).
     With TRL's ``trainer_state``, schedules follow ``global_step / max_steps``. ``eos_token_id``: as for
     :func:`reward_funcs`."""
     stack = build_reward_stack(stack_or_specs, base_dir)
 
     def textgym_total(
         prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
-    ) -> list[float | None]:
+    ) -> list[float]:
         state = kwargs.get("trainer_state")
         if getattr(state, "max_steps", 0):
             stack.set_progress(min(1.0, state.global_step / state.max_steps))
-        total, components = stack.score(
-            samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id)
-        )
-        applies = np.zeros(len(total), dtype=bool)
-        weights = stack.weights  # at the current progress: a metric-only (weight 0) score adds nothing
-        for name, scores in components.items():
-            if weights[name]:
-                applies |= ~np.isnan(scores)
-        # None where no weighted component applies, as TRL's own functions do: TRL leaves such a completion
-        # out rather than train on a made-up 0
-        return [float(v) if ok else None for v, ok in zip(total, applies)]
+        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id))
+        # textgym's total for every completion, gates included. None would not leave a completion out: TRL
+        # reads it as NaN and sums it to 0 (with a warning), which would drop a gate's penalty on a
+        # completion none of the weighted components applies to
+        return [float(v) for v in total]
 
     return textgym_total
 
