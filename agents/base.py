@@ -94,10 +94,11 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             )
         with sharding.accelerate_without_sharding():
             self.accelerator = Accelerator(cpu=not on_gpu)
-        if self.accelerator.device.type != ("cuda" if on_gpu else "cpu"):  # a process group started before
-            raise ConfigError(  # the agent keeps the device it was started on (accelerate's PartialState)
-                f"device = {c.device!r}, but this process's group already runs on {self.accelerator.device}: "
-                f"start it on the agent's device (textgym.launch.init_process_group(device)) or set device."
+        if self.accelerator.device.type != ("cuda" if on_gpu else "cpu"):  # accelerate's first state in a
+            raise ConfigError(  # process fixes its device: an earlier agent's, or a process group's
+                f"device = {c.device!r}, but accelerate already runs this process on {self.accelerator.device} "
+                f"(the first Accelerator or process group of a process fixes its device): give every agent of "
+                f"a process the same device, and start a process group on it (textgym.launch.init_process_group)."
             )
         self.bf16 = bool(bf16)
         sharding.refuse_accelerate_sharding(self.accelerator)

@@ -103,14 +103,11 @@ def main() -> None:
             gen_times.append(t)
         assert torch.equal(r2.response_ids, r.response_ids)  # greedy: the same conversations every time
         # the same turn: the same tokens, and generate stopped where the env's turn ended (padding after),
-        # unless the conversation's token budget cut the env's last turn
-        budget = r.response_mask.sum(1)
+        # unless the conversation's token budget (the response's width) cut the env's turn
+        budget = r.response_ids.shape[1]
         same = [
             torch.equal(generated[i, k][: end - start], r.response_ids[i, start:end])
-            and (
-                end == int(budget[i])
-                or bool((generated[i, k][end - start :] == tokenizer.pad_token_id).all())
-            )
+            and (end == budget or bool((generated[i, k][end - start :] == tokenizer.pad_token_id).all()))
             for i in range(batch)
             for k, (start, end) in enumerate(turns[i])
         ]

@@ -140,6 +140,7 @@ def test_evaluate_policy_and_eval_callback_work_on_the_native_env_without_warnin
         assert 0 <= mean <= 1 and std >= 0
         rewards, lengths = evaluate_policy(agent, n_eval_episodes=5, return_episode_rewards=True)
         assert len(rewards) == len(lengths) == 5
+        assert len(evaluate_policy(agent, n_eval_episodes=np.int64(3), return_episode_rewards=True)[0]) == 3
         for bad in (0, -1, 2.5):  # SB3 would return nan with numpy's "mean of empty slice"
             with pytest.raises(ConfigError, match=f"n_eval_episodes must be a positive integer, not {bad}"):
                 evaluate_policy(agent, n_eval_episodes=bad)

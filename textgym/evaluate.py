@@ -8,6 +8,7 @@ agents step the env with ``predict``. Episode returns are the reward stack's tot
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +40,11 @@ def evaluate_policy(
     ``env.seed(seed)``). ``seed`` seeds the episodes' prompts and the sampling: the same seed, the same
     episodes. ``render`` and ``callback`` (called with SB3's ``locals()`` at every step) need an SB3
     ``VecEnv`` (``textgym.sb3.make_vec_env``)."""
-    if isinstance(n_eval_episodes, bool) or not isinstance(n_eval_episodes, int) or n_eval_episodes < 1:
+    if (
+        isinstance(n_eval_episodes, bool)
+        or not isinstance(n_eval_episodes, numbers.Integral)
+        or n_eval_episodes < 1
+    ):
         raise ConfigError(f"n_eval_episodes must be a positive integer, not {n_eval_episodes!r}.")
     env = env if env is not None else model.get_env()
     if not isinstance(env, TextGenVectorEnv):
