@@ -34,6 +34,7 @@ from textgym.agents.ppo_core import (
     masked_var,
     per_token_rewards,
     policy_loss,
+    turn_rewards_at,
     value_loss,
 )
 from textgym.agents.rollout_batch import RolloutBatch, masked_token_mean
@@ -171,10 +172,12 @@ class LMPPO(LMAgent):
         # KL, score and GAE over each row's agent tokens compacted to the front (identity without replies)
         order = agent_first_order(mask)
         compact = lambda x: x.gather(1, order)  # noqa: E731
+        turns = self.turn_rewards(batch)
         rewards, kl = per_token_rewards(
-            batch.scores, compact(batch.logprobs), compact(batch.ref_logprobs), compact(mask),
+            batch.scores - turns.sum(1), compact(batch.logprobs), compact(batch.ref_logprobs), compact(mask),
             self.kl_ctl.kl_coef, c.kl_estimator,
         )  # fmt: skip
+        rewards = rewards + compact(turns)
         if c.whiten_rewards:
             rewards = masked_whiten(rewards, compact(mask), self.dist, shift_mean=False)
         advantages, returns = gae(rewards, compact(values), compact(mask), c.gamma, c.gae_lambda)
@@ -195,6 +198,17 @@ class LMPPO(LMAgent):
             }
         )
         return b
+
+    def turn_rewards(self, batch: RolloutBatch) -> torch.Tensor:
+        """(N, T): a multi-turn episode's turn rewards on the last agent token of the turn that earned each,
+        scaled as its score is (``score_scale``, and the running std under ``score_norm``). :meth:`process`
+        puts the rest of the shaped score on the episode's last agent token, so the score rewards of an
+        episode still sum to its shaped score; only where they are earned changes (zeros: one turn)."""
+        turns = [e.get("turn_rewards") or [] for e in batch.episodes]
+        if not any(turns):
+            return torch.zeros(batch.action_mask.shape)
+        scale = self.config.score_scale / (self.score_moments.std if self.config.score_norm else 1.0)
+        return turn_rewards_at(batch.action_mask, turns) * scale
 
     def train(self, batch: PPOBatch) -> dict[str, float]:
         """PPO epochs over minibatches of whole sequences; micro-batches accumulate gradients weighted by

@@ -91,6 +91,26 @@ def per_token_rewards(
     return rewards * mask, kl
 
 
+def turn_rewards_at(action_mask: Tensor, turn_rewards: list[list[float]]) -> Tensor:
+    """(B, T): each agent turn's reward on the turn's last agent token, 0 elsewhere. A multi-turn episode's
+    agent turns are the runs of 1 in ``action_mask``, in order, and ``turn_rewards[b]`` holds one reward per
+    turn the environment answered (a turn cut at the token budget has none). Should two turns touch (a reply
+    of no tokens), the rewards past the last run land on its last token."""
+    placed = torch.zeros(action_mask.shape, dtype=torch.float32)
+    agent = action_mask.bool().cpu()
+    ends = agent & ~torch.cat(
+        [agent[:, 1:], torch.zeros_like(agent[:, :1])], dim=1
+    )  # (B, T) last of each run
+    for b, rewards in enumerate(turn_rewards):
+        cols = ends[b].nonzero().squeeze(1)
+        if not rewards or not len(cols):
+            continue
+        k = min(len(rewards), len(cols))
+        placed[b, cols[:k]] = torch.tensor(rewards[:k], dtype=torch.float32)
+        placed[b, cols[k - 1]] += float(sum(rewards[k:]))
+    return placed
+
+
 def agent_first_order(action_mask: Tensor) -> Tensor:
     """A per-row permutation (B, T) that moves each row's agent positions to the front, in order, and the
     rest behind them: ``x.gather(1, order)`` compacts a row's agent tokens into ``[0, n)`` and

@@ -9,7 +9,8 @@ from lm_helpers import CHARS, char_llama
 from textgym import TextGenVectorEnv
 from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
-from textgym.agents.ppo_core import agent_first_order, gae
+from textgym.agents.ppo_core import agent_first_order, gae, turn_rewards_at
+from textgym.agents.rollout_batch import RolloutBatch
 from textgym.plugins.echo import echo_prompts
 
 
@@ -37,6 +38,39 @@ def test_agent_first_order_compacts_agent_positions_and_gae_skips_environment_to
     adv, ret = (torch.zeros_like(x).scatter(1, o, x) for x in (adv, ret))
     torch.testing.assert_close(adv, torch.tensor([[0.0, -1.0, 0.0, 0.0, -2.0, 0.0]]))
     torch.testing.assert_close(ret, m)  # every agent token's return is the score; nothing on env tokens
+
+
+def test_turn_rewards_sit_on_the_last_agent_token_of_the_turn_that_earned_them():
+    # agent turns at [0, 1], [3, 4] and [6, 7]; the third was cut at the budget in row 1 (no reward for it)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 1, 0, 0], [1, 1, 0, 1, 1, 0, 1, 1, 1, 1]])
+    placed = turn_rewards_at(mask, [[1.0, 0.0, 2.0], [0.5, 0.25]])
+    assert placed.tolist() == [[0, 1.0, 0, 0, 0, 0, 0, 2.0, 0, 0], [0, 0.5, 0, 0, 0.25, 0, 0, 0, 0, 0]]
+
+
+def test_lmppo_credits_each_turn_reward_to_its_turn_and_keeps_the_episodes_total():
+    """Two episodes with the same tokens, one rewarded on its first turn, one on its last (3 agent turns of
+    2 tokens). With gamma = lambda = 1 and no KL, a token's return is the sum of the rewards from it on:
+    only the first turn's tokens earn the first episode's reward; every token of the second earns its."""
+    agent = LMPPO(char_llama(), echo_env(2), seed=0, verbose=0, kl_coef=0.0, gamma=1.0, gae_lambda=1.0)
+    action = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 1, 0, 0]] * 2)
+    batch = RolloutBatch(
+        query_ids=torch.tensor([[2], [2]]), query_mask=torch.ones(2, 1, dtype=torch.long),
+        response_ids=torch.tensor([[2, 1, 3, 3, 1, 2, 2, 1, 0, 0]] * 2),
+        response_mask=torch.tensor([[1] * 8 + [0, 0]] * 2), logprobs=torch.zeros(2, 10),
+        ref_logprobs=torch.zeros(2, 10), scores=torch.tensor([1.0, 1.0]), raw_scores=torch.tensor([1.0, 1.0]),
+        truncated=torch.zeros(2, dtype=torch.bool), action_mask=action,
+        episodes=[{"turn_rewards": [1.0, 0.0, 0.0]}, {"turn_rewards": [0.0, 0.0, 1.0]}],
+    )  # fmt: skip
+    returns = agent.process(batch).returns
+    agent_tokens = action.bool()
+    assert returns[0][agent_tokens[0]].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert returns[1][agent_tokens[1]].tolist() == [1.0] * 6  # the episode's total, as before
+    # score_scale 2 and a stack total of 0.5 on top of the turn rewards: the returns from the first token
+    # are the shaped scores, whatever the placement
+    agent.config.score_scale = 2.0
+    batch.scores = (batch.raw_scores + 0.5) * 2.0
+    torch.testing.assert_close(agent.process(batch).returns[:, 0], batch.scores)
+    assert agent.process(batch).returns[0][agent_tokens[0]].tolist() == [3.0, 3.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def grads_of(agent, batch):
