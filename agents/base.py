@@ -393,19 +393,15 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             stack.set_progress(min(1.0, self.num_timesteps / self._total_timesteps))
         start, reward_before = time.perf_counter(), env.reward_seconds
         options = {"group_size": self.group_size} if self.group_size > 1 else None
-        error, r = None, None
-        try:  # a reward plugin may fail on one process only: all processes must learn of it (agree below)
-            r = self.rollout(
-                env,
-                shares=True,
-                temperature=self.config.temperature,
-                seed=self.seed * 1_000_003 + self.iteration,
-                options=options,
-                keep_hidden=keep_hidden and not self.bf16,  # bf16: from the forward below
-            )
-        except TextgymError as exc:
-            error = exc
-        self.dist.agree(error)
+        # shares: a reward plugin that fails on one process stops every process there, naming it
+        r = self.rollout(
+            env,
+            shares=True,
+            temperature=self.config.temperature,
+            seed=self.seed * 1_000_003 + self.iteration,
+            options=options,
+            keep_hidden=keep_hidden and not self.bf16,  # bf16: from the forward below
+        )
         t_rollout = time.perf_counter() - start
         t_reward = env.reward_seconds - reward_before
         batch, hidden = RolloutBatch.from_rollout(r), r.hidden
