@@ -632,12 +632,18 @@ def test_two_ctrl_cs_while_a_process_waits_in_a_collective_abort_in_one_line(con
 
 def test_resuming_with_another_number_of_processes_is_refused(two_process_run, tmp_path):
     out = copy_run(two_process_run[0], tmp_path)
-    for n in (3, 1):  # torchrun with one process is a launcher too: it must not start a second one inside
-        result = run_cmd(
-            [*TORCHRUN[:-1], f"--nproc_per_node={n}", "-m", "textgym", "train", "--resume", str(out)]
-        )
+    fsdp = HERE.parent / "examples" / "accelerate" / "fsdp.yaml"
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(fsdp)]
+    itself = f"or textgym train --resume {out}, which starts them itself"
+    # torchrun with one process is a launcher too: it must not start a second one inside
+    for launcher, hint in [
+        ([*TORCHRUN[:-1], "--nproc_per_node=3"], f"(torchrun --nproc_per_node 2, {itself})"),
+        ([*accelerate, "--num_processes=3"], f"(accelerate launch --num_processes 2, {itself})"),
+        ([*TORCHRUN[:-1], "--nproc_per_node=1"], f"(torchrun --nproc_per_node 2, {itself})"),
+    ]:
+        result = run_cmd([*launcher, "-m", "textgym", "train", "--resume", str(out)])
         assert result.returncode != 0, result.stdout[-2000:]
-        assert "resume it with the same number (torchrun --nproc_per_node 2)" in result.stderr
+        assert f"resume it with the same number {hint}, not" in result.stderr
         assert "with 2 processes on this machine" not in result.stdout
 
 
@@ -694,7 +700,17 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(config, tmp_p
     (tmp_path / "grpo.toml").write_text(COPY.replace("n_epochs = 1", "num_generations = 8"))
     assert main(["train", str(tmp_path / "grpo.toml"), "--agent", "grpo", "--set", "run.processes=2",
                  "--set", f"run.output_dir='{tmp_path / 'y'}'"]) == 2  # fmt: skip
-    assert "not a multiple of num_generations=8" in capsys.readouterr().err
+    assert (
+        "each of the 2 processes gets 4 episodes, not a multiple of num_generations=8"
+        in capsys.readouterr().err
+    )
+    (tmp_path / "grpo3.toml").write_text(COPY.replace("n_epochs = 1", "num_generations = 3"))
+    assert main(["train", str(tmp_path / "grpo3.toml"), "--agent", "grpo",
+                 "--set", f"run.output_dir='{tmp_path / 'w'}'"]) == 2  # fmt: skip
+    assert (
+        "env.num_envs=8 is not a multiple of num_generations=3: make env.num_envs a multiple of 3"
+        in capsys.readouterr().err
+    )
     assert main(["train", str(config), "--agent", "sb3-ppo", "--set", "run.processes=2",
                  "--set", f"run.output_dir='{tmp_path / 'z'}'"]) == 2  # fmt: skip
     assert "Stable-Baselines3 agents train in one process: set run.processes = 1" in capsys.readouterr().err

@@ -157,7 +157,9 @@ def test_a_kill_before_the_first_checkpoint_restarts_cleanly(config, tmp_path, c
     assert killed.returncode == -signal.SIGKILL
     assert (out / "metrics.csv").is_file() and not (out / "checkpoint").exists()
     assert main(["train", "--resume", str(out)]) == 0  # in this process, as above
-    assert "starting the run from the beginning" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "starting the run from the beginning" in out_text
+    assert "what follows the training progress" not in out_text  # nothing steps: it trains 64 from 0
     assert_consistent(out)
 
 
@@ -514,7 +516,9 @@ def test_a_resume_that_starts_over_keeps_its_changed_settings(config, tmp_path, 
                      env={"TEXTGYM_CRASH_AT": "after-metrics:1"})  # fmt: skip
     assert killed.returncode == -signal.SIGKILL and not (out / "checkpoint").exists()
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=64"]) == 0
-    assert "starting the run from the beginning" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "starting the run from the beginning" in out_text
+    assert "what follows the training progress" not in out_text  # nothing steps: it trains 64 from 0
     assert (
         load_config(out / "config.toml")["run"]["total_timesteps"] == 64
     )  # said 160: a later resume trained on

@@ -87,11 +87,13 @@ def check_processes(
     run, env = config["run"], config["env"]
     if world > 1 or under_launcher():
         if resuming and run["processes"] != world:
-            how = (
-                f"textgym train --resume {run['output_dir']}, without a launcher"
-                if run["processes"] == 1
-                else f"torchrun --nproc_per_node {run['processes']}"
-            )
+            n, resume = run["processes"], f"textgym train --resume {run['output_dir']}"
+            if n == 1:
+                how = f"{resume}, without a launcher"
+            elif "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # set by accelerate launch, not by torchrun
+                how = f"accelerate launch --num_processes {n}, or {resume}, which starts them itself"
+            else:
+                how = f"torchrun --nproc_per_node {n}, or {resume}, which starts them itself"
             raise ConfigError(
                 f"{run['output_dir']} was trained by {run['processes']} process(es); resume it with the same number "
                 f"({how}), not {world}: the seeds and the batch split depend on it."
@@ -111,9 +113,14 @@ def check_processes(
         getattr(agent_class, "config_class", None), "num_generations", 1
     )
     if is_lm_agent(agent_class) and group and (env["num_envs"] // run["processes"]) % group:
+        share = (
+            f"env.num_envs={env['num_envs']} is"
+            if run["processes"] == 1
+            else f"each of the {run['processes']} processes gets {env['num_envs'] // run['processes']} episodes,"
+        )
         raise ConfigError(
-            f"each of the {run['processes']} processes gets {env['num_envs'] // run['processes']} episodes, not a "
-            f"multiple of num_generations={group}: make env.num_envs a multiple of {run['processes'] * group}."
+            f"{share} not a multiple of num_generations={group}: make env.num_envs a multiple of "
+            f"{run['processes'] * group}."
         )
 
 

@@ -77,13 +77,6 @@ def run(
             )
         check_resume_changes(run_dir, saved, config, agent_name)
         changed = config != saved
-        before, after = saved["run"]["total_timesteps"], config["run"]["total_timesteps"]
-        if before != after and rank() == 0:
-            print(
-                f"textgym: run.total_timesteps {before} -> {after}: what follows the training progress (tokens / "
-                f"total: lr_schedule = 'linear', reward weight schedules) follows the new total from here on, "
-                f"so it steps {'back' if after > before else 'forward'} at this resume."
-            )
         if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
             print(
                 f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
@@ -112,6 +105,7 @@ def run(
     agent_class, policy, hyperparameters = resolve_agent(config["agent"])
     if not is_lm_agent(agent_class):
         check_sb3_rewards(config)
+    config["run"]["output_dir"] = str(run_dir)  # a resumed directory may have moved since it was written
     world = world_size()
     check_processes(config, world, resume is not None, agent_class, hyperparameters)
     if "tensorboard" in config["run"]["report_to"]:  # one TensorBoard run per run directory, resumes included
@@ -119,7 +113,6 @@ def run(
 
         require_tensorboard("run.report_to = ['tensorboard']")
         hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
-    config["run"]["output_dir"] = str(run_dir)
     if world == 1 and config["run"]["processes"] > 1 and not under_launcher():
         return launch(config, run_dir, resume is not None, overrides)
     rd = RunDir(run_dir)
@@ -166,6 +159,13 @@ def run(
         return False
 
     resuming = on_main(prepare) if world > 1 else prepare()
+    before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
+    if resuming and before != after and main:  # not said when the run starts over from the beginning
+        print(
+            f"textgym: run.total_timesteps {before} -> {after}: what follows the training progress (tokens / "
+            f"total: lr_schedule = 'linear', reward weight schedules) follows the new total from here on, "
+            f"so it steps {'back' if after > before else 'forward'} at this resume."
+        )
     if is_lm_agent(agent_class):
         trainer = _run_native
     else:
