@@ -97,8 +97,9 @@ def zero3_asked() -> bool:
 
 def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
     """The ``zero_optimization`` section the environment asks for (``ACCELERATE_USE_DEEPSPEED=true``), None
-    without it (on a machine without GPUs, ``DS_ACCELERATOR`` is set to ``cpu`` either way). ``accelerate launch`` passes the config's ``deepspeed_config`` as ``ACCELERATE_*`` variables
-    and a ``deepspeed_config_file`` as a path: both are checked.
+    without it (on a machine without GPUs, ``DS_ACCELERATOR`` is set to ``cpu`` either way). ``accelerate
+    launch`` passes the config's ``deepspeed_config`` as ``ACCELERATE_*`` variables and a
+    ``deepspeed_config_file`` as a path: both are checked.
 
     Raises:
         ConfigError: without the deepspeed package (or, on CPUs, a C++ compiler); for a ZeRO stage other
@@ -121,7 +122,8 @@ def zero3_requested(on_gpu: bool = False) -> dict[str, Any] | None:
         import deepspeed  # noqa: F401
     except ImportError:
         raise ConfigError(
-            f"the accelerate config asks for DeepSpeed, which is not installed: `{INSTALL}` (or shard with "
+            f"{ACCELERATE_CONFIG} asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED="
+            f"{os.environ['ACCELERATE_USE_DEEPSPEED']}), which is not installed: `{INSTALL}` (or shard with "
             f"FSDP2: examples/accelerate/fsdp.yaml, which needs nothing beyond torch)."
         ) from None
     if not on_gpu and not shutil.which(os.environ.get("CXX", "c++")):

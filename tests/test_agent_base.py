@@ -477,7 +477,8 @@ def test_deepspeed_asked_for_without_the_package_says_how_to_install_it(monkeypa
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
     with pytest.raises(
         ConfigError,
-        match="asks for DeepSpeed, which is not installed: `DS_BUILD_OPS=0 pip install --no-build",
+        match=r"the accelerate config \(or the environment\) asks for DeepSpeed \(ACCELERATE_USE_DEEPSPEED=true\), "
+        r"which is not installed: `DS_BUILD_OPS=0 pip install --no-build",
     ):
         sharded_agent()
 
