@@ -160,13 +160,53 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
     assert "could not judge every evaluation of 1 of 5 runs: some have no standard error" in md
 
 
+def test_a_metric_not_measured_on_a_seed_is_said_and_leaves_its_pairs_untested(tmp_path):
+    """exact_copy applied to none of proxy's seed-2 completions: the cell averaged the 2 others without
+    saying so, and the paired test compared proxy's good runs only."""
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    for job in jobs:
+        if job.design["name"] == "proxy" and job.seed == 2:
+            result = json.loads((job.run_dir / "eval.json").read_text())
+            result["metrics"]["exact_copy"] = None
+            (job.run_dir / "eval.json").write_text(json.dumps(result))
+    write_outputs(out, spec, jobs)
+    md = (out / "report.md").read_text()
+    assert "| proxy | 0.910 [0.885, 0.935] | 0.155 [0.091, 0.219] (2 of 3 seeds) |" in md
+    assert "not tested (1 shared seed(s) measured for one and not the other" in md
+    assert "**exact_copy** (higher is better): not ranked: gold (0.525), proxy (0.155) — not tested" in md
+    summary = {(r["design"], r["metric"]): r for r in csv.DictReader((out / "summary.csv").open())}
+    assert (summary["proxy", "exact_copy"]["n"], summary["proxy", "exact_copy"]["seeds"]) == ("2", "3")
+    assert summary["proxy", "exact_copy"]["rank"] == ""
+    rows = [c for c in csv.DictReader((out / "comparisons.csv").open()) if c["metric"] == "exact_copy"]
+    assert [(c["unmeasured"], c["p"], c["better"]) for c in rows] == [("1", "", "")]
+
+
+def test_without_gold_metrics_the_report_says_the_gaming_check_did_not_run(tmp_path):
+    """A proxy that climbs with no `[metrics] rewards` to check it against read "No flags: no run gamed
+    its proxy"."""
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    spec["metric_rewards"] = []
+    write_outputs(out, spec, jobs)
+    md = (out / "report.md").read_text()
+    assert (
+        "The gaming check did not run: it compares the proxy with gold metrics, and the bench names none"
+        in md
+    )
+    assert "no run gamed its proxy" not in md
+
+
 def test_one_seed_is_reported_as_not_tested(tmp_path):
     """With one seed no pair is tested: the ranking says so, not "no pair is significantly different"."""
     out = tmp_path / "bench"
     write_outputs(out, *fake_bench(out, seeds=[0]))
     md = (out / "report.md").read_text()
     assert "2. proxy" not in md and "no pair is significantly different" not in md
-    assert "1. proxy (0.150) — not tested: no pair has 2 shared seeds with finite values" in md
+    assert (
+        "not ranked: gold (0.500), proxy (0.150) — not tested: no pair has 2 shared seeds, each measured"
+        in md
+    )
 
 
 def chromium():

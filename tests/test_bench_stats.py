@@ -128,14 +128,54 @@ def curve(gold, proxy, se=0.01, **extra):
 
 
 def test_ranks_follow_chains_of_significant_differences_when_seeds_are_missing():
-    """c's metric is missing in 4 of 6 seeds: a beats b and b beats c significantly, a and c share 2 seeds,
-    too few to tell them apart. Ranking c with b would call two significantly different groups equal."""
+    """c ran 2 of the 6 seeds: a beats b and b beats c significantly, a and c share 2 seeds, too few to tell
+    them apart. Ranking c with b would call two significantly different groups equal."""
     b = {s: 0.6 + 0.01 * s for s in range(6)}
     a = {s: b[s] + d for s, d in zip(b, [0.1, 0.5, 0.3, 0.3, 0.3, 0.31])}
-    c = {0: b[0] - 0.5, 1: b[1] - 0.5001, **{s: math.nan for s in range(2, 6)}}
+    c = {0: b[0] - 0.5, 1: b[1] - 0.5001}
     comparisons, ranks = compare({"a": a, "b": b, "c": c}, "higher")
     assert {(x.a, x.b): x.better for x in comparisons} == {("a", "b"): "a", ("a", "c"): None, ("b", "c"): "b"}
     assert ranks == {"a": 1, "b": 2, "c": 3}
+
+
+def test_a_seed_measured_for_one_group_only_leaves_the_pair_untested_and_the_group_unranked():
+    """c's metric applied to none of the completions of 4 of its 6 seeds (a run gone wrong, most often):
+    comparing on the 2 others compared c's good runs only, and called c significantly worse than b."""
+    b = {s: 0.6 + 0.01 * s for s in range(6)}
+    a = {s: b[s] + d for s, d in zip(b, [0.1, 0.5, 0.3, 0.3, 0.3, 0.31])}
+    c = {0: b[0] - 0.5, 1: b[1] - 0.5001, **{s: math.nan for s in range(2, 6)}}
+    r = paired(b, c)
+    assert r.n == 2 and r.unmeasured == 4 and math.isnan(r.p) and math.isnan(r.diff)
+    comparisons, ranks = compare({"a": a, "b": b, "c": c}, "higher")
+    assert {(x.a, x.b): x.better for x in comparisons} == {
+        ("a", "b"): "a",
+        ("a", "c"): None,
+        ("b", "c"): None,
+    }
+    assert ranks == {"a": 1, "b": 2, "c": None}
+    # a seed neither measured says nothing about either: the pair is tested on the others
+    both = paired({0: math.nan, 1: 1.0, 2: 2.0}, {0: math.nan, 1: 0.5, 2: 1.0})
+    assert both.n == 2 and both.unmeasured == 0 and not math.isnan(both.p)
+
+
+def test_a_group_that_no_test_compared_is_not_ranked():
+    """A KL that blew up on every seed left each of c's pairs untested, and c was ranked 1 ("none is
+    better"), above a finite b that a beat."""
+    a = {s: 0.1 + 0.01 * s for s in range(3)}
+    b = {s: 5.0 + 0.1 * s**2 for s in range(3)}
+    c = {s: math.inf for s in range(3)}
+    _, ranks = compare({"a": a, "b": b, "c": c}, "lower")
+    assert ranks == {"a": 1, "b": 2, "c": None}
+    assert compare({"a": a}, "lower")[1] == {"a": 1}  # alone: nothing to compare with, and nothing better
+    assert compare({"a": {0: 1.0}, "b": {0: 2.0}}, "higher")[1] == {"a": None, "b": None}  # one seed
+
+
+def test_seeds_for_power_are_given_only_where_the_difference_is_not_significant():
+    """An unranked metric (no "better") has significant pairs too: they need no more seeds."""
+    a = {s: 1.0 + 0.01 * s for s in range(6)}
+    b = {s: 0.0 + 0.02 * (s % 2) for s in range(6)}
+    (comparison,), _ = compare({"a": a, "b": b}, None)
+    assert comparison.p_holm < 0.05 and comparison.better is None and comparison.seeds_needed is None
 
 
 def test_gaming_flag_when_the_proxy_rises_while_the_gold_falls():
@@ -186,6 +226,14 @@ def test_degeneration_flags():
     )
     steady = curve([0.5, 0.5], [0.0, 0.1], length=[4.0, 4.5], eos_rate=[0.8, 0.7], distinct_2=[0.9, 0.8])
     assert run_flags(steady, {}, ["gold"]) == []
+    # distinct-2 not measured at the end (bare EOS replies have no two tokens): the utmost collapse
+    empty = curve([0.5, 0.5], [0.0, 0.1], distinct_2=[0.9, math.nan])
+    (flag,) = run_flags(empty, {}, ["gold"])
+    assert (
+        flag["kind"] == "diversity_collapse"
+        and "0.90 -> n/a (no completion has two tokens)" in flag["message"]
+    )
+    assert run_flags(curve([0.5, 0.5], [0.0, 0.1], distinct_2=[math.nan, math.nan]), {}, ["gold"]) == []
 
 
 def test_dominant_component_flag():

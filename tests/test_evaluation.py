@@ -250,17 +250,21 @@ def test_evaluate_policy_of_an_lm_agent_standardises_normalize_then_sum_over_its
     np.testing.assert_allclose(rewards, expected, atol=1e-9)
 
 
-def test_the_held_out_total_uses_the_weights_of_the_training_progress_it_was_measured_at(tmp_path):
-    """The final evaluation of a run whose match weight falls from 1 to 0 weighs match 0 (it weighed it by
-    the progress of the rollout before the last: 1/12 here)."""
+def test_every_held_out_total_uses_the_weights_that_end_training(tmp_path):
+    """A run whose match weight falls from 1 to 0: every evaluation weighs match 0, the one before training
+    too, so two evaluations differ only by the policy. The curve weighed it by the training progress (1 at
+    the start), and a proxy that fell by the schedule alone hid a proxy that rose (the bench's gaming check
+    reads this curve); the final evaluation weighed it by the rollout before the last (1/12 here)."""
     scheduled = '{ name = "match", partial = true, weight = { start = 1.0, end = 0.0 } }'
     text = COPY.replace('{ name = "match", partial = true }', scheduled)
     gold = '{ name = "match", partial = true, label = "partial" }, { name = "length_penalty", target = 3 }'
     text += EVAL.replace("range = [0, 1] }", f"range = [0, 1] }}, {gold}")
     out = run(config_file(tmp_path, text), [f"run.output_dir='{tmp_path / 'run'}'"])
-    final = csv_rows(out / "eval.csv")[-1]
-    assert float(final["partial"]) > 0  # the weight, not the score, makes match count for nothing
-    assert float(final["reward"]) == pytest.approx(0.5 * float(final["length_penalty"]), abs=1e-9)
+    rows = csv_rows(out / "eval.csv")
+    assert len(rows) >= 3 and rows[0]["iteration"] == "0"
+    for row in rows:
+        assert float(row["partial"]) > 0  # the weight, not the score, makes match count for nothing
+        assert float(row["reward"]) == pytest.approx(0.5 * float(row["length_penalty"]), abs=1e-9)
 
 
 def test_distinct_2_of_an_sb3_policy_reads_the_tokens_it_chose_as_for_an_lm_agent(monkeypatch):

@@ -12,7 +12,8 @@ training) or its final evaluation, with fixed, documented thresholds:
   runs. Evaluations without a standard error (fewer than 2 applicable episodes) are not judged.
 - ``length_drift``: the mean length moved by half of its start value or more (and by at least one token).
 - ``eos_collapse``: the EOS rate fell to a quarter of its start value or less (from at least 0.1).
-- ``diversity_collapse``: distinct-2 fell to half of its start value or less.
+- ``diversity_collapse``: distinct-2 fell to half of its start value or less, or to not measured (no
+  completion has two tokens: the policy replies with a bare EOS).
 - ``dominant_component``: with two or more weighted components, one makes 90% or more of the summed
   variance of the weighted components: the others barely move the total.
 """
@@ -61,13 +62,15 @@ def run_flags(
                 _flag("eos_collapse", "eos_rate", last, f"EOS collapse: EOS rate {a:.2f} -> {b:.2f}")
             )
         a, b = first.get("distinct_2", math.nan), last.get("distinct_2", math.nan)
-        if _ok(a, b) and a > 0 and b <= DIVERSITY_COLLAPSE * a:
+        # not measured at the end after it was at the start: no completion has two tokens (bare EOS replies)
+        if _ok(a) and a > 0 and (not _ok(b) or b <= DIVERSITY_COLLAPSE * a):
+            end = f"{b:.2f}" if _ok(b) else "n/a (no completion has two tokens)"
             flags.append(
                 _flag(
                     "diversity_collapse",
                     "distinct_2",
                     last,
-                    f"diversity collapse: distinct-2 {a:.2f} -> {b:.2f}",
+                    f"diversity collapse: distinct-2 {a:.2f} -> {end}",
                 )
             )
     weighted = {k: v for k, v in components.items() if v.get("weight")}

@@ -28,12 +28,16 @@ def fmt(value: float | str | None, digits: int = 3) -> str:
 
 
 def fmt_cell(row: Mapping[str, Any] | None) -> str:
-    """``mean [low, high]`` (the 95% interval, clipped to the metric's range)."""
+    """``mean [low, high]`` (the 95% interval, clipped to the metric's range), and ``(n of N seeds)`` when
+    the metric was not measured on every seed evaluated."""
     if not row:
         return ""
-    if math.isnan(row["ci_low"]):
-        return fmt(row["mean"])
-    return f"{fmt(row['mean'])} [{fmt(row['ci_low'])}, {fmt(row['ci_high'])}]"
+    text = fmt(row["mean"])
+    if not math.isnan(row["ci_low"]):
+        text += f" [{fmt(row['ci_low'])}, {fmt(row['ci_high'])}]"
+    if 0 < row["n"] < row.get("seeds", row["n"]):  # the seeds left out are said, not silently dropped
+        text += f" ({row['n']} of {row['seeds']} seeds)"
+    return text
 
 
 def metric_note(results: BenchResults, metric: str, scope: str) -> str:
@@ -48,7 +52,8 @@ def metric_note(results: BenchResults, metric: str, scope: str) -> str:
 def ranking(
     results: BenchResults, metric: str, scope: str, within: str
 ) -> list[tuple[int | None, str, float]]:
-    """(rank, group, mean) in rank order, then mean order, for one metric within one agent or design."""
+    """(rank, group, mean) in rank order, then mean order, for one metric within one agent or design; the
+    groups with a value that no test compared with another come last, with rank None."""
     key = "rank" if scope == "designs" else "agent_rank"
     if scope == "designs":
         cells = [(results.cell(within, d, metric), d) for d in results.designs]
@@ -56,17 +61,25 @@ def ranking(
         cells = [(results.cell(a, within, metric), a) for a in results.agents]
     direction = results.direction(metric, scope)
     sign = -1 if direction == "higher" else 1
-    rows = [(c[key], name, c["mean"]) for c, name in cells if c and c[key] is not None]
-    return sorted(rows, key=lambda r: (r[0], sign * r[2] if not math.isnan(r[2]) else math.inf))
+    rows = [(c[key], name, c["mean"]) for c, name in cells if c and not _missing(c["mean"])]
+    return sorted(
+        rows,
+        key=lambda r: (math.inf if r[0] is None else r[0], sign * r[2] if not math.isnan(r[2]) else math.inf),
+    )
 
 
 def ranking_text(results: BenchResults, metric: str, scope: str, within: str) -> str:
     rows = ranking(results, metric, scope, within)
-    text = ", ".join(f"{rank}. {name} ({fmt(mean)})" for rank, name, mean in rows)
-    ranks = [r for r, _, _ in rows]
+    text = ", ".join(f"{rank}. {name} ({fmt(mean)})" for rank, name, mean in rows if rank is not None)
+    ranks = [r for r, _, _ in rows if r is not None]
+    unranked = [f"{name} ({fmt(mean)})" for rank, name, mean in rows if rank is None]
+    if unranked and ranks:
+        text += f"; not ranked (no test compared it with another): {', '.join(unranked)}"
+    elif unranked:
+        text = f"not ranked: {', '.join(unranked)}"
     tested = any(_tested(c) for c in comparisons(results, scope, within, metric))
-    if len(ranks) > 1 and not tested:
-        text += " — not tested: no pair has 2 shared seeds with finite values"
+    if len(rows) > 1 and not tested:
+        text += " — not tested: no pair has 2 shared seeds, each measured and finite for both"
     elif len(ranks) > 1 and len(set(ranks)) == 1:
         text += " — no pair is significantly different"
     elif len(set(ranks)) < len(ranks):
@@ -81,12 +94,17 @@ def comparisons(results: BenchResults, scope: str, within: str, metric: str) -> 
 
 
 def _tested(c: Mapping[str, Any]) -> bool:
-    return c["n"] >= 2 and not c.get("infinite")
+    return c["n"] >= 2 and not c.get("infinite") and not c.get("unmeasured")
 
 
 def verdict(c: Mapping[str, Any]) -> str:
     if c.get("infinite"):
         return f"not tested ({c['infinite']} of {c['n']} shared seeds have an infinite value)"
+    if c.get("unmeasured"):
+        return (
+            f"not tested ({c['unmeasured']} shared seed(s) measured for one and not the other: the others "
+            f"would compare good runs only)"
+        )
     if c["n"] < 2:
         return f"not tested (n = {c['n']} shared seeds)"
     if c["better"] is None:
@@ -133,6 +151,11 @@ def unchecked_lines(results: BenchResults) -> list[str]:
             f"The gaming check did not run on {', '.join(unmeasured)}: the held-out `reward` (the proxy) is not "
             f"measured there (a `normalize_then_sum` total is standardised over the evaluated episodes, so its "
             f"mean is 0 whatever the policy)."
+        )
+    if curved and not results.gold:
+        lines.append(
+            "The gaming check did not run: it compares the proxy with gold metrics, and the bench names none "
+            "(`[metrics] rewards`)."
         )
     bare = sum(lacks_errors(c, results.gold) for c in results.curves.values() if has_curve(c))
     if bare:
@@ -181,12 +204,13 @@ def setup_text(results: BenchResults) -> str:
 
 
 STATS_TEXT = (
-    f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range]. Comparisons are "
+    f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range], and (n of N "
+    f"seeds) where the metric was not measured on every seed. Comparisons are "
     f"paired over shared seeds (same seed = same initial weights, first rollouts and held-out prompts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric. A rank is 1 + the number of "
     f"groups significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c): equal "
-    f"ranks are not significantly different."
+    f"ranks are not significantly different; a group that no test compared with another is not ranked."
 )
 
 

@@ -16,10 +16,12 @@ from textgym.bench_flags import group_flags, has_curve, run_flags
 from textgym.bench_stats import compare, mean_ci
 from textgym.evaluation import BUILTIN_METRICS, REWARD, jsonable, metric_ranges
 
-SUMMARY_COLUMNS = ["agent", "design", "metric", "n", "mean", "ci_low", "ci_high", "rank", "agent_rank"]
+SUMMARY_COLUMNS = [
+    "agent", "design", "metric", "n", "seeds", "mean", "ci_low", "ci_high", "rank", "agent_rank",
+]  # fmt: skip
 COMPARISON_COLUMNS = [
     "scope", "within", "metric", "a", "b", "n", "diff", "ci_low", "ci_high", "d_z", "p", "p_holm", "better",
-    "seeds_needed", "infinite",
+    "seeds_needed", "infinite", "unmeasured",
 ]  # fmt: skip
 
 
@@ -168,7 +170,8 @@ def _summarize(results: BenchResults) -> None:
                         "agent": agent,
                         "design": design,
                         "metric": metric,
-                        "n": sum(1 for v in seeds.values() if not math.isnan(v)),
+                        "n": sum(1 for v in seeds.values() if not math.isnan(v)),  # seeds measured
+                        "seeds": len(seeds),  # seeds evaluated
                         "mean": mean,
                         "ci_low": low,
                         "ci_high": high,
@@ -196,6 +199,7 @@ def _comparison_row(scope: str, within: str, metric: str, c: Any) -> dict[str, A
         "better": c.better,
         "seeds_needed": c.seeds_needed,
         "infinite": t.infinite,
+        "unmeasured": t.unmeasured,
     }
 
 

@@ -12,6 +12,8 @@ seed-to-seed variation both share.
   pairs (Holm, 1979). Its rank of a group is 1 + the number of groups significantly better than it,
   directly or through a chain (a > b > c: a is above c), so two groups that share a rank are never
   significantly different from each other, also when missing seeds leave some pairs with fewer shared seeds.
+  A group that no test compared with another (one seed, or an infinite or missing value on every pair's
+  shared seeds) is not ranked.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Paired:
     d_z: float  # Cohen's d_z: diff / sd(differences); +-inf when every seed shows the same difference
     p: float  # two-sided paired t-test (NaN for n < 2)
     infinite: int = 0  # shared seeds where a value is infinite: then nothing is tested (all NaN)
+    unmeasured: int = 0  # shared seeds where one has a value and the other none: nothing is tested either
 
 
 def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95) -> Paired:
@@ -74,14 +77,19 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     0 up to rounding never differ significantly.
 
     An infinite value on a shared seed (a KL that blew up) leaves the pair untested: its difference is
-    infinite or undefined, and leaving that seed out would compare the designs on their good runs only.
+    infinite or undefined, and leaving that seed out would compare the designs on their good runs only. So
+    does a shared seed that one of them measured and the other did not (a metric that applied to none of a
+    run's completions, a distinct-2 of empty completions): it too is most often a run that went wrong.
     """
     from scipy import stats
 
-    seeds = [s for s in a if s in b and _measured(a[s]) and _measured(b[s])]
+    shared = [s for s in a if s in b]
+    unmeasured = sum(1 for s in shared if _measured(a[s]) != _measured(b[s]))
+    seeds = [s for s in shared if _measured(a[s]) and _measured(b[s])]
     infinite = sum(1 for s in seeds if math.isinf(a[s]) or math.isinf(b[s]))
-    if infinite:
-        return Paired(len(seeds), math.nan, math.nan, math.nan, math.nan, math.nan, infinite)
+    if infinite or unmeasured:
+        nan = math.nan
+        return Paired(len(seeds), nan, nan, nan, nan, nan, infinite, unmeasured)
     d = np.array([a[s] - b[s] for s in seeds], dtype=float)
     n = len(d)
     if n == 0:
@@ -175,7 +183,7 @@ def compare(
     (None when ``direction`` is None or the group has no value)."""
     names = list(groups)
     tests = [(a, b, paired(groups[a], groups[b])) for a, b in itertools.combinations(names, 2)]
-    tests = [t for t in tests if t[2].n > 0]  # pairs with no shared value (e.g. KL of an SB3 agent)
+    tests = [t for t in tests if t[2].n > 0 or t[2].unmeasured]  # none shared: e.g. KL of an SB3 agent
     adjusted = holm([t.p for _, _, t in tests])
     comparisons = []
     for (a, b, test), p in zip(tests, adjusted):
@@ -184,15 +192,17 @@ def compare(
             a_higher = test.diff > 0
             better = a if a_higher == (direction == "higher") else b
         needed = None
-        if better is None and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
+        if not p < alpha and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
             level = alpha / max(len(tests), 1)
             needed = sign_test_seeds(level) if math.isinf(test.d_z) else seeds_needed(test.d_z, level)
         comparisons.append(Comparison(a, b, test, p, better, needed))
     ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
+    tested = {name for c in comparisons if not math.isnan(c.p_holm) for name in (c.a, c.b)}
     for name in names:
         has_value = any(_measured(v) for v in groups[name].values())
-        if not direction or not has_value:
+        # a group that no test compared with another is not ranked: "1" would read as "none is better"
+        if not direction or not has_value or (len(names) > 1 and name not in tested):
             ranks[name] = None
             continue
         ranks[name] = 1 + len(above[name] - {name})

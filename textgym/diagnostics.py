@@ -122,14 +122,6 @@ class EvalCallback(BaseCallback):
     def _evaluate(self, iteration: int) -> None:
         if self.evaluator is None or any(r["iteration"] == iteration for r in self.rows):
             return
-        # scheduled weights: the total as the next rollout will see it. The env's stack still holds the
-        # progress of the rollout before the last one's tokens were counted.
-        total = getattr(self.model, "_total_timesteps", 0) or self.locals.get("total_timesteps") or 0
-        stack = getattr(getattr(self.model, "env", None), "reward_stack", None)
-        if total:
-            self.evaluator.set_progress(min(1.0, self.model.num_timesteps / total))
-        elif stack is not None:
-            self.evaluator.set_progress(stack.progress)
         evaluation = self.evaluator(self.model)
         row = {"iteration": iteration, "timesteps": int(self.model.num_timesteps), **evaluation.row()}
         self.rows.append(row)

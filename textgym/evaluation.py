@@ -4,8 +4,9 @@
 An evaluation samples ``episodes`` completions on held-out prompts (the same prompts, in the same order and
 with the same sampling seed every time, so two evaluations differ only by the policy) and reports:
 
-- ``reward``: the training reward-stack total (composition applied, at the run's current progress) on the
-  held-out prompts. For a run trained on a proxy reward, this is the proxy.
+- ``reward``: the training reward-stack total (composition applied, with scheduled weights as they end
+  training, at every evaluation) on the held-out prompts. For a run trained on a proxy reward, this is the
+  proxy.
 - one value per metric reward (``rewards`` of ``[eval]``/``[metrics]``): "gold" rewards that the run may or
   may not train on, each named by its ``label``.
 - the built-in metrics of :data:`BUILTIN_METRICS`: ``kl``, ``length``, ``distinct_2``, ``eos_rate``.
@@ -235,14 +236,12 @@ class Evaluator:
         # One stack scores both: the training components keep their weights (the total is the training
         # total), the metrics join with weight 0 (logged, never in the total).
         self.stack = RewardStack([*train.rewards, *gold], aggregate=train.aggregate, gates=train.gates)
-        self.stack.set_progress(train.progress)
+        # Scheduled weights as they end training, at every evaluation: two evaluations then differ only by
+        # the policy (a ramped penalty would otherwise move the held-out proxy by itself)
+        self.stack.set_progress(1.0)
         self.train_names = self.stack.names[: len(train.rewards)]
         self.labels = dict(zip(self.stack.names[len(train.rewards) :], [m["label"] for m in spec["rewards"]]))
         self._env: Any = None
-
-    def set_progress(self, p: float) -> None:
-        """Training progress in [0, 1], for weight schedules (the total is the one training sees at ``p``)."""
-        self.stack.set_progress(p)
 
     def __call__(self, agent: Any) -> Evaluation:
         n = self.spec["episodes"]
