@@ -270,3 +270,65 @@ def test_a_bench_trains_its_runs_with_several_processes(tmp_path, capfd):
     console = capfd.readouterr()
     assert "after training:" not in console.out + console.err  # the processes' output is the run's log
     assert "after training:" in (run_dir / "train.log").read_text()
+
+
+PLUGIN = """
+import textgym
+
+
+@textgym.reward("shortness")
+def shortness(samples):
+    return [-len(s.completion) * SCALE for s in samples]
+
+
+SCALE = 1.0
+"""
+
+PLUGIN_DESIGNS = """
+[bench]
+seeds = [0]
+eval_episodes = 8
+eval_every = 0
+output_dir = "out"
+
+[run]
+total_timesteps = 32
+
+[env]
+id = "textgym/Copy-v0"
+num_envs = 16
+prompts = "copy-train"
+
+[agent]
+name = "lmppo"
+policy = "tiny-char-llama"
+
+[[designs]]
+name = "short"
+rewards = [{ name = "shortness" }]
+
+[metrics]
+rewards = [{ name = "shortness", label = "short" }]
+builtin = ["length"]
+"""
+
+
+def test_a_bench_plugin_file_is_part_of_every_runs_identity_and_config(tmp_path, monkeypatch, capsys):
+    """`textgym bench --plugin FILE.py`: the runs' configs did not list the file (a run could not resume on
+    its own) and its digest was not in their identity (an edited file was reused as if unchanged)."""
+    from textgym.cli import main
+    from textgym.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "designs.toml").write_text(PLUGIN_DESIGNS)
+    (tmp_path / "shortness.py").write_text(PLUGIN)
+    assert main(["bench", "designs.toml", "--plugin", "shortness.py"]) == 0, capsys.readouterr().err
+    (run_dir,) = (tmp_path / "out" / "runs").iterdir()
+    assert load_config(run_dir / "config.toml")["run"]["plugins"] == [str(tmp_path / "shortness.py")]
+    assert main(["bench", "designs.toml", "--plugin", "shortness.py"]) == 0  # unchanged: reused
+    (tmp_path / "shortness.py").write_text(PLUGIN.replace("SCALE = 1.0", "SCALE = 10.0"))
+    capsys.readouterr()
+    assert main(["bench", "designs.toml", "--plugin", "shortness.py"]) == 2
+    assert (
+        f"trained with another config (code.{tmp_path / 'shortness.py'}: changed)" in capsys.readouterr().err
+    )

@@ -127,9 +127,9 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
 
 def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The digests the held-out evaluation depends on besides its settings: the ``fn`` files of the metrics
-    (``code``), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
+    and the plugin files (``code``: a metric may come from one), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
     are none."""
-    code = fn_files(spec["metric_rewards"])
+    code = fn_files(spec["metric_rewards"]) + list(spec["base"]["run"].get("plugins", []))  # metrics' code
     outputs = [e["output"] for e in spec.get("reward_models", [])]
     data = data_paths(
         {"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]}, skip=outputs
@@ -370,10 +370,16 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
 
 # -- the whole bench -----------------------------------------------------------------------------------
 def run(
-    designs: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), progress: bool = True
+    designs: str | Path | Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    progress: bool = True,
+    plugins: Sequence[str] = (),
 ) -> Path:
     """Train and evaluate every agent x design x seed; write results, summary, comparisons, reports and
     plots. Returns the output directory.
+
+    ``plugins`` (``textgym bench --plugin FILE.py``) join every run's ``run.plugins``: so a run's identity
+    holds their digests (a changed file is not reused) and each run resumes on its own.
 
     Everything is checked before the first run trains: the designs file, and every run already in the
     output directory (see the module doc for when a run is reused, evaluated again or refused).
@@ -383,6 +389,8 @@ def run(
     from textgym.rundir import RunDir
 
     spec = load_designs(designs, overrides)
+    listed = spec["base"]["run"]["plugins"]
+    listed += [p for p in (str(Path(f).expanduser().resolve()) for f in plugins) if p not in listed]
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}").expanduser()
     jobs = plan(spec, out)

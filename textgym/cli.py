@@ -156,7 +156,7 @@ def _command(args: argparse.Namespace) -> int:
             from textgym.bench import run as bench
 
             try:
-                out = bench(args.designs, args.set)
+                out = bench(args.designs, args.set, plugins=args.plugin)
             except Stopped as exc:
                 print(f"\ntextgym: {exc}", file=sys.stderr)
                 return 130
