@@ -12,6 +12,14 @@ from typing import Any
 from textgym.config import MAX_SEED
 from textgym.errors import ConfigError
 
+# an annotation's plain type: what a value must be, said, and checked (bool is an int to Python, not here)
+_PLAIN_TYPES: dict[str, tuple[str, Any]] = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+}
+
 
 @dataclass
 class LMAgentConfig:
@@ -53,15 +61,19 @@ class LMAgentConfig:
     """Folder for tensorboard (and CSV) logs."""
 
     def __post_init__(self) -> None:
-        # a TOML `False` typed as "False" (a string: --set takes what TOML cannot parse as text) is truthy
+        # Every field of a plain type is checked by its annotation, a plugin agent's too: a TOML `False` typed
+        # as "False" (a string: --set takes what TOML cannot parse as text) is truthy, and "two" epochs
+        # would fail only inside train(), after the model loaded
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            if kind in ("bool", "bool | None") and not (
-                isinstance(value, bool) or (value is None and kind == "bool | None")
-            ):
-                also = " (or none)" if kind == "bool | None" else ""
-                raise ConfigError(f"{f.name} must be true or false{also}, not {value!r}.")
+            base, optional = kind.removesuffix(" | None"), kind.endswith(" | None")
+            if base not in _PLAIN_TYPES or (value is None and optional):
+                continue
+            what, ok = _PLAIN_TYPES[base]
+            if not ok(value):
+                also = " (or none)" if optional else ""
+                raise ConfigError(f"{f.name} must be {what}{also}, not {value!r}.")
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             # log-probs divide by it; greedy rollouts have no importance ratio
             raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")

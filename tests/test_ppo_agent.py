@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -397,3 +398,29 @@ def test_target_kl_stops_the_epochs_once_an_epochs_mean_approx_kl_passes_it(targ
     agent = LMPPO(char_llama(), make_env(), seed=0, n_epochs=4, n_minibatches=2, target_kl=target_kl, **FAST)
     agent.learn(1)  # one iteration
     assert {int(state["step"]) for state in agent.optimizer.state.values()} == {steps}
+
+
+def test_a_plugin_agents_hyperparameters_are_checked_by_their_annotations():
+    """A plugin agent's `n_updates: int` took "two" and failed inside train(), after the model loaded; a
+    built-in agent's fields are checked before anything starts."""
+    from dataclasses import dataclass
+
+    from textgym.agents.lm_config import LMAgentConfig, make_config
+
+    @dataclass
+    class ReinforceConfig(LMAgentConfig):
+        n_updates: int = 1
+        baseline: float = 0.5
+        note: str | None = None
+        anything: object = None  # not a plain type: left to the agent
+
+    for name, value, said in [("n_updates", "two", "an integer"), ("n_updates", True, "an integer"),
+                              ("baseline", "0.5", "a number"), ("note", 3, "a string (or none)")]:  # fmt: skip
+        with pytest.raises(
+            ConfigError, match=rf"^{name} must be {re.escape(said)}, not {re.escape(repr(value))}"
+        ):
+            make_config(ReinforceConfig, "reinforce", {name: value})
+    config = make_config(
+        ReinforceConfig, "reinforce", {"n_updates": 2, "baseline": 1, "note": None, "anything": []}
+    )
+    assert (config.n_updates, config.baseline, config.anything) == (2, 1, [])
