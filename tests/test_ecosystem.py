@@ -66,6 +66,25 @@ def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_a_misnamed_agent_or_agent_table_is_named_as_such():
+    """[agent.grpoo] (or a plugin agent's table without its plugin) was "unknown hyperparameter 'grpoo'"; an
+    unknown key already in the agent's own table was told to move to its own table; `--agent a2` listed the
+    registered agents only, as if Stable-Baselines3's were not there."""
+    from textgym.agent_config import find_agent, resolve_agent
+    from textgym.errors import UnknownNameError
+
+    with pytest.raises(ConfigError, match=r"^\[agent.grpoo\] names no known agent. Did you mean \[agent.grpo\]\?.*"
+                       r"needs the file loaded \(--plugin FILE.py or run.plugins\)"):  # fmt: skip
+        resolve_agent({"name": "lmppo", "policy": "tiny-char-llama", "grpoo": {"beta": 0.1}})
+    with pytest.raises(ConfigError, match=r"\[agent.lmppo\] lmppo: unknown hyperparameter 'n_epoch'") as own:
+        resolve_agent({"name": "lmppo", "policy": "tiny-char-llama", "lmppo": {"n_epoch": 2}})
+    assert "own table" not in str(own.value)
+    with pytest.raises(
+        UnknownNameError, match=r"Did you mean Stable-Baselines3's 'a2c'\?.*named directly too"
+    ):
+        find_agent("a2")
+
+
 @pytest.mark.parametrize("agent", ["a2c", "lmppo"])
 def test_an_env_that_is_not_textgyms_is_one_config_error_for_every_agent(tmp_path, agent):
     with pytest.raises(ConfigError, match=r"\[env\] CartPole-v1"):

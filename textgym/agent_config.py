@@ -58,11 +58,35 @@ def find_agent(name: str) -> Any:
     """The agent class for a registered name or a Stable-Baselines3 algorithm's name."""
     try:
         return plugin_manager.load_agent(name)
-    except UnknownNameError:
+    except UnknownNameError as exc:
         algorithm = sb3_algorithm(name) if isinstance(name, str) else None
         if algorithm is None:
+            close = difflib.get_close_matches(str(name).lower(), sb3_names(), n=1, cutoff=0.6)
+            suggested = "Did you mean" in str(exc)
+            hint = f" Did you mean Stable-Baselines3's {close[0]!r}?" if close and not suggested else ""
+            exc.args = (
+                f"{exc}{hint} Stable-Baselines3's (and sb3-contrib's) algorithms are named directly too: a2c, "
+                f"dqn, ppo, sb3-recurrentppo, ...",
+            )
             raise
         return algorithm
+
+
+def sb3_names() -> list[str]:
+    """The names of the installed Stable-Baselines3 and sb3-contrib algorithms, lower case."""
+    from stable_baselines3.common.base_class import BaseAlgorithm
+
+    names = set()
+    for module_name in SB3_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for attr in dir(module):
+            value = getattr(module, attr)
+            if isinstance(value, type) and issubclass(value, BaseAlgorithm) and value is not BaseAlgorithm:
+                names.add(attr.lower())
+    return sorted(names)
 
 
 def is_agent_name(name: str) -> bool:
@@ -108,15 +132,30 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     valid = hyperparameter_names(agent_class)
     if valid is not None:
         for key in hyperparameters:
-            if key not in valid:
-                close = difflib.get_close_matches(key, valid, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                where = f"[agent.{name}]" if key in own else "[agent]"
+            if key in valid:
+                continue
+            if key not in own and isinstance(hyperparameters[key], dict):  # a table: [agent.<key>]
+                agents = plugin_manager.registry("register_agents").names()
+                close = difflib.get_close_matches(key, agents, n=1)
+                hint = f" Did you mean [agent.{close[0]}]?" if close else ""
                 raise ConfigError(
-                    f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}. "
-                    f"Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
-                    f"[agent.<other agent>]."
+                    f"[agent.{key}] names no known agent.{hint} Known agents: {', '.join(agents)} and "
+                    f"Stable-Baselines3's algorithms; an agent from a plugin file needs the file loaded "
+                    f"(--plugin FILE.py or run.plugins)."
                 )
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            where = f"[agent.{name}]" if key in own else "[agent]"
+            tables = (
+                ""
+                if key in own
+                else f" Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
+                f"[agent.<other agent>]."
+            )
+            raise ConfigError(
+                f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}."
+                f"{tables}"
+            )
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
