@@ -57,3 +57,50 @@ def test_textgym_plugins_lists_the_entry_point(installed):
 def test_autoload_can_be_disabled(installed):
     result = run(["plugins", "--json"], {**installed, "TEXTGYM_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert "example" not in {r["name"] for r in json.loads(result.stdout)}
+
+
+def a_distribution(site, group, value, module_text):
+    """A distribution as pip installs it (the module and its .dist-info with entry_points.txt), in ``site``;
+    returns the environment of a Python that sees it."""
+    info = site / "wrongplug-0.1.dist-info"
+    info.mkdir(parents=True)
+    (site / "wrongplug.py").write_text(module_text)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wrongplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\nwrong = {value}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TEXTGYM_DISABLE_PLUGIN_AUTOLOAD", None)
+    return env
+
+
+WRONG_PLUGIN = """
+import textgym
+
+
+class WrongPlugin:
+    @textgym.hookimpl
+    def register_rewards(self, register):
+        register("wrongreward", lambda: textgym.FunctionReward("wrongreward", lambda ss: [1.0] * len(ss)))
+"""
+
+
+def test_an_entry_point_in_another_group_or_naming_a_class_is_said_plainly(tmp_path):
+    """[project.entry-points."textgym.plugins"] was ignored without a word (the reward was just unknown), and
+    an entry point naming a class failed with "register_rewards() missing 1 required positional argument"."""
+    env = a_distribution(tmp_path / "a", "textgym.plugins", "wrongplug:WrongPlugin", WRONG_PLUGIN)
+    result = run(["plugins"], env)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "entry points in group 'textgym.plugins' (wrong = wrongplug:WrongPlugin) are not loaded: textgym loads "
+        "the group 'textgym'" in result.stderr
+    )
+    env = a_distribution(tmp_path / "b", "textgym", "wrongplug:WrongPlugin", WRONG_PLUGIN)
+    result = run(["plugins"], env)
+    assert result.returncode != 0
+    assert (
+        "plugin 'wrong' (entry point wrongplug:WrongPlugin in wrongplug 0.1) names the class WrongPlugin, whose "
+        "hooks take self (register_rewards): name a module, or an instance" in result.stderr
+    )
+    fixed = WRONG_PLUGIN + "\n\nplugin = WrongPlugin()\n"
+    env = a_distribution(tmp_path / "c", "textgym", "wrongplug:plugin", fixed)
+    result = run(["plugins"], env)
+    assert result.returncode == 0 and "wrongreward" in result.stdout, result.stderr

@@ -53,6 +53,31 @@ def test_duplicate_names_are_an_error_naming_both_plugins(register):
     assert "'textgym.plugins.sentiment' (built-in)" in str(err.value) and "'my-sentiment'" in str(err.value)
 
 
+def test_a_registration_with_arguments_its_kind_does_not_take_or_a_spaced_name_is_refused(register):
+    """register("x", X, weight=2) was accepted and the weight dropped (only an env's register() takes
+    defaults); a reward called "my reward" could not be named in a reward spec, which splits on spaces."""
+
+    class Weighted:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            register(
+                "weighted", lambda: textgym.FunctionReward("weighted", lambda ss: [0.0] * len(ss)), weight=2
+            )
+
+    register(Weighted(), "weighted-plugin")
+    with pytest.raises(
+        PluginError, match=r"registered reward 'weighted' with weight: a reward's register\(\) takes none"
+    ):
+        plugin_manager.registry("register_rewards")
+    plugin_manager.unregister_plugin("weighted-plugin")
+    register(reward_plugin("my reward", lambda ss: [0.0] * len(ss)), "spaced")
+    with pytest.raises(
+        PluginError, match="invalid name 'my reward': a name is a non-empty string without spaces"
+    ):
+        plugin_manager.registry("register_rewards")
+
+
 def test_misspelled_hook_is_caught_by_check_pending():
     class Typo:
         @staticmethod

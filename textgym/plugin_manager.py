@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,9 @@ KINDS = {
     "register_responders": "responder",
 }
 
+# the keyword arguments each kind's register() takes (None: any, an env's defaults)
+EXTRAS: dict[str, set[str] | None] = {"env": None, "model": {"tokenizer_loader"}}
+
 pm = pluggy.PluginManager("textgym")
 pm.add_hookspecs(hookspecs)
 
@@ -81,8 +85,19 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def add(self, name: str, value: Any, plugin: str, **extra: Any) -> None:
-        if not isinstance(name, str) or not name:
-            raise PluginError(f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}.")
+        if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+            raise PluginError(
+                f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}: a name is a non-empty "
+                f"string without spaces (a reward spec such as 'NAME weight=2' splits on them)."
+            )
+        allowed = EXTRAS.get(self.kind, set())
+        unknown = sorted(extra.keys() - allowed) if allowed is not None else []
+        if unknown:  # a register("x", X, weight=2) would otherwise be dropped without a word
+            takes = f" takes only {', '.join(sorted(allowed))}" if allowed else " takes none"
+            raise PluginError(
+                f"plugin {plugin!r} registered {self.kind} {name!r} with {', '.join(unknown)}: a {self.kind}'s "
+                f"register(){takes} (weights and arguments belong in the reward specs of a config)."
+            )
         if name in self._entries:
             first = self._entries[name].plugin
             raise DuplicateNameError(
@@ -251,6 +266,12 @@ def _load_all() -> None:
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}) failed to load: "
                     f"{type(exc).__name__}: {exc}. Fix or uninstall it, or set {DISABLE_AUTOLOAD_VAR}=1."
                 ) from exc
+            if isinstance(plugin, type) and _instance_hooks(plugin):
+                raise PluginError(
+                    f"plugin {ep.name!r} (entry point {ep.value} in {dist}) names the class {plugin.__name__}, whose "
+                    f"hooks take self ({', '.join(_instance_hooks(plugin))}): name a module, or an instance "
+                    f"(`plugin = {plugin.__name__}()` in the module, and the entry point `...:plugin`)."
+                )
             try:
                 pm.register(plugin, name=ep.name)
             except pluggy.PluginValidationError as exc:
@@ -259,6 +280,7 @@ def _load_all() -> None:
                     f"{DISABLE_AUTOLOAD_VAR}=1."
                 ) from None
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
+        _warn_other_groups()
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
         try:
@@ -268,6 +290,32 @@ def _load_all() -> None:
                 f"{exc} (it is named in {PLUGINS_VAR}: fix it or remove it from there)"
             ) from exc
     _changed()
+
+
+def _instance_hooks(cls: type) -> list[str]:
+    """The hook implementations of a class that are plain methods (they take ``self``: the class itself
+    cannot be the plugin)."""
+    marker = f"{pm.project_name}_impl"
+    return [
+        name
+        for name, value in vars(cls).items()
+        if inspect.isfunction(value) and hasattr(value, marker) and name in KINDS
+    ]
+
+
+def _warn_other_groups() -> None:
+    """A package that declares its plugin in a group other than ``textgym`` (``textgym.plugins``,
+    ``textgym_plugins``) is not loaded: said, rather than a reward that is just not found."""
+    groups = importlib.metadata.entry_points().groups
+    for group in sorted(groups):
+        key = group.lower().replace("-", "_").replace(".", "_")
+        if group != ENTRY_POINT_GROUP and key.startswith(f"{ENTRY_POINT_GROUP}_"):
+            found = [f"{ep.name} = {ep.value}" for ep in importlib.metadata.entry_points(group=group)]
+            warnings.warn(
+                f"entry points in group {group!r} ({'; '.join(found)}) are not loaded: textgym loads the group "
+                f"{ENTRY_POINT_GROUP!r} ([project.entry-points.{ENTRY_POINT_GROUP}] in pyproject.toml).",
+                stacklevel=2,
+            )
 
 
 def registry(hook_name: str) -> Registry:
@@ -286,9 +334,7 @@ def registry(hook_name: str) -> Registry:
 def _call_impl(impl: pluggy.HookImpl, reg: Registry) -> None:
     plugin = impl.plugin_name
 
-    def register(name: str, value: Any, *args: Any, **extra: Any) -> None:
-        if args:
-            extra["args"] = args
+    def register(name: str, value: Any, **extra: Any) -> None:
         reg.add(name, value, plugin, **extra)
 
     try:
