@@ -9,16 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from textgym.config import MAX_SEED
+from textgym.config import MAX_SEED, annotation_mismatch
 from textgym.errors import ConfigError
-
-# an annotation's plain type: what a value must be, said, and checked (bool is an int to Python, not here)
-_PLAIN_TYPES: dict[str, tuple[str, Any]] = {
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-}
 
 
 @dataclass
@@ -66,14 +58,8 @@ class LMAgentConfig:
         # would fail only inside train(), after the model loaded
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            base, optional = kind.removesuffix(" | None"), kind.endswith(" | None")
-            if base not in _PLAIN_TYPES or (value is None and optional):
-                continue
-            what, ok = _PLAIN_TYPES[base]
-            if not ok(value):
-                also = " (or none)" if optional else ""
-                raise ConfigError(f"{f.name} must be {what}{also}, not {value!r}.")
+            if what := annotation_mismatch(f.type, value):
+                raise ConfigError(f"{f.name} must be {what}, not {value!r}.")
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
             # log-probs divide by it; greedy rollouts have no importance ratio
             raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")

@@ -3,6 +3,7 @@ import math
 import numpy as np
 import pytest
 
+import textgym
 from textgym import FunctionReward, RewardStack, Sample, build_reward_stack, make_reward
 from textgym.errors import ConfigError, PluginArgumentError, RewardError, UnknownNameError
 from textgym.rewards import parse_reward_spec
@@ -90,6 +91,24 @@ def test_bad_argument_value_names_the_reward():
         PluginArgumentError, match="reward 'length_penalty': target must be a number, not 'abc'"
     ):
         make_reward("length_penalty", target="abc")
+
+
+def test_text_that_toml_could_not_parse_is_refused_where_the_parameter_is_annotated_otherwise():
+    """`--reward "hedging words=maybe"` scored each letter of "maybe" as a word, and `penalty=two` failed inside
+    the reward at its first batch: a value TOML cannot parse stays text."""
+
+    def hedging(samples, words: list[str] = ("maybe",), penalty: float = 1.0, note: str = ""):
+        return [-penalty * sum(w in s.completion for w in words) for s in samples]
+
+    textgym.reward("hedging")(hedging)  # unregistered after the test (conftest.py)
+    with pytest.raises(PluginArgumentError, match=r"^reward 'hedging': words must be a list, not 'maybe'\.$"):
+        build_reward_stack(["hedging words=maybe"])
+    with pytest.raises(
+        PluginArgumentError, match=r"^reward 'hedging': penalty must be a number, not 'two'\.$"
+    ):
+        build_reward_stack(["hedging penalty=two"])
+    stack = build_reward_stack(["hedging words=['perhaps'] penalty=2 note=hello"])
+    assert stack.names == ["hedging"]
 
 
 def test_reward_spec_strings_parse_values_as_toml():

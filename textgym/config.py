@@ -59,6 +59,36 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 POSITIVE_INTS = ("total_timesteps", "checkpoint_every", "sample_prompts", "processes")
 MAX_NUM_ENVS = 65_536
+
+# An annotation's plain type: what a value must be, said, and checked (bool is an int to Python, not here)
+_PLAIN_TYPES: dict[str, tuple[str, Any]] = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list": ("a list", lambda v: isinstance(v, (list, tuple))),
+}
+
+
+def annotation_mismatch(annotation: Any, value: Any) -> str | None:
+    """What ``value`` must be, as "a number (or none)", when its annotation is a plain type (``bool``,
+    ``int``, ``float``, ``str``, ``list[...]``, each optionally ``| None``; a string annotation too) and it is
+    not one; None otherwise, and for any other annotation. A config's values come from TOML or ``--set``,
+    where text that TOML cannot parse stays text: "two" epochs, ``words=maybe``."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
+    if not isinstance(annotation, (str, type)):
+        text = str(annotation)
+    if not text:
+        return None
+    optional = text.endswith(" | None")
+    base = text.removesuffix(" | None")
+    base = "list" if base.startswith("list[") else base
+    if base not in _PLAIN_TYPES or (value is None and optional):
+        return None
+    what, ok = _PLAIN_TYPES[base]
+    return None if ok(value) else what + (" (or none)" if optional else "")
+
+
 MAX_SEED = 2**32  # numpy's seeds (and so every library seeded from run.seed) stop below it
 MAX_EPISODE_BYTES = 2**31  # observation arrays of all sub-envs (int64 ids + int8 mask): refuse beyond 2 GiB
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from textgym import composition
 from textgym.composition import Gate, Weight
+from textgym.config import annotation_mismatch
 from textgym.errors import ConfigError, PluginArgumentError, RewardError, did_you_mean
 from textgym.reward_checks import TimeoutReward, validated_scores
 from textgym.reward_functions import (
@@ -231,6 +232,23 @@ def check_arguments(
         )
 
 
+def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+    """Raise :class:`PluginArgumentError` for a text value whose parameter is annotated as a number, a bool
+    or a list: text that TOML could not parse stays text (``penalty=two``, ``words=maybe``), and a factory
+    that took it without a word would score with it. Called after the factory, whose own errors say more."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    for key, value in kwargs.items():
+        if (
+            isinstance(value, str)
+            and key in params
+            and (what := annotation_mismatch(params[key].annotation, value))
+        ):
+            raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")
+
+
 def make_reward(name: str, **kwargs: Any) -> Reward:
     """Build the reward registered as ``name`` with ``kwargs``; unknown arguments are an error."""
     return build_registered("reward", "register_rewards", name, kwargs, RewardError)
@@ -250,6 +268,7 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
         raise
     except (TypeError, ValueError) as exc:
         raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
+    check_text_values(kind, name, factory, kwargs)
     if not callable(built):
         raise error(f"{kind} plugin {name!r}: its factory returned {built!r}, which is not callable.")
     try:
