@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from textgym.errors import ConfigError
+from textgym.formatting import number
 
 if TYPE_CHECKING:
     from textgym.agents.base import LMAgent
@@ -186,7 +187,7 @@ class SB3Contract:
             if log_interval and self.iteration % log_interval == 0:
                 self.dump_logs()
             bar.update(tokens)
-            bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.3f}")
+            bar.set_postfix(reward=number(stats["reward"]), kl=number(stats["kl"]))
             # one call per iteration, as SB3 makes one per env step, with what SB3's callbacks read: each
             # episode ended ("dones"), its info with Monitor's "episode" and its return ("rewards")
             infos = [{**e, "episode": {"r": e["reward"], "l": e["num_tokens"]}} for e in self.last_episodes]

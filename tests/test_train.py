@@ -80,6 +80,24 @@ def test_the_reward_trend_names_its_spans(capsys):
     assert "0.000 (first iteration) -> 1.000 (last iteration), 2 iterations" in capsys.readouterr().out
     _print_trend([{"reward": float(i)} for i in range(8)], "reward")
     assert "0.500 (first 2 iterations) -> 6.500 (last 2 iterations), 8 iterations" in capsys.readouterr().out
+    _print_trend([{"reward": -0.0001}], "reward")  # one iteration, a tiny negative mean: no "-0.000"
+    assert (
+        capsys.readouterr().out
+        == "reward trend: 0.000 (first iteration) -> 0.000 (last iteration), 1 iteration\n"
+    )
+
+
+def test_tables_show_a_score_that_rounds_to_zero_without_a_minus_sign():
+    from textgym.formatting import format_table, number
+
+    assert (number(-0.0001), number(-0.0), number(-0.0006), number(0.25, 8)) == (
+        "0.000",
+        "0.000",
+        "-0.001",
+        "   0.250",
+    )
+    row = {"prompt": "p", "completion": "c", "reward_components": {"kl_like": -0.0002}, "reward": -0.0}
+    assert "-0.000" not in format_table([row]) and "0.000" in format_table([row])
 
 
 def test_resume_continues_counters_and_history(config, tmp_path):

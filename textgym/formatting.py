@@ -21,19 +21,28 @@ def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, complet
     lines = ["  ".join(header), rule]
     for row in rows:
         cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
-        cells += [_cell(row["reward_components"][n]) for n in names] + [f"{row['reward']:>8.3f}"]
+        cells += [_cell(row["reward_components"][n]) for n in names] + [number(row["reward"], 8)]
         lines.append("  ".join(cells))
     if rows:
         means = [applicable_mean([r["reward_components"][n] for r in rows]) for n in names]
         cells = [cut("mean", prompt_width), cut("", completion_width)]
-        cells += [_cell(m) for m in means] + [f"{sum(r['reward'] for r in rows) / len(rows):>8.3f}"]
+        cells += [_cell(m) for m in means] + [number(sum(r["reward"] for r in rows) / len(rows), 8)]
         lines += [rule, "  ".join(cells)]
     return "\n".join(lines)
 
 
 def _cell(value: float | None) -> str:
     """A component's score; "n/a" where it did not apply (None, or NaN for a mean over nothing)."""
-    return f"{'n/a':>14}" if value is None or math.isnan(value) else f"{value:>14.3f}"
+    return f"{'n/a':>14}" if value is None or math.isnan(value) else number(value, 14)
+
+
+def number(value: float, width: int = 0, digits: int = 3) -> str:
+    """``value`` with ``digits`` decimals, right-aligned in ``width``; a value that rounds to zero is shown as
+    0, without the minus sign of a tiny negative score or KL ("-0.000")."""
+    text = f"{value:.{digits}f}"
+    if text.startswith("-") and float(text) == 0:
+        text = text[1:]
+    return f"{text:>{width}}"
 
 
 def applicable_mean(values: Sequence[float | None]) -> float:

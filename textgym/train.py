@@ -26,6 +26,7 @@ from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.composition import stack_table
 from textgym.config import load_config, validate
 from textgym.errors import ConfigError
+from textgym.formatting import number
 from textgym.launch import (
     LAUNCHED_VAR,
     check_processes,
@@ -378,6 +379,7 @@ def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> N
         return
     k = max(1, len(history) // 4)
     span = "iteration" if k == 1 else f"{k} iterations"
+    count = "1 iteration" if len(history) == 1 else f"{len(history)} iterations"
 
     def mean(rows: Sequence[dict[str, Any]], key: str) -> float:
         values = [float(v) for r in rows if (v := r.get(key)) is not None and not math.isnan(float(v))]
@@ -385,17 +387,15 @@ def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> N
 
     if aggregate != "normalize_then_sum":
         first, last = mean(history[:k], "reward"), mean(history[-k:], "reward")
-        print(
-            f"reward trend: {first:.3f} (first {span}) -> {last:.3f} (last {span}), {len(history)} iterations"
-        )
+        print(f"reward trend: {number(first)} (first {span}) -> {number(last)} (last {span}), {count}")
         return
     keys = _component_keys(history[-1])
     moves = ", ".join(
-        f"{key[8:-5]} {mean(history[:k], key):.3f} -> {mean(history[-k:], key):.3f}" for key in keys
+        f"{key[8:-5]} {number(mean(history[:k], key))} -> {number(mean(history[-k:], key))}" for key in keys
     )
     print(
         f"reward trend (normalize_then_sum: the total is standardised per batch, so each component's raw mean, "
-        f"first {span} -> last {span}): {moves}, {len(history)} iterations"
+        f"first {span} -> last {span}): {moves}, {count}"
     )
 
 
