@@ -36,12 +36,11 @@ def _key(name: str) -> str:
     return key[3:] if key.startswith("sb3") else key
 
 
-def sb3_algorithm(name: str) -> type | None:
-    """The Stable-Baselines3 (or sb3-contrib) algorithm class called ``name`` (case, ``-``, ``_`` and an
-    ``sb3-`` prefix ignored), or None."""
+def _sb3_algorithms() -> dict[str, type]:
+    """The installed Stable-Baselines3 and sb3-contrib algorithm classes by their class names."""
     from stable_baselines3.common.base_class import BaseAlgorithm
 
-    wanted = _key(name)
+    found: dict[str, type] = {}
     for module_name in SB3_MODULES:
         try:
             module = importlib.import_module(module_name)
@@ -49,9 +48,16 @@ def sb3_algorithm(name: str) -> type | None:
             continue
         for attr in dir(module):
             value = getattr(module, attr)
-            if _key(attr) == wanted and isinstance(value, type) and issubclass(value, BaseAlgorithm):
-                return value
-    return None
+            if isinstance(value, type) and issubclass(value, BaseAlgorithm) and value is not BaseAlgorithm:
+                found.setdefault(attr, value)
+    return found
+
+
+def sb3_algorithm(name: str) -> type | None:
+    """The Stable-Baselines3 (or sb3-contrib) algorithm class called ``name`` (case, ``-``, ``_`` and an
+    ``sb3-`` prefix ignored), or None."""
+    wanted = _key(name)
+    return next((cls for attr, cls in _sb3_algorithms().items() if _key(attr) == wanted), None)
 
 
 def find_agent(name: str) -> Any:
@@ -61,7 +67,9 @@ def find_agent(name: str) -> Any:
     except UnknownNameError as exc:
         algorithm = sb3_algorithm(name) if isinstance(name, str) else None
         if algorithm is None:
-            close = difflib.get_close_matches(str(name).lower(), sb3_names(), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(
+                str(name).lower(), [a.lower() for a in _sb3_algorithms()], n=1, cutoff=0.6
+            )
             suggested = "Did you mean" in str(exc)
             hint = f" Did you mean Stable-Baselines3's {close[0]!r}?" if close and not suggested else ""
             exc.args = (
@@ -70,23 +78,6 @@ def find_agent(name: str) -> Any:
             )
             raise
         return algorithm
-
-
-def sb3_names() -> list[str]:
-    """The names of the installed Stable-Baselines3 and sb3-contrib algorithms, lower case."""
-    from stable_baselines3.common.base_class import BaseAlgorithm
-
-    names = set()
-    for module_name in SB3_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for attr in dir(module):
-            value = getattr(module, attr)
-            if isinstance(value, type) and issubclass(value, BaseAlgorithm) and value is not BaseAlgorithm:
-                names.add(attr.lower())
-    return sorted(names)
 
 
 def is_agent_name(name: str) -> bool:
