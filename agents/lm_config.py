@@ -58,6 +58,8 @@ class LMAgentConfig:
         # would fail only inside train(), after the model loaded
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is f.default:  # the agent's own default, whatever its annotation says: not user input
+                continue
             if what := annotation_mismatch(f.type, value):
                 raise ConfigError(f"{f.name} must be {what}, not {value!r}.")
         if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:

@@ -332,3 +332,6 @@ def test_a_bench_plugin_file_is_part_of_every_runs_identity_and_config(tmp_path,
     assert (
         f"trained with another config (code.{tmp_path / 'shortness.py'}: changed)" in capsys.readouterr().err
     )
+    # a run recorded without the file's digest (a bench from before --plugin joined run.plugins) is refused:
+    # nothing shows which content it trained with, and the refusal says the digest was added, not changed
+    assert bench._changes({"code": {}}, {"code": {"shortness.py": "x"}}) == ["code.shortness.py: added"]

@@ -158,6 +158,15 @@ def test_a_seed_measured_for_one_group_only_leaves_the_pair_untested_and_the_gro
     assert both.n == 2 and both.unmeasured == 0 and not math.isnan(both.p)
 
 
+def test_a_metric_one_group_never_has_is_no_comparison():
+    """An SB3 agent's KL (NaN on every seed) read as "measured for one and not the other" on every seed, and
+    left the LM agent's KL unranked."""
+    lm, sb3 = {0: 1.0, 1: 1.2, 2: 0.9}, {s: math.nan for s in range(3)}
+    comparisons, ranks = compare({"lmppo": lm, "ppo": sb3}, "lower")
+    assert comparisons == [] and ranks == {"lmppo": 1, "ppo": None}
+    assert paired(lm, sb3).unmeasured == 0
+
+
 def test_a_group_that_no_test_compared_is_not_ranked():
     """A KL that blew up on every seed left each of c's pairs untested, and c was ranked 1 ("none is
     better"), above a finite b that a beat."""

@@ -79,6 +79,9 @@ def test_a_misnamed_agent_or_agent_table_is_named_as_such():
     with pytest.raises(ConfigError, match=r"\[agent.lmppo\] lmppo: unknown hyperparameter 'n_epoch'") as own:
         resolve_agent({"name": "lmppo", "policy": "tiny-char-llama", "lmppo": {"n_epoch": 2}})
     assert "own table" not in str(own.value)
+    # a table-valued hyperparameter misspelt is a hyperparameter, not an agent's table
+    with pytest.raises(ConfigError, match=r"unknown hyperparameter 'loar'. Did you mean 'lora'"):
+        resolve_agent({"name": "lmppo", "policy": "tiny-char-llama", "loar": {"r": 8}})
     with pytest.raises(
         UnknownNameError, match=r"Did you mean Stable-Baselines3's 'a2c'\?.*named directly too"
     ):

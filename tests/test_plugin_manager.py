@@ -78,6 +78,69 @@ def test_a_registration_with_arguments_its_kind_does_not_take_or_a_spaced_name_i
         plugin_manager.registry("register_rewards")
 
 
+def test_register_takes_the_positional_arguments_its_hookspec_documents(register):
+    """register(env_id, entry_point, vector_entry_point) and register(name, loader, tokenizer_loader) are
+    documented; a positional argument no kind takes is named."""
+    import gymnasium
+
+    class Positional:
+        @staticmethod
+        @textgym.hookimpl
+        def register_envs(register):
+            register(
+                "tests/Positional-v0",
+                "textgym.envs:TextGenEnv",
+                "textgym.envs:TextGenVectorEnv",
+                model="chars",
+            )
+
+    register(Positional(), "positional")
+    entry = plugin_manager.registry("register_envs").get("tests/Positional-v0")
+    assert entry.extra == {"vector_entry_point": "textgym.envs:TextGenVectorEnv", "model": "chars"}
+    plugin_manager.unregister_plugin("positional")
+
+    class Extra:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            register("extra", lambda: None, 2.0)
+
+    register(Extra(), "extra-plugin")
+    with pytest.raises(
+        PluginError, match=r"registered reward 'extra' with 1 more positional argument\(s\) than a reward's"
+    ):
+        plugin_manager.registry("register_rewards")
+    gymnasium.registry.pop("tests/Positional-v0", None)
+
+
+def test_a_class_plugin_is_refused_only_where_its_hooks_take_self():
+    """A class whose hooks take no self works with pluggy (as staticmethods do); one that inherits hooks
+    taking self cannot be the plugin itself."""
+    from textgym.plugin_manager import _instance_hooks
+
+    class NoSelf:
+        @textgym.hookimpl
+        def register_rewards(register):
+            pass
+
+    class WithSelf:
+        @textgym.hookimpl
+        def register_rewards(self, register):
+            pass
+
+    class Inherits(WithSelf):
+        pass
+
+    class Static:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            pass
+
+    assert _instance_hooks(NoSelf) == [] and _instance_hooks(Static) == []
+    assert _instance_hooks(WithSelf) == _instance_hooks(Inherits) == ["register_rewards"]
+
+
 def test_misspelled_hook_is_caught_by_check_pending():
     class Typo:
         @staticmethod

@@ -420,6 +420,12 @@ def test_a_plugin_agents_hyperparameters_are_checked_by_their_annotations():
             ConfigError, match=rf"^{name} must be {re.escape(said)}, not {re.escape(repr(value))}"
         ):
             make_config(ReinforceConfig, "reinforce", {name: value})
+
+    @dataclass
+    class Loose(LMAgentConfig):
+        note: str = None  # a default its annotation does not cover is the agent's own, not user input
+
+    assert make_config(Loose, "loose", {}).note is None
     config = make_config(
         ReinforceConfig, "reinforce", {"n_updates": 2, "baseline": 1, "note": None, "anything": []}
     )

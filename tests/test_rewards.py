@@ -110,6 +110,12 @@ def test_text_that_toml_could_not_parse_is_refused_where_the_parameter_is_annota
     stack = build_reward_stack(["hedging words=['perhaps'] penalty=2 note=hello"])
     assert stack.names == ["hedging"]
 
+    def scaled(samples, scale: float = "auto"):  # a word of its own: the reward's to read
+        return [1.0 for _ in samples]
+
+    textgym.reward("scaled")(scaled)
+    assert build_reward_stack(["scaled scale='auto'"]).names == ["scaled"]
+
 
 def test_reward_spec_strings_parse_values_as_toml():
     assert parse_reward_spec("length_penalty weight=0.2 target=32 unit='words' shape=quadratic") == {

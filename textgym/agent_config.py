@@ -125,7 +125,10 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         for key in hyperparameters:
             if key in valid:
                 continue
-            if key not in own and isinstance(hyperparameters[key], dict):  # a table: [agent.<key>]
+            near = difflib.get_close_matches(key, valid, n=1)
+            if (
+                key not in own and isinstance(hyperparameters[key], dict) and not near
+            ):  # a table: [agent.<key>]
                 agents = plugin_manager.registry("register_agents").names()
                 close = difflib.get_close_matches(key, agents, n=1)
                 hint = f" Did you mean [agent.{close[0]}]?" if close else ""
@@ -134,8 +137,7 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
                     f"Stable-Baselines3's algorithms; an agent from a plugin file needs the file loaded "
                     f"(--plugin FILE.py or run.plugins)."
                 )
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = f" Did you mean {near[0]!r}?" if near else ""
             where = f"[agent.{name}]" if key in own else "[agent]"
             tables = (
                 ""

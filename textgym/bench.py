@@ -127,9 +127,9 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
 
 def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The digests the held-out evaluation depends on besides its settings: the ``fn`` files of the metrics
-    and the plugin files (``code``: a metric may come from one), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
+    (``code``; plugin files are in every run's identity already, so a changed one is refused there), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
     are none."""
-    code = fn_files(spec["metric_rewards"]) + list(spec["base"]["run"].get("plugins", []))  # metrics' code
+    code = fn_files(spec["metric_rewards"])
     outputs = [e["output"] for e in spec.get("reward_models", [])]
     data = data_paths(
         {"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]}, skip=outputs
@@ -273,7 +273,8 @@ def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -
                     out.append(f"{prefix}{key}[{i}]: {_short(x)} -> {_short(y)}")
         elif jsonable(a) != jsonable(b):
             digests = prefix in ("code.", "data.", "reward_models.")
-            out.append(f"{prefix}{key}: {'changed' if digests else f'{_short(a)} -> {_short(b)}'}")
+            digest = "added" if key not in old else "removed" if key not in new else "changed"
+            out.append(f"{prefix}{key}: {digest if digests else f'{_short(a)} -> {_short(b)}'}")
     return out
 
 

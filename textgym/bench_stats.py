@@ -84,7 +84,9 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     from scipy import stats
 
     shared = [s for s in a if s in b]
-    unmeasured = sum(1 for s in shared if _measured(a[s]) != _measured(b[s]))
+    # a metric one group never has (an SB3 agent's KL, a normalize_then_sum proxy) is no comparison at all
+    both = any(_measured(a[s]) for s in shared) and any(_measured(b[s]) for s in shared)
+    unmeasured = sum(1 for s in shared if _measured(a[s]) != _measured(b[s])) if both else 0
     seeds = [s for s in shared if _measured(a[s]) and _measured(b[s])]
     infinite = sum(1 for s in seeds if math.isinf(a[s]) or math.isinf(b[s]))
     if infinite or unmeasured:
@@ -199,10 +201,10 @@ def compare(
     ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
     tested = {name for c in comparisons if not math.isnan(c.p_holm) for name in (c.a, c.b)}
+    valued = [name for name in names if any(_measured(v) for v in groups[name].values())]
     for name in names:
-        has_value = any(_measured(v) for v in groups[name].values())
         # a group that no test compared with another is not ranked: "1" would read as "none is better"
-        if not direction or not has_value or (len(names) > 1 and name not in tested):
+        if not direction or name not in valued or (len(valued) > 1 and name not in tested):
             ranks[name] = None
             continue
         ranks[name] = 1 + len(above[name] - {name})

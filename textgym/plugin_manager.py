@@ -56,8 +56,10 @@ KINDS = {
     "register_responders": "responder",
 }
 
-# the keyword arguments each kind's register() takes (None: any, an env's defaults)
+# the keyword arguments each kind's register() takes (None: any, an env's defaults), and those it also
+# takes by position, after the name and the value
 EXTRAS: dict[str, set[str] | None] = {"env": None, "model": {"tokenizer_loader"}}
+POSITIONAL: dict[str, tuple[str, ...]] = {"env": ("vector_entry_point",), "model": ("tokenizer_loader",)}
 
 pm = pluggy.PluginManager("textgym")
 pm.add_hookspecs(hookspecs)
@@ -296,16 +298,21 @@ def _instance_hooks(cls: type) -> list[str]:
     """The hook implementations of a class that are plain methods (they take ``self``: the class itself
     cannot be the plugin)."""
     marker = f"{pm.project_name}_impl"
-    return [
-        name
-        for name, value in vars(cls).items()
-        if inspect.isfunction(value) and hasattr(value, marker) and name in KINDS
-    ]
+    hooks = []
+    for name in KINDS:
+        value = inspect.getattr_static(cls, name, None)  # inherited too; a staticmethod stays one
+        if inspect.isfunction(value) and hasattr(value, marker):
+            first = next(iter(inspect.signature(value).parameters), None)
+            if first == "self":
+                hooks.append(name)
+    return hooks
 
 
 def _warn_other_groups() -> None:
     """A package that declares its plugin in a group other than ``textgym`` (``textgym.plugins``,
     ``textgym_plugins``) is not loaded: said, rather than a reward that is just not found."""
+    if os.environ.get("RANK", "0") != "0":  # said once, by the main process of a multi-process run
+        return
     groups = importlib.metadata.entry_points().groups
     for group in sorted(groups):
         key = group.lower().replace("-", "_").replace(".", "_")
@@ -334,7 +341,19 @@ def registry(hook_name: str) -> Registry:
 def _call_impl(impl: pluggy.HookImpl, reg: Registry) -> None:
     plugin = impl.plugin_name
 
-    def register(name: str, value: Any, **extra: Any) -> None:
+    def register(name: str, value: Any, *args: Any, **extra: Any) -> None:
+        names = POSITIONAL.get(reg.kind, ())
+        if len(args) > len(names):
+            raise PluginError(
+                f"plugin {plugin!r} registered {reg.kind} {name!r} with {len(args)} more positional argument(s) "
+                f"than a {reg.kind}'s register() takes: register(name, value"
+                + "".join(f", {n}=None" for n in names)
+                + ")."
+            )
+        for key, arg in zip(names, args):
+            if key in extra:
+                raise PluginError(f"plugin {plugin!r} registered {reg.kind} {name!r} with {key} given twice.")
+            extra[key] = arg
         reg.add(name, value, plugin, **extra)
 
     try:

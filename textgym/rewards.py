@@ -244,6 +244,7 @@ def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs:
         if (
             isinstance(value, str)
             and key in params
+            and not isinstance(params[key].default, str)  # scale: float = "auto" takes a word of its own
             and (what := annotation_mismatch(params[key].annotation, value))
         ):
             raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")
