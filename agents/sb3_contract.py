@@ -64,7 +64,14 @@ def folderless_logger(verbose: int) -> Any:
     ``configure(None, ...)``, makes an empty ``SB3-<time>`` folder in the temp dir for every logger."""
     from stable_baselines3.common.logger import HumanOutputFormat, Logger
 
-    return Logger(folder=None, output_formats=[HumanOutputFormat(sys.stdout)] if verbose else [])
+    return Logger(
+        folder=None, output_formats=[HumanOutputFormat(sys.stdout, max_length=KEY_WIDTH)] if verbose else []
+    )
+
+
+# SB3's stdout table cuts keys to 36 characters and refuses two that become one: a reward of 30 characters
+# logs rewards/<name>/mean and /std, which did, and the first dump raised
+KEY_WIDTH = 120
 
 
 class SB3Contract:
@@ -106,7 +113,7 @@ class SB3Contract:
             self.config.tensorboard_log is None or not self.dist.is_main
         ):  # one writer: statistics are gathered
             return
-        from stable_baselines3.common.logger import configure
+        from stable_baselines3.common.logger import Logger
         from stable_baselines3.common.utils import get_latest_run_id
 
         require_tensorboard("tensorboard_log")
@@ -114,8 +121,13 @@ class SB3Contract:
         if reset_num_timesteps or run_id == 0:
             run_id += 1
         folder = os.path.join(self.config.tensorboard_log, f"{tb_log_name}_{run_id}")
-        formats = ["stdout"] if self.config.verbose else []
-        self._logger = configure(folder, [*formats, "csv", "tensorboard"])
+        from stable_baselines3.common.logger import HumanOutputFormat, make_output_format
+
+        os.makedirs(folder, exist_ok=True)
+        formats = [make_output_format(f, folder) for f in ("csv", "tensorboard")]
+        if self.config.verbose:
+            formats.insert(0, HumanOutputFormat(sys.stdout, max_length=KEY_WIDTH))
+        self._logger = Logger(folder=folder, output_formats=formats)
 
     def learn(
         self,

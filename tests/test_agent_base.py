@@ -630,3 +630,21 @@ def test_a_resume_keeps_the_adapted_kl_coefficient_when_its_settings_are_passed_
     assert {group["lr"] for group in resumed.optimizer.param_groups} == {
         group["lr"] for group in agent.optimizer.param_groups
     }
+
+
+@pytest.mark.parametrize("tensorboard", [False, True], ids=["stdout", "stdout-and-tensorboard"])
+def test_verbose_logging_takes_a_long_reward_name(tmp_path, capsys, tensorboard):
+    """SB3's stdout table cut keys to 36 characters: rewards/<30-character name>/mean and /std became one key,
+    and the first iteration's log dump raised (Python's default verbose=1)."""
+
+    def completion_contains_the_capital_city(samples):
+        return [float("Paris" in s.completion) for s in samples]
+
+    log = {"tensorboard_log": str(tmp_path / "tb")} if tensorboard else {}
+    agent = LMPPO(
+        char_llama(), make_env(8, reward=completion_contains_the_capital_city), seed=0, verbose=1, **log
+    )
+    agent.learn(1)
+    out = capsys.readouterr().out
+    assert "rewards/" in out and "completion_contains_the_capital_city/mean" in out  # SB3 groups by prefix
+    assert "completion_contains_the_capital_city/std" in out

@@ -56,6 +56,26 @@ def test_the_sb3_example_takes_any_sb3_or_sb3_contrib_algorithm_as_it_says(agent
     resolve_agent(textgym.config.load_config(EXAMPLES / "copy-sb3.toml", [f"agent.name='{agent}'"])["agent"])
 
 
+def test_an_sb3_run_counts_every_rollout_as_an_iteration_with_a_sample_std(tmp_path):
+    """A2C with one step per rollout: rollouts in which no episode ended were not counted, so metrics.csv said
+    iteration 10 at 320 tokens where SB3 had updated 20 times (and eval.csv said 20); reward_std was the
+    population std where LM agents log the sample std."""
+    out = tmp_path / "a2c"
+    run(EXAMPLES / "copy-sb3.toml", quick("env.num_envs=16", "run.total_timesteps=320", "agent.a2c.n_steps=1",
+                                          tmp=out), agent_name="a2c")  # fmt: skip
+    rows = csv_rows(out / "metrics.csv")
+    assert [int(r["iteration"]) for r in rows] == list(range(1, 21))
+    assert [int(r["timesteps"]) for r in rows] == [16 * i for i in range(1, 21)]
+    idle = [r for r in rows if r["episodes"] == "0"]
+    assert idle and all(np.isnan(float(r["reward"])) for r in idle)  # the first rollouts end no episode
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for r in rows:
+        rewards = [s["reward"] for s in samples if s["iteration"] == int(r["iteration"])]
+        assert len(rewards) == int(r["episodes"])
+        if len(rewards) > 1:
+            assert float(r["reward_std"]) == pytest.approx(np.std(rewards, ddof=1), rel=1e-6)
+
+
 def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(tmp_path):
     with pytest.raises(
         ConfigError, match=r"\[agent.a2c\] a2c: unknown hyperparameter 'n_step'. Did you mean 'n_steps'"

@@ -4,6 +4,7 @@ small-vocabulary envs): the same run directory, metrics, checkpoints, [eval] and
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -91,17 +92,19 @@ def run_sb3(
             return True
 
         def _on_rollout_end(self) -> None:
-            if not self.episodes:
-                return
+            # every rollout is an iteration (SB3 updates after each), also one in which no episode ended: its
+            # row has no reward. Skipped, the count ran behind eval.csv's and checkpoint_every's meaning.
             state["iteration"] += 1
             rewards = [e["reward"] for e in self.episodes]
+            spread = float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0  # sample std, as LM agents
             history.append({"iteration": state["iteration"], "timesteps": self.num_timesteps,
-                            "reward": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
-                            "episodes": len(rewards)})  # fmt: skip
+                            "reward": float(np.mean(rewards)) if rewards else math.nan,
+                            "reward_std": spread if rewards else math.nan, "episodes": len(rewards)})  # fmt: skip
             rd.append_samples({"iteration": state["iteration"], **e} for e in self.episodes)
             rd.write_metrics(history)
             crash_point("after-metrics")
-            print(_iteration_line(history[-1], self.num_timesteps), flush=True)
+            if rewards:
+                print(_iteration_line(history[-1], self.num_timesteps), flush=True)
 
     remaining = run["total_timesteps"] - agent.num_timesteps
     if agent.tensorboard_log is None:  # SB3's default logger would leave an empty folder in the temp dir
