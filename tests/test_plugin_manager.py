@@ -73,7 +73,7 @@ def test_a_registration_with_arguments_its_kind_does_not_take_or_a_spaced_name_i
     plugin_manager.unregister_plugin("weighted-plugin")
     register(reward_plugin("my reward", lambda ss: [0.0] * len(ss)), "spaced")
     with pytest.raises(
-        PluginError, match="invalid name 'my reward': a name is a non-empty string without spaces"
+        PluginError, match="invalid name .my reward.: a reward.s name is a non-empty string without spaces"
     ):
         plugin_manager.registry("register_rewards")
 

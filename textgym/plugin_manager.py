@@ -60,6 +60,7 @@ KINDS = {
 # takes by position, after the name and the value
 EXTRAS: dict[str, set[str] | None] = {"env": None, "model": {"tokenizer_loader"}}
 POSITIONAL: dict[str, tuple[str, ...]] = {"env": ("vector_entry_point",), "model": ("tokenizer_loader",)}
+SPEC_KINDS = ("reward", "responder")  # named in spec strings ('NAME key=value ...'), which split on spaces
 
 pm = pluggy.PluginManager("textgym")
 pm.add_hookspecs(hookspecs)
@@ -87,10 +88,11 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def add(self, name: str, value: Any, plugin: str, **extra: Any) -> None:
-        if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        spaced = self.kind in SPEC_KINDS and isinstance(name, str) and any(c.isspace() for c in name)
+        if not isinstance(name, str) or not name or spaced:
             raise PluginError(
-                f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}: a name is a non-empty "
-                f"string without spaces (a reward spec such as 'NAME weight=2' splits on them)."
+                f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}: a {self.kind}'s name is "
+                f"a non-empty string without spaces (a spec such as 'NAME weight=2' splits on them)."
             )
         allowed = EXTRAS.get(self.kind, set())
         unknown = sorted(extra.keys() - allowed) if allowed is not None else []
