@@ -59,19 +59,20 @@ def require_tensorboard(what: str) -> None:
         ) from None
 
 
+def stdout_format() -> Any:
+    """SB3's stdout table with room for long keys: by default it cuts them to 36 characters and refuses two
+    that become one (a reward of 30 characters logs rewards/<name>/mean and /std: the first dump raised)."""
+    from stable_baselines3.common.logger import HumanOutputFormat
+
+    return HumanOutputFormat(sys.stdout, max_length=120)
+
+
 def folderless_logger(verbose: int) -> Any:
     """SB3's ``Logger`` writing to stdout when ``verbose``, and to no folder: SB3's own default,
     ``configure(None, ...)``, makes an empty ``SB3-<time>`` folder in the temp dir for every logger."""
-    from stable_baselines3.common.logger import HumanOutputFormat, Logger
+    from stable_baselines3.common.logger import Logger
 
-    return Logger(
-        folder=None, output_formats=[HumanOutputFormat(sys.stdout, max_length=KEY_WIDTH)] if verbose else []
-    )
-
-
-# SB3's stdout table cuts keys to 36 characters and refuses two that become one: a reward of 30 characters
-# logs rewards/<name>/mean and /std, which did, and the first dump raised
-KEY_WIDTH = 120
+    return Logger(folder=None, output_formats=[stdout_format()] if verbose else [])
 
 
 class SB3Contract:
@@ -113,7 +114,7 @@ class SB3Contract:
             self.config.tensorboard_log is None or not self.dist.is_main
         ):  # one writer: statistics are gathered
             return
-        from stable_baselines3.common.logger import Logger
+        from stable_baselines3.common.logger import Logger, make_output_format
         from stable_baselines3.common.utils import get_latest_run_id
 
         require_tensorboard("tensorboard_log")
@@ -121,12 +122,10 @@ class SB3Contract:
         if reset_num_timesteps or run_id == 0:
             run_id += 1
         folder = os.path.join(self.config.tensorboard_log, f"{tb_log_name}_{run_id}")
-        from stable_baselines3.common.logger import HumanOutputFormat, make_output_format
-
         os.makedirs(folder, exist_ok=True)
         formats = [make_output_format(f, folder) for f in ("csv", "tensorboard")]
         if self.config.verbose:
-            formats.insert(0, HumanOutputFormat(sys.stdout, max_length=KEY_WIDTH))
+            formats.insert(0, stdout_format())
         self._logger = Logger(folder=folder, output_formats=formats)
 
     def learn(

@@ -126,9 +126,8 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
             if key in valid:
                 continue
             near = difflib.get_close_matches(key, valid, n=1)
-            if (
-                key not in own and isinstance(hyperparameters[key], dict) and not near
-            ):  # a table: [agent.<key>]
+            # a table no hyperparameter is close to: [agent.<key>], meant for an agent
+            if key not in own and isinstance(hyperparameters[key], dict) and not near:
                 agents = plugin_manager.registry("register_agents").names()
                 close = difflib.get_close_matches(key, agents, n=1)
                 hint = f" Did you mean [agent.{close[0]}]?" if close else ""

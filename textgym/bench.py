@@ -127,8 +127,8 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
 
 def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The digests the held-out evaluation depends on besides its settings: the ``fn`` files of the metrics
-    (``code``; plugin files are in every run's identity already, so a changed one is refused there), and the held-out prompt file and the metrics' model directories (``data``). Empty when there
-    are none."""
+    (``code``; plugin files are in every run's identity already, so a changed one is refused there), and the
+    held-out prompt file and the metrics' model directories (``data``). Empty when there are none."""
     code = fn_files(spec["metric_rewards"])
     outputs = [e["output"] for e in spec.get("reward_models", [])]
     data = data_paths(

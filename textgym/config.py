@@ -75,11 +75,9 @@ def annotation_mismatch(annotation: Any, value: Any) -> str | None:
     ``int``, ``float``, ``str``, ``list[...]``, each optionally ``| None``; a string annotation too) and it is
     not one; None otherwise, and for any other annotation. A config's values come from TOML or ``--set``,
     where text that TOML cannot parse stays text: "two" epochs, ``words=maybe``."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
-    if not isinstance(annotation, (str, type)):
-        text = str(annotation)
-    if not text:
-        return None
+    # "float | None" whether the annotation is a string (postponed) or real: a class by its name, a union or
+    # a generic (list[str]) as it prints
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
     optional = text.endswith(" | None")
     base = text.removesuffix(" | None")
     base = "list" if base.startswith("list[") else base

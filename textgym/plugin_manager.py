@@ -270,10 +270,10 @@ def _load_all() -> None:
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}) failed to load: "
                     f"{type(exc).__name__}: {exc}. Fix or uninstall it, or set {DISABLE_AUTOLOAD_VAR}=1."
                 ) from exc
-            if isinstance(plugin, type) and _instance_hooks(plugin):
+            if isinstance(plugin, type) and (hooks := _instance_hooks(plugin)):
                 raise PluginError(
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}) names the class {plugin.__name__}, whose "
-                    f"hooks take self ({', '.join(_instance_hooks(plugin))}): name a module, or an instance "
+                    f"hooks take self ({', '.join(hooks)}): name a module, or an instance "
                     f"(`plugin = {plugin.__name__}()` in the module, and the entry point `...:plugin`)."
                 )
             try:
