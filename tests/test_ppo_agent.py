@@ -430,3 +430,19 @@ def test_a_plugin_agents_hyperparameters_are_checked_by_their_annotations():
         ReinforceConfig, "reinforce", {"n_updates": 2, "baseline": 1, "note": None, "anything": []}
     )
     assert (config.n_updates, config.baseline, config.anything) == (2, 1, [])
+
+
+def test_annotations_written_with_the_typing_module_are_checked_as_their_pipe_spelling():
+    """`Optional[float]` (how much plugin code still writes it) was not read as a plain type: "0.5" went
+    unchecked into the agent."""
+    import typing
+
+    from textgym.config import annotation_mismatch
+
+    spellings = [typing.Optional[float], "Optional[float]", typing.Union[float, None], "None | float"]  # noqa: UP007, UP045
+    for annotation in spellings:
+        assert annotation_mismatch(annotation, "0.5") == "a number (or none)", annotation
+        assert annotation_mismatch(annotation, None) is None and annotation_mismatch(annotation, 0.5) is None
+    assert annotation_mismatch(typing.List[str], "a") == "a list"  # noqa: UP006
+    assert annotation_mismatch("list[int | None] | None", 3) == "a list (or none)"
+    assert annotation_mismatch("int | str", []) is None  # not one plain type: left to the plugin

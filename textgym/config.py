@@ -72,19 +72,36 @@ _PLAIN_TYPES: dict[str, tuple[str, Any]] = {
 
 def annotation_mismatch(annotation: Any, value: Any) -> str | None:
     """What ``value`` must be, as "a number (or none)", when its annotation is a plain type (``bool``,
-    ``int``, ``float``, ``str``, ``list[...]``, each optionally ``| None``; a string annotation too) and it is
-    not one; None otherwise, and for any other annotation. A config's values come from TOML or ``--set``,
-    where text that TOML cannot parse stays text: "two" epochs, ``words=maybe``."""
+    ``int``, ``float``, ``str``, ``list[...]``, each optionally ``| None`` or ``Optional[...]``; a string
+    annotation too) and it is not one; None otherwise, and for any other annotation. A config's values come
+    from TOML or ``--set``, where text that TOML cannot parse stays text: "two" epochs, ``words=maybe``."""
     # "float | None" whether the annotation is a string (postponed) or real: a class by its name, a union or
     # a generic (list[str]) as it prints
-    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
-    optional = text.endswith(" | None")
-    base = text.removesuffix(" | None")
-    base = "list" if base.startswith("list[") else base
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+    if text.startswith("Optional[") and text.endswith("]"):  # Optional[float] as the typing module writes it
+        text = text.removeprefix("Optional[").removesuffix("]") + " | None"
+    elif text.startswith("Union[") and text.endswith("]"):
+        text = " | ".join(_top_level(text.removeprefix("Union[").removesuffix("]"), ","))
+    parts = _top_level(text, "|")
+    optional = "None" in parts and len(parts) == 2
+    base = next(part for part in parts if part != "None") if optional else text
+    base = "list" if base.startswith(("list[", "List[")) else base
     if base not in _PLAIN_TYPES or (value is None and optional):
         return None
     what, ok = _PLAIN_TYPES[base]
     return None if ok(value) else what + (" (or none)" if optional else "")
+
+
+def _top_level(text: str, separator: str) -> list[str]:
+    """The parts of ``text`` between the ``separator`` characters outside brackets, stripped:
+    ``"list[int | None] | None"`` splits on "|" into ``["list[int | None]", "None"]``."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char == "[") - (char == "]")
+        if char == separator and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:].strip()]
 
 
 MAX_SEED = 2**32  # numpy's seeds (and so every library seeded from run.seed) stop below it
