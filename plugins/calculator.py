@@ -20,7 +20,8 @@ INSTRUCTIONS = (
     "e.g. <calc>(12 + 3) * 4</calc>, and its result comes back. Then give your final answer without <calc>."
 )
 MAX_LENGTH = 200  # characters of an expression: no number grows past what a short expression can write
-TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(.))")
+# a number, or any other character but whitespace (so "14 + 15 " ends cleanly rather than on an unexpected " ")
+TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(\S))")
 
 
 class CalcError(ValueError):

@@ -261,6 +261,7 @@ def test_calculator_parses_arithmetic_itself():
     for expression, value in [
         ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("-3 - -2", "-1"), ("7 / 2", "3.5"), ("1 / 3", "0.3333333333"),
         ("0.1 + 0.2", "0.3"), ("14*12", "168"), ("+(.5)", "0.5"), ("2 * (3 + (4 - 1)) / 3", "4"),
+        ("14 + 15 ", "29"), (" ( 1 + 2 ) ", "3"), ("\t7\t", "7"), ("\n8\n", "8"),  # as models space a call
     ]:  # fmt: skip
         assert format_number(evaluate(expression)) == value, expression
     for expression, message in [
