@@ -39,6 +39,7 @@ from textgym.agents.ppo_core import (
 )
 from textgym.agents.rollout_batch import RolloutBatch, masked_token_mean
 from textgym.errors import ConfigError
+from textgym.responders import AGENT_ROLE
 
 
 @dataclass
@@ -207,8 +208,11 @@ class LMPPO(LMAgent):
         turns = [e.get("turn_rewards") or [] for e in batch.episodes]
         if not any(turns):
             return torch.zeros(batch.action_mask.shape)
+        tokens = [
+            [t["tokens"] for t in e.get("turns", ()) if t["role"] == AGENT_ROLE] for e in batch.episodes
+        ]
         scale = self.config.score_scale / (self.score_moments.std if self.config.score_norm else 1.0)
-        return turn_rewards_at(batch.action_mask, turns) * scale
+        return turn_rewards_at(batch.action_mask, turns, tokens) * scale
 
     def train(self, batch: PPOBatch) -> dict[str, float]:
         """PPO epochs over minibatches of whole sequences; micro-batches accumulate gradients weighted by

@@ -91,23 +91,27 @@ def per_token_rewards(
     return rewards * mask, kl
 
 
-def turn_rewards_at(action_mask: Tensor, turn_rewards: list[list[float]]) -> Tensor:
-    """(B, T): each agent turn's reward on the turn's last agent token, 0 elsewhere. A multi-turn episode's
-    agent turns are the runs of 1 in ``action_mask``, in order, and ``turn_rewards[b]`` holds one reward per
-    turn the environment answered (a turn cut at the token budget has none). Should two turns touch (a reply
-    of no tokens), the rewards past the last run land on its last token."""
+def turn_rewards_at(
+    action_mask: Tensor, turn_rewards: list[list[float]], turn_tokens: list[list[int]]
+) -> Tensor:
+    """(B, T): each agent turn's reward on the turn's last agent token, 0 elsewhere. ``turn_tokens[b]`` holds
+    the token count of each of episode ``b``'s agent turns, in order: they take the agent positions of
+    ``action_mask`` in turn (its runs of 1 cannot tell two turns apart when the reply between them wrote no
+    token). ``turn_rewards[b]`` holds one reward per turn the environment answered (a turn cut at the token
+    budget has none)."""
     placed = torch.zeros(action_mask.shape, dtype=torch.float32)
     agent = action_mask.bool().cpu()
-    ends = agent & ~torch.cat(
-        [agent[:, 1:], torch.zeros_like(agent[:, :1])], dim=1
-    )  # (B, T) last of each run
-    for b, rewards in enumerate(turn_rewards):
-        cols = ends[b].nonzero().squeeze(1)
-        if not rewards or not len(cols):
+    for b, (rewards, lengths) in enumerate(zip(turn_rewards, turn_tokens, strict=True)):
+        if not rewards:
             continue
-        k = min(len(rewards), len(cols))
-        placed[b, cols[:k]] = torch.tensor(rewards[:k], dtype=torch.float32)
-        placed[b, cols[k - 1]] += float(sum(rewards[k:]))
+        cols = agent[b].nonzero().squeeze(1)
+        ends = torch.tensor(lengths, dtype=torch.long).cumsum(0)[: len(rewards)] - 1
+        if len(rewards) > len(lengths) or sum(lengths) != len(cols):
+            raise ValueError(
+                f"episode {b} has {len(rewards)} turn rewards and agent turns of {list(lengths)} tokens, but "
+                f"{len(cols)} agent tokens in its action mask: its info['turns'] is not of this batch."
+            )
+        placed[b, cols[ends]] = torch.tensor(rewards, dtype=torch.float32)
     return placed
 
 

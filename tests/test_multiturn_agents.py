@@ -6,6 +6,7 @@ import pytest
 import torch
 from lm_helpers import CHARS, char_llama
 
+import textgym
 from textgym import TextGenVectorEnv
 from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
@@ -43,8 +44,40 @@ def test_agent_first_order_compacts_agent_positions_and_gae_skips_environment_to
 def test_turn_rewards_sit_on_the_last_agent_token_of_the_turn_that_earned_them():
     # agent turns at [0, 1], [3, 4] and [6, 7]; the third was cut at the budget in row 1 (no reward for it)
     mask = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 1, 0, 0], [1, 1, 0, 1, 1, 0, 1, 1, 1, 1]])
-    placed = turn_rewards_at(mask, [[1.0, 0.0, 2.0], [0.5, 0.25]])
+    placed = turn_rewards_at(mask, [[1.0, 0.0, 2.0], [0.5, 0.25]], [[2, 2, 2], [2, 2, 4]])
     assert placed.tolist() == [[0, 1.0, 0, 0, 0, 0, 0, 2.0, 0, 0], [0, 0.5, 0, 0, 0.25, 0, 0, 0, 0, 0]]
+    # A reply of no tokens between turns 1 and 2 (an empty reply without a chat template): they touch in the
+    # mask, and the runs of 1 alone put turn 2's reward on turn 3 and turn 3's past it
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 1, 1, 0, 0]])
+    placed = turn_rewards_at(mask, [[10.0, 20.0, 30.0]], [[2, 2, 2]])
+    assert placed.tolist() == [[0, 10.0, 0, 20.0, 0, 0, 0, 30.0, 0, 0]]
+    with pytest.raises(ValueError, match=r"agent turns of \[2, 2\] tokens, but 6 agent tokens"):
+        turn_rewards_at(mask, [[10.0, 20.0]], [[2, 2]])
+
+
+def test_lmppo_credits_turn_rewards_to_their_turns_across_replies_of_no_tokens():
+    """A responder whose first reply is empty (no chat template: it writes no token), so the agent's first two
+    turns touch in the action mask. Each turn's reward still sits on the EOS that ended the turn."""
+
+    def first_reply_empty(conversations):
+        return [textgym.Reply("" if c.agent_turns == 1 else "a", reward=float(c.agent_turns), done=c.agent_turns == 3)
+                for c in conversations]  # fmt: skip
+
+    env = TextGenVectorEnv(
+        num_envs=8, model=CHARS, prompts=["ab"], responder=first_reply_empty, rewards=[], max_new_tokens=24,
+        chat_template=False, autoreset_mode="Disabled", allowed_tokens=[*CHARS.encode("ab"), CHARS.eos_token_id],
+    )  # fmt: skip
+    agent = LMPPO(char_llama(), env, seed=0, temperature=2.0, verbose=0)
+    batch = agent.collect_rollouts()
+    placed = agent.turn_rewards(batch)
+    ended = [b for b, e in enumerate(batch.episodes) if e["turn_rewards"] == [1.0, 2.0, 3.0]]
+    assert ended  # episodes that ended their three turns
+    for b in ended:
+        eos = (
+            ((batch.response_ids[b] == CHARS.eos_token_id) & batch.action_mask[b].bool()).nonzero().squeeze(1)
+        )
+        assert placed[b].nonzero().squeeze(1).tolist() == eos.tolist()
+        assert placed[b, eos].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_lmppo_credits_each_turn_reward_to_its_turn_and_keeps_the_episodes_total():
@@ -53,13 +86,15 @@ def test_lmppo_credits_each_turn_reward_to_its_turn_and_keeps_the_episodes_total
     only the first turn's tokens earn the first episode's reward; every token of the second earns its."""
     agent = LMPPO(char_llama(), echo_env(2), seed=0, verbose=0, kl_coef=0.0, gamma=1.0, gae_lambda=1.0)
     action = torch.tensor([[1, 1, 0, 1, 1, 0, 1, 1, 0, 0]] * 2)
+    turns = [{"role": role, "text": "", "tokens": n} for role, n in [("assistant", 2), ("user", 1)] * 2]
+    turns += [{"role": "assistant", "text": "", "tokens": 2}]
     batch = RolloutBatch(
         query_ids=torch.tensor([[2], [2]]), query_mask=torch.ones(2, 1, dtype=torch.long),
         response_ids=torch.tensor([[2, 1, 3, 3, 1, 2, 2, 1, 0, 0]] * 2),
         response_mask=torch.tensor([[1] * 8 + [0, 0]] * 2), logprobs=torch.zeros(2, 10),
         ref_logprobs=torch.zeros(2, 10), scores=torch.tensor([1.0, 1.0]), raw_scores=torch.tensor([1.0, 1.0]),
         truncated=torch.zeros(2, dtype=torch.bool), action_mask=action,
-        episodes=[{"turn_rewards": [1.0, 0.0, 0.0]}, {"turn_rewards": [0.0, 0.0, 1.0]}],
+        episodes=[{"turn_rewards": [1.0, 0.0, 0.0], "turns": turns}, {"turn_rewards": [0.0, 0.0, 1.0], "turns": turns}],
     )  # fmt: skip
     returns = agent.process(batch).returns
     agent_tokens = action.bool()

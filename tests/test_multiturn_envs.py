@@ -83,7 +83,8 @@ def test_a_reply_becomes_observation_tokens_marked_in_info_with_the_turn_reward_
     assert terminated and not truncated and info["finish_reason"] == "stop"
     assert reward == pytest.approx(0.5 + 3.0)  # the last turn's reward plus the stack's total (3 turns)
     assert info["turns"] == [
-        {"role": "assistant", "text": "e"}, {"role": "user", "text": "cd"}, {"role": "assistant", "text": "f"},
+        {"role": "assistant", "text": "e", "tokens": 2}, {"role": "user", "text": "cd", "tokens": 2},
+        {"role": "assistant", "text": "f", "tokens": 2},  # tokens: "f" and EOS
     ]  # fmt: skip
     assert info["turn_rewards"] == [0.5, 0.5] and info["num_tokens"] == 4 and info["completion"] == "f"
     sample = recorder.samples[-1]  # the stack scores the whole conversation
@@ -133,7 +134,11 @@ def test_a_reply_that_overflows_the_token_budget_is_cut_and_ends_the_episode():
     (obs, _, terminated, truncated, info), _ = run(env, [*ids("h"), EOS])
     assert (terminated, truncated, info["finish_reason"]) == (False, True, "overflow")
     assert obs["input_ids"][2:].tolist() == [*ids("h"), EOS, *ids("abcd")]  # cut at the budget
-    assert info["turns"][-1] == {"role": "user", "text": "abcd"}  # what was written, as the agent saw it
+    assert info["turns"][-1] == {
+        "role": "user",
+        "text": "abcd",
+        "tokens": 4,
+    }  # what was written, as the agent saw it
     # a reply that fits exactly leaves no room for the agent: also an overflow
     env = char_env(say("ab"), max_new_tokens=4)
     env.reset(seed=0)
@@ -507,7 +512,7 @@ def test_the_environment_guide_prints_what_it_says(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stop 1.0 ['<calc>14 + 15</calc>', '= 29', '29']" in result.stdout
-    assert "True 1.0 {'role': 'tool', 'text': '2'}" in result.stdout
+    assert "True 1.0 {'role': 'tool', 'text': '2', 'tokens': 11}" in result.stdout
 
 
 class Echoer:

@@ -393,7 +393,9 @@ class Episodes(Turns):
             self.end(slots)
             for i, info, s in zip(slots, infos, samples):
                 info["num_tokens"] = int(self.agent_tokens[i])  # every action of the episode
-                info["turns"] = [{"role": t.role, "text": t.text} for t in s.turns]
+                info["turns"] = [
+                    {"role": t.role, "text": t.text, "tokens": len(t.token_ids)} for t in s.turns
+                ]
                 info["turn_rewards"] = list(self.turn_rewards[i])
                 info["env_token_mask"] = self.env_mask[i].copy()
         return total, infos
