@@ -135,6 +135,7 @@ def test_actions_outside_the_vocabulary_are_invalid(action):
     env.reset(seed=0)
     with pytest.raises(InvalidAction, match="token id|not a token"):
         env.step(action)
+    env.step(2)  # a refused action changed nothing: the episode goes on
 
 
 def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
@@ -255,6 +256,7 @@ def test_vector_env_rejects_bad_actions():
         env.step(np.array([2, 99]))
     with pytest.raises(InvalidAction, match="must be 2 integer token ids"):
         env.step(np.array([2]))
+    env.step(np.array([2, 2]))  # a refused action changed nothing: the episodes go on
 
 
 def vector_char_env(n=6, **kwargs):

@@ -216,11 +216,77 @@ def test_a_responder_that_raises_or_returns_a_non_string_names_itself():
         (lambda cs: [], r"responder 'bad' returned 0 replies for 1 conversations"),
         (lambda cs: "hi", r"responder 'bad' returned str 'hi'"),
         (lambda cs: [Reply("a", reward=float("nan"))], r"responder 'bad' returned reward nan"),
+        # a truncated reply that goes on was ignored; an "assistant" reply counted as the agent's turn (its
+        # text could become the scored completion)
+        (lambda cs: [Reply("a", truncated=True)], r"'bad' returned truncated=True without done=True"),
+        (
+            lambda cs: [Reply("a", role="assistant")],
+            r"'bad' replied with role 'assistant' .*never the agent's",
+        ),
     ]:
         env = char_env(named(bad, "bad"))
         env.reset(seed=0)
         with pytest.raises(ResponderError, match=pattern):
             env.step(EOS)
+    env = char_env(named(lambda cs: ["a" for _ in cs], "bad", role="assistant"))
+    env.reset(seed=0)
+    with pytest.raises(ResponderError, match=r"'bad' replied with role 'assistant'"):
+        env.step(EOS)
+
+
+def test_a_step_that_raised_must_be_followed_by_a_reset():
+    """The agent's turn was recorded before the responder raised: a caller that caught the error and stepped
+    on got a conversation without the reply, and past max_turns without an end."""
+    calls = []
+
+    def flaky(conversations):
+        calls.append(len(conversations))
+        if len(calls) == 1:
+            raise RuntimeError("timeout")
+        return ["a" for _ in conversations]
+
+    env = char_env(named(flaky, "flaky"), max_turns=2)
+    env.reset(seed=0)
+    with pytest.raises(ResponderError, match="raised RuntimeError"):
+        env.step(EOS)
+    with pytest.raises(gymnasium.error.ResetNeeded, match="or a step of it raised"):
+        env.step(EOS)
+    env.reset(seed=0)
+    (_, _, _, truncated, info), _ = run(env, [EOS, EOS])
+    assert truncated and info["finish_reason"] == "max_turns" and len(info["turns"]) == 3
+
+    calls.clear()
+    vec = TextGenVectorEnv(num_envs=2, responder=named(flaky, "flaky"), max_turns=2, model=CHARS, prompts=["ab"],
+                           rewards=[], max_new_tokens=12, max_prompt_tokens=2)  # fmt: skip
+    vec.reset(seed=0)
+    with pytest.raises(ResponderError):
+        vec.step(np.array([EOS, EOS]))
+    vec.reset(options={"reset_mask": np.array([True, False])})  # the other sub-env is still half-done
+    with pytest.raises(gymnasium.error.ResetNeeded, match="call reset\\(\\) \\(of every sub-env\\)"):
+        vec.step(np.array([EOS, EOS]))
+    vec.reset(seed=0)
+    vec.step(np.array([EOS, EOS]))
+    _, _, _, truncated, _ = vec.step(np.array([EOS, EOS]))
+    assert truncated.all()
+
+
+def test_a_responder_object_without_a_name_is_refused_not_stripped_of_its_methods():
+    """It was wrapped as a plain function: its role, opening (start) and end were dropped without a word."""
+    from textgym.responders import make_responder
+
+    class Game:
+        role = "tool"
+
+        def start(self, conversations):
+            return ["Guess." for _ in conversations]
+
+        def __call__(self, conversations):
+            return ["a" for _ in conversations]
+
+    with pytest.raises(ConfigError, match=r"has role, start but no 'name'.*`name` attribute"):
+        make_responder(Game())
+    Game.name = "game"
+    assert make_responder(Game()).role == "tool"
 
 
 def test_a_reply_the_tokenizer_cannot_encode_names_the_responder():

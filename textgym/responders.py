@@ -363,6 +363,12 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
     if callable(spec):
         if hasattr(spec, "name"):
             return spec  # type: ignore[return-value]
+        parts = [part for part in ("role", "start", "end", "close") if hasattr(spec, part)]
+        if parts:  # wrapped as a plain function, its role, opening and cleanup would be dropped unsaid
+            raise ConfigError(
+                f"responder {spec!r} has {', '.join(parts)} but no 'name': a responder object needs a name "
+                f"(errors and logs use it). Give its class a `name` attribute."
+            )
         return FunctionResponder(getattr(spec, "__name__", "responder"), spec)
     raise ConfigError(
         f"{spec!r} is not a responder spec: give a registered name, a table with 'name', 'text_env' or "

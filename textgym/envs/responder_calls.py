@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from textgym.errors import TextgymError
-from textgym.responders import Conversation, Reply, Responder, ResponderError
+from textgym.responders import AGENT_ROLE, Conversation, Reply, Responder, ResponderError
 
 __all__ = ["notify_end", "validated_openings", "validated_replies"]
 
@@ -71,6 +71,17 @@ def validated_replies(responder: Responder, conversations: Sequence[Conversation
         for flag, value in (("done", done), ("truncated", reply.truncated)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ResponderError(f"{label} returned {flag}={value!r} {where}; it must be True or False.")
+        if reply.truncated and not done:  # truncated says how an episode ends: alone it would be dropped
+            raise ResponderError(
+                f"{label} returned truncated=True without done=True {where}; truncated marks an episode the "
+                f"reply ends as cut short: give done=True with it."
+            )
+        role = reply.role or getattr(responder, "role", "user")  # as the env writes it
+        if not isinstance(role, str) or not role or role == AGENT_ROLE:
+            raise ResponderError(
+                f"{label} replied with role {role!r} {where}; a reply's role is the environment's (\"user\", "
+                f'"tool", ...), never the agent\'s {AGENT_ROLE!r}, whose turns are the ones it generates.'
+            )
         replies.append(
             dataclasses.replace(reply, reward=reward, done=bool(done), truncated=bool(reply.truncated))
         )

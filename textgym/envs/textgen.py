@@ -252,12 +252,21 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
 
     def step(self, action: int) -> tuple[Obs, float, bool, bool, dict]:
         if self._needs_reset:
-            raise ResetNeeded("the episode has ended (or never started): call reset() before step().")
+            raise ResetNeeded(
+                "the episode has ended (or never started, or a step of it raised): call reset() before step()."
+            )
         if not np.issubdtype(np.asarray(action).dtype, np.integer) or np.size(action) != 1:
             raise InvalidAction(
                 f"action {action!r} is not a token id (an integer in [0, {self.action_space.n}))."
             )
-        step = self.episodes.append(np.asarray(action, dtype=np.int64).reshape(1))
+        self._needs_reset = (
+            True  # until the step returns: one that raises (a responder's error) left it half-done
+        )
+        try:
+            step = self.episodes.append(np.asarray(action, dtype=np.int64).reshape(1))
+        except InvalidAction:  # refused before anything changed
+            self._needs_reset = False
+            raise
         turn_reward = float(step.turn_rewards[0])
         turn_info = (
             {"turn_reward": turn_reward, "env_token_mask": self.episodes.env_mask[0].copy()}
@@ -265,8 +274,8 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
             else {}
         )
         if len(step.ended) == 0:
+            self._needs_reset = False
             return self.episodes.obs(0), turn_reward, False, False, turn_info
-        self._needs_reset = True
         total, infos = self.episodes.finish(step.ended, step.reasons)
         terminated = step.reasons[0] == "stop"
         reward = float(total[0]) + turn_reward
@@ -362,7 +371,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         self.single_action_space = self.episodes.action_space
         self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self._started = False
+        self._started = self._failed = False
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
         super().reset(seed=seed)
@@ -378,6 +387,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         prompts = self._prompts_option(options, len(slots))
         self.episodes.start(slots, self.np_random, prompts, group=int(options.get("group_size", 1)))
         self._started = True
+        self._failed = self._failed and len(slots) < self.num_envs
         infos: dict[str, Any] = {}
         for i in slots:
             infos = self._add_info(infos, {"prompt": self.episodes.prompt_text(i)}, i)
@@ -412,11 +422,26 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
     def step(self, actions: Any) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict]:
         if not self._started:
             raise ResetNeeded("call reset() before step().")
+        if self._failed:
+            raise ResetNeeded(
+                "a step raised and left the sub-envs' episodes half-done: call reset() (of every sub-env) before "
+                "step()."
+            )
         actions = np.asarray(actions)
         if actions.shape != (self.num_envs,) or not np.issubdtype(actions.dtype, np.integer):
             raise InvalidAction(
                 f"actions must be {self.num_envs} integer token ids, got shape {actions.shape} dtype {actions.dtype}."
             )
+        self._failed = True  # until the step returns
+        try:
+            result = self._step(actions)
+        except InvalidAction:  # refused before anything changed
+            self._failed = False
+            raise
+        self._failed = False
+        return result
+
+    def _step(self, actions: np.ndarray) -> tuple[Obs, np.ndarray, np.ndarray, np.ndarray, dict]:
         ended, reasons, turn_ended, turn_rewards = self.episodes.append(actions.astype(np.int64, copy=False))
         rewards = turn_rewards.astype(np.float64)  # 0 except where an agent turn ended
         terminated = np.zeros(self.num_envs, dtype=bool)
