@@ -391,6 +391,12 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         stack = env.reward_stack
         if hasattr(stack, "set_progress") and self._total_timesteps:
             stack.set_progress(min(1.0, self.num_timesteps / self._total_timesteps))
+        # The global streams (random, numpy's, torch's) a reward plugin or responder may draw from start each
+        # rollout from (seed, iteration), as the rollout's own generator does: a resumed run draws what the
+        # uninterrupted one drew, and whatever ran between iterations ([eval], samples) changes nothing.
+        from accelerate.utils import set_seed
+
+        set_seed((self.seed * 1_000_003 + self.iteration) % 2**32)
         start, reward_before = time.perf_counter(), env.reward_seconds
         options = {"group_size": self.group_size} if self.group_size > 1 else None
         # shares: a reward plugin that fails on one process stops every process there, naming it

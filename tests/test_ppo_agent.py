@@ -105,6 +105,34 @@ def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bi
     assert loaded.num_timesteps == straight.num_timesteps
 
 
+def noisy(samples):
+    """A reward that draws from the global random streams, as a sampling judge or a noisy proxy does."""
+    import random
+
+    return [random.random() + float(np.random.rand()) + float(torch.rand(())) for _ in samples]
+
+
+def test_rewards_drawing_from_the_global_random_streams_resume_and_evaluate_without_changing_training(
+    tmp_path,
+):
+    """The global streams were seeded once, when the agent was made: a resumed run's noisy rewards differed
+    from the uninterrupted run's, and anything drawing from them between iterations (an [eval], samples)
+    changed the training."""
+    import random
+
+    straight = scores_of(iterations(LMPPO(char_llama(), make_env(reward=noisy), seed=0, **FAST), 3))
+    agent = iterations(LMPPO(char_llama(), make_env(reward=noisy), seed=0, **FAST), 1)
+    agent.save(tmp_path / "ckpt")
+    random.random(), np.random.rand(), torch.rand(3)  # the run between: an evaluation, another agent
+    resumed = iterations(LMPPO.load(tmp_path / "ckpt", make_env(reward=noisy)), 2)
+    assert scores_of(resumed) == straight
+    agent = LMPPO(char_llama(), make_env(reward=noisy), seed=0, **FAST)
+    for _ in range(3):
+        iterations(agent, 1)
+        random.random(), np.random.rand(), torch.rand(3)
+    assert scores_of(agent) == straight
+
+
 def test_load_of_an_incomplete_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(ConfigError, match="not a complete LMPPO checkpoint"):
