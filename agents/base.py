@@ -149,7 +149,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         self.iteration = 0  # never reset: it seeds the rollouts, so a resumed run continues the same stream
         self.skipped_steps = 0
         self._total_timesteps = 0
-        self._logger = None
+        self._logger = self._folder_logger = None
         self.env: TextGenVectorEnv | None = None
         # the env's tokens (a policy's vocabulary may be larger); a checkpoint keeps it for predict()
         self.action_n: int | None = None

@@ -75,6 +75,36 @@ def folderless_logger(verbose: int) -> Any:
     return Logger(folder=None, output_formats=[stdout_format()] if verbose else [])
 
 
+def continued_formats(folder: str, iteration: int, num_timesteps: int) -> list[Any]:
+    """SB3's CSV and TensorBoard outputs for ``folder``, continuing what a run logged there up to
+    ``iteration`` (at ``num_timesteps``). SB3's CSV output empties ``progress.csv``; this one keeps its rows up
+    to ``iteration`` and drops the later ones (logged before an interruption, then done again). TensorBoard
+    hides the events past ``num_timesteps`` in the earlier files (``purge_step``), for the same reason."""
+    import csv
+
+    from stable_baselines3.common.logger import CSVOutputFormat, TensorBoardOutputFormat
+    from torch.utils.tensorboard import SummaryWriter
+
+    path = os.path.join(folder, "progress.csv")
+    header: list[str] = []
+    rows: list[list[str]] = []
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, [])
+            at = header.index("time/iterations") if "time/iterations" in header else None
+            rows = [row for row in reader if at is None or (row[at:] and float(row[at]) <= iteration)]
+    output = CSVOutputFormat(path)  # opens it emptied ("w+"): write back what is kept
+    if header:
+        csv.writer(output.file, lineterminator="\n").writerows([header, *rows])
+        output.file.flush()
+        output.keys = header
+    tensorboard = TensorBoardOutputFormat.__new__(TensorBoardOutputFormat)
+    tensorboard.writer = SummaryWriter(log_dir=folder, purge_step=num_timesteps + 1)
+    tensorboard._is_closed = False
+    return [output, tensorboard]
+
+
 class SB3Contract:
     """``learn``, ``predict``, ``save``, ``load`` and the logger, as Stable-Baselines3 users expect them."""
 
@@ -89,6 +119,7 @@ class SB3Contract:
     iteration: int
     skipped_steps: int
     history: list[dict[str, float]]
+    _folder_logger: Any  # the logger _setup_logger made (None before): closed when another replaces it
 
     def get_env(self) -> TextGenVectorEnv | None:
         return self.env
@@ -119,14 +150,19 @@ class SB3Contract:
 
         require_tensorboard("tensorboard_log")
         run_id = get_latest_run_id(self.config.tensorboard_log, tb_log_name)
-        if reset_num_timesteps or run_id == 0:
-            run_id += 1
+        continued = not reset_num_timesteps and run_id > 0
+        run_id += not continued
         folder = os.path.join(self.config.tensorboard_log, f"{tb_log_name}_{run_id}")
         os.makedirs(folder, exist_ok=True)
-        formats = [make_output_format(f, folder) for f in ("csv", "tensorboard")]
+        if continued:  # a resume, or another learn() of this agent
+            formats = continued_formats(folder, self.iteration, self.num_timesteps)
+        else:
+            formats = [make_output_format(f, folder) for f in ("csv", "tensorboard")]
         if self.config.verbose:
             formats.insert(0, stdout_format())
-        self._logger = Logger(folder=folder, output_formats=formats)
+        if self._folder_logger is not None:  # an earlier learn()'s: its files are continued here
+            self._folder_logger.close()
+        self._logger = self._folder_logger = Logger(folder=folder, output_formats=formats)
 
     def learn(
         self,

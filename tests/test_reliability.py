@@ -539,6 +539,37 @@ def test_a_config_toml_edited_after_the_checkpoint_is_refused_on_resume(config, 
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 0
 
 
+def tensorboard_logs(run_dir):
+    """progress.csv's rows (time/* dropped) and each scalar's (step, value) points as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = run_dir / "tensorboard" / "run_1"
+    rows = [{k: v for k, v in row.items() if not k.startswith("time/") or k == "time/iterations"}
+            for row in csv_rows(folder / "progress.csv")]  # fmt: skip
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return rows, {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in ("reward", "loss/policy_avg")
+    }
+
+
+def test_a_killed_run_resumes_its_tensorboard_logs_without_losing_or_repeating_a_point(config, tmp_path):
+    """SB3's CSV output emptied progress.csv on resume (only the resumed iterations were left), and the
+    iteration logged after the checkpoint, before the kill, was in the TensorBoard events twice."""
+    pytest.importorskip("tensorboard")
+    whole, out = tmp_path / "whole", tmp_path / "cut"
+    report = "run.report_to=['tensorboard']"
+    assert main(["train", str(config), "--set", report, "--set", f"run.output_dir='{whole}'"]) == 0
+    killed = textgym("train", config, "--set", report, "--set", f"run.output_dir='{out}'",
+                     env={"TEXTGYM_CRASH_AT": "after-metrics:3"})  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert main(["train", "--resume", str(out)]) == 0
+    (rows, points), (expected_rows, expected_points) = tensorboard_logs(out), tensorboard_logs(whole)
+    assert [int(row["time/iterations"]) for row in rows] == list(range(1, len(expected_rows) + 1))
+    assert rows == expected_rows
+    assert len(points["reward"]) == len(rows) and points == expected_points
+
+
 def test_a_resumed_run_goes_on_with_the_next_prompts_in_sequential_order(config, tmp_path):
     """The prompt cursor was not in the checkpoint: a resume started the prompt list over."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
