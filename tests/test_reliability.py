@@ -120,6 +120,32 @@ def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_r
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
 
 
+def test_a_checkpoints_files_reach_the_disk_before_it_is_marked_complete_and_swapped_in(
+    tmp_path, monkeypatch
+):
+    """Nothing was fsync'ed: after a power cut the marker could say complete over files the disk never got,
+    with the previous checkpoint already deleted."""
+    from textgym.models import atomic_build_dir
+
+    def build(directory):
+        (directory / "policy").mkdir()
+        (directory / "policy" / "model.safetensors").write_bytes(b"weights")
+        (directory / "state.json").write_text("{}")
+
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd)
+    )
+    target = tmp_path / "checkpoint"
+    for _ in range(2):  # a first checkpoint, then one swapped in for it
+        synced.clear()
+        atomic_build_dir(target, build, replace=True)
+        names = [p.name for p in synced]
+        marker = names.index("textgym-complete")
+        assert {"model.safetensors", "state.json", "policy"} <= set(names[:marker])
+        assert synced[-1] == tmp_path  # the renames, before the old checkpoint is removed
+
+
 def test_a_damaged_or_missing_checkpoint_is_named_and_the_runs_progress_kept(config, tmp_path, capsys):
     """A run whose checkpoint lost its completion marker, or vanished after iterations past the first
     checkpoint, is not restarted from the beginning over its metrics and samples."""

@@ -56,7 +56,11 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
     try:
         build(tmp)
         crash_point("checkpoint-build")
+        synced(
+            tmp
+        )  # on the disk before the marker says so: a power cut then leaves no complete-but-empty file
         (tmp / _COMPLETE).write_text("ok\n")
+        synced(tmp / _COMPLETE)
         if target.exists():  # an old version, an incomplete leftover, or a concurrent build's result
             if not replace and is_complete(target):
                 return target
@@ -64,12 +68,26 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
             os.rename(target, old)
             crash_point("checkpoint-swap")  # the state RunDir.recover_checkpoint repairs
             os.rename(tmp, target)
+            synced(target.parent)  # the renames too, before the old version goes
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, target)
+            synced(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def synced(path: Path) -> None:
+    """``fsync`` a file, or a directory with every file and directory under it (their entries included)."""
+    path = Path(path)
+    paths = [*sorted(path.rglob("*"), reverse=True), path] if path.is_dir() else [path]  # files before dirs
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def is_complete(directory: Path) -> bool:
