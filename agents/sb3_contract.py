@@ -75,16 +75,28 @@ def folderless_logger(verbose: int) -> Any:
     return Logger(folder=None, output_formats=[stdout_format()] if verbose else [])
 
 
-def continued_formats(folder: str, iteration: int, num_timesteps: int) -> list[Any]:
-    """SB3's CSV and TensorBoard outputs for ``folder``, continuing what a run logged there up to
-    ``iteration`` (at ``num_timesteps``). SB3's CSV output empties ``progress.csv``; this one keeps its rows up
-    to ``iteration`` and drops the later ones (logged before an interruption, then done again). TensorBoard
-    hides the events past ``num_timesteps`` in the earlier files (``purge_step``), for the same reason."""
+def continued_formats(folder: str, iteration: int, num_timesteps: int, csv_output: bool = True) -> list[Any]:
+    """SB3's CSV (with ``csv_output``) and TensorBoard outputs for ``folder``, continuing what a run logged
+    there up to ``iteration`` (at ``num_timesteps``). SB3's CSV output empties ``progress.csv``; this one keeps
+    its rows up to ``iteration`` and drops the later ones (logged before an interruption, then done again).
+    TensorBoard hides the events past ``num_timesteps`` in the earlier files (``purge_step``), for the same
+    reason."""
     import csv
 
     from stable_baselines3.common.logger import CSVOutputFormat, TensorBoardOutputFormat
     from torch.utils.tensorboard import SummaryWriter
 
+    # TensorBoard reads a folder's event files in name order, and a name starts with its second: the new file
+    # must not share one with the files it continues (a run killed in its first second), or it may be read first
+    stamps = [name.split(".")[3] for name in os.listdir(folder) if name.startswith("events.out.tfevents.")]
+    newest = max((int(stamp) for stamp in stamps if stamp.isdigit()), default=0)
+    while time.time() < newest + 1:
+        time.sleep(0.05)
+    tensorboard = TensorBoardOutputFormat.__new__(TensorBoardOutputFormat)
+    tensorboard.writer = SummaryWriter(log_dir=folder, purge_step=num_timesteps + 1)
+    tensorboard._is_closed = False
+    if not csv_output:
+        return [tensorboard]
     path = os.path.join(folder, "progress.csv")
     header: list[str] = []
     rows: list[list[str]] = []
@@ -99,9 +111,6 @@ def continued_formats(folder: str, iteration: int, num_timesteps: int) -> list[A
         csv.writer(output.file, lineterminator="\n").writerows([header, *rows])
         output.file.flush()
         output.keys = header
-    tensorboard = TensorBoardOutputFormat.__new__(TensorBoardOutputFormat)
-    tensorboard.writer = SummaryWriter(log_dir=folder, purge_step=num_timesteps + 1)
-    tensorboard._is_closed = False
     return [output, tensorboard]
 
 

@@ -120,6 +120,35 @@ def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_r
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
 
 
+def test_a_killed_sb3_run_resumes_its_tensorboard_events_without_repeating_a_step(tmp_path):
+    """SB3's logger continued run_1 with the events the killed run logged past its checkpoint still shown."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = tmp_path / "sb3.toml"
+    config.write_text(SB3_COPY)
+    sets = [
+        "--agent",
+        "sb3-ppo",
+        "--set",
+        "run.report_to=['tensorboard']",
+        "--set",
+        "run.total_timesteps=512",
+    ]
+    whole, out = tmp_path / "whole", tmp_path / "cut"
+    assert main(["train", str(config), *sets, "--set", f"run.output_dir='{whole}'"]) == 0
+    killed = textgym("train", config, *sets, "--set", f"run.output_dir='{out}'",
+                     env={"TEXTGYM_CRASH_AT": "after-metrics:3"})  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert main(["train", "--resume", str(out)]) == 0
+    steps = {}
+    for run_dir in (whole, out):
+        events = EventAccumulator(str(run_dir / "tensorboard" / "run_1"))
+        events.Reload()
+        steps[run_dir] = [e.step for e in events.Scalars("rollout/ep_rew_mean")]
+    assert steps[out] == steps[whole] and len(set(steps[out])) == len(steps[out]) >= 3
+
+
 def test_a_checkpoints_files_reach_the_disk_before_it_is_marked_complete_and_swapped_in(
     tmp_path, monkeypatch
 ):

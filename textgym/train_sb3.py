@@ -111,6 +111,8 @@ def run_sb3(
         from textgym.agents.sb3_contract import folderless_logger
 
         agent.set_logger(folderless_logger(agent.verbose))
+    else:  # SB3's own (run_1, as it names it) would keep a resumed run's events past the checkpoint
+        agent.set_logger(continued_logger(agent, agent.tensorboard_log, state["iteration"]))
     saved = False
     with flag:
         if remaining > 0:
@@ -128,3 +130,18 @@ def run_sb3(
     if not saved:
         rd.write_checkpoint(save)
     return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config, 1.0), has_kl=False)
+
+
+def continued_logger(agent: Any, tensorboard_log: str, iteration: int) -> Any:
+    """The logger SB3 makes for ``tensorboard_log`` (stdout when verbose, TensorBoard events in ``run_1``),
+    continuing a resumed run's events: those past its checkpoint, logged before an interruption, are hidden."""
+    import os
+
+    from stable_baselines3.common.logger import Logger
+
+    from textgym.agents.sb3_contract import continued_formats, stdout_format
+
+    folder = os.path.join(tensorboard_log, "run_1")
+    os.makedirs(folder, exist_ok=True)
+    formats = continued_formats(folder, iteration, agent.num_timesteps, csv_output=False)
+    return Logger(folder=folder, output_formats=[stdout_format(), *formats] if agent.verbose else formats)
