@@ -25,8 +25,9 @@ setup: $(VENV)/.setup-done
 demo: setup
 	$(VENV)/bin/textgym train examples/demo.toml
 
+# the 15 slowest tests are listed at the end: where the suite's minutes go
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Benchmarks, not tests: writes benchmarks/results/*.json and docs/performance.md (each section
 # alone: `python benchmarks/run.py --only NAME`).
