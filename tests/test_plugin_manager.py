@@ -78,6 +78,43 @@ def test_a_registration_with_arguments_its_kind_does_not_take_or_a_spaced_name_i
         plugin_manager.registry("register_rewards")
 
 
+def test_a_reward_object_registered_where_its_factory_belongs_is_named(register):
+    """register("shout", Shout()) failed when a config used it, with "Shout.__call__() missing 1 required
+    positional argument: 'samples'"."""
+
+    class Shout:
+        name = "shout"
+
+        def __call__(self, samples):
+            return [float(s.completion.isupper()) for s in samples]
+
+    class Plugin:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            register("shout", Shout())
+
+    register(Plugin(), "object-plugin")
+    with pytest.raises(PluginError, match=r"registered reward 'shout' as a Shout object, which takes \(samples\): "
+                       r"register what makes one.*register\('shout', Shout\) \(the class\)"):  # fmt: skip
+        plugin_manager.registry("register_rewards")
+    plugin_manager.unregister_plugin("object-plugin")
+
+    class Factory:  # an object that makes rewards from a spec's keyword arguments is a factory
+        def __call__(self, loud=True):
+            return Shout()
+
+    class Good:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            register("shout", Shout)
+            register("shout-made", Factory())
+
+    register(Good(), "good-plugin")
+    assert {"shout", "shout-made"} <= set(plugin_manager.registry("register_rewards").names())
+
+
 def test_register_takes_the_positional_arguments_its_hookspec_documents(register):
     """register(env_id, entry_point, vector_entry_point) and register(name, loader, tokenizer_loader) are
     documented; a positional argument no kind takes is named."""

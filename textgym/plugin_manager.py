@@ -7,6 +7,7 @@ registries are rebuilt from the hooks whenever the set of plugins changes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -101,6 +102,13 @@ class Registry:
             raise PluginError(
                 f"plugin {plugin!r} registered {self.kind} {name!r} with {', '.join(unknown)}: a {self.kind}'s "
                 f"register(){takes} (weights and arguments belong in the reward specs of a config)."
+            )
+        if self.kind in SPEC_KINDS and (takes := _object_not_factory(value)):
+            cls = type(value).__name__
+            raise PluginError(
+                f"plugin {plugin!r} registered {self.kind} {name!r} as a {cls} object, which takes ({takes}): "
+                f"register what makes one, called with a spec's arguments: register({name!r}, {cls}) (the class), "
+                f"or a function that returns one."
             )
         if name in self._entries:
             first = self._entries[name].plugin
@@ -325,6 +333,20 @@ def _warn_other_groups() -> None:
                 f"{ENTRY_POINT_GROUP!r} ([project.entry-points.{ENTRY_POINT_GROUP}] in pyproject.toml).",
                 stacklevel=2,
             )
+
+
+def _object_not_factory(value: Any) -> str | None:
+    """The required positional parameters of a callable object (not a class or function) registered as a
+    reward or responder: the reward itself, taking ``samples``, where its factory was meant. None otherwise."""
+    if isinstance(value, type) or inspect.isroutine(value) or isinstance(value, functools.partial):
+        return None
+    try:
+        params = inspect.signature(value).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.kind in positional and p.default is p.empty]
+    return ", ".join(required) or None
 
 
 def registry(hook_name: str) -> Registry:
