@@ -222,6 +222,26 @@ def test_runs_the_bench_did_not_start_or_that_changed_are_refused(tmp_path):
     assert actions(other_eval, out)["exact-seed0"] == "evaluate"
 
 
+def test_a_directory_no_bench_wrote_is_refused_before_anything_is_written(tmp_path):
+    """The bench wrote its report.md, summary.csv, ... into any directory, over a user's files of the same
+    names (a train run's directory, runs/ itself); `textgym train` refuses such a directory."""
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "report.md").write_text("mine")
+    with pytest.raises(
+        ConfigError, match=r"holds files no bench wrote \(report.md; no bench.json\).*new or empty"
+    ):
+        bench.run(designs(tmp_path), progress=False)
+    assert [p.name for p in out.iterdir()] == ["report.md"] and (out / "report.md").read_text() == "mine"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        bench.run(designs(tmp_path), [f"bench.output_dir='{tmp_path / 'file'}'"], progress=False)
+    # an empty directory, or one a bench started (its runs/ made, no run recorded yet), is the bench's
+    (out / "report.md").unlink()
+    (out / "runs").mkdir()
+    bench._check_owned(out)
+
+
 def test_the_config_hash_follows_code_files(tmp_path):
     fn = tmp_path / "brevity.py"
     fn.write_text("def brevity(samples):\n    return [1.0 for s in samples]\n")
@@ -448,6 +468,6 @@ def test_a_home_relative_bench_output_dir_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "home" / "b" / "runs" / "exact-seed0").mkdir(parents=True)  # found only under the real home
-    with pytest.raises(ConfigError, match=f"{tmp_path / 'home' / 'b'}.* has no record of this bench"):
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'home' / 'b'}' holds files no bench wrote"):
         bench.run(designs(tmp_path) | {"bench": {**DESIGNS["bench"], "output_dir": "~/b"}}, progress=False)
     assert not (tmp_path / "~").exists()

@@ -394,6 +394,7 @@ def run(
     listed += [p for p in (str(Path(f).expanduser().resolve()) for f in plugins) if p not in listed]
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}").expanduser()
+    _check_owned(out)
     jobs = plan(spec, out)
     todo = actions(jobs, out)
     bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
@@ -425,6 +426,22 @@ def run(
 
         write_outputs(out, spec, jobs)
     return out
+
+
+def _check_owned(out: Path) -> None:
+    """Refuse an output directory that holds anything but a bench's own files: a bench writes its reports,
+    plots and CSVs there, over files of the same names."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"bench.output_dir {str(out)!r} is a file, not a directory.")
+    found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    started = (out / INDEX_FILE).is_file() or (found == ["runs"] and not any((out / "runs").iterdir()))
+    if found and not started:
+        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+        raise ConfigError(
+            f"bench.output_dir {str(out)!r} holds files no bench wrote ({shown}; no {INDEX_FILE}): a bench "
+            f"writes its reports there over files of the same names, so it never writes into a directory it "
+            f"does not own. Give it a new or empty bench.output_dir."
+        )
 
 
 def _check_unchanged(recorded: Mapping[str, Any]) -> None:
