@@ -109,6 +109,12 @@ def test_text_that_toml_could_not_parse_is_refused_where_the_parameter_is_annota
         build_reward_stack(["hedging penalty=two"])
     stack = build_reward_stack(["hedging words=['perhaps'] penalty=2 note=hello"])
     assert stack.names == ["hedging"]
+    # a factory that compares the text itself (safety checks penalty >= 0) raised "'<' not supported
+    # between instances of 'str' and 'int'" before the annotation was read
+    with pytest.raises(
+        PluginArgumentError, match=r"^reward 'safety': penalty must be a number, not 'two'\.$"
+    ):
+        build_reward_stack(["safety penalty=two"])
 
     def scaled(samples, scale: float = "auto"):  # a word of its own: the reward's to read
         return [1.0 for _ in samples]

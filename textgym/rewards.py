@@ -235,7 +235,8 @@ def check_arguments(
 def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
     """Raise :class:`PluginArgumentError` for a text value whose parameter is annotated as a number, a bool
     or a list: text that TOML could not parse stays text (``penalty=two``, ``words=maybe``), and a factory
-    that took it without a word would score with it. Called after the factory, whose own errors say more."""
+    that took it without a word would score with it. Called after the factory, whose own errors say more,
+    and when it raised, for the text that made it raise ("'<' not supported between 'str' and 'int'")."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -267,7 +268,8 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
         built = factory(**kwargs)
     except PluginArgumentError:
         raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # a text value where a number belongs says so, not "'<' not supported"
+        check_text_values(kind, name, factory, kwargs)
         raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
     check_text_values(kind, name, factory, kwargs)
     if not callable(built):
