@@ -142,6 +142,25 @@ def test_an_unknown_metric_reward_fails_before_the_agent_loads(tmp_path, monkeyp
         run(path, [f"run.output_dir='{tmp_path / 'x'}'"])
 
 
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [("copy-heldot", r"\[eval\] prompts: unknown prompt source 'copy-heldot'. Did you mean 'copy-heldout'"),
+     ("held.jsonl", r"\[eval\] prompts: prompt file .*held.jsonl.* does not exist")],
+)  # fmt: skip
+def test_an_unknown_eval_prompt_source_fails_before_the_agent_loads(tmp_path, monkeypatch, prompts, match):
+    """A typo, or a missing file, failed at the first evaluation: after the policy loaded and sampled."""
+    import textgym.agents.ppo
+
+    def no_agent(*args, **kwargs):
+        raise AssertionError("the agent was built before [eval] prompts were checked")
+
+    monkeypatch.setattr(textgym.agents.ppo.LMPPO, "__init__", no_agent)
+    path = config_file(tmp_path, COPY + f'\n[eval]\nprompts = "{prompts}"\n')
+    with pytest.raises(ConfigError, match=match):
+        run(path, [f"run.output_dir='{tmp_path / 'x'}'"])
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_evaluation_is_reproducible_and_reads_every_component(tmp_path):
     from textgym.agents.ppo import LMPPO
 

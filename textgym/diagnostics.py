@@ -50,6 +50,14 @@ def training_callbacks(config: Mapping[str, Any], run_dir: Path) -> list[BaseCal
     if not spec:
         return []
     check_metric_specs(spec["rewards"], "[eval] rewards: metric")
+    if spec["prompts"] is not None:  # a typo or a missing file fails now, not after the policy loaded
+        from textgym.errors import ConfigError, TextgymError
+        from textgym.prompts import load_prompts
+
+        try:
+            load_prompts(spec["prompts"])
+        except TextgymError as exc:
+            raise ConfigError(f"[eval] prompts: {exc}") from None
     return [EvalCallback(config, spec, run_dir)]
 
 
