@@ -100,13 +100,17 @@ def test_tables_show_a_score_that_rounds_to_zero_without_a_minus_sign():
     assert "-0.000" not in format_table([row]) and "0.000" in format_table([row])
 
 
-def test_resume_continues_counters_and_history(config, tmp_path):
+def test_resume_continues_counters_and_history(config, tmp_path, capsys):
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
     first = csv_rows(run_dir / "metrics.csv")
     run(None, ["run.total_timesteps=128"], resume=run_dir)
     metrics = csv_rows(run_dir / "metrics.csv")
     assert metrics[: len(first)] == first and len(metrics) > len(first)
     assert [int(r["iteration"]) for r in metrics] == list(range(1, len(metrics) + 1))
+    assert "nothing to train" not in capsys.readouterr().out
+    run(None, resume=run_dir)  # a finished run said "resuming" and printed its tables, as if it trained
+    assert "has trained its run.total_timesteps = 128 tokens: nothing to train" in capsys.readouterr().out
+    assert csv_rows(run_dir / "metrics.csv") == metrics
     with pytest.raises(ConfigError, match="already holds a run; continue it with `textgym train --resume"):
         run(config, [f"run.output_dir='{run_dir}'"])
 
@@ -128,6 +132,8 @@ def test_config_errors_name_the_bad_value(config, tmp_path):
         run(config, [f"run.output_dir='{tmp_path / 'b'}'", "env.max_new_token=3"])
     with pytest.raises(ConfigError, match="not a run directory"):
         run(None, resume=tmp_path)
+    with pytest.raises(ConfigError, match="'.*nothere' does not exist: --resume takes a run directory"):
+        run(None, resume=tmp_path / "nothere")
 
 
 def test_unknown_agent_name_suggests(config, capsys):

@@ -66,6 +66,8 @@ def run(
     saved: dict[str, Any] = {}
     if resume is not None:
         run_dir = Path(resume)
+        if not run_dir.exists():
+            raise ConfigError(f"{str(run_dir)!r} does not exist: --resume takes a run directory.")
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")
         config = load_config(run_dir / "config.toml", overrides)
@@ -194,8 +196,9 @@ def _sample_table(generate: Any, config: dict[str, Any], progress: float = 0.0) 
     return generate(env, config["run"]["seed"])
 
 
-def _resumed(rd: RunDir, iteration: int, history: list[dict[str, Any]], tokens: int) -> None:
-    """A resume's run directory cut back to its checkpoint (of ``iteration``, with ``history``), and said so."""
+def _resumed(rd: RunDir, iteration: int, history: list[dict[str, Any]], tokens: int, total: int) -> None:
+    """A resume's run directory cut back to its checkpoint (of ``iteration``, with ``history``), and said so;
+    with ``tokens`` at ``total`` (run.total_timesteps) already, that nothing is left to train."""
     dropped = rd.truncate_samples(iteration)
     rd.write_metrics(history)
     (rd.path / SAMPLES_AFTER).unlink(missing_ok=True)  # a finished run's: this one writes its own at its end
@@ -203,6 +206,11 @@ def _resumed(rd: RunDir, iteration: int, history: list[dict[str, Any]], tokens: 
         f"textgym: resuming {rd.path} at iteration {iteration}, {tokens} tokens"
         + (f" ({dropped} sample rows after the checkpoint dropped)" if dropped else "")
     )
+    if tokens >= total:
+        print(
+            f"textgym: {rd.path} has trained its run.total_timesteps = {total} tokens: nothing to train (to "
+            f"train on, resume with --set run.total_timesteps=N, N > {tokens})"
+        )
 
 
 def _report(rd: RunDir, name: str, rows: list[dict[str, Any]], title: str) -> None:
@@ -282,7 +290,9 @@ def _run_native(
         return lambda: rows if rows is not None else _sample_table(generate, config, progress)
 
     if resuming:
-        dist.on_main(lambda: _resumed(rd, agent.iteration, agent.history, agent.num_timesteps))
+        dist.on_main(
+            lambda: _resumed(rd, agent.iteration, agent.history, agent.num_timesteps, run["total_timesteps"])
+        )
     else:
         before = samples(0.0)
         dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))

@@ -49,7 +49,7 @@ def run_sb3(
     state = {"iteration": 0, "history": []}
     if resuming:
         agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
-        _resumed(rd, state["iteration"], state["history"], agent.num_timesteps)
+        _resumed(rd, state["iteration"], state["history"], agent.num_timesteps, run["total_timesteps"])
     history = state["history"]
 
     def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
