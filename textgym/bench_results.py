@@ -159,8 +159,10 @@ def _summarize(results: BenchResults) -> None:
     for agent in results.agents:
         for metric in results.metrics:
             groups = {d: results.values(agent, d, metric) for d in results.designs}
-            comparisons, ranks = compare(groups, results.direction(metric, "designs"))
-            results.comparisons += [_comparison_row("designs", agent, metric, c) for c in comparisons]
+            direction = results.direction(metric, "designs")
+            comparisons, ranks = compare(groups, direction)
+            if direction is not None:  # each design's own proxy: its differences between designs mean nothing
+                results.comparisons += [_comparison_row("designs", agent, metric, c) for c in comparisons]
             for design, seeds in groups.items():
                 mean, low, high = mean_ci(
                     list(seeds.values()), bounds=results.ranges.get(metric, (-math.inf, math.inf))
