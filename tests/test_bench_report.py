@@ -33,10 +33,11 @@ DESIGNS = {
 }
 
 
-def fake_bench(out, eval_prompts="copy-heldout", seeds=(0, 1, 2)):
+def fake_bench(out, eval_prompts="copy-heldout", seeds=(0, 1, 2), designs=("proxy", "gold")):
     """A finished bench as the runs would leave it: the proxy design games its reward (its gold metric peaks
     at iteration 10 and falls while its reward keeps rising), the gold design improves steadily."""
     d = json.loads(json.dumps(DESIGNS))
+    d["designs"] = [design for design in d["designs"] if design["name"] in designs]
     d["bench"]["output_dir"] = str(out)
     d["bench"]["eval_prompts"] = eval_prompts
     d["bench"]["seeds"] = list(seeds)
@@ -195,6 +196,15 @@ def test_without_gold_metrics_the_report_says_the_gaming_check_did_not_run(tmp_p
         in md
     )
     assert "no run gamed its proxy" not in md
+
+
+def test_a_bench_of_one_design_ranks_nothing(tmp_path):
+    """One design was listed as "1. proxy" under every metric: a rank with nothing to rank against."""
+    out = tmp_path / "bench"
+    write_outputs(out, *fake_bench(out, designs=["proxy"]))
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "Rankings" not in md and "1. proxy" not in md and "Rankings" not in html
+    assert "| proxy |" in md  # its results are reported
 
 
 def test_one_seed_is_reported_as_not_tested(tmp_path):

@@ -267,6 +267,8 @@ def _title(metric: str) -> str:
 
 
 def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[str]:
+    if len(results.designs if scope == "designs" else results.agents) < 2:  # one design: nothing to rank
+        return []
     lines = ["Rankings:", ""]
     for metric in results.metrics:
         note = metric_note(results, metric, scope)

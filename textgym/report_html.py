@@ -134,6 +134,8 @@ def _table(results: BenchResults, groups: list[tuple[str, str, str]], what: str,
 
 
 def _rankings(results: BenchResults, scope: str, within: str) -> list[str]:
+    if len(results.designs if scope == "designs" else results.agents) < 2:  # one design: nothing to rank
+        return []
     e = html.escape
     items, pairs = [], []
     for metric in results.metrics:
