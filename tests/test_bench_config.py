@@ -36,8 +36,8 @@ def refused(tmp_path, d, match, error=ConfigError):
 
 def test_unknown_reward_or_metric_names_fail_before_any_training(tmp_path, capsys):
     bad = designs(tmp_path)
-    bad["designs"][1]["rewards"] = [{"name": "parital_match"}]
-    refused(tmp_path, bad, "unknown reward 'parital_match'", UnknownNameError)
+    bad["designs"][1]["rewards"] = [{"name": "parital_match"}]  # the message said not which design
+    refused(tmp_path, bad, "design 'partial': unknown reward 'parital_match'", UnknownNameError)
     bad = designs(tmp_path)
     bad["metrics"]["builtin"] = ["kl", "perplexity"]
     refused(tmp_path, bad, "unknown metric 'perplexity'", UnknownNameError)

@@ -26,7 +26,7 @@ from typing import Any
 from textgym import plugin_manager
 from textgym.bench_rm import check_reward_models
 from textgym.config import MAX_SEED, apply_override, read_toml, resolve_paths, resolve_value, validate
-from textgym.errors import ConfigError, TextgymError, did_you_mean
+from textgym.errors import ConfigError, TextgymError, UnknownNameError, did_you_mean
 from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import check_reward_specs
@@ -239,7 +239,11 @@ def _designs(designs: Any, source: str, base_dir: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"{source}: design {name!r} has no rewards.")
         # `fn` files resolve against the designs file, and are stored absolute so training agrees
         rewards = resolve_fn_paths(design["rewards"], base_dir)
-        check_reward_specs(rewards, where=f"{source}: design {name!r}")  # all-metric stacks refused too
+        try:
+            check_reward_specs(rewards, where=f"{source}: design {name!r}")  # all-metric stacks refused too
+        except UnknownNameError as exc:  # which of the designs names it
+            exc.args = (f"{source}: design {name!r}: {exc}",)
+            raise
         out.append({"name": name, "rewards": rewards})
     check_unique([d["name"] for d in out], "design", source)
     return out
