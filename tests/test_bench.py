@@ -80,7 +80,8 @@ def test_bench_writes_every_output_and_the_csv_matches_the_jsonl(finished):
     ]  # fmt: skip
     results = [json.loads(line) for line in (finished / "results.jsonl").read_text().splitlines()]
     assert len(results) == 4 * len(METRICS) and {r["metric"] for r in results} == set(METRICS)
-    with (finished / "comparisons.csv").open() as f:  # each design's own proxy is not compared between designs
+    # each design's own proxy is not compared between designs
+    with (finished / "comparisons.csv").open() as f:
         compared = {row["metric"] for row in csv.DictReader(f)}
     assert "reward" not in compared and "exact_copy" in compared
     with (finished / "summary.csv").open() as f:

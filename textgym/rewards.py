@@ -268,8 +268,8 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
         built = factory(**kwargs)
     except PluginArgumentError:
         raise
-    except (TypeError, ValueError) as exc:  # a text value where a number belongs says so, not "'<' not supported"
-        check_text_values(kind, name, factory, kwargs)
+    except (TypeError, ValueError) as exc:
+        check_text_values(kind, name, factory, kwargs)  # text where a number belongs: not "'<' not supported"
         raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
     check_text_values(kind, name, factory, kwargs)
     if not callable(built):
