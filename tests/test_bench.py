@@ -122,10 +122,12 @@ def test_runs_keep_held_out_curves_from_before_training_to_the_end(finished):
     assert set(final["components"]["match"]) == {"weight", "mean", "std", "share"}
 
 
-def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(finished, counted):
+def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(finished, counted, capsys):
     before = {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")}
     bench.run(designs(finished), progress=False)
     assert counted == {"trained": [], "evaluated": []}
+    bench.run(designs(finished))  # it printed only "report in ...": nothing said the runs were reused
+    assert f"textgym: 4 runs in {finished}: 4 reused" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")} == before
     with pytest.raises(
         ConfigError, match=r"trained with another config \(agent.learning_rate: 0.001 -> 0.5\)"

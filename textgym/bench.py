@@ -14,6 +14,7 @@ during training with the old settings) are left out of the report.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import hashlib
@@ -37,6 +38,7 @@ __all__ = [
 
 EVAL_FILE = "eval.json"
 INDEX_FILE = "bench.json"
+ACTION_WORDS = {"reuse": "reused", "evaluate": "to evaluate again", "train": "to train"}
 EVAL_SEED = 1234  # every run is evaluated on the same prompts with the same sampling seed
 
 
@@ -397,6 +399,10 @@ def run(
     _check_owned(out)
     jobs = plan(spec, out)
     todo = actions(jobs, out)
+    if progress and any(action != "train" for action in todo.values()):  # a rerun says what it redoes
+        counts = collections.Counter(todo.values())
+        said = [f"{counts[a]} {what}" for a, what in ACTION_WORDS.items() if counts[a]]
+        print(f"textgym: {len(todo)} runs in {out}: {', '.join(said)}")
     bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
     with _threads(spec["bench"]["threads"]):
         bench_rm.prepare(spec["reward_models"], progress=progress)
