@@ -36,7 +36,7 @@ from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.agents.update_guards import UpdateGuards
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
-from textgym.sampling import Rollout, rollout
+from textgym.sampling import Rollout, allowed_actions, rollout
 
 __all__ = [
     "COMMON_STATS",
@@ -151,6 +151,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         self._total_timesteps = 0
         self._logger = self._folder_logger = None
         self.env: TextGenVectorEnv | None = None
+        self.allowed: torch.Tensor | None = None  # set with the env: the tokens it lets the agent choose
         # the env's tokens (a policy's vocabulary may be larger); a checkpoint keeps it for predict()
         self.action_n: int | None = None
         if env is not None:
@@ -286,6 +287,8 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         if self.dist.world > 1:  # sequential prompt order: each process its own prompts, not all the same
             env.shard_prompts(self.dist.rank, self.dist.world)
         self.env, self.action_n = env, int(env.single_action_space.n)
+        # the tokens it may choose, masked in the rollout, in training and in predict
+        self.allowed = allowed_actions(env, self.device)
 
     def autocast(self) -> Any:
         """bf16 autocast on the agent's device when ``bf16`` is on (the policy's forwards run in it). Sharded,

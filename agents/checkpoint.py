@@ -100,6 +100,11 @@ def source_fingerprint(source: str | None) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def masked_actions(allowed: torch.Tensor | None) -> list[int] | None:
+    """The token ids an env's mask leaves out (pad, those outside ``allowed_tokens``), for the checkpoint."""
+    return None if allowed is None else (~allowed).nonzero().squeeze(1).tolist()
+
+
 def _check_source_unchanged(source: str | None, saved: str | None) -> None:
     """Before a load reads ``source`` again. A directory that is gone fails in the loader, naming it."""
     if source is None or not Path(source).expanduser().is_dir():
@@ -173,6 +178,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
             # where a sequential prompt order is: a resume goes on from there, not from the first prompt
             "prompt_cursor": getattr(agent.env, "prompt_cursor", None),
             "action_n": agent.action_n,  # predict() without an env samples only the env's tokens
+            "masked_actions": masked_actions(agent.allowed),  # and only those it allows, as log-probs count
             "history": agent.history,
             "sharding": agent.sharding_engine,  # how the run was trained (a resume may differ: it is said)
         }
@@ -302,6 +308,9 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         agent.load_extra_state({k: v for k, v in state.get("extra", {}).items() if k not in changed})
         if env is None:
             agent.action_n = state.get("action_n")
+            if state.get("masked_actions"):  # older checkpoints: none saved
+                agent.allowed = torch.ones(agent.action_n, dtype=torch.bool, device=agent.device)
+                agent.allowed[state["masked_actions"]] = False
         if state.get("prompt_cursor") is not None and hasattr(env, "prompt_cursor"):
             env.prompt_cursor = state["prompt_cursor"]
     except (ConfigError, TrainingError):

@@ -13,7 +13,7 @@ from textgym.agents import lora, sharding, zero3
 from textgym.agents.ppo_core import entropy_from_logits, logprobs_from_logits
 from textgym.agents.rollout_batch import RolloutBatch
 from textgym.errors import ConfigError
-from textgym.sampling import logits_to_keep
+from textgym.sampling import logits_to_keep, mask_logits
 
 
 class Forwards:
@@ -23,6 +23,8 @@ class Forwards:
     config: Any
     device: Any
     env: Any
+    allowed: Any  # the tokens the env lets the agent choose (LMAgent.set_env), or None for all
+    action_n: int | None  # the env's vocabulary size
     policy: Any
     ref_policy: Any
     policy_source: Any
@@ -53,9 +55,10 @@ class Forwards:
         P = query_ids.shape[1]
         last_hidden = out.hidden_states[-1][:, P - 1 : -1] if hidden else None
         logits = out.logits[:, -(T + 1) : -1]  # (N, T, V): positions P-1 .. P+T-2 chose the response tokens
-        if self.env is not None:  # a model's vocabulary padded past its tokenizer's: the rollout samples
-            logits = logits[..., : self.env.single_action_space.n]  # from the env's tokens; so does this
-        return logits, last_hidden
+        if self.action_n is not None:  # a model's vocabulary padded past its tokenizer's: the rollout samples
+            logits = logits[..., : self.action_n]  # from the env's tokens (a loaded agent: the saved env's)
+        # and from those the env allows (never pad): the log-probs and entropy of the same distribution
+        return mask_logits(logits, self.allowed), last_hidden
 
     def policy_logprobs(
         self, batch: RolloutBatch, hidden: bool = False

@@ -20,6 +20,7 @@ import torch
 
 from textgym.errors import ConfigError
 from textgym.formatting import number
+from textgym.sampling import mask_logits
 
 if TYPE_CHECKING:
     from textgym.agents.base import LMAgent
@@ -121,6 +122,7 @@ class SB3Contract:
     name: str
     config: Any
     env: TextGenVectorEnv | None
+    allowed: torch.Tensor | None  # the tokens the env lets the agent choose (LMAgent.set_env)
     dist: Any
     device: torch.device
     optimizer: torch.optim.Optimizer
@@ -297,6 +299,7 @@ class SB3Contract:
         logits = logits[torch.arange(len(ids)), last].float()  # (N, V)
         if self.action_n is not None:  # the env's actions only (loaded without an env: the saved one's)
             logits = logits[:, : self.action_n]
+        logits = mask_logits(logits, self.allowed)  # those the env allows (None without an env: every one)
         if deterministic:
             actions = logits.argmax(-1)
         else:

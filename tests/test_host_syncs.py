@@ -72,7 +72,9 @@ def test_a_rollout_step_crosses_between_host_and_device_once_unless_an_episode_e
     rollout(char_llama(), env, temperature=1.0, seed=0, keep_hidden=keep_hidden)
     assert 0 < ended["ended"] < steps["step"], "the rollout must have steps with and without an ending"
     downloads = steps["step"] + 1  # + the log-probs at the end
-    uploads = 2 + ended["ended"]  # the prompts and the first state, + the state after each ending
+    uploads = (
+        3 + ended["ended"]
+    )  # the prompts, the tokens the env allows and the first state, + the state after each ending
     assert crossings["cpu"] == downloads and crossings["to"] == uploads, (dict(crossings), steps, ended)
     # once per rollout: the prompt columns to drop (a host tensor), whether the logits stayed finite
     assert sum(crossings.values()) - crossings["cpu"] - crossings["to"] <= 2, dict(crossings)

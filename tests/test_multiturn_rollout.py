@@ -10,7 +10,7 @@ from lm_helpers import CHARS, char_llama
 
 from textgym import Reply, TextGenVectorEnv
 from textgym.agents.ppo_core import logprobs_from_logits
-from textgym.sampling import rollout
+from textgym.sampling import allowed_actions, mask_logits, rollout
 
 
 def varying_replies(conversations):
@@ -21,14 +21,16 @@ def varying_replies(conversations):
 varying_replies.name = "varying"
 
 
-def full_forward_logprobs(model, r, temperature):
+def full_forward_logprobs(model, r, temperature, env):
+    """One forward over the whole conversations, over the tokens ``env`` lets the agent choose (no pad)."""
     ids = torch.cat([r.query_ids, r.response_ids], dim=1)  # (N, P+T): the whole conversations, no gaps
     mask = torch.cat([r.query_mask, r.response_mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
     P = r.query_ids.shape[1]
-    logprobs = logprobs_from_logits(out.logits[:, P - 1 : -1], r.response_ids, temperature) * r.action_mask
+    logits = mask_logits(out.logits[:, P - 1 : -1], allowed_actions(env, "cpu"))
+    logprobs = logprobs_from_logits(logits, r.response_ids, temperature) * r.action_mask
     return logprobs, out.hidden_states[-1][:, P - 1 : -1]
 
 
@@ -55,7 +57,7 @@ def test_kv_cached_multi_turn_logprobs_equal_one_full_forward_with_turns_ending_
     )  # turns end on different steps
     env_tokens = r.response_mask.bool() & ~r.action_mask.bool()
     assert env_tokens.sum() >= 10  # replies sit inside the response region
-    full, hidden = full_forward_logprobs(model, r, 0.7)
+    full, hidden = full_forward_logprobs(model, r, 0.7, env)
     m = r.action_mask.bool()
     ratio = (full[m] - r.logprobs[m]).exp()
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)  # PPO ratio 1
@@ -89,7 +91,7 @@ def test_kv_cached_multi_turn_rollout_with_the_chat_template_matches_one_forward
     assert "<|im_end|>\n<|im_start|>tool\n" in text and "<|im_start|>assistant\n" in text
     lengths = [[len(t["text"]) for t in e["turns"] if t["role"] == "assistant"] for e in r.infos]
     assert len({tuple(x[:2]) for x in lengths}) > 1  # rows end their turns after different numbers of tokens
-    full, _ = full_forward_logprobs(model, r, 0.7)
+    full, _ = full_forward_logprobs(model, r, 0.7, env)
     torch.testing.assert_close(full, r.logprobs, atol=1e-5, rtol=0)
 
 

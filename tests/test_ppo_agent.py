@@ -133,6 +133,24 @@ def test_rewards_drawing_from_the_global_random_streams_resume_and_evaluate_with
     assert scores_of(agent) == straight
 
 
+def test_the_agent_scores_its_actions_from_the_distribution_the_rollout_sampled(tmp_path):
+    """Masked in the rollout, the env's disallowed tokens (pad, and those outside allowed_tokens) must be
+    masked in every forward too: the PPO ratio is 1 before the first update, and the entropy is that of
+    the three tokens allowed (a, b and EOS). A checkpoint loaded without an env (a bench's final evaluation)
+    keeps the mask."""
+    agent = LMPPO(char_llama(), make_env(16, allowed_tokens="ab"), seed=0, **FAST)
+    batch, _ = agent.generate()
+    logprobs, _ = agent.sequence_logprobs(agent.policy, batch)
+    torch.testing.assert_close(logprobs, batch.logprobs * batch.action_mask, atol=1e-5, rtol=0)
+    agent.save(tmp_path / "ckpt")
+    loaded = LMPPO.load(tmp_path / "ckpt")
+    torch.testing.assert_close(loaded.sequence_logprobs(loaded.policy, batch)[0], logprobs, atol=1e-6, rtol=0)
+    _, entropy, _ = agent.policy_logprobs(batch)
+    assert float(entropy[batch.action_mask.bool()].max()) <= np.log(3) + 1e-5
+    obs, _ = make_env(16, allowed_tokens="ab").reset(seed=1)
+    assert set(agent.predict(obs)[0].tolist()) <= {*CHARS.encode("ab"), CHARS.eos_token_id}
+
+
 def test_load_of_an_incomplete_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(ConfigError, match="not a complete LMPPO checkpoint"):

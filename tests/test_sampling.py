@@ -53,6 +53,22 @@ def test_sampling_is_reproducible_with_a_seed(tiny):
     assert again[0] == again[1]
 
 
+@pytest.mark.parametrize("allowed", [None, "ab"])
+def test_rollouts_choose_only_the_tokens_the_env_allows(allowed):
+    """The rollout sampled from every token of the vocabulary: the pad token (which the env says is never an
+    action, and which vanishes from the completion's text) in about 9% of the tiny model's actions, and
+    anything outside allowed_tokens."""
+    from lm_helpers import char_llama, make_env
+
+    from textgym.sampling import rollout
+
+    env = make_env(64, max_new_tokens=8, allowed_tokens=allowed)
+    r = rollout(char_llama(), env, temperature=1.0, seed=0)
+    actions = r.response_ids[r.action_mask.bool()]
+    assert torch.from_numpy(env.action_masks()[0])[actions].all()
+    assert (actions != env.pad_token_id).all()
+
+
 def test_sample_command_prints_a_table_and_writes_jsonl(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     args = [
@@ -117,7 +133,7 @@ def test_rollout_logprobs_equal_one_full_forward_at_the_same_temperature(tiny):
     """Before any update the PPO ratio must be 1: the KV-cached rollout (left padding, positions, masking
     after EOS, temperature) and a single forward over prompt + response give the same log-probs."""
     from textgym.agents.ppo_core import logprobs_from_logits
-    from textgym.sampling import rollout
+    from textgym.sampling import allowed_actions, mask_logits, rollout
 
     model, tok = tiny
     env = TextGenVectorEnv(
@@ -139,6 +155,7 @@ def test_rollout_logprobs_equal_one_full_forward_at_the_same_temperature(tiny):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
     P = result.query_ids.shape[1]
     logits = out.logits[:, P - 1 : -1]  # (N, T, V): the logits that chose each response token
+    logits = mask_logits(logits, allowed_actions(env, "cpu"))  # over the tokens the env allows (no pad)
     full = logprobs_from_logits(logits, result.response_ids, temperature=0.7) * result.response_mask
     torch.testing.assert_close(full, result.logprobs, atol=1e-5, rtol=0)
     m = result.response_mask.bool()

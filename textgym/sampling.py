@@ -46,6 +46,24 @@ class Rollout:
     action_mask: Any = None  # (N, T) 1 on agent tokens; None: the same as response_mask
 
 
+MASKED_LOGIT = -1e8  # a token the agent may not choose: probability 0, log-probability finite (no 0 * -inf)
+
+
+def allowed_actions(env: Any, device: Any) -> Any:
+    """(V,) bool tensor on ``device``: the tokens the env lets the agent choose (``allowed_tokens``, never
+    pad; its ``action_masks()``), or None when it allows every token."""
+    import torch
+
+    allowed = np.asarray(env.action_masks())[0]
+    return None if allowed.all() else torch.from_numpy(allowed).to(device)
+
+
+def mask_logits(logits: Any, allowed: Any) -> Any:
+    """``logits`` (..., V) with the tokens ``allowed`` (see :func:`allowed_actions`) leaves out set to
+    :data:`MASKED_LOGIT`: the rollout samples, and the agents score, from the same distribution."""
+    return logits if allowed is None else logits.masked_fill(~allowed, MASKED_LOGIT)
+
+
 def rollout(
     model: Any,
     env: TextGenVectorEnv,
@@ -105,6 +123,7 @@ def rollout(
     scores = np.zeros(n)  # episode returns
     infos: list[dict[str, Any]] = [{} for _ in range(n)]
     scale = temperature if temperature > 0 else 1.0
+    allowed = allowed_actions(env, device)
     multi_turn = env.responder is not None
     every_row = torch.arange(n, device=device)
     state_np, state = None, None  # (2, N) active flags and next-token columns: the host's copy, the device's
@@ -150,6 +169,7 @@ def rollout(
             logits = out.logits[:, -1, : env.single_action_space.n].float()  # (N, V), on the device
             if scale != 1.0:
                 logits = logits / scale
+            logits = mask_logits(logits, allowed)
             if temperature == 0:
                 tokens = logits.argmax(-1)
             else:

@@ -190,8 +190,8 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
       each rollout's reset. So a seeded reset repeats its episode, as Gymnasium's ``check_env`` asks, with
       ``"random"`` only).
     - ``allowed_tokens``: token ids, token strings or a string of characters the agent may choose (EOS is
-      always allowed, pad never); ``action_masks()`` returns them for action-masking agents (MaskablePPO).
-      ``step`` accepts any token id: agents that do not mask may choose the others.
+      always allowed, pad never); ``action_masks()`` returns them for action-masking agents (textgym's LM
+      agents, MaskablePPO). ``step`` accepts any token id: agents that do not mask may choose the others.
     - ``pad_token``: an existing token to pad with, for tokenizers whose pad is their EOS.
     - ``max_episode_steps``: truncate (and score) after this many steps; a ``TimeLimit`` wrapper around the
       env (``gymnasium.make(..., max_episode_steps=N)``) does the same.
