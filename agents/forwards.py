@@ -122,6 +122,9 @@ class Forwards:
                     raise ConfigError(f"this {self.name} has no reference model to measure a KL against.")
                 self._kl_reference = self._initial_policy()
             ref = self.sequence_logprobs(self._kl_reference, batch)[0]
-        # bf16: the policy's side from the same kind of forward as the reference's (agents/precision.py)
-        policy = self.sequence_logprobs(self.rollout_model, batch)[0] if self.bf16 else batch.logprobs
+        # bf16: the policy's side from the same kind of forward as the reference's (agents/precision.py); and
+        # without an env (a loaded agent, one scoring another's batch): the rollout's log-probs are over the
+        # tokens its env allowed, which this agent may not know, and the reference's over those it knows
+        same_forward = self.bf16 or self.env is None
+        policy = self.sequence_logprobs(self.rollout_model, batch)[0] if same_forward else batch.logprobs
         return ((policy - ref) * batch.action_mask).sum(1)

@@ -56,9 +56,8 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
     try:
         build(tmp)
         crash_point("checkpoint-build")
-        synced(
-            tmp
-        )  # on the disk before the marker says so: a power cut then leaves no complete-but-empty file
+        # on the disk before the marker says so: a power cut then leaves no complete-but-empty file
+        synced(tmp)
         (tmp / _COMPLETE).write_text("ok\n")
         synced(tmp / _COMPLETE)
         if target.exists():  # an old version, an incomplete leftover, or a concurrent build's result
@@ -68,21 +67,23 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
             os.rename(target, old)
             crash_point("checkpoint-swap")  # the state RunDir.recover_checkpoint repairs
             os.rename(tmp, target)
-            synced(target.parent)  # the renames too, before the old version goes
+            synced(target.parent, recursive=False)  # the renames too, before the old version goes
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, target)
-            synced(target.parent)
+            synced(target.parent, recursive=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def synced(path: Path) -> None:
-    """``fsync`` a file, or a directory with every file and directory under it (their entries included)."""
+def synced(path: Path, recursive: bool = True) -> None:
+    """``fsync`` a file, or a directory with every file and directory under it (their entries included);
+    with ``recursive=False`` the directory alone: its entries (renames into it), not what other processes
+    build next to them."""
     path = Path(path)
-    paths = [*sorted(path.rglob("*"), reverse=True), path] if path.is_dir() else [path]  # files before dirs
-    for p in paths:
+    below = sorted(path.rglob("*"), reverse=True) if recursive and path.is_dir() else []
+    for p in [*below, path]:  # files before the directories that hold them
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
