@@ -236,7 +236,8 @@ def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs:
     """Raise :class:`PluginArgumentError` for a text value whose parameter is annotated as a number, a bool
     or a list: text that TOML could not parse stays text (``penalty=two``, ``words=maybe``), and a factory
     that took it without a word would score with it. Called after the factory, whose own errors say more,
-    and when it raised, for the text that made it raise ("'<' not supported between 'str' and 'int'")."""
+    and when it raised a TypeError, for the text that made it raise ("'<' not supported between 'str' and
+    'int'"): a factory's own ValueError says what it takes."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -269,7 +270,8 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
     except PluginArgumentError:
         raise
     except (TypeError, ValueError) as exc:
-        check_text_values(kind, name, factory, kwargs)  # text where a number belongs: not "'<' not supported"
+        if isinstance(exc, TypeError):  # Python's own ("'<' not supported"): the annotation says more
+            check_text_values(kind, name, factory, kwargs)
         raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
     check_text_values(kind, name, factory, kwargs)
     if not callable(built):
