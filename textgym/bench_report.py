@@ -266,8 +266,14 @@ def _title(metric: str) -> str:
     return "length (tokens, EOS incl.)" if metric == "length" else metric
 
 
+def rankable(results: BenchResults, scope: str) -> bool:
+    """Whether ``scope`` ("designs" or "agents") has groups to rank against each other: one design alone has
+    none, and no ranking is shown for it."""
+    return len(results.designs if scope == "designs" else results.agents) > 1
+
+
 def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[str]:
-    if len(results.designs if scope == "designs" else results.agents) < 2:  # one design: nothing to rank
+    if not rankable(results, scope):
         return []
     lines = ["Rankings:", ""]
     for metric in results.metrics:

@@ -18,6 +18,7 @@ from textgym.bench_report import (
     fmt_cell,
     metric_note,
     no_flags_text,
+    rankable,
     ranking,
     ranking_text,
     setup_text,
@@ -134,7 +135,7 @@ def _table(results: BenchResults, groups: list[tuple[str, str, str]], what: str,
 
 
 def _rankings(results: BenchResults, scope: str, within: str) -> list[str]:
-    if len(results.designs if scope == "designs" else results.agents) < 2:  # one design: nothing to rank
+    if not rankable(results, scope):
         return []
     e = html.escape
     items, pairs = [], []

@@ -259,9 +259,8 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
             raise InvalidAction(
                 f"action {action!r} is not a token id (an integer in [0, {self.action_space.n}))."
             )
-        self._needs_reset = (
-            True  # until the step returns: one that raises (a responder's error) left it half-done
-        )
+        # until the step returns: one that raises (a responder's error) left the episode half-done
+        self._needs_reset = True
         try:
             step = self.episodes.append(np.asarray(action, dtype=np.int64).reshape(1))
         except InvalidAction:  # refused before anything changed
