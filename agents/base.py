@@ -188,12 +188,19 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         reference (agents/lora.py). ``on_meta``: a meta-device skeleton, whose adapter weights come from the
         main process, so no initialisation may read the base weights."""
         settings = self.config.lora
+        if lora.is_restoring():  # a checkpoint's peft model, its adapters and reference restored
+            return model
+        if _is_peft_model(model):
+            raise ConfigError(
+                f"the policy is already a peft model ({type(model).__name__}): textgym adds the LoRA adapter "
+                f"itself and keeps the policy as it starts as the KL reference, which a given adapter would "
+                f"miss. Give the base model (by name or path) with lora = {{...}}, or merge the adapter "
+                f"(model.merge_and_unload()) and give the merged model."
+            )
         if settings is None:
             return model
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import LoraConfig, get_peft_model
 
-        if isinstance(model, PeftModel):
-            return model
         init = {"init_lora_weights": False} if on_meta else {}
         try:  # seeded as a checkpoint remakes it (checkpoint.load_checkpoint)
             with lora.seeded_init(self.config.seed):
@@ -446,3 +453,11 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
         """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""
         return batch_statistics(batch, self.dist, self.group_size)
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)

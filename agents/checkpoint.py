@@ -260,7 +260,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             with lora.seeded_init(state["config"]["seed"]):  # the adapters remade as made (base._with_lora)
                 policy = PeftModel.from_pretrained(base, path / "policy", is_trainable=True)
             lora.load_reference_adapter(policy, path / "policy")
-            agent = cls(policy, env, **config)
+            with lora.restoring():
+                agent = cls(policy, env, **config)
         else:
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
         agent.policy_source, agent.source_fingerprint = source, fingerprint

@@ -93,8 +93,8 @@ class LMAgentConfig:
                     raise ConfigError(
                         f"lora.{key} = {value!r} cannot be saved with a checkpoint: give a list, string or number."
                     ) from None
-        if self.lora is not None and "r" in self.lora:
-            check_positive_int("lora.r", self.lora["r"])
+        if self.lora is not None:
+            check_lora(self.lora)
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(map(repr, DEVICES))}, not {self.device!r}.")
 
@@ -123,6 +123,32 @@ def check_number(
               f"<= {at_most}" if at_most is not None else ""]  # fmt: skip
     what = " and ".join(b for b in bounds if b) or "finite"
     raise ConfigError(f"{name} must be a number {what}{' (or none)' if none_ok else ''}, not {value!r}.")
+
+
+def check_lora(lora: dict[str, Any]) -> None:
+    """The LoRA settings whose KL reference (the policy as it started) textgym can keep, else a ConfigError.
+
+    ``bias = "all"`` or ``"lora_only"`` trains the base model's own biases, which the reference shares:
+    the reference would move with the policy and the KL would be understated. ``lora_alpha = 0`` scales
+    every adapter to nothing, so training changes nothing. CorDA and LoftQ need a preparation (peft's
+    ``preprocess_corda``; a ``loftq_config`` and bitsandbytes) that a config cannot give."""
+    if "r" in lora:
+        check_positive_int("lora.r", lora["r"])
+    if "lora_alpha" in lora:
+        check_number("lora.lora_alpha", lora["lora_alpha"], above=0)
+    if lora.get("bias", "none") != "none":
+        raise ConfigError(
+            f"lora.bias = {lora['bias']!r} trains the base model's biases, which the KL reference (the policy "
+            f"with its adapter off) shares, so the reference would move with the policy: leave bias = 'none', "
+            f"or give the adapter its own bias with lora_bias = true."
+        )
+    init = lora.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() in ("corda", "loftq"):
+        raise ConfigError(
+            f"lora.init_lora_weights = {init!r} needs a preparation a config cannot give (CorDA: peft's "
+            f"preprocess_corda on the model; LoftQ: a loftq_config and bitsandbytes); use 'pissa' or 'olora' "
+            f"for an adapter that starts from the weights' principal part, or leave it unset."
+        )
 
 
 def check_positive_int(name: str, value: Any) -> None:

@@ -3,7 +3,7 @@
 With ``lora = {...}`` an agent's policy is a peft ``PeftModel``, and its reference is the same model, so
 there is no second copy of the weights. The reference is the policy as it started: with the LoRA paper's
 initialisation (``B = 0``, peft's default) that is the model with its adapters switched off. Other
-initialisations start elsewhere: PiSSA, OLoRA, CorDA and LoftQ move the principal part of each adapted
+initialisations start elsewhere: PiSSA and OLoRA move the principal part of each adapted
 weight into the adapter (the base keeps the residual), and ``init_lora_weights = false`` starts from random
 adapters. Switched off, such a model is not the policy that training started from, and the KL penalty would
 pull towards a model nobody chose. Those policies keep a frozen copy of their initial adapter, the
@@ -15,6 +15,7 @@ a rollout samples from the adapters folded into the bf16 weight copy that it mak
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,13 +25,32 @@ from torch import nn
 from textgym.scoring import restore_linears
 
 __all__ = ["REFERENCE", "adapters_disabled", "add_reference_adapter", "fold_lora", "foldable_lora_layers",
-           "load_reference_adapter", "reference_weights", "seeded_init", "starts_at_base"]  # fmt: skip
+           "load_reference_adapter", "reference_weights", "restoring", "seeded_init", "starts_at_base"]  # fmt: skip
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE = "reference"  # the frozen initial adapter of a policy that does not start at its base model
 # the initialisations whose adapters start with B A = 0: the LoRA paper's (B = 0; A uniform or gaussian), and
 # peft's "orthogonal" (the rows of A and B are orthogonal halves of one orthogonal matrix)
 ZERO_START = (True, "gaussian", "orthogonal")
+
+
+# True while a checkpoint builds its agent around the peft model it restored (adapters and reference in place)
+_RESTORING = contextvars.ContextVar("textgym_lora_restoring", default=False)
+
+
+@contextlib.contextmanager
+def restoring() -> Iterator[None]:
+    """Within the block, an agent takes a peft model as its policy as it is: a checkpoint's, restored with
+    its adapters and reference. Outside it, a peft model given as the policy is refused (agents/base.py)."""
+    token = _RESTORING.set(True)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
+
+
+def is_restoring() -> bool:
+    return _RESTORING.get()
 
 
 def starts_at_base(lora: dict) -> bool:

@@ -379,6 +379,34 @@ def test_bad_lora_settings_are_config_errors_not_peft_tracebacks():
         LMPPO(char_llama(), make_env(2), lora={"rank": 8})
     with pytest.raises(ConfigError, match=r"lora {'target_modules': \['nope'\]}: .*See peft's LoraConfig"):
         LMPPO(char_llama(), make_env(2), lora={"target_modules": ["nope"]})
+    # lora_alpha = 0 scales every adapter to nothing: it would train nothing
+    with pytest.raises(ConfigError, match="lora.lora_alpha must be a number > 0, not 0"):
+        LMPPOConfig(lora={"r": 4, "lora_alpha": 0})
+    for init in ("corda", "loftq"):  # they need a preparation (preprocess_corda; bitsandbytes)
+        with pytest.raises(ConfigError, match=f"init_lora_weights = '{init}' needs a preparation"):
+            LMPPOConfig(lora={"init_lora_weights": init})
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_lora_bias_setting_that_trains_the_base_models_biases_is_refused(bias):
+    """peft's bias = "all" / "lora_only" trains the base model's own biases, which stay on with the adapter
+    switched off: the KL reference would move with the policy and the KL be understated."""
+    with pytest.raises(ConfigError, match=f"lora.bias = '{bias}' trains the base model's biases"):
+        LMPPO(char_llama(), make_env(2), lora={"r": 4, "bias": bias})
+    agent = LMPPO(char_llama(), make_env(2), lora={"r": 4, "lora_bias": True}, verbose=0)  # the adapter's own
+    assert not [n for n, p in agent.rollout_model.named_parameters() if p.requires_grad and "lora" not in n]
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["without-lora", "with-lora"])
+def test_a_peft_model_given_as_the_policy_is_refused(lora):
+    """With ``lora`` its adapter was kept as it came, with the adapter-off model as the reference (not the
+    policy as it started: a trained or PiSSA adapter starts elsewhere); without it, its checkpoint held
+    only the adapter and could not be loaded."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(char_llama(), LoraConfig(r=4, init_lora_weights="pissa"))
+    with pytest.raises(ConfigError, match=r"already a peft model .*merge_and_unload"):
+        LMPPO(model, make_env(2), lora=lora)
 
 
 def test_device_cuda_without_a_gpu_is_refused_not_run_on_the_cpu():

@@ -5,6 +5,7 @@ import base64
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -592,6 +593,21 @@ def test_a_config_toml_edited_after_the_checkpoint_is_refused_on_resume(config, 
     assert len(csv_rows(out / "metrics.csv")) == 2  # nothing trained
     (out / "config.toml").write_text(text)
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 0
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
+def test_the_refused_resumes_advice_to_start_from_the_weights_fits_the_checkpoint(tmp_path, lora):
+    """A LoRA checkpoint's policy/ holds the adapter alone: `agent.policy = RUN/checkpoint/policy` failed."""
+    from textgym.errors import ConfigError
+    from textgym.resume_checks import check_checkpoint_config
+
+    rd = RunDir(tmp_path / "run")
+    rd.checkpoint.mkdir(parents=True)
+    (rd.checkpoint / "state.json").write_text(json.dumps({"config": {"n_epochs": 1, "lora": lora}}))
+    with pytest.raises(ConfigError, match="n_epochs: 1 -> 4") as refused:
+        check_checkpoint_config(rd, {"n_epochs": 4, "lora": lora})
+    advice = "merge its adapter" if lora else "agent.policy = '.*policy' starts from its weights"
+    assert re.search(advice, str(refused.value))
 
 
 EVERY_STATE = """

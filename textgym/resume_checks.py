@@ -35,10 +35,17 @@ def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any]) -> None
         if key in trained and key not in MACHINE_SETTINGS and jsonable(value) != jsonable(trained[key])
     ]
     if changed:
+        # a LoRA checkpoint's policy/ holds the adapter alone, which is not a model to start from
+        start = (
+            f"merge its adapter, {rd.checkpoint / 'policy'}, into its base model (peft's merge_and_unload) and save "
+            f"it with the tokenizer, to start from its weights"
+            if trained.get("lora") is not None
+            else f"agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights"
+        )
         raise ConfigError(
             f"{rd.path / 'config.toml'} no longer says what {rd.checkpoint} was trained with ({'; '.join(changed)}): "
             f"a resume continues the run as it was trained. Put those values back, or start a new run to change "
-            f"them (agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights)."
+            f"them ({start})."
         )
 
 
