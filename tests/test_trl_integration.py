@@ -174,3 +174,19 @@ def test_with_the_eos_token_a_completion_cut_at_the_token_limit_scores_as_textgy
     for exported in (total_reward_func(stack, eos_token_id=2), reward_funcs(stack, eos_token_id=2)[0]):
         assert trl_call(exported, [cut, stopped]) == inside
     assert trl_call(total_reward_func(stack), [cut, stopped])[0] == -0.25  # no EOS id: every one "stopped"
+
+
+def test_several_eos_ids_as_a_models_generation_config_gives_them_mark_completions_that_stopped():
+    """Llama 3's and Qwen2.5's generation_config.eos_token_id is a list: compared as one id, every
+    completion counted as cut, and length_penalty charged each the missing-EOS penalty."""
+    stack = build_reward_stack([{"name": "length_penalty", "target": 4}])
+    cut = Sample("p", "a b c d e f", completion_ids=(5, 6, 7, 8, 9, 10), finish_reason="length")
+    stopped = Sample("p", "a b c d", completion_ids=(5, 6, 7, 8, 2), finish_reason="stop")
+    inside = stack.score([cut, stopped])[0].tolist()
+    for eos in ([2, 7], (np.int64(7), np.int64(2))):
+        exported = (total_reward_func(stack, eos_token_id=eos), reward_funcs(stack, eos_token_id=eos)[0])
+        for func in exported:
+            assert trl_call(func, [cut, stopped]) == inside
+    for bad in ("2", [], [2.0], True):
+        with pytest.raises(ConfigError, match="eos_token_id must be a token id or a list of them"):
+            reward_funcs(stack, eos_token_id=bad)

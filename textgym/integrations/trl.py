@@ -19,7 +19,8 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from textgym.errors import ConfigError
@@ -28,16 +29,19 @@ from textgym.rewards import BaseDir, RewardStack, Sample, Turn, build_reward_sta
 
 TRLRewardFunc = Callable[..., list[float | None]]
 NOT_COLUMNS = ("trainer_state",)  # keywords TRL passes that are not dataset columns
+# one id, or several (Llama 3's and Qwen2.5's generation_config.eos_token_id is a list)
+EosIds = int | Iterable[int] | None
 
 
 def reward_funcs(
-    stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: int | None = None
+    stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: EosIds = None
 ) -> list[TRLRewardFunc]:
     """One TRL reward function per component, in order; each ``__name__`` is the component's name (TRL logs
     ``rewards/<name>/mean``). They return the raw (unweighted) scores, ``None`` where the reward does not
     apply; pass :func:`reward_weights` as ``GRPOConfig.reward_weights``.
 
-    ``eos_token_id`` (the tokenizer's): a completion whose ``completion_ids`` do not end on it was cut at
+    ``eos_token_id`` (the tokenizer's, or a list such as ``generation_config.eos_token_id``): a completion
+    whose ``completion_ids`` do not end on it (on one of them) was cut at
     the token limit (``finish_reason = "length"``, which ``length_penalty`` charges and ``fluency`` scores
     without an EOS), as TRL's ``completion_ids`` hold the EOS only where the completion ended on it.
     Without it every completion counts as stopped.
@@ -49,13 +53,14 @@ def reward_funcs(
     Build the stack once (``build_reward_stack``) and pass it to both functions: passing specs to each
     builds the rewards twice.
     """
+    eos = eos_ids(eos_token_id)
     stack = build_reward_stack(stack_or_specs, base_dir)
     if stack.gates:
         raise ConfigError(
             f"this stack has gates ({'; '.join(map(str, stack.gates))}), which TRL's summed reward functions "
             f"cannot express; use total_reward_func(stack) to export the whole stack as one function."
         )
-    return [_component_func(stack, name, eos_token_id) for name in stack.names]
+    return [_component_func(stack, name, eos) for name in stack.names]
 
 
 def reward_weights(
@@ -79,13 +84,14 @@ def reward_weights(
 
 
 def total_reward_func(
-    stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: int | None = None
+    stack_or_specs: RewardStack | Any, base_dir: BaseDir = None, eos_token_id: EosIds = None
 ) -> TRLRewardFunc:
     """The whole stack as one TRL reward function named ``textgym_total``: aggregation, weight schedules and
     gates as textgym computes them (give it weight 1): textgym's total for every completion (0 where no
     component applies and no gate fails, as inside textgym).
     With TRL's ``trainer_state``, schedules follow ``global_step / max_steps``. ``eos_token_id``: as for
     :func:`reward_funcs`."""
+    eos = eos_ids(eos_token_id)
     stack = build_reward_stack(stack_or_specs, base_dir)
 
     def textgym_total(
@@ -94,7 +100,7 @@ def total_reward_func(
         state = kwargs.get("trainer_state")
         if getattr(state, "max_steps", 0):
             stack.set_progress(min(1.0, state.global_step / state.max_steps))
-        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id))
+        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos))
         # textgym's total for every completion, gates included. None would not leave a completion out: TRL
         # reads it as NaN and sums it to 0 (with a warning), which would drop a gate's penalty on a
         # completion none of the weighted components applies to
@@ -103,7 +109,7 @@ def total_reward_func(
     return textgym_total
 
 
-def _component_func(stack: RewardStack, name: str, eos_token_id: int | None) -> TRLRewardFunc:
+def _component_func(stack: RewardStack, name: str, eos_token_id: EosIds) -> TRLRewardFunc:
     def func(
         prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float | None]:
@@ -121,7 +127,7 @@ def samples_from_trl(
     completions: Sequence[Any],
     completion_ids: Sequence[Sequence[int]] | None = None,
     columns: Mapping[str, Any] | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: EosIds = None,
 ) -> list[Sample]:
     """textgym samples from TRL's arguments. Prompts and completions may be plain text or, for
     conversational data, lists of ``{"role", "content"}`` messages (the prompt's last user message is used;
@@ -143,8 +149,9 @@ def samples_from_trl(
         if key not in NOT_COLUMNS and isinstance(values, (list, tuple)) and len(values) == n
     }
     finish = columns.pop("finish_reason", None)
-    if finish is None and eos_token_id is not None and completion_ids is not None:
-        finish = ["stop" if len(ids) and int(ids[-1]) == eos_token_id else "length" for ids in completion_ids]
+    eos = eos_ids(eos_token_id)
+    if finish is None and eos is not None and completion_ids is not None:
+        finish = ["stop" if len(ids) and int(ids[-1]) in eos else "length" for ids in completion_ids]
     finish = finish or ["stop"] * n
     texts = [_completion(c) for c in completions]
     return [
@@ -158,6 +165,20 @@ def samples_from_trl(
         )
         for i, (completion, turns) in enumerate(texts)
     ]
+
+
+def eos_ids(eos_token_id: EosIds) -> frozenset[int] | None:
+    """The EOS ids of ``eos_token_id`` (one id or several), else a ConfigError naming it."""
+    if eos_token_id is None or isinstance(eos_token_id, frozenset):
+        return eos_token_id
+    several = isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes))
+    ids = list(eos_token_id) if several else [eos_token_id]
+    if not ids or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(
+            f"eos_token_id must be a token id or a list of them (tokenizer.eos_token_id, or the model's "
+            f"generation_config.eos_token_id), not {eos_token_id!r}."
+        )
+    return frozenset(int(i) for i in ids)
 
 
 def _completion(value: Any) -> tuple[str, tuple[Turn, ...]]:
