@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -31,6 +32,16 @@ class LengthPenalty:
         for key, value in (("target", target), ("min", min), ("max", max), ("scale", scale)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"{key} must be a number, not {value!r}.")
+            if value is not None and not math.isfinite(value):  # every score would be NaN or -inf
+                raise ValueError(f"{key} must be a finite number, not {value!r}.")
+        if (
+            isinstance(missing_eos_penalty, bool)
+            or not isinstance(missing_eos_penalty, numbers.Real)
+            or not 0 <= missing_eos_penalty < math.inf
+        ):  # a negative one rewarded the completions cut at the token limit
+            raise ValueError(
+                f"missing_eos_penalty must be a finite number >= 0 (it is subtracted), not {missing_eos_penalty!r}."
+            )
         if (target is None) == (min is None and max is None):
             raise ValueError("give either target, or min and/or max (a range), not both and not neither.")
         if target is not None and target < 0:

@@ -95,7 +95,7 @@ class Similarity:
                     f"a {self.reference_key!r} field or the reward a fixed `target`."
                 )
             reference = s.meta[self.reference_key]
-            refs.append(None if reference is None or reference == "" else str(reference))
+            refs.append(None if reference is None or str(reference).strip() == "" else str(reference))
         return refs
 
     def __call__(self, samples: Sequence[Sample]) -> list[float | None]:

@@ -1,5 +1,7 @@
 """The built-in reward plugins, each built by name as users do, on real inputs."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -37,6 +39,13 @@ def test_length_penalty_target_range_shapes_units_and_missing_eos():
         assert make_reward("length_penalty", target=4)([ended]) == [0.0]
     with pytest.raises(PluginArgumentError, match="either target, or min and/or max"):
         make_reward("length_penalty", target=4, max=3)
+    # a negative missing_eos_penalty rewarded cut completions; a non-finite bound or scale made every score
+    # NaN, reported at the first episode as the plugin's output, not its argument
+    with pytest.raises(PluginArgumentError, match=r"missing_eos_penalty must be .* >= 0.*not -1"):
+        make_reward("length_penalty", target=4, missing_eos_penalty=-1)
+    for key, value in (("target", math.inf), ("scale", math.nan), ("min", math.nan)):
+        with pytest.raises(PluginArgumentError, match=f"{key} must be a finite number, not {value}"):
+            make_reward("length_penalty", **{"target": 4, key: value} if key != "min" else {"min": value})
     # counting tokens without token ids gave every text length 0: the same penalty whatever its length
     with pytest.raises(RewardError, match="has no completion_ids .*give unit = 'words'"):
         make_reward("length_penalty", target=4)([s("one two three", completion_ids=())])
@@ -118,7 +127,8 @@ def test_similarity_to_reference_and_to_a_fixed_target():
     similarity = make_reward("similarity")
     mixed = [s("None", reference=None), s("A cat sits on the mat.", reference="A cat is sitting on a mat.")]
     assert similarity(mixed)[0] is None and similarity(mixed)[1] == pytest.approx(same, abs=1e-5)
-    assert similarity([s("x", reference="")]) == [None]
+    # a blank reference is none, as for match
+    assert similarity([s("x", reference=""), s("x", reference="  ")]) == [None, None]
 
 
 def test_similarity_keeps_scoring_once_its_reference_cache_is_full(monkeypatch):

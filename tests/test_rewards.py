@@ -155,6 +155,52 @@ def test_numpy_arrays_bools_and_ints_are_scores():
     np.testing.assert_allclose(stack.score(SAMPLES)[0], [2, 2, 5])
 
 
+def test_torch_tensors_are_scores_in_any_dtype_and_while_they_track_gradients():
+    """numpy cannot take a bf16 tensor or one that tracks gradients: both were torch tracebacks naming no
+    plugin, and a reward model scoring under bf16 autocast returns the first."""
+    import torch
+
+    bf16 = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    tracked = torch.tensor([1.0, 2.0, 3.0], requires_grad=True) * 2
+    stack = RewardStack(
+        [(FunctionReward("bf16", lambda s: bf16), 1.0), (FunctionReward("tracked", lambda s: tracked), 1.0)]
+    )
+    np.testing.assert_allclose(stack.score(SAMPLES)[0], [3.0, 6.0, 9.0])
+
+
+def test_a_total_that_overflows_is_an_error_not_inf():
+    """Each score was finite, so each passed its check; their weighted sum was inf (or inf - inf = NaN)."""
+    stack = RewardStack([(fixed("huge", [1e308, 1.0, 1.0]), 10.0), (fixed("small", [1.0, 1.0, 1.0]), 1.0)])
+    with pytest.raises(RewardError, match=r"total reward of sample 0 is inf \(weighted scores .*'huge'"):
+        stack.score(SAMPLES)
+    opposite = RewardStack([(fixed("up", [1e308, 0, 0]), 10.0), (fixed("down", [1e308, 0, 0]), -10.0)])
+    with pytest.raises(RewardError, match="total reward of sample 0 is nan"):
+        opposite.score(SAMPLES)
+
+
+def test_a_reward_name_starting_with_an_underscore_is_refused():
+    """Gymnasium's vector infos keep `_<key>` for which sub-envs have `<key>`: the env's logs dropped a
+    component named `_bonus`, logged `_x` as the mask of `x`, and normalize_then_sum raised KeyError."""
+
+    def _bonus(samples):
+        return [1.0] * len(samples)
+
+    with pytest.raises(ConfigError, match=r"reward name '_bonus' starts with '_'.*name = 'bonus'"):
+        RewardStack([(_bonus, 1.0)])
+    with pytest.raises(ConfigError, match="reward name '_x' starts with '_'"):
+        RewardStack([(FunctionReward("_x", _bonus), 1.0)])
+    assert RewardStack([(FunctionReward("bonus", _bonus), 1.0)]).names == ["bonus"]
+
+
+def test_numpy_numbers_are_weights_and_gate_bounds():
+    """np.int64 and np.float32 are numbers: they were refused as "must be a finite number"."""
+    stack = RewardStack(
+        [(fixed("a_len", [1.0] * 3), np.int64(2))], gates=[{"component": "a_len", "min": np.float32(0.5)}]
+    )
+    assert stack.weights == {"a_len": 2.0}
+    np.testing.assert_allclose(stack.score(SAMPLES)[0], [2.0, 2.0, 2.0])
+
+
 @pytest.mark.parametrize(
     ("values", "shown"),
     [

@@ -13,6 +13,7 @@ Conventions, stated once:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ GATE_ACTIONS = ("zero", "cap")
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number, numpy's included (np.int64, np.float32), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # -- weights and their schedules -------------------------------------------------------------------
@@ -299,9 +301,17 @@ def stack_table(specs: Any, where: str = "rewards") -> dict[str, Any]:
 
 
 def unique_names(names: Sequence[str]) -> list[str]:
-    """Component names, the second and later uses of one name suffixed ``_2``, ``_3``, ..."""
+    """Component names, the second and later uses of one name suffixed ``_2``, ``_3``, ... A name that
+    starts with ``_`` is refused: a Gymnasium vector info keeps under ``_<key>`` which sub-envs have
+    ``<key>``, so such a component would be dropped from the logs or logged as another's mask."""
     out: list[str] = []
     for name in names:
+        if name.startswith("_"):
+            suggested = name.lstrip("_") or "reward"
+            raise ConfigError(
+                f"reward name {name!r} starts with '_', which Gymnasium's vector infos keep for their own "
+                f"masks: give it a name without the underscore (for a function, name = {suggested!r} in its spec)."
+            )
         unique, n = name, 2
         while unique in out:  # the same plugin twice with other arguments
             unique, n = f"{name}_{n}", n + 1

@@ -73,8 +73,23 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
         raise
     except Exception as exc:
         raise RewardError(f"{label} raised {type(exc).__name__}: {exc}") from exc
+    if callable(getattr(out, "detach", None)) and callable(getattr(out, "cpu", None)):
+        # a torch tensor, which numpy cannot take in bf16, on a GPU, or while it tracks gradients
+        try:
+            out = out.detach().float().cpu().numpy()
+        except Exception as exc:
+            raise RewardError(
+                f"{label} returned a {type(out).__name__} that cannot be read as floats ({exc}); return "
+                f"scores.detach().float().cpu().tolist()."
+            ) from None
     if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
-        array = np.asarray(out)
+        try:
+            array = np.asarray(out)
+        except Exception as exc:
+            raise RewardError(
+                f"{label} returned a {type(out).__name__} that numpy cannot read ({type(exc).__name__}: {exc}); "
+                f"return one float per sample, as a list."
+            ) from None
         if array.ndim == 1 and array.dtype.kind in "biuf":  # a numeric array: no per-item checks needed
             return _checked(label, array.astype(np.float64), samples)
         if array.ndim == 1 and array.dtype.kind == "O":

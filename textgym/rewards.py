@@ -183,6 +183,14 @@ class RewardStack:
         total = composition.AGGREGATORS[self.aggregate](scores, weights)
         for gate in self.gates:
             total = gate.apply(total, scores[:, self.names.index(gate.component)])
+        bad = np.flatnonzero(~np.isfinite(total))
+        if len(bad):  # finite scores whose weighted sum overflowed (1e308 x 10), or inf - inf
+            i = int(bad[0])
+            weighted = {n: float(w) * scores[i, k] for k, (n, w) in enumerate(zip(self.names, weights))}
+            raise RewardError(
+                f"the total reward of sample {i} is {total[i]} (weighted scores {weighted}): the components' "
+                f"scores are finite, but too large to sum; scale them down or lower their weights."
+            )
         return total
 
     def close(self) -> None:
