@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym import Sample, hookimpl
+from textgym.errors import RewardError
 from textgym.scoring import (
     autocast,
     bf16_linears,
@@ -140,6 +141,16 @@ class RMScore:
             add_special_tokens=not self.chat,
         )  # fmt: skip
         rows = [{key: values[i] for key, values in encodings.items()} for i in range(len(samples))]
+        empty = [i for i, row in enumerate(rows) if not row["input_ids"]]
+        if (
+            empty
+        ):  # nothing for the model to read: a batch of them crashed in the forward, else a pad was read
+            raise RewardError(
+                f"sample {empty[0]} (prompt {samples[empty[0]].prompt[:40]!r}, completion "
+                f"{samples[empty[0]].completion[:40]!r}) formats to no tokens: this reward model's tokenizer "
+                f"has no chat template or BOS token to put before an empty text. Give rm_score a template "
+                f'that adds text (template = "Prompt: {{prompt}}\\nReply: {{completion}}").'
+            )
         scores = [0.0] * len(rows)
         prompts = [s.prompt for s in samples]
         if self._has_groups(prompts):  # a prompt's texts in the same batches, each prompt run once there

@@ -286,6 +286,21 @@ def test_bad_reward_models_are_refused(tmp_path, change, match):
     assert not (tmp_path / "bench").exists() and not (tmp_path / "rm").exists()
 
 
+def test_a_gold_stack_that_never_separates_two_completions_is_named_not_the_pairs_file(tmp_path, one_thread):
+    """It said "rm.pairs.jsonl has no pairs: give JSONL rows", of a file the bench had written itself."""
+    from textgym import bench_rm
+
+    pairs = {**RM["pairs"], "rewards": [{"name": "match"}], "num_prompts": 8}  # exact copies: none
+    spec = load_designs(
+        {**designs(tmp_path), "reward_models": [{**RM, "output": str(tmp_path / "rm"), "pairs": pairs}]}
+    )
+    with pytest.raises(
+        ConfigError, match=r"label-pairs wrote no pairs from 8 prompts \(8 ties.*gold stack never"
+    ):
+        bench_rm.prepare(spec["reward_models"], progress=False)
+    assert not (tmp_path / "rm").exists()
+
+
 def test_a_proxy_reward_model_is_trained_once_and_never_replaced(tmp_path, one_thread):
     from textgym import bench_rm
 

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import reward_plugin
 from textgym import Sample, make_reward
 from textgym.cli import main
-from textgym.errors import ConfigError, ModelError, PairsError, TrainingError, UnknownNameError
+from textgym.errors import ConfigError, ModelError, PairsError, RewardError, TrainingError, UnknownNameError
 from textgym.models import is_complete
 from textgym.pairs import label_pairs, read_pairs
 from textgym.reward_model import REPORT, format_text, train_reward_model
@@ -195,6 +195,22 @@ def test_label_pairs_ranks_by_the_gold_stack_and_flips_the_asked_share(register,
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows
 
 
+def test_label_pairs_skips_a_prompt_whose_completions_the_gold_stack_did_not_both_score(register, tmp_path):
+    """A reward that does not apply (None) adds 0 to its completion's total: compared with a scored one, it
+    made a preference no gold signal expressed (chosen_score 40, rejected_score 0)."""
+    register(reward_plugin("even", lambda ss: [len(s.completion) if len(s.completion) % 2 == 0 else None for s in ss]),
+             "even-plugin")  # fmt: skip
+    register(reward_plugin("chars", char_count), "chars-plugin")  # weight 0: a metric, not in the total
+    stats = label_pairs(
+        "chat", "tiny-random-llama", ["even", "chars weight=0"], tmp_path / "pairs.jsonl", num_prompts=24,
+        max_new_tokens=6, batch_size=12,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert stats.unscored > 0 and stats.pairs + stats.ties + stats.unscored == 24 and len(rows) == stats.pairs
+    assert all(len(r["chosen"]) % 2 == 0 and len(r["rejected"]) % 2 == 0 for r in rows)
+    assert f"{stats.unscored} not comparable" in stats.summary()
+
+
 def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
     register(reward_plugin("chars", char_count), "chars-plugin")
     out = tmp_path / "pairs.jsonl"
@@ -239,6 +255,18 @@ def test_smollm2_reward_model_learns_the_marker_and_loads_in_rm_score(tmp_path):
         (['{"prompt": "p", "chosen": "a", "rejected": "b"', ], r"line 1: not valid JSON"),
         (["[1, 2]"], r"line 1: expected an object with prompt, chosen and rejected"),
         ([""], r"has no pairs"),
+        # a JSON array (an export), pretty-printed or on one line: the file is JSONL, and a one-line array
+        # was printed whole in the message
+        (["[", '  {"prompt": "p", "chosen": "a", "rejected": "b"}', "]"],
+         r"line 1: not valid JSON \(.*\)\. The file reads as JSONL: one object per line, not a JSON array"),
+        ([json.dumps([{"prompt": "p" * 500, "chosen": "a", "rejected": "b"}] * 50)],
+         r"line 1: expected an object .*…( \(the file reads as JSONL: one object per line, not a JSON array\))\.$"),
+        # TRL's conversational format
+        (['{"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}'],
+         r"line 1: 'chosen' must be a string, not \[\{'role'.* \(a list of chat messages: give the texts"),
+        # valid JSON, no text: it crashed in the tokenizer with no line named
+        (['{"prompt": "p", "chosen": "a", "rejected": "b"}', '{"prompt": "p", "chosen": "nice \\ud83d", "rejected": "b"}'],
+         r"line 2: 'chosen' holds a lone surrogate"),
     ],
 )  # fmt: skip
 def test_bad_pairs_files_name_the_line(tmp_path, lines, message):
@@ -246,6 +274,18 @@ def test_bad_pairs_files_name_the_line(tmp_path, lines, message):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(PairsError, match=message):
         train_reward_model(path, tmp_path / "rm", model="tiny-random-llama")
+
+
+def test_a_pairs_file_not_in_utf8_names_its_line_and_a_bom_is_read(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [json.dumps(row) for row in marker_pairs(3)]
+    path.write_bytes("\n".join(rows).encode() + b'\n{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(
+        PairsError, match=r"line 4: not UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8"
+    ):
+        read_pairs(path)
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode("utf-8"))  # as some editors save UTF-8
+    assert len(read_pairs(path)) == 3
 
 
 def test_a_missing_pairs_file_is_one_line_on_the_cli(tmp_path, capsys):
@@ -280,6 +320,7 @@ def test_too_few_pairs_for_the_held_out_split(tmp_path):
         ({"eval_fraction": 1.0}, r"eval_fraction \(--eval-fraction\) must be between 0 and 1"),
         ({"lora": "{r = }"}, r"--lora '\{r = \}' is not a TOML inline table"),
         ({"lora": "8"}, r"must be a TOML inline table"),
+        ({"seed": -1}, r"seed \(--seed\) must be an integer in \[0, 2\*\*32\), not -1"),  # numpy's traceback
     ],
 )
 def test_bad_training_settings(tmp_path, settings, message):
@@ -299,6 +340,105 @@ def test_unknown_or_unusable_models(tmp_path):
         train_reward_model(pairs, tmp_path / "rm", model="tiny-char-llama")
     with pytest.raises(ConfigError, match="--lora .*'rank'"):
         train_reward_model(pairs, tmp_path / "rm", model="tiny-random-llama", lora={"rank": 8})
+
+
+def test_a_model_directory_without_a_tokenizer_or_with_a_two_label_head_is_named(tmp_path):
+    """Both were tracebacks from inside transformers."""
+    from transformers import AutoModelForSequenceClassification
+
+    from textgym.models import load_model
+
+    model, tokenizer = load_model("tiny-random-llama")
+    model.save_pretrained(tmp_path / "weights-only")
+    with pytest.raises(
+        ModelError, match=r"weights-only has no Hugging Face tokenizer that loads .*save_pretrained"
+    ):
+        train_reward_model(marker_pairs(20), tmp_path / "rm", model=tmp_path / "weights-only")
+    model.save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    two = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=2)
+    two.save_pretrained(tmp_path / "two-labels")
+    tokenizer.save_pretrained(tmp_path / "two-labels")
+    with pytest.raises(ModelError, match=r"two-labels is a classifier whose head does not have one output"):
+        train_reward_model(marker_pairs(20), tmp_path / "rm", model=tmp_path / "two-labels")
+
+
+def test_pairs_that_format_to_the_same_tokens_or_to_none_are_refused_with_their_cause(tmp_path):
+    """A chat template that trims made "Hello!" and "Hello! " one text, and the message said to raise
+    --max-length, which cannot help; an empty text with no chat template and no BOS was scored at a pad."""
+    from textgym.models import load_model
+
+    model, tokenizer = load_model("tiny-random-llama")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | trim }}\n{% endfor %}"
+    model.save_pretrained(tmp_path / "trims")
+    tokenizer.save_pretrained(tmp_path / "trims")
+    rows = marker_pairs(20)
+    rows[5] = {"prompt": "Say hi.", "chosen": "Hello!", "rejected": "Hello! "}
+    with pytest.raises(
+        PairsError, match=r"1 pair\(s\) \(line 6\) have the same chosen and rejected tokens once formatted"
+    ):
+        train_reward_model(rows, tmp_path / "rm", model=tmp_path / "trims")
+    tokenizer.chat_template = None
+    tokenizer.add_bos_token = False
+    model.save_pretrained(tmp_path / "bare")
+    tokenizer.save_pretrained(tmp_path / "bare")
+    rows[5] = {"prompt": "", "chosen": "", "rejected": "x"}
+    with pytest.raises(PairsError, match=r"1 pair\(s\) \(line 6\) format to no tokens"):
+        train_reward_model(rows, tmp_path / "rm", model=tmp_path / "bare")
+
+
+def test_rm_score_names_a_text_that_formats_to_no_tokens(toy, tmp_path):
+    """A batch of such texts crashed in the forward ("cannot reshape tensor of 0 elements"); mixed with
+    others, the score was read at a pad token."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out, _, _ = toy
+    shutil.copytree(out, tmp_path / "rm")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.chat_template, tokenizer.add_bos_token = None, False
+    (tmp_path / "rm" / "chat_template.jinja").unlink()  # saving a tokenizer without one leaves the file
+    tokenizer.save_pretrained(tmp_path / "rm")
+    rm = make_reward("rm_score", model=str(tmp_path / "rm"))
+    for batch in (
+        [Sample("", "", (), (), "stop", {})],
+        [Sample("p", "x", (), (), "stop", {}), Sample("", "", (), (), "stop", {})],
+    ):
+        with pytest.raises(RewardError, match=r"formats to no tokens.*template ="):
+            rm(batch)
+    assert (
+        len(
+            make_reward("rm_score", model=str(tmp_path / "rm"), template="Q: {prompt} A: {completion}")(batch)
+        )
+        == 2
+    )
+
+
+def test_on_a_gpu_the_held_out_figures_are_measured_in_rm_scores_bf16(toy):
+    """rm_score scores in bf16 by default on a GPU; the report's figures were fp32 there (a SmolLM2 margin
+    0.83 reported, 0.72 scored). The trainer's bf16 evaluation equals rm_score's with bf16 on, and leaves the
+    model's fp32 weights in place."""
+    import torch
+
+    from textgym.pairs import Pair
+    from textgym.reward_model import _Scorer, load_for_training
+
+    out, rows, report = toy
+    assert report.settings["bf16"] is False  # this CPU: fp32, as rm_score scores here by default
+    model, tokenizer = load_for_training(out, seed=0)
+    scorer = _Scorer(model, tokenizer, 512, "cpu")
+    held_out = [rows[line - 1] for line in report.eval_lines]
+    pairs = [Pair(r["prompt"], r["chosen"], r["rejected"], i) for i, r in enumerate(held_out, start=1)]
+    metrics, _ = scorer.evaluate(pairs, 8, bf16=True)
+    rm = make_reward("rm_score", model=str(out), bf16=True, batch_size=4)
+    chosen = rm([Sample(p.prompt, p.chosen, (), (), "stop", {}) for p in pairs])
+    rejected = rm([Sample(p.prompt, p.rejected, (), (), "stop", {}) for p in pairs])
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    assert metrics.mean_margin == pytest.approx(sum(margins) / len(margins), abs=1e-3)
+    assert metrics.mean_margin != pytest.approx(report.after.mean_margin, abs=1e-6)  # not the fp32 figure
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert scorer.evaluate(pairs, 8)[0].mean_margin == pytest.approx(report.after.mean_margin, abs=1e-5)
 
 
 def test_train_rm_never_replaces_a_directory_it_did_not_write(tmp_path):

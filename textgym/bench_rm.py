@@ -138,7 +138,13 @@ def prepare(entries: list[dict[str, Any]], progress: bool = True) -> None:
     for entry in pending(entries):
         output = Path(entry["output"])
         pairs_file = output.with_name(output.name + ".pairs.jsonl")
-        label_pairs(output=pairs_file, progress=progress, **entry["pairs"])
+        stats = label_pairs(output=pairs_file, progress=progress, **entry["pairs"])
+        if not stats.pairs:  # train_reward_model would blame the file, which the user never wrote
+            raise ConfigError(
+                f"reward model {str(output)!r}: label-pairs wrote no pairs from {stats.prompts} prompts "
+                f"({stats.ties} ties, {stats.unscored} not comparable): the gold stack never told a prompt's two "
+                f"completions apart. Raise num_prompts or temperature, or change the gold rewards."
+            )
         record = json.dumps({"digest": entry["digest"], "pairs": entry["pairs"], "train": entry["train"]},
                             indent=2, default=str)  # fmt: skip
         # the settings are written beside the output first: a kill between the model's rename into place and

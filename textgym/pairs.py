@@ -51,13 +51,25 @@ def read_pairs(source: PairsLike) -> list[Pair]:
         where = str(source)
         records: list[tuple[int, Any]] = []
         # lines end at "\n" only: JSON strings may hold U+2028, U+0085 (splitlines would cut them there)
-        for n, text in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        for n, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+            try:
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM, as some editors write
+            except UnicodeDecodeError as exc:
+                raise PairsError(
+                    f"{where}, line {n}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1}); save "
+                    f"the file as UTF-8."
+                ) from None
             if not text.strip():
                 continue
             try:
                 records.append((n, json.loads(text)))
             except json.JSONDecodeError as exc:
-                raise PairsError(f"{where}, line {n}: not valid JSON ({exc.msg}).") from None
+                array = (
+                    " The file reads as JSONL: one object per line, not a JSON array."
+                    if text.lstrip()[:1] == "["
+                    else ""
+                )
+                raise PairsError(f"{where}, line {n}: not valid JSON ({exc.msg}).{array}") from None
     else:
         where = "the pairs list"
         records = list(enumerate(source, start=1))
@@ -74,8 +86,14 @@ def _to_pair(record: Any, where: str, line: int) -> Pair:
             record.line,
         )
     if not isinstance(record, Mapping):
+        hint = (
+            " (the file reads as JSONL: one object per line, not a JSON array)"
+            if isinstance(record, list)
+            else ""
+        )
         raise PairsError(
-            f"{where}, line {line}: expected an object with prompt, chosen and rejected, not {record!r}."
+            f"{where}, line {line}: expected an object with prompt, chosen and rejected, not "
+            f"{_short(record)}{hint}."
         )
     missing = [key for key in FIELDS if key not in record]
     if missing:
@@ -84,8 +102,20 @@ def _to_pair(record: Any, where: str, line: int) -> Pair:
             f"(it has {', '.join(map(repr, record)) or 'no keys'}). Every row needs prompt, chosen and rejected."
         )
     for key in FIELDS:
-        if not isinstance(record[key], str):
-            raise PairsError(f"{where}, line {line}: {key!r} must be a string, not {record[key]!r}.")
+        value = record[key]
+        if not isinstance(value, str):
+            messages = " (a list of chat messages: give the texts, e.g. the last message's content)"
+            raise PairsError(
+                f"{where}, line {line}: {key!r} must be a string, not {_short(value)}"
+                f"{messages if isinstance(value, list) else ''}."
+            )
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # valid JSON ("\\ud83d" alone), but no text a tokenizer takes
+            raise PairsError(
+                f"{where}, line {line}: {key!r} holds a lone surrogate ({_short(value)}), half of a character "
+                f"that cannot be written as text; fix the escape or remove the row."
+            ) from None
     if record["chosen"] == record["rejected"]:
         text = record["chosen"] if len(record["chosen"]) <= 40 else record["chosen"][:39] + "…"
         raise PairsError(
@@ -93,6 +123,12 @@ def _to_pair(record: Any, where: str, line: int) -> Pair:
             f"preference. Remove the row (label-pairs skips such ties)."
         )
     return Pair(record["prompt"], record["chosen"], record["rejected"], line)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a message names a row, it does not print it whole."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
@@ -163,11 +199,15 @@ class LabelStats:
     ties: int  # prompts skipped: both completions had the same gold score, or the same text
     flipped: int  # rows whose labels label noise swapped (marked "flipped": true)
     seconds: float
+    # prompts skipped: a weighted gold component applied to one completion and not to the other (None), so
+    # their totals were not comparable
+    unscored: int = 0
 
     def summary(self) -> str:
+        unscored = f", {self.unscored} not comparable" if self.unscored else ""
         return (
             f"wrote {self.pairs} pairs to {self.output} from {self.prompts} prompts in {self.seconds:.0f} s "
-            f"({self.ties} ties skipped, {self.flipped} labels flipped)"
+            f"({self.ties} ties skipped{unscored}, {self.flipped} labels flipped)"
         )
 
 
@@ -214,7 +254,9 @@ def label_pairs(
     """Sample two completions per prompt with ``policy``, label them with a gold reward stack, write pairs.
 
     The completion with the higher gold total is ``chosen``. Ties (equal totals or equal texts) are skipped
-    and counted. Label noise flips ``round(label_noise * pairs)`` labels, picked at random (seeded) within
+    and counted, and so are prompts whose two completions the gold stack did not score alike: a weighted
+    component that applies to one and not to the other (``None``) leaves the totals of different sums.
+    Label noise flips ``round(label_noise * pairs)`` labels, picked at random (seeded) within
     each batch while the running count is kept at the target, so a prefix of the file (an interrupted run)
     has the same noise rate. Rows are written and flushed after each batch.
 
@@ -237,6 +279,7 @@ def label_pairs(
     import numpy as np
     from tqdm.auto import tqdm
 
+    from textgym import composition
     from textgym.envs import TextGenVectorEnv
     from textgym.models import load_model
     from textgym.prompts import load_prompts
@@ -272,7 +315,10 @@ def label_pairs(
     model, _ = load_model(policy)
     model.to(resolve_device("auto"))
     noise_rng = np.random.default_rng(seed)
-    written = ties = flipped = 0
+    stack = env.reward_stack  # the components a total is made of: the weighted ones, and the gates'
+    counted = {n for n, (_, w) in zip(stack.names, stack.rewards) if not composition.is_metric_weight(w)}
+    counted |= {gate.component for gate in stack.gates}
+    written = ties = flipped = unscored = 0
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         with (
@@ -290,7 +336,9 @@ def label_pairs(
                 )
                 ranked = []  # (better, worse) episode of each prompt under the gold stack
                 for a, b in zip(episodes[0 : 2 * len(indices) : 2], episodes[1 : 2 * len(indices) : 2]):
-                    if a["reward"] == b["reward"] or a["completion"] == b["completion"]:
+                    if _applied(a, counted) != _applied(b, counted):
+                        unscored += 1
+                    elif a["reward"] == b["reward"] or a["completion"] == b["completion"]:
                         ties += 1
                     else:
                         ranked.append((a, b) if a["reward"] > b["reward"] else (b, a))
@@ -309,7 +357,13 @@ def label_pairs(
                 bar.set_postfix(pairs=written, ties=ties, flipped=flipped)
     finally:
         env.close()
-    return LabelStats(str(output), total, written, ties, flipped, time.perf_counter() - start_time)
+    seconds = time.perf_counter() - start_time
+    return LabelStats(str(output), total, written, ties, flipped, seconds, unscored)
+
+
+def _applied(episode: Mapping[str, Any], counted: set[str]) -> set[str]:
+    """The counted gold components that applied to ``episode`` (not ``None``)."""
+    return {k for k, v in episode["reward_components"].items() if k in counted and v is not None}
 
 
 def _row(chosen: Mapping[str, Any], rejected: Mapping[str, Any], flipped: bool = False) -> dict[str, Any]:

@@ -56,7 +56,7 @@ class RMReport:
     pairs: int
     train_pairs: int
     eval_pairs: int
-    before: PairMetrics  # held-out, with the freshly initialised head
+    before: PairMetrics  # held-out, with the head the model started with (new, unless the model had one)
     after: PairMetrics  # held-out, after training
     score_mean: float  # mean and std of the trained model's held-out scores (Bradley–Terry fixes no offset)
     score_std: float
@@ -84,7 +84,8 @@ class RMReport:
                 f"  accuracy     {b.accuracy:.3f} -> {a.accuracy:.3f}",
                 f"  mean margin  {b.mean_margin:+.3f} -> {a.mean_margin:+.3f}",
                 f"  loss         {b.loss:.3f} -> {a.loss:.3f}",
-                f"  scores       mean {self.score_mean:+.3f}, std {self.score_std:.3f} (held-out, trained)",
+                f"  scores       mean {self.score_mean:+.3f}, std {self.score_std:.3f} (held-out, trained)"
+                + (", in bf16 as rm_score scores on a GPU" if self.settings.get("bf16") else ""),
                 f"wrote {self.output}; score with: --reward \"rm_score model='{self.output}'{rm_args}\"",
             ]
         )
@@ -114,8 +115,11 @@ def check_train_settings(
     batch_size: int,
     eval_fraction: float,
     max_length: int,
+    seed: int = 0,
 ) -> None:
     """Raise :class:`ConfigError` for a value the trainer cannot work with."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed (--seed) must be an integer in [0, 2**32), not {seed!r}.")
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_length", max_length)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, not {value!r}.")
@@ -200,7 +204,13 @@ def load_for_training(path: Path, seed: int) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises OSError, ValueError or TypeError, by what is missing
+        raise ModelError(
+            f"{path} has no Hugging Face tokenizer that loads ({type(exc).__name__}: {_one_line(exc)}): save the "
+            f"model's tokenizer there (tokenizer.save_pretrained)."
+        ) from None
     torch.manual_seed(seed)
     try:
         with quiet_transformers():  # "score.weight is newly initialised, you should train it": we do
@@ -209,6 +219,11 @@ def load_for_training(path: Path, seed: int) -> tuple[Any, Any]:
             )
     except (ValueError, OSError) as exc:
         raise ModelError(f"{path} cannot be loaded as a sequence-classification model: {exc}") from exc
+    except RuntimeError as exc:  # a classifier with another number of labels (its head's size mismatches)
+        raise ModelError(
+            f"{path} is a classifier whose head does not have one output ({_one_line(exc)}): train-rm puts a "
+            f"one-output head on a causal LM; start from the LM it was made from."
+        ) from None
     set_distinct_pad(tokenizer, model)
     tokenizer.padding_side, tokenizer.truncation_side = "right", "left"  # as rm_score sets them
     return model, tokenizer
@@ -248,12 +263,34 @@ class _Scorer:
             format_text(*fmt, p.prompt, p.rejected) for p in pairs
         ]
 
-    def tied(self, pairs: Sequence[Pair]) -> list[Pair]:
-        """The pairs whose two texts are the same tokens once cut to ``max_length``."""
-        ids = self.tokenizer(
-            self.texts(pairs), truncation=True, max_length=self.max_length, add_special_tokens=not self.chat
-        )["input_ids"]
-        return [pair for k, pair in enumerate(pairs) if ids[k] == ids[len(pairs) + k]]
+    def check(self, pairs: Sequence[Pair]) -> None:
+        """Refuse pairs that teach nothing: a text of no tokens (scored at a pad token), or chosen and rejected
+        the same tokens once formatted, or once cut to ``max_length``: their margin is 0 whatever the model,
+        and they would count as wrong."""
+        texts, n, special = self.texts(pairs), len(pairs), not self.chat
+        full = self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+        cut = self.tokenizer(texts, truncation=True, max_length=self.max_length, add_special_tokens=special)
+        cut = cut["input_ids"]
+        empty = [p for k, p in enumerate(pairs) if not full[k] or not full[n + k]]
+        same = [p for k, p in enumerate(pairs) if full[k] == full[n + k]]
+        same_cut = [p for k, p in enumerate(pairs) if cut[k] == cut[n + k] and full[k] != full[n + k]]
+        if empty:
+            raise PairsError(
+                f"{_lines(empty)} format to no tokens (empty texts, and a tokenizer with no chat template or BOS "
+                f"token): the reward model would have nothing to read. Remove them."
+            )
+        if same:
+            raise PairsError(
+                f"{_lines(same)} have the same chosen and rejected tokens once formatted (the tokenizer or its "
+                f"chat template drops what tells them apart, such as spaces at the end), which teaches no "
+                f"preference: remove them."
+            )
+        if same_cut:
+            raise PairsError(
+                f"{_lines(same_cut)} have the same chosen and rejected text once cut to max_length="
+                f"{self.max_length} tokens (from the left), which teaches no preference: raise --max-length or "
+                f"remove them."
+            )
 
     def margins(self, pairs: Sequence[Pair]) -> tuple[Any, Any]:
         """``(r_chosen - r_rejected, rewards)``: (B,) and (2B,), in one forward over the 2B texts."""
@@ -264,18 +301,26 @@ class _Scorer:
         rewards = self.model(**enc).logits[:, 0].float()  # (2B,)
         return rewards[: len(pairs)] - rewards[len(pairs) :], rewards
 
-    def evaluate(self, pairs: Sequence[Pair], batch_size: int) -> tuple[PairMetrics, Any]:
-        """Metrics over ``pairs`` and all their rewards (2N,), without gradients, in eval mode."""
+    def evaluate(self, pairs: Sequence[Pair], batch_size: int, bf16: bool = False) -> tuple[PairMetrics, Any]:
+        """Metrics over ``pairs`` and all their rewards (2N,), without gradients, in eval mode; with ``bf16``
+        in the precision ``rm_score`` scores in with ``bf16`` on (its default on GPUs): bf16 autocast over
+        bf16 linear weights, the fp32 ones put back after."""
         import torch
         import torch.nn.functional as F
 
+        from textgym.scoring import autocast, bf16_linears, restore_linears
+
         self.model.eval()
         margins, rewards = [], []
-        with torch.inference_mode():
-            for start in range(0, len(pairs), batch_size):
-                m, r = self.margins(pairs[start : start + batch_size])
-                margins.append(m.cpu())
-                rewards.append(r.cpu())
+        replaced = bf16_linears(self.model) if bf16 else []
+        try:
+            with torch.inference_mode(), autocast(self.device, bf16):
+                for start in range(0, len(pairs), batch_size):
+                    m, r = self.margins(pairs[start : start + batch_size])
+                    margins.append(m.cpu())
+                    rewards.append(r.cpu())
+        finally:
+            restore_linears(replaced)
         margin = torch.cat(margins)  # (N,)
         metrics = PairMetrics(
             accuracy=float((margin > 0).float().mean()),
@@ -283,6 +328,18 @@ class _Scorer:
             loss=float(-F.logsigmoid(margin).mean()),
         )
         return metrics, torch.cat(rewards)
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's message on one line, cut to ``limit`` characters (transformers' run over several)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _lines(pairs: Sequence[Pair]) -> str:
+    """``"3 pair(s) (line 4, 9, 12)"``, at most five lines named."""
+    lines = ", ".join(str(pair.line) for pair in pairs[:5]) + (", ..." if len(pairs) > 5 else "")
+    return f"{len(pairs)} pair(s) (line {lines})"
 
 
 def train_reward_model(
@@ -330,9 +387,11 @@ def train_reward_model(
         ConfigError: a setting is out of range, or ``output`` is a directory train-rm did not write.
         UnknownNameError, ModelError: ``model`` is neither a zoo model nor a usable model directory.
     """
-    from textgym.scoring import resolve_device
+    from textgym.scoring import resolve_bf16, resolve_device
 
-    check_train_settings(epochs, learning_rate, head_learning_rate, batch_size, eval_fraction, max_length)
+    check_train_settings(
+        epochs, learning_rate, head_learning_rate, batch_size, eval_fraction, max_length, seed
+    )
     lora = parse_lora(lora)
     lora_config = _lora_config(lora) if lora is not None else None
     if learning_rate is None:
@@ -348,24 +407,19 @@ def train_reward_model(
     all_pairs = read_pairs(pairs)
     train, held_out = split_pairs(all_pairs, eval_fraction, seed)
     device = resolve_device(device)
+    bf16 = resolve_bf16(None, device)  # the held-out figures in the precision rm_score scores in by default
     start = time.perf_counter()
     with model_dir(model) as path:
         rm, tokenizer = load_for_training(path, seed)
     if lora_config is not None:
         rm = _with_lora(rm, lora_config)
     scorer = _Scorer(rm.to(device), tokenizer, max_length, device)
-    if tied := scorer.tied(all_pairs):  # their margin is 0 whatever the model: no signal, counted as wrong
-        lines = ", ".join(str(pair.line) for pair in tied[:5]) + (", ..." if len(tied) > 5 else "")
-        raise PairsError(
-            f"{len(tied)} pair(s) (line {lines}) have the same chosen and rejected text once cut to "
-            f"max_length={max_length} tokens (from the left), which teaches no preference: raise --max-length "
-            f"or remove them."
-        )
-    before, _ = scorer.evaluate(held_out, batch_size)
+    scorer.check(all_pairs)
+    before, _ = scorer.evaluate(held_out, batch_size, bf16)
     train_loss = _fit(scorer, train, epochs, (learning_rate, head_learning_rate), batch_size, seed, progress)
     if lora is not None:
         scorer.model = scorer.model.merge_and_unload()  # a plain model: rm_score loads it without peft
-    after, rewards = scorer.evaluate(held_out, batch_size)  # of the weights that are saved
+    after, rewards = scorer.evaluate(held_out, batch_size, bf16)  # of the weights that are saved
     trained_prompts = {pair.prompt for pair in train}
     report = RMReport(
         output=str(output),
@@ -390,6 +444,7 @@ def train_reward_model(
             "seed": seed,
             "max_length": max_length,
             "chat_template": scorer.chat,
+            "bf16": bf16,
         },
         eval_lines=[p.line for p in held_out],
     )
