@@ -206,7 +206,12 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             with lora.seeded_init(self.config.seed):
                 adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
         except (TypeError, ValueError) as exc:  # peft's checks of its arguments, and of the target modules
-            raise ConfigError(f"lora {settings!r}: {exc}. See peft's LoraConfig for its arguments.") from None
+            reason = str(exc).rstrip(". ")
+            if "target_modules" in settings or "Target modules" in reason:  # name what the model has
+                reason += f" (this model's linear layers: {', '.join(_linear_names(model)) or 'none'})"
+            raise ConfigError(
+                f"lora {settings!r}: {reason}. See peft's LoraConfig for its arguments."
+            ) from None
         if not lora.starts_at_base(settings):  # the reference: the policy as it starts
             lora.add_reference_adapter(adapted, on_meta)
         return adapted
@@ -461,3 +466,8 @@ def _is_peft_model(model: Any) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The names that LoRA's ``target_modules`` match: the last part of each linear layer's name."""
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})

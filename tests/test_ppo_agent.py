@@ -377,8 +377,14 @@ def test_bad_lora_settings_are_config_errors_not_peft_tracebacks():
         LMPPOConfig(lora={"r": 0})
     with pytest.raises(ConfigError, match="lora {'rank': 8}: .*unexpected keyword argument 'rank'"):
         LMPPO(char_llama(), make_env(2), lora={"rank": 8})
-    with pytest.raises(ConfigError, match=r"lora {'target_modules': \['nope'\]}: .*See peft's LoraConfig"):
+    with pytest.raises(
+        ConfigError, match=r"lora {'target_modules': \['nope'\]}: .*See peft's LoraConfig"
+    ) as err:
         LMPPO(char_llama(), make_env(2), lora={"target_modules": ["nope"]})
+    # what the model has to target, and one full stop (peft's message ends in one)
+    assert "this model's linear layers: down_proj, gate_proj, k_proj" in str(err.value) and ".." not in str(
+        err.value
+    )
     # lora_alpha = 0 scales every adapter to nothing: it would train nothing
     with pytest.raises(ConfigError, match="lora.lora_alpha must be a number > 0, not 0"):
         LMPPOConfig(lora={"r": 4, "lora_alpha": 0})
