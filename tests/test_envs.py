@@ -95,6 +95,44 @@ def test_stop_strings_end_the_episode_and_are_cut_from_the_completion():
     assert terminated and info["completion"] == "ab" and info["finish_reason"] == "stop" and reward == 2.0
 
 
+@pytest.mark.parametrize("stop", ["答案：", "👍🏽", "정답:"])
+def test_a_stop_string_of_many_byte_tokens_per_character_ends_the_episode_where_it_is(stop):
+    """The window of tokens searched for a stop string was counted in characters; a byte-level BPE takes
+    up to 4 tokens per character, so these never fit: the episode ran on to the token limit, trained on
+    tokens that the completion's text then hid."""
+    env = TextGenEnv(model="tiny-random-llama", prompts=["Hello"], max_new_tokens=64, stop=[stop],
+                     chat_template=False, rewards=[{"name": "length_penalty", "target": 2}])  # fmt: skip
+    head = env.tokenizer.encode(f"first {stop}", add_special_tokens=False)
+    tail = env.tokenizer.encode(" after the stop string", add_special_tokens=False)
+    env.reset(seed=0)
+    steps = 0
+    for token in head + tail:
+        _, _, terminated, truncated, info = env.step(token)
+        steps += 1
+        if terminated or truncated:
+            break
+    assert terminated and steps == len(head)
+    assert info["finish_reason"] == "stop" and info["completion"] == "first "
+
+
+def test_a_stop_string_that_is_a_special_token_is_not_counted_as_completion_text():
+    """The completion's text is decoded without special tokens, so such a stop string was never found in
+    it: its token counted as text (length_penalty one token off)."""
+    seen = []
+
+    def spy(samples):
+        seen.extend(samples)
+        return [0.0] * len(samples)
+
+    env = TextGenEnv(model="tiny-random-llama", prompts=["Capital of France?"], max_new_tokens=8,
+                     stop=["<|im_start|>"], rewards=RewardStack([(FunctionReward("spy", spy), 1.0)]))  # fmt: skip
+    env.reset(seed=0)
+    for token in env.tokenizer.encode("Paris<|im_start|>", add_special_tokens=False):
+        _, _, terminated, _, info = env.step(token)
+    assert terminated and info["completion"] == "Paris" and info["finish_reason"] == "stop"
+    assert seen[-1].stop_tokens == 1 and seen[-1].text_tokens() == len(seen[-1].completion_ids) - 1
+
+
 def test_a_stop_strings_tokens_are_not_counted_as_the_completions():
     seen = []
 

@@ -101,7 +101,9 @@ class Episodes(Turns):
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, not {self.stop!r}.")
-        self._stop_window = max((len(s) for s in self.stop), default=0) + 2
+        # tokens that may hold a stop string: one per UTF-8 byte at most (a byte-level BPE takes up to 4 per
+        # character; counted in characters, "答案：" never fit and its episodes ran on to the token limit)
+        self._stop_window = max((len(s.encode("utf-8")) for s in self.stop), default=0) + 2
         self.prompt_overflow, self.prompt_order = prompt_overflow, prompt_order
 
         self.n, self.P, self.T = n, int(max_prompt_tokens), int(max_new_tokens)
@@ -360,6 +362,13 @@ class Episodes(Turns):
         if len(text) < whole:  # a stop string ended it: its tokens are the ones past the text
             while kept and len(self.tokenizer.decode(body[:kept], skip_special_tokens=True)) > len(text):
                 kept -= 1
+        elif self.stop and finish_reason == "stop":  # a stop string that is a special token (<|im_end|>)
+            full = self.tokenizer.decode(body)
+            cut = min((full.find(s) for s in self.stop if s in full), default=-1)
+            if cut >= 0:
+                while kept and len(self.tokenizer.decode(body[:kept])) > cut:
+                    kept -= 1
+                text = self.tokenizer.decode(body[:kept], skip_special_tokens=True)
         prompt = self.prompts[self.prompt_index[i]]
         prompt_ids = self.input_ids[i, : self.P][self.attention_mask[i, : self.P] == 1]
         return Sample(
