@@ -71,6 +71,17 @@ def test_observation_layout_reward_on_last_step_and_termination_on_eos():
     assert reward == 1.0 and info["reward_components"] == {"len": 1.0}
 
 
+def test_a_prompt_option_that_is_a_source_prompts_text_keeps_its_metadata():
+    """A text was always a new prompt without metadata: a reward reading its reference failed mid-step."""
+    env = char_env(prompts=[{"prompt": "ab", "reference": "ab"}], rewards=[{"name": "match"}])
+    env.reset(options={"prompt": "ab"})
+    for token in [*CHARS.encode("ab"), CHARS.eos_token_id]:
+        _, reward, terminated, _, info = env.step(token)
+    assert terminated and reward == 1.0
+    _, info = env.reset(options={"prompt": "ba"})  # another text: a prompt of its own, without a reference
+    assert info["prompt"] == "ba" and env.unwrapped.episodes.n_source == 1
+
+
 def test_truncation_at_the_token_limit():
     env = char_env(max_new_tokens=3)
     env.reset(seed=0)

@@ -275,7 +275,8 @@ class Episodes(Turns):
             self.attention_mask[slot, self.P - len(ids) : self.P] = 1
 
     def prompt_option(self, prompt: Any) -> int:
-        """The prompt index for a ``reset`` option: an index into the source, or a text (added on first use)."""
+        """The prompt index for a ``reset`` option: an index into the source, or a text: the source's first
+        prompt of that text (with its metadata), else a prompt without metadata, added on first use."""
         if (
             isinstance(prompt, (int, np.integer))
             and not isinstance(prompt, bool)
@@ -283,6 +284,8 @@ class Episodes(Turns):
         ):
             return int(prompt)
         if isinstance(prompt, str) and prompt.strip():
+            if not self._adhoc:  # a source prompt's text is that prompt, with its metadata (a reference)
+                self._adhoc.update((p.text, i) for i, p in reversed(list(enumerate(self.prompts))))
             if prompt not in self._adhoc:
                 self._adhoc[prompt] = len(self.prompts)
                 self.prompts.append(Prompt(prompt))
