@@ -11,10 +11,12 @@ from pathlib import Path
 import gymnasium
 import numpy as np
 import pytest
+import torch
 from lm_helpers import char_llama, csv_rows, make_env
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 
 import textgym
+from textgym import FunctionReward, RewardStack
 from textgym.agents.ppo import LMPPO
 from textgym.errors import ConfigError, PluginError
 from textgym.evaluate import EvalCallback, evaluate_policy
@@ -334,6 +336,75 @@ def test_maskable_ppo_never_chooses_a_masked_token():
         actions, _ = model.predict(obs, action_masks=env.action_masks())
         assert set(actions.tolist()) <= {1, 2, 3, 4}
         obs, *_ = env.step(actions)
+
+
+def test_a_maskable_ppo_is_evaluated_and_sampled_with_its_action_masks():
+    """Without the masks, evaluations and sample tables sampled the tokens MaskablePPO never takes."""
+    pytest.importorskip("sb3_contrib")
+    from sb3_contrib import MaskablePPO
+
+    from textgym.sb3 import sb3_episodes
+
+    seen = []
+
+    def spy(samples):
+        seen.extend(s.completion for s in samples)
+        return [0.0] * len(samples)
+
+    kwargs = dict(allowed_tokens="abc", rewards=RewardStack([(FunctionReward("spy", spy), 1.0)]))
+    model = MaskablePPO(
+        "MultiInputPolicy", make_vec_env("textgym/Copy-v0", n_envs=4, seed=0, **kwargs), seed=0
+    )
+    native = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, autoreset_mode="Disabled", **kwargs)
+    rows = sb3_episodes(model, native, seed=0)
+    evaluate_policy(model, native, n_eval_episodes=8, deterministic=False)
+    evaluate_policy(model, make_vec_env("textgym/Copy-v0", n_envs=2, seed=1, **kwargs), n_eval_episodes=4)
+    assert len(seen) >= 16 and all(set(text) <= set("abc") for text in seen)
+    assert all(set(r["completion"]) <= set("abc") for r in rows)
+
+
+def test_a_recurrent_ppos_state_is_carried_through_an_evaluation_and_restarted_per_episode():
+    """Its LSTM restarted at every token: predict was called without state or episode_start."""
+    pytest.importorskip("sb3_contrib")
+    from sb3_contrib import RecurrentPPO
+
+    calls = []
+
+    class Recording(RecurrentPPO):
+        def predict(self, observation, state=None, episode_start=None, deterministic=False):
+            calls.append((state is not None, None if episode_start is None else episode_start.tolist()))
+            return super().predict(observation, state, episode_start, deterministic)
+
+    native = gymnasium.make_vec("textgym/Copy-v0", num_envs=2, autoreset_mode="Disabled", max_new_tokens=3)
+    model = Recording(
+        "MultiInputLstmPolicy", make_vec_env("textgym/Copy-v0", n_envs=2, seed=0, max_new_tokens=3), seed=0
+    )
+    evaluate_policy(model, native, n_eval_episodes=2)
+    assert calls[0] == (False, [True, True]) and all(carried for carried, _ in calls[1:])
+    assert all(starts == [False, False] for _, starts in calls[1:])
+
+
+def test_evaluate_policy_with_a_seed_is_repeatable_and_leaves_the_global_random_streams_alone():
+    from stable_baselines3 import PPO
+
+    model = PPO("MultiInputPolicy", make_vec_env("textgym/Copy-v0", n_envs=2, seed=0), seed=0)
+    native = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, autoreset_mode="Disabled")
+    vec = make_vec_env("textgym/Copy-v0", n_envs=2, seed=0)
+    for env in (native, vec):
+        torch.manual_seed(7)
+        np.random.seed(7)
+        first = evaluate_policy(model, env, 8, deterministic=False, return_episode_rewards=True, seed=3)
+        after = (torch.rand(1).item(), np.random.rand())
+        torch.manual_seed(7)
+        np.random.seed(7)
+        assert (torch.rand(1).item(), np.random.rand()) == after  # the evaluation drew nothing from them
+        assert (
+            evaluate_policy(model, env, 8, deterministic=False, return_episode_rewards=True, seed=3) == first
+        )
+    with pytest.raises(
+        ConfigError, match=r"evaluate_policy\(model\) needs an env for a Stable-Baselines3 model"
+    ):
+        evaluate_policy(model)
 
 
 def test_a_pad_token_setting_for_tokenizers_that_pad_with_eos():

@@ -370,3 +370,33 @@ def test_check_eval_section_fills_defaults_and_jsonable_is_strict():
     # a value that blew up is not one that was not measured; float() reads it back
     assert jsonable({"kl": np.float64(math.inf), "low": -math.inf}) == {"kl": "inf", "low": "-inf"}
     assert float(jsonable(math.inf)) == math.inf
+
+
+def test_a_dqn_runs_evaluations_are_labelled_by_iteration_and_leave_its_training_as_it_was(tmp_path):
+    """An off-policy algorithm's n_steps is its n-step return (1): iterations were counted as env steps (the
+    evaluation of iteration 5 was labelled 20), and its epsilon-greedy draws from numpy's global stream,
+    which an evaluation moved: the same run with [eval] trained differently."""
+    config = """
+[run]
+total_timesteps = 320
+sample_prompts = 2
+[env]
+id = "textgym/Copy-v0"
+num_envs = 16
+[agent]
+name = "dqn"
+learning_starts = 0
+"""
+    eval_every_2 = EVAL.replace("episodes = 12", "episodes = 4")
+    plain = run(config_file(tmp_path, config), [f"run.output_dir='{tmp_path / 'plain'}'"])
+    diag = run(
+        config_file(tmp_path, config + eval_every_2, "e.toml"), [f"run.output_dir='{tmp_path / 'diag'}'"]
+    )
+    metrics = csv_rows(diag / "metrics.csv")
+    # train_freq = 4 steps of 16 sub-envs: 64 tokens a rollout, 5 iterations
+    assert [int(r["iteration"]) for r in metrics] == [1, 2, 3, 4, 5]
+    assert [int(r["iteration"]) for r in csv_rows(diag / "eval.csv")] == [0, 2, 4, 5]
+    for a, b in zip(csv_rows(plain / "metrics.csv"), metrics, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")
+        }

@@ -79,8 +79,15 @@ class EvalCallback(BaseCallback):
         model = self.model
         if hasattr(model, "iteration"):  # LM agents count their iterations
             return int(model.iteration)
-        if hasattr(model, "n_steps") and hasattr(model, "n_envs"):  # SB3 on-policy: one rollout per update
+        from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
+        from stable_baselines3.common.type_aliases import TrainFrequencyUnit
+
+        if isinstance(model, OnPolicyAlgorithm):  # one rollout of n_steps per sub-env per update
             return int(model.num_timesteps // (model.n_steps * model.n_envs))
+        # off-policy (DQN): a rollout is train_freq steps of every sub-env; its n_steps is the n-step return
+        train_freq = getattr(model, "train_freq", None)
+        if getattr(train_freq, "unit", None) == TrainFrequencyUnit.STEP:
+            return int(model.num_timesteps // (train_freq.frequency * model.n_envs))
         return self._rollouts
 
     def _on_training_start(self) -> None:

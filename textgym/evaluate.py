@@ -35,10 +35,12 @@ def evaluate_policy(
     seed: int = 0,
 ) -> tuple[float, float] | tuple[list[float], list[int]]:
     """Mean and std of the return over ``n_eval_episodes`` (or the returns and lengths): SB3's
-    ``evaluate_policy``, with its arguments in its order. ``env`` defaults to ``model.get_env()``: a
-    ``TextGenVectorEnv`` in either autoreset mode, or an SB3 ``VecEnv`` (then SB3's own function runs, after
-    ``env.seed(seed)``). ``seed`` seeds the episodes' prompts and the sampling: the same seed, the same
-    episodes. ``render`` and ``callback`` (called with SB3's ``locals()`` at every step) need an SB3
+    ``evaluate_policy``, with its arguments in its order. ``env``: a ``TextGenVectorEnv`` in either autoreset
+    mode, or an SB3 ``VecEnv`` (then SB3's own function runs, after ``env.seed(seed)``; sb3-contrib's for
+    ``MaskablePPO``); for an LM agent it defaults to ``model.get_env()``. ``seed`` seeds the episodes'
+    prompts and the sampling, on random streams of its own: the same seed, the same episodes, and the
+    caller's streams as they were. ``MaskablePPO`` steps with its action masks, ``RecurrentPPO`` with its
+    state. ``render`` and ``callback`` (called with SB3's ``locals()`` at every step) need an SB3
     ``VecEnv`` (``textgym.sb3.make_vec_env``)."""
     if (
         isinstance(n_eval_episodes, bool)
@@ -46,17 +48,30 @@ def evaluate_policy(
         or n_eval_episodes < 1
     ):
         raise ConfigError(f"n_eval_episodes must be a positive integer, not {n_eval_episodes!r}.")
+    from textgym.agent_config import is_lm_agent
+    from textgym.sb3 import Predictor, seeded_sampling
+
+    if env is None and not is_lm_agent(type(model)):  # SB3's own evaluate_policy needs an env too
+        raise ConfigError(
+            "evaluate_policy(model) needs an env for a Stable-Baselines3 model: evaluating on its training env "
+            "would reset it under training. Give a separate one, e.g. textgym.sb3.make_vec_env(env_id, "
+            "n_envs=4, seed=0)."
+        )
     env = env if env is not None else model.get_env()
     if not isinstance(env, TextGenVectorEnv):
-        from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate
         from stable_baselines3.common.vec_env import VecEnv
 
+        if Predictor(model, 1).masked:  # MaskablePPO: sb3-contrib's evaluate_policy passes its masks
+            from sb3_contrib.common.maskable.evaluation import evaluate_policy as sb3_evaluate
+        else:
+            from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate
         if isinstance(env, VecEnv):
             env.seed(seed)
-        return sb3_evaluate(
-            model, env, n_eval_episodes, deterministic, render, callback, reward_threshold,
-            return_episode_rewards, warn,
-        )  # fmt: skip
+        with seeded_sampling(seed):
+            return sb3_evaluate(
+                model, env, n_eval_episodes, deterministic, render, callback, reward_threshold,
+                return_episode_rewards, warn,
+            )  # fmt: skip
     if render or callback is not None:
         raise ConfigError(
             f"evaluate_policy(render={render!r}, callback={callback!r}) on a TextGenVectorEnv: render and "
@@ -65,11 +80,12 @@ def evaluate_policy(
     rewards: list[float] = []
     lengths: list[int] = []
     round_ = 0
-    while len(rewards) < n_eval_episodes:
-        for episode in _episodes(model, env, deterministic, seed + round_):
-            rewards.append(float(episode["reward"]))
-            lengths.append(int(episode["num_tokens"]))
-        round_ += 1
+    with seeded_sampling(seed):
+        while len(rewards) < n_eval_episodes:
+            for episode in _episodes(model, env, deterministic, seed + round_):
+                rewards.append(float(episode["reward"]))
+                lengths.append(int(episode["num_tokens"]))
+            round_ += 1
     rewards, lengths = rewards[:n_eval_episodes], lengths[:n_eval_episodes]
     mean, std = float(np.mean(rewards)), float(np.std(rewards))
     if reward_threshold is not None and not mean > reward_threshold:
@@ -86,13 +102,17 @@ def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int)
     if is_lm_agent(type(model)) and env.autoreset_mode.value == "Disabled":
         temperature = 0.0 if deterministic else model.config.temperature
         return model.rollout(env, temperature=temperature, seed=seed).infos
+    from textgym.sb3 import Predictor
+
     obs, _ = env.reset(seed=seed)
     done = np.zeros(env.num_envs, dtype=bool)
     returns = np.zeros(env.num_envs)  # every step's reward: a multi-turn env pays one per turn
     episodes: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
+    predict = Predictor(model, env.num_envs)  # with MaskablePPO's masks and RecurrentPPO's state
     while not done.all():
-        actions, _ = model.predict(obs, deterministic=deterministic)
+        actions = predict(obs, env, deterministic)
         obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
+        predict.ended(terminated | truncated)
         returns += np.where(done, 0.0, rewards)
         ended = (terminated | truncated) & ~done
         final = infos.get("final_info", infos)  # SameStep mode: the ended episode's info moved here

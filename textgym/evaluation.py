@@ -311,24 +311,23 @@ class Evaluator:
         return episodes[:n], tokens[:n], kls[:n]
 
     def _rollouts_sb3(self, agent: Any, n: int) -> tuple[list[dict[str, Any]], list[list[int]], list[float]]:
-        import torch
+        from textgym.sb3 import Predictor, make_vec_env, seeded_sampling
 
-        from textgym.sb3 import make_vec_env
-
-        # One sub-env, prompts in order: the same prompts every time. The policy's own sampling runs on a
-        # forked torch RNG, seeded, so an evaluation during training does not change the training stream.
+        # One sub-env, prompts in order: the same prompts every time. The policy's own sampling runs on
+        # forked random streams, seeded, so an evaluation during training does not change the training stream.
         kwargs = {**self._env_kwargs(), "prompt_order": "sequential"}
         env = make_vec_env(self.config["env"]["id"], n_envs=1, seed=self.spec["seed"], **kwargs)
         episodes: list[dict[str, Any]] = []
         tokens: list[list[int]] = []
         chosen: list[int] = []  # the policy's tokens of the episode under way, EOS included, as the LM path's
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.spec["seed"])
+        predict = Predictor(agent, 1)  # with MaskablePPO's masks and RecurrentPPO's state
+        with seeded_sampling(self.spec["seed"]):
             obs = env.reset()
             while len(episodes) < n:
-                action = agent.predict(obs, deterministic=False)[0]
+                action = predict(obs, env, deterministic=False)
                 chosen.append(int(np.asarray(action).reshape(-1)[0]))
                 obs, _, dones, infos = env.step(action)
+                predict.ended(dones)
                 if dones[0]:
                     info = infos[0]
                     components = {

@@ -6,9 +6,12 @@ the vector env's batched reward scoring kept (one reward call per step for all e
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
+import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +165,53 @@ def make_vec_env(
 SB3_MODEL = "model.zip"
 
 
+class Predictor:
+    """An SB3-style model's ``predict`` over the steps of its episodes, called as its own rollouts call it:
+    with the env's action masks where ``predict`` takes them (sb3-contrib's ``MaskablePPO``: without them it
+    sampled the tokens it had learnt never to take) and with a recurrent policy's state carried from step to
+    step, restarted where an episode starts (``RecurrentPPO``: without it the LSTM restarted at every
+    token). Other models ignore the state."""
+
+    def __init__(self, model: Any, num_envs: int):
+        self.model = model
+        parameters = inspect.signature(model.predict).parameters
+        self.masked = "action_masks" in parameters
+        self.stateful = "state" in parameters and "episode_start" in parameters  # a plain predict(obs) too
+        self.state: Any = None
+        self.starts = np.ones(num_envs, dtype=bool)
+
+    def __call__(self, obs: Any, env: Any, deterministic: bool) -> np.ndarray:
+        kwargs: dict[str, Any] = {"action_masks": env.action_masks()} if self.masked else {}
+        if self.stateful:
+            kwargs.update(state=self.state, episode_start=self.starts)
+        actions, state = self.model.predict(obs, deterministic=deterministic, **kwargs)
+        self.state, self.starts = state, np.zeros_like(self.starts)
+        return np.asarray(actions)
+
+    def ended(self, dones: np.ndarray) -> None:
+        """The sub-envs whose episode ended: the next step starts a new one there."""
+        self.starts = np.asarray(dones, dtype=bool).copy()
+
+
+@contextlib.contextmanager
+def seeded_sampling(seed: int) -> Iterator[None]:
+    """Within the block, torch's, numpy's and Python's global random numbers start from ``seed`` (an SB3
+    model samples from torch's, a DQN's epsilon-greedy from numpy's); outside it, they continue as if the
+    block had drawn none: an evaluation neither changes the training that follows nor depends on it."""
+    import torch
+
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+
+
 def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
     components = {k: None if np.isnan(v) else float(v) for k, v in info.get("reward_components", {}).items()}
     return {"prompt": info.get("prompt", ""), "completion": info["completion"],
@@ -171,19 +221,19 @@ def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
 def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
     """One episode per sub-env of a ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``), actions from an
     SB3-style ``agent.predict`` (sampled, not greedy): the sample tables of SB3 runs."""
-    import torch
-
-    torch.manual_seed(seed)
-    obs, _ = env.reset(seed=seed)
     rows: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
     returns = np.zeros(env.num_envs)  # every step's reward: a multi-turn env pays one per turn
-    while env.active.any():
-        active = env.active.copy()
-        actions, _ = agent.predict(obs, deterministic=False)
-        obs, rewards, terminated, truncated, infos = env.step(np.asarray(actions, dtype=np.int64))
-        returns += np.where(active, rewards, 0.0)
-        for i in np.flatnonzero(terminated | truncated):
-            rows[i] = sb3_row(_ended(infos, i), float(returns[i]))
+    predict = Predictor(agent, env.num_envs)
+    with seeded_sampling(seed):
+        obs, _ = env.reset(seed=seed)
+        while env.active.any():
+            active = env.active.copy()
+            actions = predict(obs, env, deterministic=False)
+            obs, rewards, terminated, truncated, infos = env.step(actions.astype(np.int64))
+            returns += np.where(active, rewards, 0.0)
+            predict.ended(terminated | truncated)
+            for i in np.flatnonzero(terminated | truncated):
+                rows[i] = sb3_row(_ended(infos, i), float(returns[i]))
     return rows
 
 
