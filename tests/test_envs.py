@@ -193,10 +193,45 @@ def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
         env = char_env(prompts=["abcdefgh", "ab"], max_prompt_tokens=3)
     obs, _ = env.reset(options={"prompt": 0})
     assert CHARS.decode(obs["input_ids"][:3]) == "fgh"
-    with pytest.warns(UserWarning, match="has 9 tokens; keeping its last 3"):  # a text given at reset
+    with pytest.warns(
+        UserWarning, match="has 9 tokens; keeping the last 3 tokens of its text"
+    ):  # given at reset
         env.reset(options={"prompt": "abcdefghh"})
     with pytest.raises(PromptError, match="8 tokens, more than max_prompt_tokens=3"):
         char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")
+
+
+def test_a_long_prompt_is_cut_inside_its_chat_template_and_after_its_bos_token():
+    """The last max_prompt_tokens of the templated ids were kept: the template's opening (the user turn's
+    start, a system block) or the BOS token went, and a small limit left the assistant header alone."""
+    text = "Please summarise this: " + " ".join(f"word{i}" for i in range(60))
+    env = TextGenEnv(model="tiny-random-llama", prompts=[text], max_prompt_tokens=40, max_new_tokens=2)
+    full = env.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    obs, _ = env.reset(seed=0)
+    kept = env.tokenizer.decode(obs["input_ids"][:40][obs["attention_mask"][:40] == 1])
+    assert kept.startswith(full[: full.index(text)]) and kept.endswith(
+        "word59<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert "Please summarise" not in kept and len(kept) < len(full)
+    with pytest.raises(
+        PromptError, match=r"its framing alone \(the chat template: \d+ tokens\) leaves no room"
+    ):
+        TextGenEnv(model="tiny-random-llama", prompts=[text], max_prompt_tokens=3)
+
+    import copy
+
+    from textgym.models import load_tokenizer
+
+    bos = copy.deepcopy(load_tokenizer("tiny-random-llama"))  # the zoo's is shared
+    bos.chat_template = None
+    bos.add_bos_token = True
+    if bos(text).input_ids[0] != bos.bos_token_id:
+        pytest.skip("this tokenizer adds no BOS token")
+    env = TextGenEnv(model=bos, prompts=[text], max_prompt_tokens=8, max_new_tokens=2)
+    obs, _ = env.reset(seed=0)
+    ids = obs["input_ids"][:8]
+    assert ids[0] == bos.bos_token_id and bos.decode(ids[1:]).endswith("word59")
 
 
 def test_prompts_the_tokenizer_cannot_encode_are_refused_when_the_env_is_made():

@@ -154,7 +154,8 @@ class Episodes(Turns):
             if self._overflowed:
                 warnings.warn(
                     f"{self._overflowed} of {len(self.prompts)} prompts have more than max_prompt_tokens={self.P} "
-                    f"tokens; keeping the last {self.P} of each. Raise max_prompt_tokens to keep them whole.",
+                    f"tokens; keeping the end of each one's text, inside its chat template or special tokens. Raise "
+                    f"max_prompt_tokens to keep them whole.",
                     stacklevel=3,
                 )
 
@@ -208,17 +209,52 @@ class Episodes(Turns):
             if self.prompt_overflow == "error":
                 raise PromptError(
                     f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
-                    f"the prompt, or pass prompt_overflow='truncate' to keep its last {self.P} tokens."
+                    f"the prompt, or pass prompt_overflow='truncate' to keep the end of its text."
+                )
+            head, tail = self._framing(text, ids)
+            room = self.P - len(head) - len(tail)
+            if room < 1:
+                raise PromptError(
+                    f"{where}, and its framing alone ({'the chat template' if self.chat_template else 'special tokens'}"
+                    f": {len(head) + len(tail)} tokens) leaves no room for its text in max_prompt_tokens={self.P}: "
+                    f"raise max_prompt_tokens."
                 )
             if warn:
                 warnings.warn(
-                    f"{where}; keeping its last {self.P} (max_prompt_tokens). Raise max_prompt_tokens "
-                    f"to keep it whole.",
+                    f"{where}; keeping the last {room} tokens of its text"
+                    f"{' inside the chat template' if self.chat_template else ''} (max_prompt_tokens={self.P}). "
+                    f"Raise max_prompt_tokens to keep it whole.",
                     stacklevel=5,
                 )
             self._overflowed += 1
-            ids = ids[-self.P :]  # from the left: the end of a prompt is what the completion continues
+            # the text is cut from the left (its end is what the completion continues); the chat template's
+            # opening and its assistant header, or a BOS token, are kept: cut with them, a policy met a prompt
+            # without its user turn's start, or without BOS
+            body = ids[len(head) : len(ids) - len(tail)]
+            ids = np.concatenate([head, body[len(body) - room :], tail])
         return ids
+
+    def _framing(self, text: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids before and after a prompt's text in its ``ids``: the chat template's opening and closing
+        (its assistant header), or the special tokens the tokenizer adds (BOS). None found: nothing."""
+        empty = np.zeros(0, dtype=np.int64)
+        plain = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+        if self.chat_template:
+            templated = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            at = templated.rfind(text)
+            if at < 0:
+                return empty, empty
+            head = self.tokenizer.encode(templated[:at], add_special_tokens=False)
+            tail = self.tokenizer.encode(templated[at + len(text) :], add_special_tokens=False)
+            if list(ids[: len(head)]) != head or (tail and list(ids[len(ids) - len(tail) :]) != tail):
+                return empty, empty  # the text's tokens merged with the template's: cut the whole
+            return np.asarray(head, dtype=np.int64), np.asarray(tail, dtype=np.int64)
+        for start in range(min(4, len(ids) - len(plain)) + 1):  # the text's tokens after a few special ones
+            if np.array_equal(ids[start : start + len(plain)], plain):
+                return ids[:start], ids[start + len(plain) :]
+        return empty, empty
 
     def prompt_text(self, i: int) -> str:
         """Slot ``i``'s prompt text, with the responder's opening when ``start`` gave one."""

@@ -184,8 +184,9 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     - ``max_new_tokens`` (32): the token budget after the prompt (multi-turn: agent and environment tokens
       together). ``max_prompt_tokens`` (96).
     - ``chat_template``: wrap each prompt as a user message (default: when the tokenizer has a template).
-    - ``stop``: extra stop strings (they end the agent's turn). ``prompt_overflow``: ``"truncate"`` (from
-      the left, with a warning) or ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"`` (from the
+    - ``stop``: extra stop strings (they end the agent's turn). ``prompt_overflow``: ``"truncate"`` (the
+      text from the left, inside its chat template or after its BOS, with a warning; ``info["prompt"]`` is
+      the whole text) or ``"error"``. ``prompt_order``: ``"random"`` or ``"sequential"`` (from the
       first prompt on, across every reset, seeded or not, as a data loader keeps its place: an agent seeds
       each rollout's reset. So a seeded reset repeats its episode, as Gymnasium's ``check_env`` asks, with
       ``"random"`` only).
