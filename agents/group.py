@@ -53,14 +53,18 @@ class GroupConfig(LMAgentConfig):
             raise ConfigError(f"beta must be a number >= 0, not {self.beta!r}.")
         if not isinstance(self.epsilon, (int, float)) or not 0 < self.epsilon < 1:
             raise ConfigError(f"epsilon must be in (0, 1), not {self.epsilon!r}.")
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        check_number("epsilon_high", self.epsilon_high)
-        if self.epsilon_high < self.epsilon:
+        # None stays None, and follows epsilon: a load that overrides epsilon moves both bounds
+        check_number("epsilon_high", self.epsilon_high, none_ok=True)
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ConfigError(
                 f"epsilon_high must be >= epsilon ({self.epsilon}) (clip-higher widens the upper bound), "
                 f"not {self.epsilon_high!r}."
             )
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clipping bound's epsilon: ``epsilon_high``, or ``epsilon`` where it is unset."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 @dataclass
@@ -155,7 +159,8 @@ class GroupAgent(LMAgent):
                         logprobs, entropy, _ = self.policy_logprobs(mb)
                         loss, stats = self.loss(mb, logprobs, totals)
                         self.backward(loss)
-                    mask = mb.action_mask.to(entropy.device).float()
+                    # over the tokens in the loss, as TRL (mask_truncated_completions leaves some out)
+                    mask = mb.loss_mask.to(entropy.device).float()
                     add("entropy", (entropy.detach() * mask).sum(), mask.sum())
                     add("loss", loss.detach(), k == len(micros) - 1)  # per step: its micro-batches' sum
                     for name, (total, count) in stats.items():

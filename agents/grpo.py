@@ -21,6 +21,7 @@ from textgym.agents.group_core import (
     aggregate_loss,
     clipped_surrogate,
     group_advantages,
+    zero_std_share,
 )
 from textgym.agents.ppo_core import k3_kl
 from textgym.errors import ConfigError
@@ -60,7 +61,8 @@ class GRPO(GroupAgent):
         self, scores: torch.Tensor, kl: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         advantages, _ = group_advantages(scores, self.group_size, self.config.scale_rewards)
-        return advantages, {}
+        # as TRL: of the scores the advantages are computed from (after score shaping)
+        return advantages, {"frac_reward_zero_std": zero_std_share(scores, self.group_size)}
 
     def loss(
         self, mb: GroupBatch, logprobs: torch.Tensor, totals: dict[str, Any]
@@ -71,7 +73,7 @@ class GRPO(GroupAgent):
             logprobs - mb.logprobs.to(logprobs.device),
             mb.advantages.to(logprobs.device),
             c.epsilon,
-            c.epsilon_high,
+            c.clip_high,
         )
         stats = {}
         if c.beta:

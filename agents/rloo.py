@@ -15,7 +15,12 @@ from typing import Any
 import torch
 
 from textgym.agents.group import GroupAgent, GroupBatch, GroupConfig
-from textgym.agents.group_core import leave_one_out_advantages, normalize, sequence_clipped_surrogate
+from textgym.agents.group_core import (
+    leave_one_out_advantages,
+    normalize,
+    sequence_clipped_surrogate,
+    zero_std_share,
+)
 
 
 @dataclass
@@ -48,6 +53,8 @@ class RLOO(GroupAgent):
         if c.beta:
             rewards = rewards - c.beta * kl  # the KL per completion (k1 over its agent tokens) in the reward
             stats["rlhf_reward"] = float(rewards.mean())
+        # as TRL: of the rewards the advantages are computed from, after the KL penalty
+        stats["frac_reward_zero_std"] = zero_std_share(rewards, self.group_size)
         advantages = leave_one_out_advantages(rewards, self.group_size)
         if c.normalize_advantages:
             advantages = normalize(advantages)
@@ -60,7 +67,7 @@ class RLOO(GroupAgent):
         device = logprobs.device
         mask = mb.loss_mask.to(device).float()
         per_sequence, low, high = sequence_clipped_surrogate(
-            logprobs, mb.logprobs.to(device), mask, mb.advantages.to(device), c.epsilon, c.epsilon_high
+            logprobs, mb.logprobs.to(device), mask, mb.advantages.to(device), c.epsilon, c.clip_high
         )
         counted = mask.sum(-1) > 0  # a masked (truncated) completion takes no part
         loss = (per_sequence * counted).sum() / totals["num_sequences"] * totals["world"]

@@ -179,6 +179,44 @@ def test_a_constant_reward_gives_zero_advantages_and_a_finite_update():
     batch = agent.collect_rollouts()
     assert batch.advantages.eq(0).all() and batch.stats["frac_reward_zero_std"] == 1.0
     assert all(np.isfinite(v) for v in agent.train(batch).values())
+    # 77.7 is not exact in float32: the group mean came out a few ulps off, and divided by std + 1e-4 gave
+    # every completion an advantage of -0.076 and the update a gradient
+    agent = agent_of("grpo", env=make_env(reward=lambda samples: [77.7] * len(samples)), num_generations=8)
+    batch = agent.collect_rollouts()
+    assert batch.advantages.eq(0).all() and batch.stats["frac_reward_zero_std"] == 1.0
+
+
+@pytest.mark.parametrize("key", ["grpo", "rloo"])
+def test_frac_reward_zero_std_counts_the_groups_of_the_scores_the_advantages_see(key):
+    """With missing_eos_penalty a constant reward still gives different scores to cut and ended completions:
+    it said every group had no signal while every completion had an advantage."""
+    env = make_env(reward=lambda samples: [0.0] * len(samples), max_new_tokens=2)
+    agent = agent_of(key, env=env, missing_eos_penalty=1.0, beta=0.0)
+    batch = agent.collect_rollouts()
+    groups = batch.truncated.view(-1, 4)
+    mixed = float((groups.any(1) & ~groups.all(1)).double().mean())
+    assert mixed > 0 and batch.stats["frac_reward_zero_std"] == pytest.approx(1 - mixed)
+    assert batch.raw_scores.eq(0).all() and batch.advantages.ne(0).any()
+
+
+def test_an_unset_epsilon_high_follows_an_epsilon_given_when_loading(tmp_path):
+    """It was fixed to epsilon when the config was made: a load overriding epsilon kept the old upper bound,
+    or refused one above it, naming a value the user never gave."""
+    iterations(agent_of("grpo"), 1).save(tmp_path / "ckpt")
+    loaded = GRPO.load(tmp_path / "ckpt", make_env(), epsilon=0.3)
+    assert loaded.config.epsilon_high is None and loaded.config.clip_high == 0.3
+    assert GRPOConfig(epsilon=0.2, epsilon_high=0.28).clip_high == 0.28
+
+
+def test_with_mask_truncated_completions_the_entropy_is_over_the_tokens_in_the_loss():
+    agent = agent_of("grpo", env=make_env(max_new_tokens=2), mask_truncated_completions=True, beta=0.0,
+                     num_iterations=1, steps_per_generation=1)  # fmt: skip
+    batch = agent.collect_rollouts()
+    assert batch.truncated.any() and not batch.truncated.all()
+    with torch.no_grad():
+        _, entropy, _ = agent.policy_logprobs(batch)  # the update's first (and only) forward
+    expected = float((entropy * batch.loss_mask).sum() / batch.loss_mask.sum())
+    assert agent.train(batch)["entropy"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from textgym.agents.group_core import (
     leave_one_out_advantages,
     normalize,
     sequence_clipped_surrogate,
+    zero_std_share,
 )
 
 T = torch.tensor
@@ -45,6 +46,17 @@ def test_no_scaling_only_centres_each_group():
 def test_a_group_of_equal_rewards_gives_zero_advantages_never_nan(scale):
     advantages, _ = group_advantages(T([0.5, 0.5, 0.5, 0.5]), 2, scale)
     assert advantages.eq(0).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_group_of_equal_float32_rewards_gives_exactly_zero_advantages(scale):
+    """A float32 mean of eight 77.7s is a few ulps off 77.7: divided by std + 1e-4, every completion of the
+    group got the same advantage, up to 0.37 for rewards near 1000."""
+    rewards = torch.cat([torch.full((8,), 77.7), torch.full((8,), 1000.1), torch.arange(8.0)])
+    advantages, _ = group_advantages(rewards, 8, scale)
+    assert advantages.dtype == torch.float32 and advantages[:16].eq(0).all() and advantages[16:].ne(0).all()
+    assert normalize(torch.full((8,), 77.7)).eq(0).all()
+    assert zero_std_share(rewards, 8) == pytest.approx(2 / 3)
 
 
 def test_leave_one_out_baseline_is_the_mean_of_the_others():

@@ -88,3 +88,24 @@ def test_a_csv_column_named_twice_is_an_error(tmp_path):
 def test_blank_trailing_csv_columns_are_not_a_column_named_twice(tmp_path):
     (tmp_path / "p.csv").write_text("prompt,reference,,\nhi,there,,\n")  # a spreadsheet's export
     assert [p.text for p in load_prompts(tmp_path / "p.csv")] == ["hi"]
+
+
+def test_the_copy_split_gives_every_letter_every_position_equally_often_in_both_parts():
+    """Every 8th string in order held out the words ending in "h" alone: training never had an "h" last."""
+    from collections import Counter
+
+    train, held_out = load_prompts("copy-train"), load_prompts("copy-heldout")
+    assert len(held_out) == 64 and len(train) == 448
+    assert {p.text for p in train}.isdisjoint(p.text for p in held_out)
+    assert {p.text for p in train} | {p.text for p in held_out} == {p.text for p in load_prompts("copy")}
+    for part, n in ((held_out, 8), (train, 56)):
+        for position in range(3):
+            assert Counter(p.text[position] for p in part) == dict.fromkeys("abcdefgh", n)
+
+
+@pytest.mark.parametrize("source", [{"prompt": "What is 2+2?", "reference": "4"}, Prompt("x"), b"hi", 3])
+def test_a_single_prompt_or_another_non_list_is_refused_not_read_as_its_keys(source):
+    with pytest.raises(
+        PromptError, match=r"prompts must be a name, a file, or a list of prompts.*\[\.\.\.\]"
+    ):
+        load_prompts(source)

@@ -6,7 +6,7 @@ import csv
 import io
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,12 @@ def load_prompts(source: PromptsLike = None) -> list[Prompt]:
     where = repr(str(source)) if isinstance(source, (str, os.PathLike)) else "the prompt list"
     if isinstance(source, (str, os.PathLike)):
         records = _resolve(source)
+    elif isinstance(source, (Mapping, Prompt, bytes)) or not isinstance(source, Iterable):
+        # a dict was iterated over its keys: each key became a prompt
+        raise PromptError(
+            f"prompts must be a name, a file, or a list of prompts, not a {type(source).__name__} "
+            f"({str(source)[:60]!r}); wrap a single prompt in a list: [...]."
+        )
     else:
         records = list(source)
     prompts = [_to_prompt(record, where, i) for i, record in enumerate(records)]
@@ -171,6 +177,13 @@ def copy_prompts(alphabet: str = "abcdefgh", length: int = 3) -> list[dict[str, 
     return [{"prompt": w, "reference": w} for w in words]
 
 
+def _copy_held_out(word: str, alphabet: str = "abcdefgh") -> bool:
+    """Whether a Copy string is held out: its letters' indices sum to 7 modulo 8. Every letter then takes
+    every position equally often in both parts (every 8th string in order held out the words ending in
+    "h" alone, a letter at a position that training never had)."""
+    return sum(alphabet.index(c) for c in word) % len(alphabet) == len(alphabet) - 1
+
+
 @hookimpl
 def register_prompt_sources(register: Callable[..., None]) -> None:
     register("chat", _shipped("chat"))
@@ -180,6 +193,6 @@ def register_prompt_sources(register: Callable[..., None]) -> None:
     # task the embedded SmolLM2-135M gets right about a quarter of the time when sampling (GRPO's example).
     register("capitals", _shipped("capitals"))
     register("copy", copy_prompts)
-    # A fixed split of the same strings: every 8th for evaluation, the rest for training.
-    register("copy-train", lambda: [p for i, p in enumerate(copy_prompts()) if i % 8 != 7])
-    register("copy-heldout", lambda: [p for i, p in enumerate(copy_prompts()) if i % 8 == 7])
+    # A fixed split of the same strings: one in 8 for evaluation, the rest for training
+    register("copy-train", lambda: [p for p in copy_prompts() if not _copy_held_out(p["prompt"])])
+    register("copy-heldout", lambda: [p for p in copy_prompts() if _copy_held_out(p["prompt"])])
