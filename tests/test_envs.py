@@ -472,3 +472,20 @@ def test_the_vector_env_renders_text_and_declares_render_fps():
     assert env.metadata["render_fps"] and TextGenEnv.metadata["render_fps"]
     with pytest.raises(ConfigError, match="render_mode must be None or 'ansi'"):
         vector_char_env(2, render_mode="human")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(allowed_tokens=5), r"allowed_tokens must be a list of token ids or token strings.*not 5"),
+        (dict(max_new_tokens=True), r"max_new_tokens must be a positive integer, not True"),
+    ],
+)
+def test_settings_of_the_wrong_kind_are_named_not_taken_or_tracebacks(kwargs, message):
+    """allowed_tokens=5 was "'int' object is not iterable"; True was taken as 1."""
+    with pytest.raises(ConfigError, match=message):
+        char_env(**kwargs)
+    with pytest.raises(ConfigError, match="num_envs must be a positive integer, not True"):
+        TextGenVectorEnv(
+            num_envs=True, model=CHARS, prompts=["ab"], rewards=[{"name": "length_penalty", "target": 2}]
+        )

@@ -129,3 +129,17 @@ def test_single_env_passes_sb3_check_env():
     import gymnasium
 
     check_env(gymnasium.make("textgym/Copy-v0").unwrapped)
+
+
+def test_actions_that_are_not_one_token_id_per_sub_env_are_refused():
+    """Float actions were cut to ints (1.7: the EOS id, which ended the episode); a wrong count was numpy's
+    reshape error."""
+    import pytest
+    from gymnasium.error import InvalidAction
+
+    env = make_vec_env("textgym/Copy-v0", n_envs=3, seed=0)
+    env.reset()
+    for bad in (np.array([1.7, 2.2, 3.9]), np.array([2, 3])):
+        with pytest.raises(InvalidAction, match="actions must be 3 integer token ids, one per sub-env"):
+            env.step(bad)
+    env.step(np.array([2, 3, 4]))

@@ -55,7 +55,16 @@ class TextGymVecEnv(VecEnv):
         return obs
 
     def step_async(self, actions: np.ndarray) -> None:
-        self._actions = np.asarray(actions).reshape(self.num_envs).astype(np.int64)
+        array = np.asarray(actions)
+        # a float was cut to an int (1.7: EOS), and a wrong count failed in numpy's reshape
+        if array.size != self.num_envs or array.dtype.kind not in "iu":
+            from gymnasium.error import InvalidAction
+
+            raise InvalidAction(
+                f"actions must be {self.num_envs} integer token ids, one per sub-env, not {array.dtype} of shape "
+                f"{array.shape}: {str(array.tolist())[:80]}."
+            )
+        self._actions = array.reshape(self.num_envs).astype(np.int64)
 
     def step_wait(self) -> VecEnvStepReturn:
         """SB3's step. ``TimeLimit.truncated`` stays False even where the env truncates (``max_new_tokens``,

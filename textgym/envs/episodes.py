@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -64,7 +64,7 @@ class Episodes(Turns):
         max_turns: int | None = None,
     ):
         for arg, value in (("max_new_tokens", max_new_tokens), ("max_prompt_tokens", max_prompt_tokens)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"{arg} must be a positive integer, not {value!r}.")
         if prompt_overflow not in ("truncate", "error"):
             raise ConfigError(f"prompt_overflow must be 'truncate' or 'error', not {prompt_overflow!r}.")
@@ -166,6 +166,11 @@ class Episodes(Turns):
         if allowed is None:
             mask[:] = True
         else:
+            if isinstance(allowed, (int, np.integer, bytes)) or not isinstance(allowed, Iterable):
+                raise ConfigError(
+                    f"allowed_tokens must be a list of token ids or token strings, or a string of characters, "
+                    f"not {allowed!r}."
+                )
             items = list(allowed)  # a string is its characters
             for item in items:
                 if (
@@ -177,7 +182,10 @@ class Episodes(Turns):
                     continue
                 ids = self.tokenizer.encode(item, add_special_tokens=False) if isinstance(item, str) else []
                 if len(ids) != 1:
-                    raise ConfigError(f"allowed_tokens: {item!r} is not one token of this vocabulary.")
+                    raise ConfigError(
+                        f"allowed_tokens: {item!r} is not one token of this vocabulary (give a token as its text, "
+                        f"e.g. ' yes' with its leading space, not as the vocabulary writes it, e.g. 'Ġyes')."
+                    )
                 mask[ids[0]] = True
             if self.eos_id is not None:
                 mask[self.eos_id] = True

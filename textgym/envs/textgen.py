@@ -348,7 +348,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
     ):
         if render_mode not in (None, "ansi"):
             raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
-        if not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
+        if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ConfigError(f"num_envs must be a positive integer, not {num_envs!r}.")
         try:
             mode = AutoresetMode(autoreset_mode)
