@@ -523,3 +523,18 @@ def test_time_limit_scoring_through_the_registry():
     env.step(2)
     *_, truncated, info = env.step(2)
     assert truncated and "reward_components" in info and os.environ  # scored on the truncating step
+
+
+def test_eval_callback_gives_a_vecnormalize_eval_env_the_training_envs_statistics():
+    """SB3's EvalCallback syncs them before each evaluation; textgym's evaluated with the eval env's own,
+    which never update (training=False)."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    train_env = VecNormalize(make_vec_env("textgym/Copy-v0", n_envs=2, seed=0), norm_obs_keys=["input_ids"])
+    eval_env = VecNormalize(make_vec_env("textgym/Copy-v0", n_envs=2, seed=1), norm_obs_keys=["input_ids"],
+                            training=False)  # fmt: skip
+    model = PPO("MultiInputPolicy", train_env, n_steps=16, batch_size=32, seed=0)
+    model.learn(32, callback=EvalCallback(eval_env, n_eval_episodes=2, eval_freq=16, verbose=0))
+    np.testing.assert_array_equal(eval_env.obs_rms["input_ids"].mean, train_env.obs_rms["input_ids"].mean)
+    assert eval_env.obs_rms["input_ids"].mean.any()

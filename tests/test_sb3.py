@@ -65,6 +65,12 @@ def test_the_vec_env_passes_on_turn_infos_and_refuses_per_index_attributes():
         env.set_attr("max_turns", 1, indices=[0])
     env.set_attr("note", "shared")
     assert env.get_attr("note") == ["shared", "shared"]
+    # a method acts on every sub-env: env_method("reset", indices=[0]) reset both
+    with pytest.raises(ConfigError, match=r"env_method\('reset', indices=\[0\]\).*call it on all of them"):
+        env.env_method("reset", indices=[0])
+    assert len(env.env_method("action_masks", indices=[1])) == 1  # reading a row is fine
+    # a sub-env's space is the single one, as SB3's VecEnvs give it
+    assert env.get_attr("observation_space", indices=[0])[0] == env.observation_space
 
 
 def test_an_entry_only_some_ended_sub_envs_have_is_not_given_to_the_others():

@@ -128,7 +128,9 @@ class EvalCallback(EventCallback):
     ``eval/mean_reward`` and ``eval/mean_ep_length``, append to ``log_path/evaluations.npz`` (SB3's format),
     save the best model to ``best_model_save_path/best_model``, call ``callback_on_new_best`` on a new best
     (e.g. SB3's ``StopTrainingOnRewardThreshold``) and ``callback_after_eval`` after every evaluation (e.g.
-    ``StopTrainingOnNoModelImprovement``). Evaluation ``k`` uses seed ``k``."""
+    ``StopTrainingOnNoModelImprovement``). Evaluation ``k`` uses seed ``k``. ``eval_freq`` counts callback
+    steps: iterations for LM agents, env steps for Stable-Baselines3 agents (as SB3's). A ``VecNormalize``
+    eval env gets the training env's statistics before each evaluation, as in SB3."""
 
     def __init__(
         self,
@@ -167,6 +169,11 @@ class EvalCallback(EventCallback):
     def _on_step(self) -> bool:
         if self.eval_freq <= 0 or self.n_calls % self.eval_freq:
             return True
+        from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
+
+        if isinstance(self.training_env, VecEnv) and isinstance(self.eval_env, VecEnv):
+            # a VecNormalize's running statistics, as SB3's EvalCallback copies them before each evaluation
+            sync_envs_normalization(self.training_env, self.eval_env)
         rewards, lengths = evaluate_policy(
             self.model, self.eval_env, self.n_eval_episodes, self.deterministic, self.render,
             return_episode_rewards=True, warn=self.warn, seed=self.n_calls,

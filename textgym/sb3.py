@@ -22,6 +22,10 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError
 
+SINGLE_SPACES = {"observation_space": "single_observation_space", "action_space": "single_action_space"}
+# safe to call for a subset of sub-envs: their rows are read, and nothing changes
+READ_ONLY_METHODS = ("action_masks", "render")
+
 
 class TextGymVecEnv(VecEnv):
     """SB3 ``VecEnv`` over a ``TextGenVectorEnv`` in ``"SameStep"`` autoreset mode.
@@ -93,7 +97,9 @@ class TextGymVecEnv(VecEnv):
         self.env.close()
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
-        return [getattr(self.env, attr_name)] * len(self._get_indices(indices))
+        # a sub-env's spaces are the vector env's single ones, not the batched ones
+        name = SINGLE_SPACES.get(attr_name, attr_name)
+        return [getattr(self.env, name)] * len(self._get_indices(indices))
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
         if sorted(self._get_indices(indices)) != list(range(self.num_envs)):
@@ -106,8 +112,14 @@ class TextGymVecEnv(VecEnv):
     def env_method(
         self, method_name: str, *args: Any, indices: VecEnvIndices = None, **kwargs: Any
     ) -> list[Any]:
-        result = getattr(self.env, method_name)(*args, **kwargs)
         rows = list(self._get_indices(indices))
+        if sorted(rows) != list(range(self.num_envs)) and method_name not in READ_ONLY_METHODS:
+            # the vector env's method acts on every sub-env (env_method("reset", indices=[0]) reset all)
+            raise ConfigError(
+                f"env_method({method_name!r}, indices={indices!r}): the {self.num_envs} sub-envs are one "
+                f"TextGenVectorEnv, whose methods act on all of them; call it on all of them (indices=None)."
+            )
+        result = getattr(self.env, method_name)(*args, **kwargs)
         if isinstance(result, np.ndarray) and result.shape[:1] == (self.num_envs,):  # one row per sub-env
             return [result[i] for i in rows]
         return [result] * len(rows)
