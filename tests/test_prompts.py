@@ -87,7 +87,21 @@ def test_a_csv_column_named_twice_is_an_error(tmp_path):
 
 def test_blank_trailing_csv_columns_are_not_a_column_named_twice(tmp_path):
     (tmp_path / "p.csv").write_text("prompt,reference,,\nhi,there,,\n")  # a spreadsheet's export
-    assert [p.text for p in load_prompts(tmp_path / "p.csv")] == ["hi"]
+    assert load_prompts(tmp_path / "p.csv") == [Prompt("hi", {"reference": "there"})]  # no '' metadata key
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "where"),
+    [
+        ("p.jsonl", '{"prompt": "a"}\n\n{"text": "missing"}\n', "p.jsonl:3"),
+        ("p.csv", "prompt,reference\nq1,a1\n,a2\n", "p.csv:3"),
+    ],
+)
+def test_a_file_row_without_a_prompt_names_its_line(tmp_path, name, text, where):
+    """It was named by its place among the records ("prompt 1"), which blank lines and the header shift."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(PromptError, match=f"{where}: each row needs a non-empty 'prompt' string"):
+        load_prompts(tmp_path / name)
 
 
 def test_the_copy_split_gives_every_letter_every_position_equally_often_in_both_parts():

@@ -94,9 +94,11 @@ def read_prompt_file(path: Path) -> list[Any]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise PromptError(f"{path}:{n} is not valid JSON: {exc.msg}.") from None
+            _check_record(record, f"{path}:{n}")  # named by its line, not its place among the records
+            records.append(record)
         return records
     if suffix == ".csv":
         return _read_csv(path, text)
@@ -128,10 +130,19 @@ def _read_csv(path: Path, text: str) -> list[dict[str, str]]:
                     f"{path}:{reader.line_num} has {len(cells)} cell{'s' * (len(cells) != 1)} for {len(header)} columns "
                     f"({', '.join(header)}); quote a cell that holds a comma."
                 )
-            rows.append(dict(zip(header, cells)))
+            row = {name: cell for name, cell in zip(header, cells) if name}  # a blank column is no metadata
+            _check_record(row, f"{path}:{reader.line_num}")
+            rows.append(row)
     except csv.Error as exc:
         raise PromptError(f"{path}:{reader.line_num} is not valid CSV: {exc} (a quote left open?).") from None
     return rows
+
+
+def _check_record(record: Any, where: str) -> None:
+    """A file's row holds a non-empty ``prompt`` string, else a PromptError naming its line."""
+    text = record.get("prompt") if isinstance(record, Mapping) else None
+    if not isinstance(text, str) or not text.strip():
+        raise PromptError(f"{where}: each row needs a non-empty 'prompt' string, not {str(record)[:80]!r}.")
 
 
 def _read_dataset_dir(path: Path) -> list[Any]:
