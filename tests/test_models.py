@@ -1,5 +1,6 @@
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -149,3 +150,16 @@ def test_models_built_in_code_take_dtype_and_refuse_what_they_would_ignore():
             textgym.load_model(name, attn_implementation="eager")
     with pytest.raises(ConfigError, match="'chars' is a tokenizer without a model: it takes no dtype"):
         textgym.load_model("chars", dtype=torch.bfloat16)
+
+
+def test_a_hub_id_is_asked_of_the_hub_not_refused_as_a_directory_without_tokenizer_files():
+    """Its tokenizer was looked for as a local directory's files, so a hub id (even one in the local cache)
+    never loaded: "has no tokenizer files"."""
+    import subprocess
+    import sys
+
+    code = "from textgym.models import load_model\nload_model('nobody-here/no-such-model')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)  # fmt: skip
+    assert "could not load 'nobody-here/no-such-model' from the Hugging Face hub" in result.stderr
+    assert "has no tokenizer files" not in result.stderr

@@ -141,7 +141,12 @@ def _load_dir(path: Path | str, **kwargs: Any) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = _tokenizer_from_dir(str(path))
+    if Path(path).expanduser().is_dir():
+        tokenizer = _tokenizer_from_dir(str(path))
+    else:  # a hub id: transformers fetches it (or reads its cache); an OSError says why it could not
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     # fp32 unless asked otherwise: transformers would load a checkpoint in the dtype it was saved in (most
     # hub checkpoints are bf16), and a policy must train fp32 weights (bf16 = true is autocast over them),
     # a reward model score in the precision its `bf16` setting says.

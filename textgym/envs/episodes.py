@@ -95,7 +95,8 @@ class Episodes(Turns):
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat_template and not has_template:
             raise ConfigError(
-                f"chat_template=True, but the tokenizer {type(self.tokenizer).__name__} has none."
+                f"chat_template=True, but the tokenizer {type(self.tokenizer).__name__} has none: leave "
+                f"chat_template unset (or false) to give the prompts as plain text."
             )
         self.chat_template = has_template if chat_template is None else bool(chat_template)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
