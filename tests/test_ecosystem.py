@@ -430,6 +430,8 @@ def test_a_pad_token_setting_for_tokenizers_that_pad_with_eos():
     assert env.pad_token_id == 0 and env.eos_token_id == 1
     with pytest.raises(textgym.errors.ModelError, match="is not a token of"):
         textgym.TextGenEnv(model=EosPads(), prompts=["ab"], pad_token="<nope>")
+    # a tokenizer's own pad token asked for by name: it said "'<pad>' is not a token of CharTokenizer's vocabulary"
+    assert textgym.TextGenEnv(model="chars", prompts=["ab"], pad_token="<pad>").pad_token_id == 0
 
 
 # -- paths and the command line ----------------------------------------------------------------------

@@ -372,6 +372,8 @@ def with_pad_token(tokenizer: Any, pad_token: str) -> Any:
     models whose tokenizer pads with EOS; adding a new token would need new embeddings)."""
     import copy
 
+    if getattr(tokenizer, "pad_token", None) == pad_token:  # already its pad (CharTokenizer's "<pad>")
+        return tokenizer
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     if pad_token not in vocab:
         raise ModelError(
