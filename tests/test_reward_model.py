@@ -366,9 +366,12 @@ def test_a_model_directory_without_a_tokenizer_or_with_a_two_label_head_is_named
 def test_pairs_that_format_to_the_same_tokens_or_to_none_are_refused_with_their_cause(tmp_path):
     """A chat template that trims made "Hello!" and "Hello! " one text, and the message said to raise
     --max-length, which cannot help; an empty text with no chat template and no BOS was scored at a pad."""
+    import copy
+
     from textgym.models import load_model
 
-    model, tokenizer = load_model("tiny-random-llama")
+    model, shared = load_model("tiny-random-llama")
+    tokenizer = copy.deepcopy(shared)  # the zoo's tokenizer is cached and shared: changed here, not there
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | trim }}\n{% endfor %}"
     model.save_pretrained(tmp_path / "trims")
     tokenizer.save_pretrained(tmp_path / "trims")
