@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from textgym.models import torch_seeded
 from textgym.scoring import restore_linears
 
 __all__ = ["REFERENCE", "adapters_disabled", "add_reference_adapter", "fold_lora", "foldable_lora_layers",
@@ -68,9 +69,7 @@ def seeded_init(seed: int) -> Iterator[None]:
     (``init_lora_weights = "pissa_niter_K"``: a randomized SVD) also leaves the base its residual, which the
     checkpoint does not hold. Seeded alike both times, the base is the one the adapter was trained over;
     and every process makes the same adapters."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    with torch_seeded(seed):
         yield
 
 

