@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from textgym.agents.group_core import zero_std_share
 from textgym.errors import TrainingError
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def batch_statistics(batch: RolloutBatch, dist: Collective, group_size: int) -> 
         "reward_std": float(groups.std(1).mean() if group_size > 1 else scores.std())
         if len(scores) > 1
         else 0.0,
-        "frac_reward_zero_std": float((groups.max(1).values == groups.min(1).values).double().mean()),
+        "frac_reward_zero_std": zero_std_share(scores, groups.shape[1]),
         "kl": math.nan,
         "completions/mean_length": float(dist.gather(mask.sum(1)).mean()),
         "completions/clipped_ratio": float(dist.gather(batch.truncated.double()).mean()),

@@ -65,11 +65,11 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def normalize(x: Tensor) -> Tensor:
-    """(x - mean) / (std + eps) over the batch (in float64; 0 where every x is equal)."""
+    """(x - mean) / (std + eps) over the batch (in float64; 0 where every x is equal, as in
+    :func:`group_advantages`, without reading the comparison on the host)."""
     d = x.double()
-    if d.max() == d.min():
-        return torch.zeros_like(x)
-    return ((d - d.mean()) / (_std(d) + STD_EPS)).to(x.dtype)
+    centred = torch.where(d.max() == d.min(), 0.0, d - d.mean())
+    return (centred / (_std(d) + STD_EPS)).to(x.dtype)
 
 
 def clipped_surrogate(
