@@ -13,6 +13,7 @@ from textgym.bench_results import BenchResults
 from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
 from textgym.evaluation import BUILTIN_METRICS, REWARD
+from textgym.formatting import one_line
 
 
 # -- shared wording ------------------------------------------------------------------------------------
@@ -305,10 +306,7 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
 def _cell_text(text: str, width: int | None = None) -> str:
     """User text (a prompt, a completion, a metric's label) as one Markdown table cell: on one line, cut at
     ``width`` characters, and escaped, so that ``<b>`` or ``&amp;`` in it reads as written, not as markup."""
-    text = " ".join(str(text).split())
-    if width is not None and len(text) > width:
-        text = text[: width - 1] + "…"
-    return html.escape(text, quote=False).replace("|", "\\|")
+    return html.escape(one_line(text, width), quote=False).replace("|", "\\|")
 
 
 def _samples(results: BenchResults) -> list[str]:

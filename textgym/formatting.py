@@ -7,12 +7,21 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def shortened(text: str, width: int | None) -> str:
+    """``text`` cut to ``width`` characters, the last one "…" where it was cut (``None``: whole)."""
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
+
+
+def one_line(text: Any, width: int | None = None) -> str:
+    """``text`` on one line (every run of whitespace one space), cut to ``width`` characters."""
+    return shortened(" ".join(str(text).split()), width)
+
+
 def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
     """A plain-text table: prompt, completion, each reward component, total (and their means)."""
 
     def cut(text: str, width: int) -> str:
-        text = " ".join(text.split())
-        return f"{text if len(text) <= width else text[: width - 1] + '…':<{width}}"
+        return f"{one_line(text, width):<{width}}"
 
     names = list(rows[0]["reward_components"]) if rows else []
     header = [cut("prompt", prompt_width), cut("completion", completion_width)]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.errors import ConfigError, PairsError
+from textgym.formatting import shortened
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -117,7 +118,7 @@ def _to_pair(record: Any, where: str, line: int) -> Pair:
                 f"that cannot be written as text; fix the escape or remove the row."
             ) from None
     if record["chosen"] == record["rejected"]:
-        text = record["chosen"] if len(record["chosen"]) <= 40 else record["chosen"][:39] + "…"
+        text = shortened(record["chosen"], 40)
         raise PairsError(
             f"{where}, line {line}: chosen and rejected are the same text ({text!r}), which teaches no "
             f"preference. Remove the row (label-pairs skips such ties)."
@@ -127,8 +128,7 @@ def _to_pair(record: Any, where: str, line: int) -> Pair:
 
 def _short(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters: a message names a row, it does not print it whole."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return shortened(repr(value), limit)
 
 
 def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from textgym.errors import ConfigError
+from textgym.formatting import one_line
 
 # Sentinels rendered through the chat template to find where a message's content sits.
 _USER, _AGENT, _REPLY = "TEXTGYMUSERTEXT", "TEXTGYMAGENTTEXT", "TEXTGYMREPLYTEXT"
@@ -87,8 +88,7 @@ def format_transcript(episode: Mapping[str, Any], width: int = 100) -> str:
     the agent's marked ``>``, the environment's ``<``, then the finish reason and the reward."""
 
     def cut(text: str) -> str:
-        text = " ".join(text.split())
-        return text if len(text) <= width else text[: width - 1] + "…"
+        return one_line(text, width)
 
     lines = [f"prompt: {cut(episode['prompt'])}"]
     for turn in episode.get("turns", []):
