@@ -13,7 +13,8 @@ from textgym.cli import main
 from textgym.errors import ConfigError, ModelError, PairsError, RewardError, TrainingError, UnknownNameError
 from textgym.models import is_complete
 from textgym.pairs import label_pairs, read_pairs
-from textgym.reward_model import REPORT, format_text, train_reward_model
+from textgym.reward_model import REPORT, train_reward_model
+from textgym.rm_scoring import format_text
 
 WORDS = [
     "the",
@@ -425,12 +426,12 @@ def test_on_a_gpu_the_held_out_figures_are_measured_in_rm_scores_bf16(toy):
     import torch
 
     from textgym.pairs import Pair
-    from textgym.reward_model import _Scorer, load_for_training
+    from textgym.rm_scoring import PairScorer, load_for_training
 
     out, rows, report = toy
     assert report.settings["bf16"] is False  # this CPU: fp32, as rm_score scores here by default
     model, tokenizer = load_for_training(out, seed=0)
-    scorer = _Scorer(model, tokenizer, 512, "cpu")
+    scorer = PairScorer(model, tokenizer, 512, "cpu")
     held_out = [rows[line - 1] for line in report.eval_lines]
     pairs = [Pair(r["prompt"], r["chosen"], r["rejected"], i) for i, r in enumerate(held_out, start=1)]
     metrics, _ = scorer.evaluate(pairs, 8, bf16=True)
