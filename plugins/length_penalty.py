@@ -34,11 +34,12 @@ class LengthPenalty:
                 raise ValueError(f"{key} must be a number, not {value!r}.")
             if value is not None and not math.isfinite(value):  # every score would be NaN or -inf
                 raise ValueError(f"{key} must be a finite number, not {value!r}.")
+        # a negative one rewarded the completions cut at the token limit
         if (
             isinstance(missing_eos_penalty, bool)
             or not isinstance(missing_eos_penalty, numbers.Real)
             or not 0 <= missing_eos_penalty < math.inf
-        ):  # a negative one rewarded the completions cut at the token limit
+        ):
             raise ValueError(
                 f"missing_eos_penalty must be a finite number >= 0 (it is subtracted), not {missing_eos_penalty!r}."
             )

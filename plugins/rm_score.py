@@ -142,9 +142,8 @@ class RMScore:
         )  # fmt: skip
         rows = [{key: values[i] for key, values in encodings.items()} for i in range(len(samples))]
         empty = [i for i, row in enumerate(rows) if not row["input_ids"]]
-        if (
-            empty
-        ):  # nothing for the model to read: a batch of them crashed in the forward, else a pad was read
+        # nothing for the model to read: a batch of them crashed in the forward, else a pad was read
+        if empty:
             raise RewardError(
                 f"sample {empty[0]} (prompt {samples[empty[0]].prompt[:40]!r}, completion "
                 f"{samples[empty[0]].completion[:40]!r}) formats to no tokens: this reward model's tokenizer "

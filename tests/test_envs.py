@@ -193,9 +193,8 @@ def test_long_prompts_are_truncated_from_the_left_with_a_warning_or_rejected():
         env = char_env(prompts=["abcdefgh", "ab"], max_prompt_tokens=3)
     obs, _ = env.reset(options={"prompt": 0})
     assert CHARS.decode(obs["input_ids"][:3]) == "fgh"
-    with pytest.warns(
-        UserWarning, match="has 9 tokens; keeping the last 3 tokens of its text"
-    ):  # given at reset
+    # a text given at reset
+    with pytest.warns(UserWarning, match="has 9 tokens; keeping the last 3 tokens of its text"):
         env.reset(options={"prompt": "abcdefghh"})
     with pytest.raises(PromptError, match="8 tokens, more than max_prompt_tokens=3"):
         char_env(prompts=["abcdefgh"], max_prompt_tokens=3, prompt_overflow="error")

@@ -49,7 +49,7 @@ def evaluate_policy(
     ):
         raise ConfigError(f"n_eval_episodes must be a positive integer, not {n_eval_episodes!r}.")
     from textgym.agent_config import is_lm_agent
-    from textgym.sb3 import Predictor, seeded_sampling
+    from textgym.sb3 import seeded_sampling, takes_action_masks
 
     if env is None and not is_lm_agent(type(model)):  # SB3's own evaluate_policy needs an env too
         raise ConfigError(
@@ -61,7 +61,7 @@ def evaluate_policy(
     if not isinstance(env, TextGenVectorEnv):
         from stable_baselines3.common.vec_env import VecEnv
 
-        if Predictor(model, 1).masked:  # MaskablePPO: sb3-contrib's evaluate_policy passes its masks
+        if takes_action_masks(model):  # MaskablePPO: sb3-contrib's evaluate_policy passes its masks
             from sb3_contrib.common.maskable.evaluation import evaluate_policy as sb3_evaluate
         else:
             from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate

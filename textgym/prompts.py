@@ -140,8 +140,7 @@ def _read_csv(path: Path, text: str) -> list[dict[str, str]]:
 
 def _check_record(record: Any, where: str) -> None:
     """A file's row holds a non-empty ``prompt`` string, else a PromptError naming its line."""
-    text = record.get("prompt") if isinstance(record, Mapping) else None
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(record, Mapping) or not _is_text(record.get("prompt")):
         raise PromptError(f"{where}: each row needs a non-empty 'prompt' string, not {str(record)[:80]!r}.")
 
 
@@ -168,12 +167,17 @@ def _to_prompt(record: Any, where: str, index: int) -> Prompt:
         text = meta.pop("prompt", None)
     else:
         text, meta = None, {}
-    if not isinstance(text, str) or not text.strip():
+    if not _is_text(text):
         raise PromptError(
             f"prompt {index} of {where} is {record!r}: each prompt must be a non-empty string, "
             f"or a mapping with a non-empty 'prompt' string."
         )
     return Prompt(text, meta)
+
+
+def _is_text(text: Any) -> bool:
+    """A prompt's text: a string with something but whitespace in it."""
+    return isinstance(text, str) and bool(text.strip())
 
 
 def _shipped(name: str) -> Callable[[], list[Any]]:

@@ -247,7 +247,6 @@ class Episodes(Turns):
         """The ids before and after a prompt's text in its ``ids``: the chat template's opening and closing
         (its assistant header), or the special tokens the tokenizer adds (BOS). None found: nothing."""
         empty = np.zeros(0, dtype=np.int64)
-        plain = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
         if self.chat_template:
             templated = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
@@ -260,6 +259,7 @@ class Episodes(Turns):
             if list(ids[: len(head)]) != head or (tail and list(ids[len(ids) - len(tail) :]) != tail):
                 return empty, empty  # the text's tokens merged with the template's: cut the whole
             return np.asarray(head, dtype=np.int64), np.asarray(tail, dtype=np.int64)
+        plain = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
         for start in range(min(4, len(ids) - len(plain)) + 1):  # the text's tokens after a few special ones
             if np.array_equal(ids[start : start + len(plain)], plain):
                 return ids[:start], ids[start + len(plain) :]
