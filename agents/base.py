@@ -234,10 +234,13 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         """Completions per prompt in a batch (1: every sub-env draws its own prompt)."""
         return 1
 
+    minibatch_knob = ""  # the hyperparameter that splits a batch into optimizer steps (none: one step)
+
     @property
     def minibatches(self) -> tuple[str, int]:
         """The hyperparameter that splits a batch into optimizer steps, and its value."""
-        return "", 1
+        knob = self.minibatch_knob
+        return knob, int(getattr(self.config, knob)) if knob else 1
 
     def build_modules(self, model: Any) -> dict[str, nn.Module]:
         """Trainable modules besides the policy (saved and loaded with it), e.g. a value head."""
@@ -291,9 +294,16 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             )
         knob, steps = self.minibatches
         if steps > env.num_envs:
+            world = self.dist.world
+            batch = (
+                f"each process's share of a batch ({env.num_envs} of num_envs={env.num_envs * world}, over "
+                f"{world} processes)"
+                if world > 1
+                else f"a batch of {env.num_envs} episodes (num_envs)"
+            )
             raise ConfigError(
-                f"{knob}={steps} splits a batch of {env.num_envs} episodes (num_envs) into more minibatches "
-                f"than it has episodes: give {knob} <= {env.num_envs}, or more num_envs."
+                f"{knob}={steps} splits {batch} into more minibatches than it has episodes: give {knob} <= "
+                f"{env.num_envs}, or more num_envs."
             )
         check_tokenizer(self.rollout_model.config, self.policy_source, env)
         if self.dist.world > 1:  # sequential prompt order: each process its own prompts, not all the same

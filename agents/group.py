@@ -79,6 +79,7 @@ class GroupAgent(LMAgent):
     """Base of the group-relative agents; see the module docstring."""
 
     config_class = GroupConfig
+    minibatch_knob = "steps_per_generation"
 
     @property
     def uses_reference(self) -> bool:
@@ -87,10 +88,6 @@ class GroupAgent(LMAgent):
     @property
     def group_size(self) -> int:
         return self.config.num_generations
-
-    @property
-    def minibatches(self) -> tuple[str, int]:
-        return "steps_per_generation", self.config.steps_per_generation
 
     def advantages(
         self, scores: torch.Tensor, kl: torch.Tensor | None

@@ -128,6 +128,7 @@ class LMPPO(LMAgent):
 
     config_class = LMPPOConfig
     name = "lmppo"
+    minibatch_knob = "n_minibatches"
 
     def __init__(self, policy: Any, env: Any = None, **hyperparameters: Any):
         super().__init__(policy, env, **hyperparameters)
@@ -144,10 +145,6 @@ class LMPPO(LMAgent):
     @property
     def value_head(self) -> nn.Module:
         return self.modules["value_head"]
-
-    @property
-    def minibatches(self) -> tuple[str, int]:
-        return "n_minibatches", self.config.n_minibatches
 
     def extra_state(self) -> dict[str, Any]:
         return {"kl_coef": self.kl_ctl.kl_coef}

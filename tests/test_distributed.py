@@ -673,15 +673,23 @@ def flaky(samples):
 """
 
 
-@pytest.mark.parametrize("shard", [None, "fsdp"], ids=["ddp", "fsdp"])
-def test_a_reward_failing_on_one_process_stops_every_process_with_its_name(config, tmp_path, shard):
+@pytest.mark.parametrize(
+    "shard, where", [(None, "env"), ("fsdp", "env"), (None, "eval")], ids=["ddp", "fsdp", "ddp-eval-metric"]
+)
+def test_a_reward_failing_on_one_process_stops_every_process_with_its_name(config, tmp_path, shard, where):
     """Sharded, the rollouts run in lockstep (a collective per step): the failing process must stop the
-    others in it, or they wait for its next forward forever (the timeout turns that hang into a failure)."""
+    others in it, or they wait for its next forward forever (the timeout turns that hang into a failure).
+    Unsharded, each process runs an [eval] alone, and the others went on to a raw "connection closed"."""
     (tmp_path / "flaky.py").write_text(FAILS_ON_RANK_1)
     out = tmp_path / "run"
+    sets = (
+        ["env.rewards=[{name='flaky'}]"]
+        if where == "env"
+        else ["eval.every=1", "eval.episodes=8", "eval.rewards=[{name='flaky'}]"]
+    )
     result = run_cmd([*TORCHRUN, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'",
                       "--set", "run.sample_prompts=1", "--set", f"run.plugins=['{tmp_path / 'flaky.py'}']",
-                      "--set", "env.rewards=[{name='flaky'}]"], shard=shard, timeout=240)  # fmt: skip
+                      *(arg for s in sets for arg in ("--set", s))], shard=shard, timeout=240)  # fmt: skip
     assert result.returncode != 0
     assert "reward function 'flaky'" in result.stderr or "reward plugin 'flaky'" in result.stderr
     assert (
@@ -714,7 +722,14 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(config, tmp_p
     assert main(["train", str(config), "--agent", "sb3-ppo", "--set", "run.processes=2",
                  "--set", f"run.output_dir='{tmp_path / 'z'}'"]) == 2  # fmt: skip
     assert "Stable-Baselines3 agents train in one process: set run.processes = 1" in capsys.readouterr().err
-    assert not any((tmp_path / d).exists() for d in "xyz")
+    # more minibatches than a process's share has episodes: refused here, not in each started process
+    assert main(["train", str(config), "--set", "run.processes=2", "--set", "agent.n_minibatches=8",
+                 "--set", f"run.output_dir='{tmp_path / 'v'}'"]) == 2  # fmt: skip
+    assert (
+        "agent.n_minibatches=8 splits each of the 2 processes' share of the batch (4 of env.num_envs=8) into more "
+        "minibatches than it has episodes: give n_minibatches <= 4" in capsys.readouterr().err
+    )
+    assert not any((tmp_path / d).exists() for d in "xyzv")
 
 
 def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, monkeypatch, capsys):

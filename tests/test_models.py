@@ -52,6 +52,26 @@ def test_a_bf16_checkpoint_loads_in_fp32_so_a_policy_trains_fp32_weights(tiny, t
     assert {p.dtype for p in agent.ref_policy.parameters()} == {torch.float32}
 
 
+def test_weights_a_directory_lacks_are_drawn_alike_by_every_load_whatever_the_seed(tmp_path):
+    # Each process of a run seeds itself apart (seed + 10007 * rank) and loads the policy and its KL reference
+    # itself: a head drawn from each one's seed made process 1's reference differ from the policy that
+    # data parallelism had copied from process 0, and its KL read 0.34 before any update.
+    model, tok = textgym.load_model("tiny-char-llama")
+    weights = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    model.save_pretrained(tmp_path, state_dict=weights)
+    tok.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    one = textgym.load_model(tmp_path)[0].lm_head.weight
+    after = torch.rand(1)
+    torch.manual_seed(1)
+    assert torch.equal(torch.rand(1), after)  # a load leaves the caller's random stream where it was
+    a = LMPPO(str(tmp_path), None, seed=0, verbose=0)
+    b = LMPPO(str(tmp_path), None, seed=10_007, verbose=0)
+    torch.testing.assert_close(a.ref_policy.lm_head.weight, one, rtol=0, atol=0)
+    torch.testing.assert_close(b.ref_policy.lm_head.weight, one, rtol=0, atol=0)
+    torch.testing.assert_close(b.unwrap(b.policy).lm_head.weight, one, rtol=0, atol=0)
+
+
 def test_unknown_model_name_suggests_the_closest():
     with pytest.raises(UnknownNameError, match="Did you mean 'tiny-random-llama'"):
         textgym.load_model("tiny-random-lama")

@@ -93,7 +93,7 @@ class EvalCallback(BaseCallback):
     def _on_training_start(self) -> None:
         from textgym.agents.base import LMAgent
 
-        lm_agent = isinstance(self.model, LMAgent)
+        self.lm_agent = lm_agent = isinstance(self.model, LMAgent)
         env = self.model.env if lm_agent else self.model.get_env()
         stack = env.reward_stack if lm_agent else env.get_attr("reward_stack")[0]
         self.evaluator = Evaluator(self.config, self.spec, stack, lm_agent=lm_agent)
@@ -137,7 +137,15 @@ class EvalCallback(BaseCallback):
     def _evaluate(self, iteration: int) -> None:
         if self.evaluator is None or any(r["iteration"] == iteration for r in self.rows):
             return
-        evaluation = self.evaluator(self.model)
+        evaluation, error = None, None
+        try:
+            evaluation = self.evaluator(self.model)
+        except Exception as exc:  # a metric failing on one process only: every process stops, naming it
+            error = exc
+        if self.lm_agent:  # every process evaluates, each on its own: the others would wait in the next step
+            self.model.dist.agree(error)
+        elif error is not None:
+            raise error
         row = {"iteration": iteration, "timesteps": int(self.model.num_timesteps), **evaluation.row()}
         self.rows.append(row)
         if not self.main:
@@ -181,11 +189,21 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_eval(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """:func:`eval_figure` of ``rows``, saved to ``path``."""
+    from textgym.plotting import pyplot
+
+    fig = eval_figure(rows)
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
+
+
+def eval_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
     """One panel per metric against generated tokens, with ±1 standard error where there is one."""
     from textgym.plotting import fit, pyplot
 
     plt = pyplot()
-    names = [k for k in rows[0] if k not in ("iteration", "timesteps") and not k.endswith("_se")]
+    columns = dict.fromkeys(k for r in rows for k in r)  # a metric may join after the first row
+    names = [k for k in columns if k not in ("iteration", "timesteps") and not k.endswith("_se")]
     names.sort(key=lambda k: k != REWARD)
     cols = min(3, len(names))
     nrows = math.ceil(len(names) / cols)
@@ -194,6 +212,9 @@ def plot_eval(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     for ax, name in zip(axes.flat, names):
         y = [r.get(name, math.nan) for r in rows]
         ax.plot(x, y, marker="o", markersize=3)
+        if all(math.isnan(v) for v in y):  # an empty panel, its axis from -0.04 to 0.04, read as a plot
+            ax.text(0.5, 0.5, "no value in any evaluation", transform=ax.transAxes, ha="center", va="center")
+            ax.set_yticks([])
         se = [r.get(f"{name}_se", math.nan) for r in rows]
         if any(not math.isnan(s) for s in se):
             ax.fill_between(x, [a - b for a, b in zip(y, se)], [a + b for a, b in zip(y, se)], alpha=0.2)
@@ -203,5 +224,4 @@ def plot_eval(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     fit(fig)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig

@@ -109,6 +109,15 @@ def check_processes(
             f"env.num_envs={env['num_envs']} does not split evenly over {run['processes']} processes: make it a "
             f"multiple of {run['processes']}."
         )
+    knob = getattr(agent_class, "minibatch_knob", "")
+    steps = hp.get(knob, getattr(getattr(agent_class, "config_class", None), knob, 1)) if knob else 1
+    share = env["num_envs"] // run["processes"]
+    if run["processes"] > 1 and isinstance(steps, int) and steps > share:
+        raise ConfigError(
+            f"agent.{knob}={steps} splits each of the {run['processes']} processes' share of the batch ({share} of "
+            f"env.num_envs={env['num_envs']}) into more minibatches than it has episodes: give {knob} <= {share}, or "
+            f"more env.num_envs."
+        )
     group = hp.get("num_generations") or getattr(
         getattr(agent_class, "config_class", None), "num_generations", 1
     )

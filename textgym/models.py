@@ -335,7 +335,16 @@ def load_model(name_or_path: str | os.PathLike = EMBEDDED, **kwargs: Any) -> tup
 
     Keyword arguments (e.g. ``dtype``) go to ``from_pretrained``. A model directory loads in fp32 unless
     ``dtype`` says otherwise, whatever dtype it was saved in. The model is in eval mode.
+
+    Weights that a load draws rather than reads (a head missing from a directory, a model a plugin builds in
+    code) come from a fixed seed: every load of one source is the same model, in every process of a run and
+    on resume, whatever the caller's seed (a KL reference loaded apart from its policy must equal it).
     """
+    with torch_seeded(0):
+        return _load_model(name_or_path, **kwargs)
+
+
+def _load_model(name_or_path: str | os.PathLike, **kwargs: Any) -> tuple[Any, Any]:
     from textgym import plugin_manager
 
     models = plugin_manager.registry("register_models")
