@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from textgym import bench
+from textgym.bench_report import fmt, fmt_interval, fmt_p
 from textgym.bench_results import write_outputs
 
 DESIGNS = {
@@ -33,10 +34,20 @@ DESIGNS = {
 }
 
 
-def fake_bench(out, eval_prompts="copy-heldout", seeds=(0, 1, 2), designs=("proxy", "gold")):
+def fake_bench(
+    out,
+    eval_prompts="copy-heldout",
+    seeds=(0, 1, 2),
+    designs=("proxy", "gold"),
+    label="exact_copy",
+    aggregate="sum",
+):
     """A finished bench as the runs would leave it: the proxy design games its reward (its gold metric peaks
-    at iteration 10 and falls while its reward keeps rising), the gold design improves steadily."""
-    d = json.loads(json.dumps(DESIGNS))
+    at iteration 10 and falls while its reward keeps rising), the gold design improves steadily. ``label``:
+    the gold metric's name; ``aggregate``: how the gold design sums its components."""
+    d = json.loads(json.dumps(DESIGNS).replace('"exact_copy"', json.dumps(label)))
+    gold = d["designs"][1]
+    gold["rewards"] = {"aggregate": aggregate, "components": gold["rewards"]}
     d["designs"] = [design for design in d["designs"] if design["name"] in designs]
     d["bench"]["output_dir"] = str(out)
     d["bench"]["eval_prompts"] = eval_prompts
@@ -49,8 +60,8 @@ def fake_bench(out, eval_prompts="copy-heldout", seeds=(0, 1, 2), designs=("prox
         gold = [0.1, 0.3, 0.5, 0.3, 0.15] if gaming else [0.1, 0.2, 0.3, 0.4, 0.5]
         proxy = [0.1, 0.3, 0.5, 0.7, 0.9] if gaming else [0.1, 0.2, 0.3, 0.4, 0.5]
         rows = [
-            {"iteration": 5 * i, "timesteps": 500 * i, "reward": p + s, "reward_se": 0.01, "exact_copy": g + s,
-             "exact_copy_se": 0.01, "kl": 0.5 * i * i + s, "length": 3.0, "distinct_2": 0.9,
+            {"iteration": 5 * i, "timesteps": 500 * i, "reward": p + s, "reward_se": 0.01, label: g + s,
+             f"{label}_se": 0.01, "kl": 0.5 * i * i + s, "length": 3.0, "distinct_2": 0.9,
              "eos_rate": (max(0.0, 0.8 - 0.2 * i) + (0.09 * job.seed**2 if i == 4 else 0)) if gaming else 0.8}
             for i, (g, p) in enumerate(zip(gold, proxy))
         ]  # fmt: skip
@@ -70,12 +81,12 @@ def fake_bench(out, eval_prompts="copy-heldout", seeds=(0, 1, 2), designs=("prox
         last = rows[-1]
         sample = {"prompt": "abc", "completion": "abc<&>" if gaming else "abc", "finish_reason": "stop",
                   "num_tokens": 4, "reward": last["reward"], "kl": last["kl"],
-                  "components": {"match": 0.5, "exact_copy": 0.0 if gaming else 1.0}}  # fmt: skip
+                  "components": {"match": 0.5, label: 0.0 if gaming else 1.0}}  # fmt: skip
         result = {
             "agent": job.agent["label"], "design": job.design["name"], "seed": job.seed,
             "config_hash": job.config_hash, "eval_hash": job.eval_hash,
-            "metrics": {k: last[k] for k in ("reward", "exact_copy", "kl", "length", "distinct_2", "eos_rate")},
-            "errors": {"reward": 0.01, "exact_copy": 0.01},
+            "metrics": {k: last[k] for k in ("reward", label, "kl", "length", "distinct_2", "eos_rate")},
+            "errors": {"reward": 0.01, label: 0.01},
             "components": {"match": {"weight": 1.0, "mean": 0.5, "std": 0.2, "share": 0.95 if not gaming else 1.0},
                            "length_penalty": {"weight": 0.5, "mean": 0.0, "std": 0.01, "share": 0.05}}
             if not gaming else {"match": {"weight": 1.0, "mean": 0.5, "std": 0.2, "share": 1.0}},
@@ -205,6 +216,49 @@ def test_a_bench_of_one_design_ranks_nothing(tmp_path):
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "Rankings" not in md and "1. proxy" not in md and "Rankings" not in html
     assert "| proxy |" in md  # its results are reported
+
+
+def test_numbers_keep_the_digits_that_tell_them_apart_and_user_labels_stay_text(tmp_path):
+    # differences of 0.00714 and 0.00719 on two seeds printed as "0.007 [0.007, 0.007]", the interval of a
+    # difference that does not vary; a p below 0.0005 as "0.000"
+    assert fmt_interval(0.007165, 0.00703, 0.0073) == "0.00717 [0.00703, 0.00730]"
+    assert fmt_interval(0.369, 0.252, 0.486) == "0.369 [0.252, 0.486]"
+    assert (fmt(0.0004), fmt(77.7), fmt(-1e-12), fmt(0.0)) == ("0.00040", "77.700", "0.000", "0.000")
+    assert (fmt_p(0.0004), fmt_p(0.0234), fmt_p(1.0)) == ("<0.001", "0.023", "1.000")
+    # a metric's label with Markdown and HTML in it broke the tables' columns and rendered as markup
+    out = tmp_path / "bench"
+    write_outputs(out, *fake_bench(out, label="exact|copy <i>x</i>"))
+    md = (out / "report.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| design |"))
+    assert "exact\\|copy &lt;i&gt;x&lt;/i&gt;" in header and "<i>" not in md
+    assert (
+        header.count(" | ")
+        == next(line for line in md.splitlines() if line.startswith("|---")).count("|---") - 1
+    )
+
+
+def test_the_plots_draw_no_flat_standardised_reward_no_interval_of_one_seed_and_runs_of_one_point(tmp_path):
+    import numpy as np
+    from matplotlib.container import BarContainer
+
+    from textgym import bench_plots
+
+    out = tmp_path / "bench"
+    results = write_outputs(out, *fake_bench(out, seeds=(0,), aggregate="normalize_then_sum"))
+    # a normalize_then_sum total is ~0 in every batch: drawn, it read as a design that did not learn
+    ax = bench_plots.training_curves(results).axes[0]
+    assert [line.get_label() for line in ax.lines if not line.get_label().startswith("_")] == ["proxy"]
+    assert "not drawn, standardised per batch (normalize_then_sum): gold" in ax.get_title()
+    assert "not drawn" in bench_plots.design_curves(results, "gold").axes[0].get_title()
+    # one seed has no interval: error bars of length 0 with caps read as intervals of width 0
+    for ax in bench_plots.metric_bars(results).axes:
+        for bars in (c for c in ax.containers if isinstance(c, BarContainer) and c.errorbar):
+            for segment in bars.errorbar.lines[2][0].get_segments():
+                assert len(segment) == 0 or np.isnan(segment).any()
+    # a run of one iteration is one point: without a marker its line drew nothing
+    _, ax = bench_plots.pyplot().subplots()
+    bench_plots._seed_lines(ax, [([100], [0.5])], "C0", "-", "one")
+    assert ax.lines and all(line.get_marker() == "o" for line in ax.lines)
 
 
 def test_one_seed_is_reported_as_not_tested(tmp_path):

@@ -159,11 +159,11 @@ def test_a_seed_measured_for_one_group_only_leaves_the_pair_untested_and_the_gro
 
 
 def test_a_metric_one_group_never_has_is_no_comparison():
-    """An SB3 agent's KL (NaN on every seed) read as "measured for one and not the other" on every seed, and
-    left the LM agent's KL unranked."""
+    """An SB3 agent's KL (NaN on every seed) read as "measured for one and not the other" on every seed. The
+    LM agent's KL, compared with nothing, is not ranked either: "1." read as better than the SB3 agent."""
     lm, sb3 = {0: 1.0, 1: 1.2, 2: 0.9}, {s: math.nan for s in range(3)}
     comparisons, ranks = compare({"lmppo": lm, "ppo": sb3}, "lower")
-    assert comparisons == [] and ranks == {"lmppo": 1, "ppo": None}
+    assert comparisons == [] and ranks == {"lmppo": None, "ppo": None}
     assert paired(lm, sb3).unmeasured == 0
 
 

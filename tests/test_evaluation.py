@@ -400,3 +400,20 @@ learning_starts = 0
         assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
             k: v for k, v in b.items() if not k.startswith("time/")
         }
+
+
+def test_eval_png_says_where_a_metric_has_no_value_and_plots_a_metric_that_joins_later():
+    """A normalize_then_sum run's held-out total is n/a in every row: its panel was empty, an axis from -0.04
+    to 0.04; a metric missing from the first row was left out."""
+    from textgym.diagnostics import eval_figure
+
+    rows = [
+        {"iteration": 0, "timesteps": 0, "reward": math.nan, "kl": 0.0},
+        {"iteration": 2, "timesteps": 64, "reward": math.nan, "kl": 0.5, "exact": 0.25},
+    ]
+    axes = {ax.get_title(): ax for ax in eval_figure(rows).axes if ax.get_visible()}
+    assert set(axes) == {"reward (training total, held-out)", "kl", "exact"}
+    assert [t.get_text() for t in axes["reward (training total, held-out)"].texts] == [
+        "no value in any evaluation"
+    ]
+    assert not axes["kl"].texts

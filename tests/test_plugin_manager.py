@@ -318,6 +318,28 @@ def test_the_plugin_file_of_the_docs_registers_through_its_module_level_hook(tmp
     assert report[str(path.resolve())]["registers"] == {"reward": ["shouting"]}
 
 
+def test_cli_plugins_json_into_a_closed_pipe_ends_without_a_traceback(monkeypatch, capsys):
+    """`textgym plugins --json | head` printed a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        assert main(["plugins", "--json"]) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_help_shows_what_each_option_does_and_its_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["sample", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--top-k TOP_K sample from the k likeliest tokens (0: all) (default: 0)" in out
+    assert "--max-new-tokens MAX_NEW_TOKENS the most tokens a completion has (default: 32)" in out
+    assert "(default: None)" not in out and "``" not in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out
+
+
 def test_cli_plugins_text_listing(capsys, tmp_path):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out

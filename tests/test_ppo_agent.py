@@ -88,6 +88,14 @@ def test_n_minibatches_is_the_number_of_optimizer_steps_per_epoch():
         LMPPO(char_llama(), make_env(16), n_minibatches=32, **FAST)
 
 
+def test_the_progress_bar_ends_full_when_the_last_iteration_passes_the_budget(capsys):
+    """An iteration of 16 episodes of up to 6 tokens passes a budget of 10: the bar went past its total, which
+    tqdm shows as a bare count ("57tok") instead of a full bar."""
+    agent = LMPPO(char_llama(), make_env(16), seed=0, **FAST).learn(10, progress_bar=True)
+    end = agent.num_timesteps
+    assert end > 10 and f"100%|██████████| {end}/{end} " in capsys.readouterr().err
+
+
 def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bit(tmp_path):
     straight = iterations(LMPPO(char_llama(), make_env(), seed=0, **FAST), 4)
 

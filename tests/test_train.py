@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import re
 import signal
@@ -98,6 +99,18 @@ def test_tables_show_a_score_that_rounds_to_zero_without_a_minus_sign():
     )
     row = {"prompt": "p", "completion": "c", "reward_components": {"kl_like": -0.0002}, "reward": -0.0}
     assert "-0.000" not in format_table([row]) and "0.000" in format_table([row])
+
+
+def test_sample_tables_head_each_component_whole_and_say_the_total_is_weighted():
+    """Two components cut to 14 characters were both headed "politeness_sco"; a raw -1.333 beside a total of
+    -0.667 did not say which was weighted."""
+    from textgym.formatting import format_table
+
+    components = {"politeness_score_v1": 0.5, "politeness_score_v2": math.nan}
+    row = {"prompt": "p", "completion": "c", "reward_components": components, "reward": 0.25}
+    header, _, line, *_ = format_table([row]).splitlines()
+    assert "politeness_score_v1  politeness_score_v2  weighted total" in header
+    assert line.endswith("              0.500                  n/a           0.250")
 
 
 def test_resume_continues_counters_and_history(config, tmp_path, capsys):
@@ -219,15 +232,27 @@ def test_a_normalize_then_sum_runs_iteration_lines_and_plot_show_each_components
         )
     )
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")]
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if line.startswith("iter ")]
     metrics = csv_rows(run_dir / "metrics.csv")
     assert len(lines) == len(metrics) >= 2
+    assert "sentiment=" in captured.err and "reward=" not in captured.err  # the progress bar too
     for line, row in zip(lines, metrics):
         assert "reward " not in line
         assert f"sentiment {float(row['rewards/sentiment/mean']):7.3f}" in line
         assert f"length_penalty {float(row['rewards/length_penalty/mean']):7.3f}" in line
     assert plotted == [["rewards/sentiment/mean", "rewards/length_penalty/mean"]]
     assert (run_dir / "reward_kl.png").stat().st_size > 0
+
+
+def test_the_iteration_line_says_n_a_for_a_kl_without_reference_and_no_minus_zero():
+    """GRPO with beta = 0 has no reference: its line read "kl     nan"; a KL of -1e-9 read "kl  -0.000"."""
+    from textgym.train import _iteration_line
+
+    stats = {"iteration": 3, "reward": 0.25, "completions/mean_length": 4.0, "completions/clipped_ratio": 0.5,
+             "time/iteration": 1.5}  # fmt: skip
+    assert "reward   0.250  kl     n/a  len   4.0" in _iteration_line({**stats, "kl": math.nan}, 96)
+    assert "kl   0.000  len" in _iteration_line({**stats, "kl": -1e-9}, 96)
 
 
 def test_the_reward_trend_of_a_normalize_then_sum_run_is_each_components(capsys):

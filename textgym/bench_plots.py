@@ -55,8 +55,8 @@ def _seed_lines(
 ) -> None:
     """Each run thin, and their mean thick on a common x grid (up to the shortest run's end)."""
     runs = [(np.asarray(x, float), np.asarray(y, float)) for x, y in runs if len(x)]
-    for x, y in runs:
-        ax.plot(x, y, color=color, ls=style, lw=0.8, alpha=0.35)
+    for x, y in runs:  # a run of one iteration is one point: a line alone would draw nothing
+        ax.plot(x, y, color=color, ls=style, lw=0.8, alpha=0.35, marker="o" if len(x) == 1 else None)
     if not runs:
         return
     end = min(x[-1] for x, _ in runs)
@@ -67,7 +67,7 @@ def _seed_lines(
         ax.plot(grid, mean, color=color, ls=style, lw=2.2, label=label)
     else:
         x, y = runs[0]
-        ax.plot(x, y, color=color, ls=style, lw=2.2, label=label)
+        ax.plot(x, y, color=color, ls=style, lw=2.2, label=label, marker="o" if len(x) == 1 else None)
 
 
 def training_curves(results: BenchResults) -> Any:
@@ -79,29 +79,55 @@ def training_curves(results: BenchResults) -> Any:
         design = results.designs[0]
         palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        flat = standardised(results, design)
         for i, agent in enumerate(results.agents):
-            _seed_lines(ax, _training_runs(results, agent, design), palette[i % len(palette)], "-", agent)
-        ax.set_title(f"training reward ({design}), by agent")
+            if not flat:
+                _seed_lines(ax, _training_runs(results, agent, design), palette[i % len(palette)], "-", agent)
+        ax.set_title(
+            f"training reward ({design}): standardised per batch (normalize_then_sum), not drawn"
+            if flat
+            else f"training reward ({design}), by agent"
+        )
         ax.set_xlabel("generated tokens")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
         fit(fig)
         return fig
     n = len(results.agents)
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 3.8), squeeze=False)
+    left_out = [d for d in results.designs if standardised(results, d)]
     for ax, agent in zip(axes[0], results.agents):
         for design in results.designs:
-            _seed_lines(ax, _training_runs(results, agent, design), colors[design], "-", design)
-        ax.set_title(
+            if design not in left_out:
+                _seed_lines(ax, _training_runs(results, agent, design), colors[design], "-", design)
+        title = (
             f"{agent}: training reward (each design's own)"
             if n > 1
             else "training reward (each design's own)"
         )
+        if left_out:
+            title += f"\nnot drawn, standardised per batch (normalize_then_sum): {', '.join(left_out)}"
+        ax.set_title(title, fontsize=9 if left_out else None)
         ax.set_xlabel("generated tokens")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     fit(fig)
     return fig
+
+
+def _legend(ax: Any, **kwargs: Any) -> None:
+    """A legend where the axes have labelled lines (every design may be left out)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def standardised(results: BenchResults, design: str) -> bool:
+    """Whether ``design`` sums its components with ``normalize_then_sum``: its training reward is then ~0 in
+    every batch, whatever the policy (a flat line that would read as "did not learn")."""
+    from textgym.composition import stack_table
+
+    spec = next(d for d in results.spec["designs"] if d["name"] == design)
+    return stack_table(spec["rewards"])["aggregate"] == "normalize_then_sum"
 
 
 def _training_runs(results: BenchResults, agent: str, design: str) -> list[tuple[list[Any], list[Any]]]:
@@ -222,9 +248,13 @@ def metric_bars(results: BenchResults) -> Any:
             m = cell.get("mean", math.nan)
             means.append(m)
             lo, hi = cell.get("ci_low", math.nan), cell.get("ci_high", math.nan)
-            low.append(0.0 if math.isnan(lo) else max(m - lo, 0.0))
-            high.append(0.0 if math.isnan(hi) else max(hi - m, 0.0))
+            # no interval (one seed) is no error bar: a bar of length 0 would read as an interval of width 0
+            low.append(max(m - lo, 0.0) if math.isfinite(lo) else math.nan)
+            high.append(max(hi - m, 0.0) if math.isfinite(hi) else math.nan)
         ax.bar(range(len(groups)), means, yerr=[low, high], capsize=3, color=[colors[d] for _, d in groups])
+        for i, m in enumerate(means):
+            if not math.isfinite(m):
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(
             range(len(groups)),
             [_label(results, a, d) for a, d in groups],
@@ -248,6 +278,11 @@ def design_curves(results: BenchResults, design: str) -> Any:
         for k, ax in enumerate(axes):
             source = results.training if k == 0 else results.curves
             metric = REWARD if k == 0 else metrics[k - 1]
+            if k == 0 and standardised(results, design):
+                ax.set_title(
+                    "training reward: standardised per batch\n(normalize_then_sum), not drawn", fontsize=8
+                )
+                continue
             runs = [
                 ([r["timesteps"] for r in rows], [r.get(metric, math.nan) for r in rows])
                 for j in jobs

@@ -17,15 +17,42 @@ from textgym.formatting import one_line
 
 
 # -- shared wording ------------------------------------------------------------------------------------
-def fmt(value: float | str | None, digits: int = 3) -> str:
+def decimals(*values: float) -> int:
+    """Decimals that show every finite non-zero value of ``values`` with two significant digits or more: 3,
+    more for small values (0.00714 is not "0.007", nor a 95% interval of width 0.0003 "[0.007, 0.007]"), at
+    most 8."""
+    digits = 3
+    for value in values:
+        if isinstance(value, (int, float)) and math.isfinite(value) and value != 0:
+            digits = max(digits, 1 - math.floor(math.log10(abs(value))))
+    return min(digits, 8)
+
+
+def fmt(value: float | str | None, digits: int | None = None) -> str:
+    """``value`` with ``digits`` decimals (default: :func:`decimals`), "n/a" for None or NaN."""
     if isinstance(value, str):  # "inf" / "-inf", as a run's eval.json holds an infinite value
         value = float(value)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
-    text = f"{value:.{digits}f}"
-    return text.lstrip("-") if float(text) == 0 else text  # no "-0.000"
+    text = f"{value:.{decimals(value) if digits is None else digits}f}"
+    if float(text) == 0:  # no "-0.000", and rounding noise (1e-12) is 0.000, not 0.00000000
+        return text.lstrip("-") if digits is not None else "0.000"
+    return text
+
+
+def fmt_p(p: float) -> str:
+    """A p-value: 3 decimals, "<0.001" below (never "0.000")."""
+    return "<0.001" if p < 0.001 else fmt(p, 3)
+
+
+def fmt_interval(mean: float, low: float, high: float) -> str:
+    """``mean [low, high]``, all three with the decimals that tell the interval's ends apart."""
+    if math.isnan(low):
+        return fmt(mean)
+    digits = decimals(mean, high - low)
+    return f"{fmt(mean, digits)} [{fmt(low, digits)}, {fmt(high, digits)}]"
 
 
 def fmt_cell(row: Mapping[str, Any] | None) -> str:
@@ -33,9 +60,7 @@ def fmt_cell(row: Mapping[str, Any] | None) -> str:
     the metric was not measured on every seed evaluated."""
     if not row:
         return ""
-    text = fmt(row["mean"])
-    if not math.isnan(row["ci_low"]):
-        text += f" [{fmt(row['ci_low'])}, {fmt(row['ci_high'])}]"
+    text = fmt_interval(row["mean"], row["ci_low"], row["ci_high"])
     if 0 < row["n"] < row.get("seeds", row["n"]):  # the seeds left out are said, not silently dropped
         text += f" ({row['n']} of {row['seeds']} seeds)"
     return text
@@ -189,9 +214,10 @@ def setup_text(results: BenchResults) -> str:
         else f"{bench['eval_episodes']} episodes of the training prompts, not held out (no eval_prompts"
     )
     return (
-        f"{len(results.designs)} designs x {len(results.agents)} agent{'s' if len(results.agents) > 1 else ''} "
-        f"({agents}) x {len(bench['seeds'])} seeds (seeds {bench['seeds']}) on `{base['env']['id']}`, "
-        f"{base['run']['total_timesteps']} generated tokens per run. Every run is evaluated on the same "
+        f"{_count(len(results.designs), 'design')} x {_count(len(results.agents), 'agent')} ({agents}) x "
+        f"{_count(len(bench['seeds']), 'seed')} (seeds {bench['seeds']}) on `{base['env']['id']}`, "
+        f"{base['run']['total_timesteps']} generated tokens per run (a run ends with the iteration that reaches "
+        f"them). Every run is evaluated on the same "
         f"{episodes}; same prompts and sampling seed)"
         + (f", during training every {bench['eval_every']} iterations" if results.curves else "")
         + "."
@@ -219,12 +245,12 @@ STATS_TEXT = (
 def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
     lines = ["# Reward-design benchmark", "", setup_text(results), "", STATS_TEXT, "", "## Designs", ""]
     for design in results.spec["designs"]:
-        lines.append(f"- **{design['name']}**: {describe_stack(design['rewards'])}")
+        lines.append(f"- **{_text(design['name'])}**: {_text(describe_stack(design['rewards']))}")
     lines += ["", "## Flags", ""]
     flags = flag_lines(results)
     unchecked = unchecked_lines(results)
-    lines += [f"- {line}" for line in flags] or [no_flags_text(unchecked)]
-    lines += ["", *unchecked] if unchecked else []
+    lines += [f"- {_text(line)}" for line in flags] or [no_flags_text(unchecked)]
+    lines += ["", *map(_text, unchecked)] if unchecked else []
     for agent in results.agents:
         heading = f"## Designs under agent `{agent}`" if len(results.agents) > 1 else "## Results"
         lines += ["", heading, "", *_table(results, [(agent, d, d) for d in results.designs], "design"), ""]
@@ -254,11 +280,13 @@ def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) 
 
 def _table(results: BenchResults, groups: Sequence[tuple[str, str, str]], what: str) -> list[str]:
     metrics = results.metrics
-    header = [_title(m) for m in metrics]
+    header = [_cell_text(_title(m)) for m in metrics]
     lines = [f"| {what} | " + " | ".join(header) + " |", "|---" * (len(metrics) + 1) + "|"]
     for agent, design, label in groups:
         lines.append(
-            f"| {label} | " + " | ".join(fmt_cell(results.cell(agent, design, m)) for m in metrics) + " |"
+            f"| {_cell_text(label)} | "
+            + " | ".join(fmt_cell(results.cell(agent, design, m)) for m in metrics)
+            + " |"
         )
     return lines
 
@@ -281,15 +309,17 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
         note = metric_note(results, metric, scope)
         if results.direction(metric, scope) is None or not ranking(results, metric, scope, within):
             continue
-        lines.append(f"- **{metric}** ({note}): {ranking_text(results, metric, scope, within)}")
+        lines.append(
+            f"- **{_cell_text(metric)}** ({note}): {_text(ranking_text(results, metric, scope, within))}"
+        )
     rows = []
     for metric in results.metrics:
         if results.direction(metric, scope) is None:
             continue
         for c in comparisons(results, scope, within, metric):
             rows.append(
-                f"| {metric} | {c['a']} − {c['b']} | {fmt(c['diff'])} [{fmt(c['ci_low'])}, {fmt(c['ci_high'])}] | "
-                f"{fmt(c['d_z'], 2)} | {fmt(c['p_holm'])} | {c['n']} | {verdict(c)} |"
+                f"| {_cell_text(metric)} | {_cell_text(c['a'])} − {_cell_text(c['b'])} | {fmt_interval(c['diff'], c['ci_low'], c['ci_high'])} | "
+                f"{fmt(c['d_z'], 2)} | {fmt_p(c['p_holm'])} | {c['n']} | {verdict(c)} |"
             )
     if rows:
         lines += [
@@ -301,6 +331,16 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
             *rows,
         ]
     return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _text(text: str) -> str:
+    """Report text that holds user text (a metric's label, a design's name) escaped, so that ``<i>`` in it
+    reads as written; its own Markdown (``**``, ``->``) is kept."""
+    return text.replace("&", "&amp;").replace("<", "&lt;")
 
 
 def _cell_text(text: str, width: int | None = None) -> str:

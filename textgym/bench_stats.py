@@ -203,8 +203,9 @@ def compare(
     tested = {name for c in comparisons if not math.isnan(c.p_holm) for name in (c.a, c.b)}
     valued = [name for name in names if any(_measured(v) for v in groups[name].values())]
     for name in names:
-        # a group that no test compared with another is not ranked: "1" would read as "none is better"
-        if not direction or name not in valued or (len(valued) > 1 and name not in tested):
+        # a group that no test compared with another is not ranked: "1" would read as "none is better" (the
+        # one group with a value, where the others have none: an SB3 agent's KL)
+        if not direction or name not in valued or (len(names) > 1 and name not in tested):
             ranks[name] = None
             continue
         ranks[name] = 1 + len(above[name] - {name})

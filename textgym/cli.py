@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -14,6 +15,7 @@ from textgym import __version__
 from textgym.config import MAX_SEED
 from textgym.errors import TextgymError
 
+CHAT_TEMPLATE = "wrap each prompt as a user message (default: when the tokenizer has a chat template)"
 DEMO_REWARDS = [
     "sentiment weight=1.0",
     "fluency weight=0.2",
@@ -25,7 +27,11 @@ DEMO_REWARDS = [
 def main(argv: Sequence[str] | None = None) -> int:
     # --plugin before the command or after it: two destinations, because a subcommand's default would
     # overwrite what the main parser read before it (argparse gives a subparser's defaults the last word)
-    parser = argparse.ArgumentParser(prog="textgym", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="textgym",
+        description="Text generation as a Gymnasium environment: train agents, benchmark reward designs, sample "
+        "and score completions, train reward models.",
+    )
     parser.add_argument("--version", action="version", version=f"textgym {__version__}")
     plugin_args = argparse.ArgumentParser(add_help=False)
     for options, dest in ((parser, "plugin"), (plugin_args, "plugin_after_command")):
@@ -38,11 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             help="load a plugin file (repeatable)",
         )
     commands = parser.add_subparsers(dest="command", required=True)
+    add_parser = functools.partial(commands.add_parser, formatter_class=_DefaultsHelp)
 
-    p = commands.add_parser("plugins", parents=[plugin_args], help="list plugins and what each registered")
+    p = add_parser("plugins", parents=[plugin_args], help="list plugins and what each registered")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    p = commands.add_parser(
+    p = add_parser(
         "sample", parents=[plugin_args], help="sample completions through the vector env and score them"
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name or model directory")
@@ -54,24 +61,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="number of prompts (taken in order, from the first again past the last)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="episodes generated together")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-prompt-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="the most tokens a completion has")
+    p.add_argument("--max-prompt-tokens", type=int, default=96, help="longer prompts are cut to their end")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (batch i uses seed + i)")
     p.add_argument(
         "--reward",
         action="append",
         metavar="'NAME [weight=W] [key=value ...]'",
         help=f"a reward spec (repeatable); default: {'; '.join(DEMO_REWARDS)}",
     )
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None, help=CHAT_TEMPLATE)
     p.add_argument("--stop", action="append", help="a stop string that ends the model's turn (repeatable)")
     p.add_argument("--responder", metavar="'NAME [key=value ...]'", help="multi-turn: the environment's side")
     p.add_argument("--max-turns", type=int, help="multi-turn: the most turns of the model per episode")
     p.add_argument("--output", type=Path, help="also write the rows as JSONL here")
 
-    p = commands.add_parser("train", parents=[plugin_args], help="train an agent as a TOML config says")
+    p = add_parser("train", parents=[plugin_args], help="train an agent as a TOML config says")
     p.add_argument("config", nargs="?", type=Path, help="the run's TOML config (see textgym.config)")
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
@@ -79,11 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument("--agent", help="a registered agent name (overrides agent.name)")
 
-    p = commands.add_parser("bench", parents=[plugin_args], help="benchmark reward designs side by side")
+    p = add_parser("bench", parents=[plugin_args], help="benchmark reward designs side by side")
     p.add_argument("designs", type=Path, help="the designs file (TOML; see docs/bench.md)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a value")
 
-    p = commands.add_parser(
+    p = add_parser(
         "train-rm", parents=[plugin_args], help="train a reward model on preference pairs (for rm_score)"
     )
     p.add_argument(
@@ -96,15 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--lora", metavar="'{r = 8}'", help="train a LoRA adapter (peft LoraConfig arguments as TOML)"
     )
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="passes over the training pairs")
     p.add_argument("--learning-rate", type=float, help="the LM's: default 1e-5, or 1e-4 with --lora")
     p.add_argument("--head-learning-rate", type=float, help="the new score head's: default 1e-3")
     p.add_argument("--batch-size", type=int, default=8, help="pairs per step")
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of pairs held out")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="the split, the order of the pairs and the head's init"
+    )
     p.add_argument("--max-length", type=int, default=512, help="tokens per text (rm_score's default is 512)")
 
-    p = commands.add_parser(
+    p = add_parser(
         "label-pairs",
         parents=[plugin_args],
         help="make preference pairs: two samples per prompt, ranked by a gold stack",
@@ -117,16 +126,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rewards", nargs="+", required=True, metavar="SPEC",
         help="the gold stack: reward specs as `sample --reward` takes them, or .toml files with a `rewards` list",
     )  # fmt: skip
-    p.add_argument("--output", type=Path, required=True, metavar="PAIRS.jsonl")
+    p.add_argument(
+        "--output", type=Path, required=True, metavar="PAIRS.jsonl", help="the pairs file to write"
+    )
     p.add_argument("--num-prompts", type=int, help="prompts to sample (default: all; more cycles the source)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-prompt-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="the most tokens a completion has")
+    p.add_argument("--max-prompt-tokens", type=int, default=96, help="longer prompts are cut to their end")
+    p.add_argument("--temperature", type=float, default=1.0, help="the policy's own distribution at 1")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
     p.add_argument("--label-noise", type=float, default=0.0, help="share of labels flipped, in [0, 0.5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed and the label noise's")
     p.add_argument("--batch-size", type=int, default=8, help="prompts sampled together (two episodes each)")
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None, help=CHAT_TEMPLATE)
 
     args = parser.parse_args(argv)
     args.plugin = [*args.plugin, *args.plugin_after_command]
@@ -136,36 +147,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _command(args)
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one that its help does not already give."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        none = (
+            default is None or default is False or default == [] or default is argparse.SUPPRESS
+        )  # 0 is one
+        if not action.option_strings or none or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _command(args: argparse.Namespace) -> int:
     try:
-        _quiet_libraries()
-        from textgym import plugin_manager
-
-        for path in args.plugin:
-            plugin_manager.load_plugin_file(path)
-        if args.command == "plugins":
-            return _plugins(args)
-        if args.command == "train":
-            return _train(args)
-        if args.command == "train-rm":
-            return _train_rm(args)
-        if args.command == "label-pairs":
-            return _label_pairs(args)
-        if args.command == "bench":
-            from textgym.bench import Stopped
-            from textgym.bench import run as bench
-
-            try:
-                out = bench(args.designs, args.set, plugins=args.plugin)
-            except Stopped as exc:
-                print(f"\ntextgym: {exc}", file=sys.stderr)
-                return 130
-            print(f"textgym: report in {out / 'report.md'}")
-            return 0
-        return _sample(args)
+        code = _run_command(args)
+        sys.stdout.flush()  # a reader that left fails here, in the handler below, not at the interpreter's exit
+        return code
     except TextgymError as exc:
         print(f"textgym: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `textgym plugins --json | head`: the reader is gone; no traceback for that
+        import os
+
+        # no second error when the interpreter flushes stdout at exit (Python's own recipe, and its code 1)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         import os
 
@@ -175,6 +183,34 @@ def _command(args: argparse.Namespace) -> int:
         if rank() == 0 and not os.environ.get(LAUNCHED_VAR):
             print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
         return 130
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from textgym import plugin_manager
+
+    for path in args.plugin:
+        plugin_manager.load_plugin_file(path)
+    if args.command == "plugins":
+        return _plugins(args)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "train-rm":
+        return _train_rm(args)
+    if args.command == "label-pairs":
+        return _label_pairs(args)
+    if args.command == "bench":
+        from textgym.bench import Stopped
+        from textgym.bench import run as bench
+
+        try:
+            out = bench(args.designs, args.set, plugins=args.plugin)
+        except Stopped as exc:
+            print(f"\ntextgym: {exc}", file=sys.stderr)
+            return 130
+        print(f"textgym: report in {out / 'report.md'}")
+        return 0
+    return _sample(args)
 
 
 def _quiet_libraries() -> None:

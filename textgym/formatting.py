@@ -18,36 +18,37 @@ def one_line(text: Any, width: int | None = None) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
-    """A plain-text table: prompt, completion, each reward component, total (and their means)."""
+    """A plain-text table: prompt, completion, each reward component's raw score, the weighted total (and
+    their means). A component's column is as wide as its name: two names cut alike would read as one."""
 
     def cut(text: str, width: int) -> str:
         return f"{one_line(text, width):<{width}}"
 
     names = list(rows[0]["reward_components"]) if rows else []
+    widths = [max(14, len(n)) for n in names]
+    total = "weighted total"
     header = [cut("prompt", prompt_width), cut("completion", completion_width)]
-    header += [f"{n[:14]:>14}" for n in names] + [f"{'total':>8}"]
+    header += [f"{n:>{w}}" for n, w in zip(names, widths)] + [total]
     rule = "-" * len("  ".join(header))
     lines = ["  ".join(header), rule]
     for row in rows:
         cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
-        cells += [_cell(row["reward_components"][n]) for n in names] + [number(row["reward"], 8)]
-        lines.append("  ".join(cells))
+        cells += [number(row["reward_components"][n], w) for n, w in zip(names, widths)]
+        lines.append("  ".join([*cells, number(row["reward"], len(total))]))
     if rows:
         means = [applicable_mean([r["reward_components"][n] for r in rows]) for n in names]
         cells = [cut("mean", prompt_width), cut("", completion_width)]
-        cells += [_cell(m) for m in means] + [number(sum(r["reward"] for r in rows) / len(rows), 8)]
-        lines += [rule, "  ".join(cells)]
+        cells += [number(m, w) for m, w in zip(means, widths)]
+        lines += [rule, "  ".join([*cells, number(sum(r["reward"] for r in rows) / len(rows), len(total))])]
     return "\n".join(lines)
 
 
-def _cell(value: float | None) -> str:
-    """A component's score; "n/a" where it did not apply (None, or NaN for a mean over nothing)."""
-    return f"{'n/a':>14}" if value is None or math.isnan(value) else number(value, 14)
-
-
-def number(value: float, width: int = 0, digits: int = 3) -> str:
+def number(value: float | None, width: int = 0, digits: int = 3) -> str:
     """``value`` with ``digits`` decimals, right-aligned in ``width``; a value that rounds to zero is shown as
-    0, without the minus sign of a tiny negative score or KL ("-0.000")."""
+    0, without the minus sign of a tiny negative score or KL ("-0.000"); None or NaN (a KL without a
+    reference, a component that applied to nothing) as "n/a"."""
+    if value is None or math.isnan(value):
+        return f"{'n/a':>{width}}"
     text = f"{value:.{digits}f}"
     if text.startswith("-") and float(text) == 0:
         text = text[1:]
@@ -58,3 +59,8 @@ def applicable_mean(values: Sequence[float | None]) -> float:
     """The mean of the values that apply (not None, not NaN); NaN when none does."""
     kept = [v for v in values if v is not None and not math.isnan(v)]
     return sum(kept) / len(kept) if kept else math.nan
+
+
+def component_keys(stats: dict[str, Any]) -> list[str]:
+    """The raw per-component means an iteration logged (``rewards/<name>/mean``)."""
+    return [key for key in stats if key.startswith("rewards/") and key.endswith("/mean")]

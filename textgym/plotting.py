@@ -42,14 +42,17 @@ def training_curves(
     path: Path, history: Sequence[dict[str, Any]], score_keys: Sequence[str], kl_key: str | None
 ) -> None:
     """The scores (one line each: ``["reward"]``, or each reward component's ``rewards/<name>/mean``) and,
-    where any iteration logged one, the KL per generated token, one panel each."""
+    where any iteration logged one, the KL to the reference (summed over each completion's tokens, batch
+    mean), one panel each."""
     plt = pyplot()
     steps = [row["timesteps"] for row in history]
     has_kl = kl_key is not None and any(math.isfinite(row.get(kl_key, math.nan)) for row in history)
     title = (
         "reward (mean episode score)" if list(score_keys) == ["reward"] else "reward components (raw means)"
     )
-    panels = [(list(score_keys), title)] + ([([kl_key], "KL to the reference")] if has_kl else [])
+    panels = [(list(score_keys), title)] + (
+        [([kl_key], "KL to the reference (nats per completion)")] if has_kl else []
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
     for ax, (keys, title) in zip(axes[0], panels):
         for key in keys:

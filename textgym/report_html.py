@@ -16,6 +16,8 @@ from textgym.bench_report import (
     flag_lines,
     fmt,
     fmt_cell,
+    fmt_interval,
+    fmt_p,
     metric_note,
     no_flags_text,
     rankable,
@@ -153,8 +155,8 @@ def _rankings(results: BenchResults, scope: str, within: str) -> list[str]:
                 said = f'<span class="better">{e(c["better"])}</span> better'
             pairs.append(
                 f"<tr><td>{e(metric)}</td><td>{e(c['a'])} − {e(c['b'])}</td>"
-                f'<td class="num">{fmt(c["diff"])} [{fmt(c["ci_low"])}, {fmt(c["ci_high"])}]</td>'
-                f'<td class="num">{fmt(c["d_z"], 2)}</td><td class="num">{fmt(c["p_holm"])}</td>'
+                f'<td class="num">{fmt_interval(c["diff"], c["ci_low"], c["ci_high"])}</td>'
+                f'<td class="num">{fmt(c["d_z"], 2)}</td><td class="num">{fmt_p(c["p_holm"])}</td>'
                 f'<td class="num">{c["n"]}</td><td>{said}</td></tr>'
             )
     out = ["<p>Rankings (rank badges in the table):</p><ul>", *items, "</ul>"]

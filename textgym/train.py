@@ -26,7 +26,7 @@ from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.composition import stack_table
 from textgym.config import load_config, validate
 from textgym.errors import ConfigError
-from textgym.formatting import number
+from textgym.formatting import component_keys, number
 from textgym.launch import (
     LAUNCHED_VAR,
     check_processes,
@@ -220,20 +220,15 @@ def _report(rd: RunDir, name: str, rows: list[dict[str, Any]], title: str) -> No
     print(f"{title}:\n" + format_table(rows))
 
 
-def _component_keys(stats: dict[str, Any]) -> list[str]:
-    """The raw per-component means an iteration logged (``rewards/<name>/mean``)."""
-    return [key for key in stats if key.startswith("rewards/") and key.endswith("/mean")]
-
-
 def _iteration_line(stats: dict[str, Any], tokens: int, aggregate: str = "sum") -> str:
     line = f"iter {stats['iteration']:4d}  tokens {tokens:7d}  "
-    if aggregate == "normalize_then_sum" and (keys := _component_keys(stats)):
+    if aggregate == "normalize_then_sum" and (keys := component_keys(stats)):
         # the total is standardised per batch (mean ~0 whatever the policy): each component's raw mean
-        line += "  ".join(f"{key[8:-5]} {stats[key]:7.3f}" for key in keys)
+        line += "  ".join(f"{key[8:-5]} {number(stats[key], 7)}" for key in keys)
     else:
-        line += f"reward {stats['reward']:7.3f}"
+        line += f"reward {number(stats['reward'], 7)}"
     if "kl" in stats:
-        line += f"  kl {stats['kl']:7.3f}  len {stats['completions/mean_length']:5.1f}"
+        line += f"  kl {number(stats['kl'], 7)}  len {stats['completions/mean_length']:5.1f}"
         line += f"  eos {1 - stats['completions/clipped_ratio']:4.2f}  {stats['time/iteration']:6.1f} s"
     return line
 
@@ -368,7 +363,7 @@ def _finish(
     """The plot and, unless ``stopped``, the after-training sample table (``samples()``) and summary."""
     if history:
         # a normalize_then_sum total has mean ~0 in every batch: the components' raw means show what moved
-        keys = _component_keys(history[-1]) if aggregate == "normalize_then_sum" else []
+        keys = component_keys(history[-1]) if aggregate == "normalize_then_sum" else []
         training_curves(rd.path / "reward_kl.png", history, keys or ["reward"], "kl" if has_kl else None)
     if stopped:
         again = f" (sharded with {sharding}: {SHARDING_HOW})" if sharding else ""
@@ -399,7 +394,7 @@ def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> N
         first, last = mean(history[:k], "reward"), mean(history[-k:], "reward")
         print(f"reward trend: {number(first)} (first {span}) -> {number(last)} (last {span}), {count}")
         return
-    keys = _component_keys(history[-1])
+    keys = component_keys(history[-1])
     moves = ", ".join(
         f"{key[8:-5]} {number(mean(history[:k], key))} -> {number(mean(history[-k:], key))}" for key in keys
     )
