@@ -61,7 +61,7 @@ AGENTS.update(
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def timed_on(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -178,14 +178,18 @@ def agent_iteration(args, name: str, batch: int) -> dict:
     gc.collect()  # the agent measured before this one, freed (agents hold reference cycles)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(args.device)
     hyperparameters = {**hyperparameters, "micro_batch_size": min(args.micro_batch, batch)}
     agent = cls(
         args.model, env, device=args.device, bf16=args.bf16, verbose=0, learning_rate=1e-6, **hyperparameters
     )
     # a warm-up iteration, then the measured one
     times = [timed_on(args.device, lambda: agent.learn(1, reset_num_timesteps=False))[0] for _ in range(2)]
-    memory = torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else peak_rss_mb()
+    memory = (
+        torch.cuda.max_memory_allocated(args.device) / 2**20
+        if args.device.startswith("cuda")
+        else peak_rss_mb()
+    )
     stats = agent.history[-1]
     weights = list(agent.policy.parameters()) + [p for m in agent.modules.values() for p in m.parameters()]
     syncs = count_syncs(lambda: agent.learn(1, reset_num_timesteps=False), args.device)
@@ -260,6 +264,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.bf16 is None:
         args.bf16 = args.device.startswith("cuda")
+    if args.device.startswith("cuda:"):  # the agents run on accelerate's "cuda": the current device
+        torch.cuda.set_device(args.device)
     result: dict[str, Any] = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
     result.update(weights="random (seed 0)" if args.random_weights else "trained", rollout=[], agents=[])
     if args.override and not args.random_weights:

@@ -35,7 +35,8 @@ and 3, and 16.8, 16.1 and 15.3 s after.
    the prompt. Now they pass `logits_to_keep` (1 in the prefill, response length + 1 in training), and
    per-step log-probs are `logit - logsumexp` instead of a full log-softmax. Without an entropy bonus,
    the logged entropy is computed outside the autograd graph. After: ratios 1.00, 1.00, 1.01 and 1.02.
-   PPO iteration 17.7 -> 16.5 s (TRL, same run conditions: 28.5 and 27.5 s).
+   PPO iteration 17.7 -> 16.5 s (TRL in the same runs: 28.5 and 27.5 s, configured then with the 2
+   optimizer steps per iteration described below, not 4).
 3. **The optimizer step.** AdamW over 135M parameters took 0.19 s per step with torch's default CPU
    implementation and 0.056 s with `fused=True` (measured side by side). Four steps per iteration.
    LMPPO now uses the fused kernel where torch has it. PPO iteration 16.5 -> 15.4 s.
@@ -150,7 +151,9 @@ def bf16_section(b: dict | None) -> list[str]:
         f"Rollout against `generate` in the same precision: {b['rollout_fp32'] / b['generate_fp32']:.2f} in "
         f"fp32, {b['rollout_bf16'] / b['generate_bf16']:.2f} in bf16"
         + (
-            f" (without the weight cast, autocast alone, the bf16 rollout took {b['rollout_autocast_only_bf16']:.2f} s)"
+            f" (without the weight cast, autocast alone, the bf16 rollout took {b['rollout_autocast_only_bf16']:.2f} s, "
+            f"{b['rollout_autocast_only_bf16'] / b['generate_bf16']:.2f} of `generate`'s: the rollout's gain in bf16 is "
+            "the once-per-rollout cast of the linear weights, which `generate` under autocast does not make)"
             if "rollout_autocast_only_bf16" in b
             else ""
         )
@@ -193,6 +196,25 @@ def _platforms() -> list[str]:
         f"The CPU results come from machines of this type under {len(parts)} kernels: {'; '.join(parts)}.",
         "",
     ]
+
+
+def _other_run_note(scaling: dict, ppo: dict | None) -> str:
+    """Where the scaling table has the PPO table's own setting: both times, measured in different runs."""
+    if not ppo:
+        return ""
+    s = ppo["settings"]
+    same = [
+        r for r in scaling["rows"] if (r["batch"], r["response_length"]) == (s["batch"], s["response_length"])
+    ]
+    if not same:
+        return ""
+    ppo_s = statistics.median(ppo["textgym"]["iteration_s"])
+    return (
+        f" This table comes from another run than the PPO table's (its kernel: {scaling['machine'].get('platform')}"
+        f"), and this machine's speed moves between runs: the PPO table's setting (batch {s['batch']}, "
+        f"{s['response_length']} tokens) took {same[0]['iteration_s']:.1f} s here and {ppo_s:.1f} s there. Compare "
+        "the rows of one table, not figures across tables."
+    )
 
 
 def write_report(quick: bool = False) -> Path:
@@ -326,7 +348,8 @@ def write_report(quick: bool = False) -> Path:
             "",
             "`python benchmarks/run.py --only scaling`. LMPPO iterations as above (2 epochs, 2 minibatches, "
             "micro-batch 8), varying the batch size and the response length. One measured iteration after a "
-            "warm-up per point; sampled responses can end early, so the cost is also given per generated token.",
+            "warm-up per point; sampled responses can end early, so the cost is also given per generated token."
+            + _other_run_note(sc, p),
             "",
             "| batch | response length | iteration (s) | generated tokens | ms per generated token | rollout | reference | update |",
             "|---|---|---|---|---|---|---|---|",

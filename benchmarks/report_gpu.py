@@ -110,11 +110,26 @@ def gpu_section(
     lines.append("")
     if batches:
         lo, hi = batches[0], batches[-1]
+        growth = [
+            big["generate_s"] / small["generate_s"]
+            for r in runs
+            for small in r["rollout"]
+            for big in r["rollout"]
+            if "error" not in small
+            and "error" not in big
+            and (small["batch"], big["batch"], small["bf16"]) == (lo, hi, big["bf16"])
+        ]
         lines += [
             f"A decoding step costs {min(step_ms):.0f}-{max(step_ms):.0f} ms in `generate`, over "
-            f"{len(runs)} run{'s' if len(runs) > 1 else ''} of this check, whether it decodes {lo} rows or {hi}. "
-            "A cost that does not grow with the batch is the host launching the step's kernels, not the GPU's "
-            "arithmetic: at this model size the GPU waits for the CPU. So:",
+            f"{len(runs)} run{'s' if len(runs) > 1 else ''} of this check, at {lo} rows and at {hi}. "
+            + (
+                f"A cost that grows far less than the batch ({min(growth):.2f}-{max(growth):.2f}x for {hi // lo}x "
+                "the rows, within a run and a precision) "
+                if growth
+                else "A cost that barely moves with the batch "
+            )
+            + "is mostly the host launching the step's kernels, not the GPU's arithmetic: at this model size the "
+            "GPU waits for the CPU. So:",
         ]
         old = next(
             (row for row in (before or {}).get("rollout", []) if "syncs" in row and "error" not in row), None
@@ -162,11 +177,28 @@ def gpu_section(
             spans: dict[str, list[float]] = {}
             for size, row in sized:
                 spans.setdefault(size, []).append(row["ratio"])
+            # the same cells in the other runs of this check: how far one run's ratios are from another's
+            cells = {(row["batch"], row["bf16"]): row["ratio"] for row in rollout}
+            again = [
+                (row["batch"], row["bf16"], cells[row["batch"], row["bf16"]], row["ratio"])
+                for r in (g, interleaved)  # `before` ran older rollout code
+                if r and r is not shown
+                for row in r["rollout"]
+                if "error" not in row and (row["batch"], row["bf16"]) in cells
+            ]
+            spread = max(again, key=lambda a: abs(a[2] - a[3]), default=None)
             lines.append(
                 "- The rollout against `generate`: "
                 + "; ".join(f"{min(r):.2f}-{max(r):.2f}x for {size}" for size, r in spans.items())
-                + ". The gap shrinks as the policy grows, as a fixed cost per step that a small policy's forward "
-                "does not hide would. Its cause is not profiled. At most it was "
+                + (
+                    f". These are one run's ratios: another run of this check measured {spread[3]:.2f} where this "
+                    f"one measured {spread[2]:.2f} (SmolLM2, batch {spread[0]}, "
+                    f"{'bf16' if spread[1] else 'fp32'}), so a difference between these ratios as large as that is "
+                    "within the spread between runs, and no trend over the policy's size is claimed"
+                    if spread
+                    else ""
+                )
+                + ". The cause of the gap is not profiled. At most it was "
                 f"{max((row['rollout_s'] - row['generate_s']) / tokens * 1000 for _, row in sized):.1f} ms a "
                 'step, where the env\'s own step takes tens of microseconds for 64 rows ("The env alone" above). Candidates '
                 "are the rollout's own kernels per step, which `generate` does not run: the chosen tokens' "
