@@ -1,8 +1,11 @@
 """textgym train-rm and textgym label-pairs: reward models from preference pairs, pairs from a gold stack."""
 
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,6 +229,14 @@ def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "accuracy" in printed and f"rm_score model='{tmp_path / 'rm'}'" in printed
     assert (tmp_path / "rm" / REPORT).is_file()
+    # in a fresh process, where DeepSpeed is imported for the first time when the model is saved: its
+    # "[WARNING] ... Setting accelerator to CPU" line was printed on stdout, amid the report
+    textgym_cli = Path(sys.executable).with_name("textgym")
+    result = subprocess.run([str(textgym_cli), *argv[:3], str(tmp_path / "rm2"), *argv[4:]], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.returncode == 0 and result.stdout.startswith("held-out pairs:"), result.stdout
+    # an accuracy on a few pairs says how many: "0.500 -> 1.000" on 2 pairs read as more than it is
+    assert re.search(r"accuracy +\d\.\d{3} -> \d\.\d{3} \(\d -> \d of 6 pairs\)", printed)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import sys
 from collections.abc import Sequence
@@ -219,6 +220,11 @@ def _quiet_libraries() -> None:
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # DeepSpeed, which accelerate imports wherever it is installed (saving any model), says on stdout, in the
+    # middle of textgym's output, that a machine without GPUs runs on the CPU
+    logging.getLogger("DeepSpeed").addFilter(
+        lambda record: "Setting accelerator to CPU" not in record.getMessage()
+    )
     try:
         from transformers.utils import logging as hf_logging
 

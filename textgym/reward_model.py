@@ -76,7 +76,8 @@ class RMReport:
                     if self.eval_prompts_seen
                     else ""
                 ),
-                f"  accuracy     {b.accuracy:.3f} -> {a.accuracy:.3f}",
+                f"  accuracy     {b.accuracy:.3f} -> {a.accuracy:.3f} ({round(b.accuracy * self.eval_pairs)} -> "
+                f"{round(a.accuracy * self.eval_pairs)} of {self.eval_pairs} pairs)",
                 f"  mean margin  {b.mean_margin:+.3f} -> {a.mean_margin:+.3f}",
                 f"  loss         {b.loss:.3f} -> {a.loss:.3f}",
                 f"  scores       mean {self.score_mean:+.3f}, std {self.score_std:.3f} (held-out, trained)"
