@@ -227,10 +227,10 @@ def test_numbers_keep_the_digits_that_tell_them_apart_and_user_labels_stay_text(
     assert (fmt_p(0.0004), fmt_p(0.0234), fmt_p(1.0)) == ("<0.001", "0.023", "1.000")
     # a metric's label with Markdown and HTML in it broke the tables' columns and rendered as markup
     out = tmp_path / "bench"
-    write_outputs(out, *fake_bench(out, label="exact|copy <i>x</i>"))
+    write_outputs(out, *fake_bench(out, label="exact|copy <i>x</i> *y*"))
     md = (out / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| design |"))
-    assert "exact\\|copy &lt;i&gt;x&lt;/i&gt;" in header and "<i>" not in md
+    assert "exact\\|copy &lt;i&gt;x&lt;/i&gt; \\*y\\*" in header and "<i>" not in md
     assert (
         header.count(" | ")
         == next(line for line in md.splitlines() if line.startswith("|---")).count("|---") - 1

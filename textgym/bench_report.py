@@ -345,8 +345,12 @@ def _text(text: str) -> str:
 
 def _cell_text(text: str, width: int | None = None) -> str:
     """User text (a prompt, a completion, a metric's label) as one Markdown table cell: on one line, cut at
-    ``width`` characters, and escaped, so that ``<b>`` or ``&amp;`` in it reads as written, not as markup."""
-    return html.escape(one_line(text, width), quote=False).replace("|", "\\|")
+    ``width`` characters, and escaped, so that ``<b>``, ``&amp;``, ``**`` or a backtick in it reads as written,
+    not as markup."""
+    text = html.escape(one_line(text, width), quote=False)
+    for char in "\\`*[]|":
+        text = text.replace(char, "\\" + char)
+    return text
 
 
 def _samples(results: BenchResults) -> list[str]:
