@@ -8,6 +8,7 @@ ends and the reward stack scores it (e.g. ``match`` against the prompt's referen
 
 from __future__ import annotations
 
+import decimal
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -98,9 +99,30 @@ def evaluate(expression: str) -> Fraction:
     return value
 
 
+EXACT_DIGITS = 20  # a finite decimal with at most this many significant digits is written out exactly
+
+
 def format_number(value: Fraction) -> str:
-    """An integer exactly; otherwise up to 10 significant digits."""
-    return str(value.numerator) if value.denominator == 1 else f"{float(value):.10g}"
+    """``value`` in plain decimal notation, never in exponent form (which the calculator does not read back):
+    exactly where it has a finite decimal form of at most 20 significant digits (14, 3.5, 1000000002.5);
+    else rounded to 10 significant digits, as ``≈0.3333333333`` (the mark says it is rounded)."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    rest, places = value.denominator, 0
+    for factor in (2, 5):
+        count = 0
+        while rest % factor == 0:
+            rest, count = rest // factor, count + 1
+        places = max(places, count)
+    if rest == 1:  # a finite decimal: value * 10^places is a whole number
+        digits = str(abs(value.numerator * 10**places // value.denominator)).rjust(places + 1, "0")
+        if len(digits.lstrip("0")) <= EXACT_DIGITS:
+            return f"{'-' if value < 0 else ''}{digits[:-places]}.{digits[-places:]}"
+    with decimal.localcontext() as context:
+        context.prec = 10
+        rounded = decimal.Decimal(value.numerator) / decimal.Decimal(value.denominator)
+    text = format(rounded, "f")
+    return f"≈{text.rstrip('0').rstrip('.') if '.' in text else text}"
 
 
 class Calculator:
@@ -131,7 +153,8 @@ class Calculator:
         if end < 0:
             return Reply("error: the call is not closed with </calc>.")
         try:
-            return Reply(f"= {format_number(evaluate(body[:end]))}")
+            result = format_number(evaluate(body[:end]))
+            return Reply(f"≈ {result[1:]}" if result.startswith("≈") else f"= {result}")
         except CalcError as exc:
             return Reply(f"error: {exc}.")
 

@@ -2,19 +2,22 @@
 
 Each prompt's metadata holds the ``secret`` number. The agent guesses one number per turn; the responder
 answers "Higher." or "Lower.", or "Correct!" and ends the episode. Solving on turn k is worth
-``solve_reward - turn_penalty * (k - 1)`` (at least 0) as that turn's reward; a turn without a number gets
-``invalid_reward`` and a reminder.
+``solve_reward - turn_penalty * (k - 1)`` (at least 0) as that turn's reward; a turn that does not hold
+exactly one whole number (none, "7.5", "between 1 and 10: 7") gets ``invalid_reward`` and a reminder.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 
 from textgym import Reply, hookimpl
 from textgym.responders import Conversation
 
-NUMBER = re.compile(r"-?\d+")
+# a number as written: thousands separated by commas, decimals, an exponent; a guess is one that is whole
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+WHOLE = re.compile(r"-?\d{1,3}(?:,\d{3})+|-?\d+")
 
 
 class GuessNumber:
@@ -37,6 +40,16 @@ class GuessNumber:
         invalid_reward: float = 0.0,
         secret_key: str = "secret",
     ):
+        values = {
+            "solve_reward": solve_reward,
+            "turn_penalty": turn_penalty,
+            "invalid_reward": invalid_reward,
+        }
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, not {value!r}.")
+        if turn_penalty < 0:  # a later solve would pay more
+            raise ValueError(f"turn_penalty must be >= 0 (fewer turns pay more), not {turn_penalty}.")
         self.solve_reward, self.turn_penalty = float(solve_reward), float(turn_penalty)
         self.invalid_reward, self.secret_key = float(invalid_reward), secret_key
 
@@ -49,15 +62,29 @@ class GuessNumber:
                 f"prompt {c.prompt[:50]!r} has no {self.secret_key!r} in its metadata; give each prompt the "
                 f"secret number (e.g. the shipped 'guess_number' prompts)."
             )
-        secret = int(c.meta[self.secret_key])
-        found = NUMBER.search(c.last)
-        if found is None:
-            return Reply("Please answer with a whole number.", reward=self.invalid_reward)
-        guess = int(found.group())
+        secret = _whole(c.meta[self.secret_key])
+        if secret is None:
+            raise ValueError(
+                f"prompt {c.prompt[:50]!r}: its {self.secret_key!r} must be a whole number, not "
+                f"{c.meta[self.secret_key]!r}."
+            )
+        numbers = NUMBER.findall(c.last)
+        if len(numbers) != 1 or not WHOLE.fullmatch(numbers[0]):  # "7.5" was read as 7, "1 and 10: 7" as 1
+            return Reply("Please answer with one whole number.", reward=self.invalid_reward)
+        guess = int(numbers[0].replace(",", ""))
         if guess == secret:
             reward = max(0.0, self.solve_reward - self.turn_penalty * (c.agent_turns - 1))
             return Reply("Correct!", reward=reward, done=True)
         return Reply("Higher." if guess < secret else "Lower.")
+
+
+def _whole(value: object) -> int | None:
+    """``value`` (7, 7.0, "7") as an int; None for anything else (7.9 was cut to 7)."""
+    try:
+        number = float(str(value))
+    except ValueError:
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
 
 
 @hookimpl

@@ -37,6 +37,10 @@ class Match:
             raise ValueError(f"mode must be 'exact', 'contains' or 'regex', not {mode!r}.")
         if partial and mode != "exact":
             raise ValueError("partial=True needs mode='exact'.")
+        if reference is not None and not str(reference).strip():  # "contains" found it in every completion
+            raise ValueError(
+                f"reference {reference!r} is blank: give a text to match, or no reference (each prompt's own)."
+            )
         if mode == "regex" and reference is not None:
             try:
                 re.compile(reference)

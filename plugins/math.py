@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +50,10 @@ class MathVerify:
         gold = _parse_reference(reference, timeout)
         if not gold:
             return None
+        completion = completion.replace("\u2212", "-")  # the typographic minus, as "−8"
         answer = self._mv.parse(completion, parsing_timeout=timeout)
+        if not answer and not _delimited(completion):  # "+29", "(29)": a plain expression math-verify's
+            answer = self._mv.parse(f"${completion}$", parsing_timeout=timeout)  # text search skips
         return float(self._mv.verify(gold, answer, timeout_seconds=timeout))
 
     def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
@@ -61,12 +65,28 @@ class MathVerify:
         return scores
 
 
+def _delimited(text: str) -> bool:
+    """Whether ``text`` marks its math itself (``$...$``, ``\\(...\\)``, ``\\[...\\]``, ``\\boxed``)."""
+    return any(mark in text for mark in ("$", "\\(", "\\[", "\\boxed"))
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_reference(reference: str, timeout: int | None) -> Any:
-    """References repeat across samples (G completions per prompt, many epochs): parse each once."""
+    """References repeat across samples (G completions per prompt, many epochs): parse each once. A reference
+    is math: one without delimiters is read as LaTeX math, as if between ``$``: math-verify reads bare text
+    as prose, and took ``2^{10}`` for 2 and ``\\sqrt{2}`` for nothing. One that does not parse is said, once."""
     import math_verify
 
-    return math_verify.parse(reference, parsing_timeout=timeout)
+    text = reference.replace("\u2212", "-")
+    gold = math_verify.parse(text if _delimited(text) else f"${text}$", parsing_timeout=timeout)
+    if all(isinstance(g, str) for g in gold):  # nothing, or only the text it could not read as math
+        warnings.warn(
+            f"math: the reference {reference!r} does not parse, so its prompts score None (not applicable): "
+            f"write it as LaTeX math (e.g. \\frac{{1}}{{2}}, 2^{{10}}).",
+            stacklevel=2,
+        )
+        return []
+    return gold
 
 
 @hookimpl

@@ -32,7 +32,8 @@ class Similarity:
     """Cosine similarity in [-1, 1] between the completion and ``target`` (a fixed text), or the prompt
     metadata's ``reference_key`` when no target is given. Embeddings: mean-pooled, L2-normalised MiniLM.
     Each distinct text is embedded once per call, in batches of similar lengths; references are cached.
-    ``bf16``: bf16 autocast; unset: on for GPUs, off on the CPU.
+    A text is embedded from its first ``max_length`` tokens (at most the model's positions, 512 for MiniLM):
+    what follows does not count. ``bf16``: bf16 autocast; unset: on for GPUs, off on the CPU.
     """
 
     name = "similarity"
@@ -59,6 +60,13 @@ class Similarity:
         self.model = model.to(self.device).eval()
         if self.bf16:
             bf16_linears(self.model)
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if positions is not None and max_length > positions:  # a tensor-size RuntimeError at the first call
+            raise ValueError(f"max_length={max_length} is more than the model's {positions} positions.")
+        if target is not None and not str(target).strip():  # an empty completion was a perfect 1.0
+            raise ValueError(
+                f"target {target!r} is blank: give a text, or no target (each prompt's reference)."
+            )
         self.target, self.reference_key = target, reference_key
         self.batch_size, self.max_length = batch_size, max_length
         self._cache: dict[str, Any] = {}

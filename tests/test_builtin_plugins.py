@@ -76,6 +76,8 @@ def test_match_modes_and_references():
         assert make_reward("match", mode=mode)(empty) == [None, None, None, 1.0]  # "  ": "contains" said 1.0
     with pytest.raises(PluginArgumentError, match="partial=True needs mode='exact'"):
         make_reward("match", mode="contains", partial=True)
+    with pytest.raises(PluginArgumentError, match="reference ' ' is blank"):  # "contains" matched everything
+        make_reward("match", mode="contains", reference=" ")
 
 
 def test_math_verifies_answers_against_references_and_skips_prompts_without_one():
@@ -89,6 +91,13 @@ def test_math_verifies_answers_against_references_and_skips_prompts_without_one(
     ]
     assert make_reward("math")(samples) == [1.0, 0.0, 1.0, 1.0, None, None]
     assert make_reward("math", reference_key="answer")([s("3", answer="3")]) == [1.0]
+    # references are math: "2^{10}" was read as 2 and "\sqrt{2}" as nothing (None: not applicable); answers
+    # with a sign or brackets ("+29", "(29)", the typographic "−8") scored 0
+    checks = [("1024", "2^{10}", 1.0), ("2", "2^{10}", 0.0), (r"\sqrt{2}", r"\sqrt{2}", 1.0), ("+29", "29", 1.0),
+              ("(29)", "29", 1.0), ("−8", "-8", 1.0), ("29", "+29", 1.0), ("-8", "(-8)", 1.0)]  # fmt: skip
+    assert make_reward("math")([s(c, reference=r) for c, r, _ in checks]) == [want for *_, want in checks]
+    with pytest.warns(UserWarning, match=r"the reference '\?\?' does not parse, so its prompts score None"):
+        assert make_reward("math")([s("1", reference="??")]) == [None]
     with pytest.raises(PluginArgumentError, match="timeout must be a whole number of seconds"):
         make_reward("math", timeout=0.5)
 
@@ -129,6 +138,10 @@ def test_similarity_to_reference_and_to_a_fixed_target():
     assert similarity(mixed)[0] is None and similarity(mixed)[1] == pytest.approx(same, abs=1e-5)
     # a blank reference is none, as for match
     assert similarity([s("x", reference=""), s("x", reference="  ")]) == [None, None]
+    with pytest.raises(PluginArgumentError, match="target '' is blank"):  # an empty completion scored 1.0
+        make_reward("similarity", target="")
+    with pytest.raises(PluginArgumentError, match="max_length=1000 is more than the model's 512 positions"):
+        make_reward("similarity", max_length=1000)
 
 
 def test_similarity_keeps_scoring_once_its_reference_cache_is_full(monkeypatch):

@@ -1,5 +1,6 @@
 """Multi-turn episodes in TextGenEnv / TextGenVectorEnv: layout, masks, rewards, limits and clear errors."""
 
+import math
 import re
 
 import gymnasium
@@ -330,11 +331,18 @@ def test_calculator_parses_arithmetic_itself():
     from textgym.plugins.calculator import CalcError, evaluate, format_number
 
     for expression, value in [
-        ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("-3 - -2", "-1"), ("7 / 2", "3.5"), ("1 / 3", "0.3333333333"),
+        ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("-3 - -2", "-1"), ("7 / 2", "3.5"), ("1 / 3", "≈0.3333333333"),
+        # exact where the decimal is finite: float's 10 digits gave "1000000002" and "1e+11", as if exact
+        ("2.5 * 400000001", "1000000002.5"), ("100000000000.5", "100000000000.5"), ("-1 / 1024", "-0.0009765625"),
         ("0.1 + 0.2", "0.3"), ("14*12", "168"), ("+(.5)", "0.5"), ("2 * (3 + (4 - 1)) / 3", "4"),
         ("14 + 15 ", "29"), (" ( 1 + 2 ) ", "3"), ("\t7\t", "7"), ("\n8\n", "8"),  # as models space a call
     ]:  # fmt: skip
         assert format_number(evaluate(expression)) == value, expression
+    from textgym.plugins.calculator import Calculator
+    from textgym.responders import Conversation, Turn
+
+    calls = [Conversation("q", {}, (Turn("assistant", f"<calc>{x}</calc>"),)) for x in ("1/3", "7/2")]
+    assert [r.text for r in Calculator()(calls)] == ["≈ 0.3333333333", "= 3.5"]  # a rounded result says so
     for expression, message in [
         ("2 +* 3", "expected a number at position 3"), ("(1 + 2", "expected ')' at the end"),
         ("1 / (2 - 2)", "division by zero"), ("__import__('os')", "unexpected '_' at position 0"),
@@ -384,10 +392,23 @@ def test_guess_number_gives_feedback_every_turn_and_pays_for_few_turns():
         return game([Conversation("guess", {"secret": 7}, turns)])[0]
 
     assert after("5") == Reply("Higher.") and after("My guess is 9") == Reply("Lower.")
-    assert after("seven") == Reply("Please answer with a whole number.", reward=0.0)
+    invalid = Reply("Please answer with one whole number.", reward=0.0)
+    assert after("seven") == invalid
     assert after("7") == Reply("Correct!", reward=1.0, done=True)
     assert after("5", "9", "7") == Reply("Correct!", reward=0.5, done=True)
     assert textgym.load_prompts("guess_number")[0].meta["secret"] >= 1
+    # "7.5" was read as 7 and solved the game; "1e1" as 1; a range's first number as the guess
+    assert after("Is it 7.5?") == after("1e1") == after("between 1 and 10: 7") == after("7, 8") == invalid
+    assert after("-3") == Reply("Higher.") and after("1,000") == Reply("Lower.")
+    # a NaN penalty made every solve score 0 (max(0, nan) is 0); a negative one paid more for later solves
+    for bad, match in [({"turn_penalty": math.nan}, "turn_penalty must be a finite number"),
+                       ({"solve_reward": "1"}, "solve_reward must be a finite number"),
+                       ({"turn_penalty": -0.5}, r"turn_penalty must be >= 0 \(fewer turns pay more\)")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            GuessNumber(**bad)
+    with pytest.raises(ValueError, match="its 'secret' must be a whole number, not 7.9"):  # it was cut to 7
+        game([Conversation("guess", {"secret": 7.9}, (Turn("assistant", "7"),))])
+    assert game([Conversation("guess", {"secret": "7"}, (Turn("assistant", "7"),))])[0].done
 
 
 def test_user_simulator_asks_the_follow_ups_in_order_then_ends():

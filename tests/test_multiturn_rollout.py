@@ -126,6 +126,6 @@ def test_sample_command_prints_multi_turn_episodes_turn_by_turn(tmp_path, capsys
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "prompt: I am thinking of a whole number" in printed
-    assert "  > assistant: " in printed and "  <      user: Please answer with a whole number." in printed
+    assert "  > assistant: " in printed and "  <      user: Please answer with one whole number." in printed
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["role"] for t in rows[0]["turns"]][:2] == ["assistant", "user"]
