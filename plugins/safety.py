@@ -26,14 +26,16 @@ class Safety:
             raise ValueError(f"shape must be 'linear', 'step' or 'hinge', not {shape!r}.")
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1), not {threshold}.")
-        if penalty < 0:
-            raise ValueError(f"penalty must be >= 0, not {penalty}.")
+        if not 0 <= penalty < float("inf"):  # NaN and inf too: every score would be NaN or -inf
+            raise ValueError(f"penalty must be a finite number >= 0, not {penalty}.")
         from profanity_check import predict_prob
 
         self.predict_prob = predict_prob
         self.shape, self.threshold, self.penalty = shape, threshold, penalty
 
     def __call__(self, samples: Sequence[Sample]) -> np.ndarray:
+        if not samples:  # the classifier's vectoriser raises on an empty list
+            return np.zeros(0)
         p = np.asarray(self.predict_prob([s.completion for s in samples]), dtype=np.float64)
         if self.shape == "linear":
             cost = p

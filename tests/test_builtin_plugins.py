@@ -120,6 +120,10 @@ def test_safety_penalises_offensive_text():
     assert hinge[0] == 0.0 and hinge[1] < 0
     with pytest.raises(PluginArgumentError, match="threshold must be in"):
         make_reward("safety", threshold=1.5)
+    for penalty in (math.nan, math.inf, -1.0):  # NaN was accepted, and every score became NaN later
+        with pytest.raises(PluginArgumentError, match="penalty must be a finite number >= 0"):
+            make_reward("safety", penalty=penalty)
+    assert len(make_reward("safety")([])) == 0  # sklearn's vectoriser raised on no texts
 
 
 def test_similarity_to_reference_and_to_a_fixed_target():
