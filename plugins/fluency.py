@@ -73,8 +73,8 @@ class Fluency:
         share_prefix: bool = True,
     ):
         check_positive(n=n, batch_size=batch_size, max_length=max_length)
-        if repetition_penalty < 0:
-            raise ValueError(f"repetition_penalty must be >= 0, not {repetition_penalty}.")
+        if not 0 <= repetition_penalty < float("inf"):  # NaN and inf too: every score would be NaN
+            raise ValueError(f"repetition_penalty must be a finite number >= 0, not {repetition_penalty}.")
         from textgym.models import load_model
 
         self.device = resolve_device(device)

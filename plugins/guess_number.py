@@ -79,9 +79,15 @@ class GuessNumber:
 
 
 def _whole(value: object) -> int | None:
-    """``value`` (7, 7.0, "7") as an int; None for anything else (7.9 was cut to 7)."""
+    """``value`` (7, 7.0, "7") as an int, exactly (a float holds integers up to 2^53 only); None for anything
+    else (7.9 was cut to 7)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if WHOLE.fullmatch(text):
+        return int(text.replace(",", ""))
     try:
-        number = float(str(value))
+        number = float(text)
     except ValueError:
         return None
     return int(number) if math.isfinite(number) and number.is_integer() else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -52,8 +53,8 @@ class MathVerify:
             return None
         completion = completion.replace("\u2212", "-")  # the typographic minus, as "−8"
         answer = self._mv.parse(completion, parsing_timeout=timeout)
-        if not answer and not _delimited(completion):  # "+29", "(29)": a plain expression math-verify's
-            answer = self._mv.parse(f"${completion}$", parsing_timeout=timeout)  # text search skips
+        if not _read(answer) and _bare(completion):  # "+29", "(29)": math that math-verify's search of
+            answer = self._mv.parse(f"${completion}$", parsing_timeout=timeout)  # prose skips
         return float(self._mv.verify(gold, answer, timeout_seconds=timeout))
 
     def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
@@ -65,21 +66,41 @@ class MathVerify:
         return scores
 
 
+LATEX = re.compile(r"[\\^{}]")  # a backslash command, a power, a group: LaTeX math, not prose
+WORD = re.compile(r"[A-Za-z]{2,}")
+COMMAND = re.compile(r"\\[A-Za-z]+")  # \sqrt, \frac: names, not words
+
+
 def _delimited(text: str) -> bool:
     """Whether ``text`` marks its math itself (``$...$``, ``\\(...\\)``, ``\\[...\\]``, ``\\boxed``)."""
     return any(mark in text for mark in ("$", "\\(", "\\[", "\\boxed"))
 
 
+def _bare(text: str) -> bool:
+    """Undelimited text without words ("+29", "(-8)"): math to read as if between ``$``. Words stay prose:
+    between ``$``, "Paris" would be the product P*a*r*i*s, equal to "Sirap"."""
+    return not _delimited(text) and not WORD.search(COMMAND.sub("", text))
+
+
+def _read(parsed: Sequence[Any]) -> bool:
+    """Whether math-verify read math: it returns only the text where it read none."""
+    return any(not isinstance(p, str) for p in parsed)
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_reference(reference: str, timeout: int | None) -> Any:
-    """References repeat across samples (G completions per prompt, many epochs): parse each once. A reference
-    is math: one without delimiters is read as LaTeX math, as if between ``$``: math-verify reads bare text
-    as prose, and took ``2^{10}`` for 2 and ``\\sqrt{2}`` for nothing. One that does not parse is said, once."""
+    """References repeat across samples (G completions per prompt, many epochs): parse each once. One without
+    delimiters that holds LaTeX (a backslash, ``^``, braces) is read as if between ``$``: math-verify reads
+    bare text as prose, and took ``2^{10}`` for 2 and ``\\sqrt{2}`` for nothing. One that does not parse is
+    said, once."""
     import math_verify
 
     text = reference.replace("\u2212", "-")
-    gold = math_verify.parse(text if _delimited(text) else f"${text}$", parsing_timeout=timeout)
-    if all(isinstance(g, str) for g in gold):  # nothing, or only the text it could not read as math
+    latex = not _delimited(text) and LATEX.search(text)  # "2^{10}" read as prose was 2
+    gold = math_verify.parse(f"${text}$" if latex else text, parsing_timeout=timeout)
+    if not _read(gold) and _bare(text):  # "+29", "(-8)"
+        gold = math_verify.parse(f"${text}$", parsing_timeout=timeout)
+    if not _read(gold):  # nothing, or only the text it could not read as math
         warnings.warn(
             f"math: the reference {reference!r} does not parse, so its prompts score None (not applicable): "
             f"write it as LaTeX math (e.g. \\frac{{1}}{{2}}, 2^{{10}}).",

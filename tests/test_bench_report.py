@@ -223,6 +223,7 @@ def test_numbers_keep_the_digits_that_tell_them_apart_and_user_labels_stay_text(
     # difference that does not vary; a p below 0.0005 as "0.000"
     assert fmt_interval(0.007165, 0.00703, 0.0073) == "0.00717 [0.00703, 0.00730]"
     assert fmt_interval(0.369, 0.252, 0.486) == "0.369 [0.252, 0.486]"
+    assert fmt_interval(0.8, 0.8 - 3e-16, 0.8 + 4e-16) == "0.800 [0.800, 0.800]"  # one value on every seed
     assert (fmt(0.0004), fmt(77.7), fmt(-1e-12), fmt(0.0)) == ("0.00040", "77.700", "0.000", "0.000")
     assert (fmt_p(0.0004), fmt_p(0.0234), fmt_p(1.0)) == ("<0.001", "0.023", "1.000")
     # a metric's label with Markdown and HTML in it broke the tables' columns and rendered as markup
@@ -259,6 +260,10 @@ def test_the_plots_draw_no_flat_standardised_reward_no_interval_of_one_seed_and_
     _, ax = bench_plots.pyplot().subplots()
     bench_plots._seed_lines(ax, [([100], [0.5])], "C0", "-", "one")
     assert ax.lines and all(line.get_marker() == "o" for line in ax.lines)
+    _, ax = bench_plots.pyplot().subplots()  # several such runs: the labelled point is their mean, not seed 0
+    bench_plots._seed_lines(ax, [([100], [0.5]), ([100], [0.9]), ([100], [0.7])], "C0", "-", "three")
+    (mean,) = [line for line in ax.lines if line.get_label() == "three"]
+    assert list(mean.get_ydata()) == pytest.approx([0.7])
 
 
 def test_one_seed_is_reported_as_not_tested(tmp_path):

@@ -94,10 +94,14 @@ def test_math_verifies_answers_against_references_and_skips_prompts_without_one(
     # references are math: "2^{10}" was read as 2 and "\sqrt{2}" as nothing (None: not applicable); answers
     # with a sign or brackets ("+29", "(29)", the typographic "−8") scored 0
     checks = [("1024", "2^{10}", 1.0), ("2", "2^{10}", 0.0), (r"\sqrt{2}", r"\sqrt{2}", 1.0), ("+29", "29", 1.0),
-              ("(29)", "29", 1.0), ("−8", "-8", 1.0), ("29", "+29", 1.0), ("-8", "(-8)", 1.0)]  # fmt: skip
+              ("(29)", "29", 1.0), ("−8", "-8", 1.0), ("29", "+29", 1.0), ("-8", "(-8)", 1.0),
+              (r"\sqrt{2}", r"\sqrt{2}", 1.0), ("12 dollars", "12 dollars", 1.0), ("1 000", "1000", 1.0)]  # fmt: skip
     assert make_reward("math")([s(c, reference=r) for c, r, _ in checks]) == [want for *_, want in checks]
     with pytest.warns(UserWarning, match=r"the reference '\?\?' does not parse, so its prompts score None"):
         assert make_reward("math")([s("1", reference="??")]) == [None]
+    # prose is not math: read as if between $, "Paris" was the product P*a*r*i*s, equal to "Sirap"
+    with pytest.warns(UserWarning, match="the reference 'Paris' does not parse"):
+        assert make_reward("math")([s("Sirap", reference="Paris")]) == [None]
     with pytest.raises(PluginArgumentError, match="timeout must be a whole number of seconds"):
         make_reward("math", timeout=0.5)
 

@@ -673,14 +673,37 @@ def flaky(samples):
 """
 
 
+FAILS_TO_BUILD_ON_RANK_1 = """
+import os
+
+import textgym
+
+
+class Judge:
+    def __init__(self):
+        if os.environ.get("RANK") == "1":
+            raise RuntimeError("the judge is down")
+
+    def __call__(self, samples):
+        return [0.0] * len(samples)
+
+
+@textgym.hookimpl
+def register_rewards(register):
+    register("flaky", Judge)
+"""
+
+
 @pytest.mark.parametrize(
-    "shard, where", [(None, "env"), ("fsdp", "env"), (None, "eval")], ids=["ddp", "fsdp", "ddp-eval-metric"]
+    "shard, where",
+    [(None, "env"), ("fsdp", "env"), (None, "eval"), (None, "eval-build")],
+    ids=["ddp", "fsdp", "ddp-eval-metric", "ddp-eval-metric-built"],
 )
 def test_a_reward_failing_on_one_process_stops_every_process_with_its_name(config, tmp_path, shard, where):
     """Sharded, the rollouts run in lockstep (a collective per step): the failing process must stop the
     others in it, or they wait for its next forward forever (the timeout turns that hang into a failure).
     Unsharded, each process runs an [eval] alone, and the others went on to a raw "connection closed"."""
-    (tmp_path / "flaky.py").write_text(FAILS_ON_RANK_1)
+    (tmp_path / "flaky.py").write_text(FAILS_TO_BUILD_ON_RANK_1 if where == "eval-build" else FAILS_ON_RANK_1)
     out = tmp_path / "run"
     sets = (
         ["env.rewards=[{name='flaky'}]"]

@@ -409,6 +409,8 @@ def test_guess_number_gives_feedback_every_turn_and_pays_for_few_turns():
     with pytest.raises(ValueError, match="its 'secret' must be a whole number, not 7.9"):  # it was cut to 7
         game([Conversation("guess", {"secret": 7.9}, (Turn("assistant", "7"),))])
     assert game([Conversation("guess", {"secret": "7"}, (Turn("assistant", "7"),))])[0].done
+    big = 2**53 + 1  # read through a float, it was 2**53, and the exact guess got "Lower."
+    assert game([Conversation("guess", {"secret": big}, (Turn("assistant", str(big)),))])[0].done
 
 
 def test_user_simulator_asks_the_follow_ups_in_order_then_ends():

@@ -326,6 +326,25 @@ def test_cli_plugins_json_into_a_closed_pipe_ends_without_a_traceback(monkeypatc
         monkeypatch.setattr(sys, "stdout", closed)
         assert main(["plugins", "--json"]) == 1
     assert capsys.readouterr().err == ""
+    read, write = os.pipe()  # a command cut short says so, in one line
+    os.close(read)
+    with os.fdopen(write, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        argv = [
+            "sample",
+            "--model",
+            "tiny-random-llama",
+            "--num",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--reward",
+            "sentiment",
+        ]
+        assert main(argv) == 1
+    assert capsys.readouterr().err.endswith(
+        "textgym: stopped: sample's output was closed (a pipe's reader exited)\n"
+    )
 
 
 def test_cli_help_shows_what_each_option_does_and_its_default(capsys):

@@ -41,6 +41,25 @@ def test_same_reward_twice_gets_distinct_component_names():
     assert stack.names == ["length_penalty", "length_penalty_2"]
 
 
+def test_a_plugin_that_fails_to_build_is_named_in_one_line(register):
+    """Its RuntimeError (a judge it cannot reach) went up raw: a traceback that named no reward."""
+
+    class Plugin:
+        @staticmethod
+        @textgym.hookimpl
+        def register_rewards(register):
+            def judge():
+                raise RuntimeError("the judge is down")
+
+            register("judge", judge)
+
+    register(Plugin(), "judge-plugin")
+    with pytest.raises(
+        RewardError, match=r"^reward plugin 'judge' could not be built: RuntimeError: the judge is down$"
+    ):
+        make_reward("judge")
+
+
 @pytest.mark.parametrize(
     ("output", "match"),
     [

@@ -61,13 +61,18 @@ def _seed_lines(
         return
     end = min(x[-1] for x, _ in runs)
     start = max(x[0] for x, _ in runs)
-    if len(runs) > 1 and end > start:
+    if len(runs) == 1:
+        x, y = runs[0]
+        ax.plot(x, y, color=color, ls=style, lw=2.2, label=label, marker="o" if len(x) == 1 else None)
+    elif end > start:
         grid = np.linspace(start, end, 60)
         mean = np.mean([np.interp(grid, x, y) for x, y in runs], axis=0)
         ax.plot(grid, mean, color=color, ls=style, lw=2.2, label=label)
-    else:
-        x, y = runs[0]
-        ax.plot(x, y, color=color, ls=style, lw=2.2, label=label, marker="o" if len(x) == 1 else None)
+    elif end == start:  # the runs meet at one point only (runs of one iteration): their mean there
+        mean = np.mean([np.interp(start, x, y) for x, y in runs])
+        ax.plot([start], [mean], color=color, ls=style, lw=2.2, label=label, marker="o")
+    else:  # no span shared by all: no mean to draw, only the label
+        ax.plot([], [], color=color, ls=style, lw=2.2, label=label)
 
 
 def training_curves(results: BenchResults) -> Any:

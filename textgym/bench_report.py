@@ -51,7 +51,8 @@ def fmt_interval(mean: float, low: float, high: float) -> str:
     """``mean [low, high]``, all three with the decimals that tell the interval's ends apart."""
     if math.isnan(low):
         return fmt(mean)
-    digits = decimals(mean, high - low)
+    width = high - low  # float noise (0.8 on every seed: 7e-16) is no width to show digits for
+    digits = decimals(mean, width if width > 1e-9 * max(1.0, abs(mean)) else 0.0)
     return f"{fmt(mean, digits)} [{fmt(low, digits)}, {fmt(high, digits)}]"
 
 

@@ -174,6 +174,11 @@ def _command(args: argparse.Namespace) -> int:
 
         # no second error when the interpreter flushes stdout at exit (Python's own recipe, and its code 1)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if args.command != "plugins":  # a command cut short says so (a listing is simply done)
+            print(
+                f"textgym: stopped: {args.command}'s output was closed (a pipe's reader exited)",
+                file=sys.stderr,
+            )
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         import os

@@ -96,12 +96,26 @@ class EvalCallback(BaseCallback):
         self.lm_agent = lm_agent = isinstance(self.model, LMAgent)
         env = self.model.env if lm_agent else self.model.get_env()
         stack = env.reward_stack if lm_agent else env.get_attr("reward_stack")[0]
-        self.evaluator = Evaluator(self.config, self.spec, stack, lm_agent=lm_agent)
+        evaluator, error = None, None
+        try:  # a metric built on one process only (its plugin fails there): every process stops, naming it
+            evaluator = Evaluator(self.config, self.spec, stack, lm_agent=lm_agent)
+        except Exception as exc:
+            error = exc
+        self._agree(error)
+        self.evaluator = evaluator
         self.main = self.model.accelerator.is_main_process if lm_agent else True
         path = self.run_dir / EVAL_CSV
         if path.is_file():  # a resumed run: keep the rows up to its checkpoint
             iteration = self._iteration()
             self.rows = [r for r in read_rows(path) if r["iteration"] <= iteration]
+
+    def _agree(self, error: Exception | None) -> None:
+        """Every process evaluates, each on its own: one that failed stops all (the others would wait in
+        their next collective), each naming the failure."""
+        if self.lm_agent:
+            self.model.dist.agree(error)
+        elif error is not None:
+            raise error
 
     def _on_rollout_start(self) -> None:
         iteration = self._iteration()
@@ -142,10 +156,7 @@ class EvalCallback(BaseCallback):
             evaluation = self.evaluator(self.model)
         except Exception as exc:  # a metric failing on one process only: every process stops, naming it
             error = exc
-        if self.lm_agent:  # every process evaluates, each on its own: the others would wait in the next step
-            self.model.dist.agree(error)
-        elif error is not None:
-            raise error
+        self._agree(error)
         row = {"iteration": iteration, "timesteps": int(self.model.num_timesteps), **evaluation.row()}
         self.rows.append(row)
         if not self.main:

@@ -20,7 +20,7 @@ import numpy as np
 from textgym import composition
 from textgym.composition import Gate, Weight
 from textgym.config import annotation_mismatch
-from textgym.errors import ConfigError, PluginArgumentError, RewardError, did_you_mean
+from textgym.errors import ConfigError, PluginArgumentError, RewardError, TextgymError, did_you_mean
 from textgym.reward_checks import TimeoutReward, validated_scores
 from textgym.reward_functions import (
     TRL_COLUMNS,
@@ -281,6 +281,10 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
         if isinstance(exc, TypeError):  # Python's own ("'<' not supported"): the annotation says more
             check_text_values(kind, name, factory, kwargs)
         raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
+    except TextgymError:
+        raise
+    except Exception as exc:  # the plugin's own failure (a judge it cannot reach): named, in one line
+        raise error(f"{kind} plugin {name!r} could not be built: {type(exc).__name__}: {exc}") from exc
     check_text_values(kind, name, factory, kwargs)
     if not callable(built):
         raise error(f"{kind} plugin {name!r}: its factory returned {built!r}, which is not callable.")
