@@ -447,7 +447,9 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         terminated = np.zeros(self.num_envs, dtype=bool)
         truncated = np.zeros(self.num_envs, dtype=bool)
         infos: dict[str, Any] = {}
-        for i in np.setdiff1d(turn_ended, ended):  # turns that ended inside an episode
+        # most steps end no turn: setdiff1d of nothing cost 7 microseconds, a fifth of one env's step
+        inside = np.setdiff1d(turn_ended, ended) if len(turn_ended) else turn_ended
+        for i in inside:  # turns that ended inside an episode
             turn_info = {
                 "turn_reward": float(turn_rewards[i]),
                 "env_token_mask": self.episodes.env_mask[i].copy(),
