@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from textgym.models import torch_seeded
+from textgym.models import cpu_seeded
 from textgym.scoring import restore_linears
 
 __all__ = ["REFERENCE", "adapters_disabled", "add_reference_adapter", "fold_lora", "foldable_lora_layers",
@@ -68,8 +68,9 @@ def seeded_init(seed: int) -> Iterator[None]:
     makes every adapter again from its config before it reads the saved weights, and a randomized one
     (``init_lora_weights = "pissa_niter_K"``: a randomized SVD) also leaves the base its residual, which the
     checkpoint does not hold. Seeded alike both times, the base is the one the adapter was trained over;
-    and every process makes the same adapters."""
-    with torch_seeded(seed):
+    and every process makes the same adapters. They are made on the CPU, before the policy moves to its
+    device: the CPU's generator is the one seeded."""
+    with cpu_seeded(seed):
         yield
 
 

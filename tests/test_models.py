@@ -65,6 +65,13 @@ def test_weights_a_directory_lacks_are_drawn_alike_by_every_load_whatever_the_se
     after = torch.rand(1)
     torch.manual_seed(1)
     assert torch.equal(torch.rand(1), after)  # a load leaves the caller's random stream where it was
+    # every process of a run on GPUs loads its model: seeding every GPU's generator for that started a CUDA
+    # context on each GPU of the machine in each process (here, on a machine without CUDA, it would raise)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "device_count", lambda: 2)
+        torch.testing.assert_close(textgym.load_model(tmp_path)[0].lm_head.weight, one, rtol=0, atol=0)
+        textgym.load_model("tiny-char-llama")
     a = LMPPO(str(tmp_path), None, seed=0, verbose=0)
     b = LMPPO(str(tmp_path), None, seed=10_007, verbose=0)
     torch.testing.assert_close(a.ref_policy.lm_head.weight, one, rtol=0, atol=0)

@@ -223,9 +223,21 @@ def _tiny_random_llama(**kwargs: Any) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    with torch_seeded(0):
+    with cpu_seeded(0):
         model = LlamaForCausalLM(config)
     return _built(model, "tiny-random-llama", kwargs), tokenizer
+
+
+@contextlib.contextmanager
+def cpu_seeded(seed: int) -> Iterator[None]:
+    """Within the block, torch's random numbers on the CPU start from ``seed``; outside it, they continue as
+    if the block had drawn none. For building models, which happens on the CPU: no GPU's generator is read
+    or set, so no process starts a CUDA context on every GPU of its machine just to load a model."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
 
 
 @contextlib.contextmanager
@@ -313,7 +325,7 @@ def _tiny_char_llama(**kwargs: Any) -> tuple[Any, CharTokenizer]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    with torch_seeded(0):
+    with cpu_seeded(0):
         model = LlamaForCausalLM(config)
     return _built(model, "tiny-char-llama", kwargs), tokenizer
 
@@ -340,7 +352,7 @@ def load_model(name_or_path: str | os.PathLike = EMBEDDED, **kwargs: Any) -> tup
     code) come from a fixed seed: every load of one source is the same model, in every process of a run and
     on resume, whatever the caller's seed (a KL reference loaded apart from its policy must equal it).
     """
-    with torch_seeded(0):
+    with cpu_seeded(0):
         return _load_model(name_or_path, **kwargs)
 
 
