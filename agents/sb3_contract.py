@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from textgym.errors import ConfigError
-from textgym.formatting import component_keys, number
+from textgym.formatting import headline_scores, number
 from textgym.sampling import mask_logits
 
 if TYPE_CHECKING:
@@ -246,12 +246,8 @@ class SB3Contract:
                 self.dump_logs()
             bar.total = max(bar.total, bar.n + tokens)  # the last iteration ends past the budget: a full bar
             bar.update(tokens)
-            if getattr(self.env.reward_stack, "aggregate", "sum") == "normalize_then_sum":
-                # the total is standardised per batch (mean ~0 whatever the policy): each component's raw mean
-                shown = {key[8:-5]: number(stats[key]) for key in component_keys(stats)}
-            else:
-                shown = {"reward": number(stats["reward"])}
-            bar.set_postfix({**shown, "kl": number(stats["kl"])})
+            scores = headline_scores(stats, getattr(self.env.reward_stack, "aggregate", "sum"))
+            bar.set_postfix({**{k: number(v) for k, v in scores.items()}, "kl": number(stats["kl"])})
             # one call per iteration, as SB3 makes one per env step, with what SB3's callbacks read: each
             # episode ended ("dones"), its info with Monitor's "episode" and its return ("rewards")
             infos = [{**e, "episode": {"r": e["reward"], "l": e["num_tokens"]}} for e in self.last_episodes]

@@ -64,3 +64,11 @@ def applicable_mean(values: Sequence[float | None]) -> float:
 def component_keys(stats: dict[str, Any]) -> list[str]:
     """The raw per-component means an iteration logged (``rewards/<name>/mean``)."""
     return [key for key in stats if key.startswith("rewards/") and key.endswith("/mean")]
+
+
+def headline_scores(stats: dict[str, Any], aggregate: str = "sum") -> dict[str, float]:
+    """What a line about one iteration shows of its scores: ``{"reward": ...}``, or under
+    ``normalize_then_sum``, whose total is standardised per batch (mean ~0 whatever the policy), each
+    component's raw mean by name."""
+    keys = component_keys(stats) if aggregate == "normalize_then_sum" else []
+    return {key[8:-5]: stats[key] for key in keys} or {"reward": stats["reward"]}

@@ -26,7 +26,7 @@ from textgym.agent_config import is_lm_agent, resolve_agent
 from textgym.composition import stack_table
 from textgym.config import load_config, validate
 from textgym.errors import ConfigError
-from textgym.formatting import component_keys, number
+from textgym.formatting import component_keys, headline_scores, number
 from textgym.launch import (
     LAUNCHED_VAR,
     check_processes,
@@ -222,11 +222,9 @@ def _report(rd: RunDir, name: str, rows: list[dict[str, Any]], title: str) -> No
 
 def _iteration_line(stats: dict[str, Any], tokens: int, aggregate: str = "sum") -> str:
     line = f"iter {stats['iteration']:4d}  tokens {tokens:7d}  "
-    if aggregate == "normalize_then_sum" and (keys := component_keys(stats)):
-        # the total is standardised per batch (mean ~0 whatever the policy): each component's raw mean
-        line += "  ".join(f"{key[8:-5]} {number(stats[key], 7)}" for key in keys)
-    else:
-        line += f"reward {number(stats['reward'], 7)}"
+    line += "  ".join(
+        f"{name} {number(value, 7)}" for name, value in headline_scores(stats, aggregate).items()
+    )
     if "kl" in stats:
         line += f"  kl {number(stats['kl'], 7)}  len {stats['completions/mean_length']:5.1f}"
         line += f"  eos {1 - stats['completions/clipped_ratio']:4.2f}  {stats['time/iteration']:6.1f} s"
