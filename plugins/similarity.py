@@ -49,6 +49,10 @@ class Similarity:
         bf16: bool | None = None,
     ):
         check_positive(batch_size=batch_size, max_length=max_length)
+        if target is not None and not str(target).strip():  # an empty completion was a perfect 1.0
+            raise ValueError(
+                f"target {target!r} is blank: give a text, or no target (each prompt's reference)."
+            )
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -63,10 +67,6 @@ class Similarity:
         positions = getattr(self.model.config, "max_position_embeddings", None)
         if positions is not None and max_length > positions:  # a tensor-size RuntimeError at the first call
             raise ValueError(f"max_length={max_length} is more than the model's {positions} positions.")
-        if target is not None and not str(target).strip():  # an empty completion was a perfect 1.0
-            raise ValueError(
-                f"target {target!r} is blank: give a text, or no target (each prompt's reference)."
-            )
         self.target, self.reference_key = target, reference_key
         self.batch_size, self.max_length = batch_size, max_length
         self._cache: dict[str, Any] = {}
