@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from textgym.errors import ConfigError
-from textgym.rewards import check_arguments, check_reward_specs
+from textgym.factories import check_arguments
+from textgym.rewards import check_reward_specs
 from textgym.rundir import write_atomic
 
 RECORD = "bench-rm.json"

@@ -341,7 +341,8 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
     responder object, or a plain function ``fn(conversations) -> replies``. ``base_dir`` resolves relative
     file paths (default: the current directory).
     """
-    from textgym.rewards import build_registered, parse_reward_spec
+    from textgym.factories import build_registered
+    from textgym.rewards import parse_reward_spec
 
     if spec is None:
         return None

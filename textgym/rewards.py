@@ -2,12 +2,12 @@
 
 How the stack combines its components (schedules, ``normalize_then_sum``, gates) lives in
 :mod:`textgym.composition`, the checks of every plugin's output in :mod:`textgym.reward_checks`, plain
-functions as rewards in :mod:`textgym.reward_functions`; docs/rewards.md is the user's guide.
+functions as rewards in :mod:`textgym.reward_functions`, building a registered plugin from its arguments in
+:mod:`textgym.factories`; docs/rewards.md is the user's guide.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import tomllib
 import warnings
@@ -19,8 +19,8 @@ import numpy as np
 
 from textgym import composition
 from textgym.composition import Gate, Weight
-from textgym.config import annotation_mismatch
-from textgym.errors import ConfigError, PluginArgumentError, RewardError, TextgymError, did_you_mean
+from textgym.errors import ConfigError, PluginArgumentError, RewardError
+from textgym.factories import build_registered, check_arguments
 from textgym.reward_checks import TimeoutReward, validated_scores
 from textgym.reward_functions import (
     TRL_COLUMNS,
@@ -213,86 +213,9 @@ class RewardStack:
 REWARD_SPEC_KEYS = ("weight", "timeout")  # a reward spec's keys that are not its plugin's arguments
 
 
-def check_arguments(
-    kind: str,
-    name: str,
-    factory: Callable[..., Any] | inspect.Signature,
-    kwargs: Mapping[str, Any],
-    spec_keys: Sequence[str] = (),
-) -> None:
-    """Raise :class:`PluginArgumentError` if ``factory`` (or a signature) does not take every key of
-    ``kwargs``, with the closest valid key (``spec_keys``: the spec's own, e.g. ``weight``, count too)."""
-    try:
-        params = (
-            factory if isinstance(factory, inspect.Signature) else inspect.signature(factory)
-        ).parameters
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    valid = [p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    unknown = sorted(set(kwargs) - set(valid))
-    if unknown:
-        own = f" (and the spec's {', '.join(spec_keys)})" if spec_keys else ""
-        raise PluginArgumentError(
-            f"{kind} {name!r} got unknown argument(s) {', '.join(map(repr, unknown))}."
-            f"{did_you_mean(unknown[0], [*valid, *spec_keys])} Valid arguments: {', '.join(valid) or '(none)'}{own}."
-        )
-
-
-def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
-    """Raise :class:`PluginArgumentError` for a text value whose parameter is annotated as a number, a bool
-    or a list: text that TOML could not parse stays text (``penalty=two``, ``words=maybe``), and a factory
-    that took it without a word would score with it. Called after the factory, whose own errors say more,
-    and when it raised a TypeError, for the text that made it raise ("'<' not supported between 'str' and
-    'int'"): a factory's own ValueError says what it takes."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return
-    for key, value in kwargs.items():
-        if (
-            isinstance(value, str)
-            and key in params
-            and not isinstance(params[key].default, str)  # scale: float = "auto" takes a word of its own
-            and (what := annotation_mismatch(params[key].annotation, value))
-        ):
-            raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")
-
-
 def make_reward(name: str, **kwargs: Any) -> Reward:
     """Build the reward registered as ``name`` with ``kwargs``; unknown arguments are an error."""
     return build_registered("reward", "register_rewards", name, kwargs, RewardError)
-
-
-def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], error: type[Exception]) -> Any:
-    """Call the factory registered as ``name`` under ``hook`` (rewards, responders) with ``kwargs``: unknown
-    arguments and a factory's TypeError/ValueError are :class:`PluginArgumentError`; what it returns must be
-    callable (else ``error``) and carries ``name``, the name users type in configs."""
-    from textgym import plugin_manager
-
-    factory = plugin_manager.get(hook, name).value
-    check_arguments(kind, name, factory, kwargs)
-    try:
-        built = factory(**kwargs)
-    except PluginArgumentError:
-        raise
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, TypeError):  # Python's own ("'<' not supported"): the annotation says more
-            check_text_values(kind, name, factory, kwargs)
-        raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
-    except TextgymError:
-        raise
-    except Exception as exc:  # the plugin's own failure (a judge it cannot reach): named, in one line
-        raise error(f"{kind} plugin {name!r} could not be built: {type(exc).__name__}: {exc}") from exc
-    check_text_values(kind, name, factory, kwargs)
-    if not callable(built):
-        raise error(f"{kind} plugin {name!r}: its factory returned {built!r}, which is not callable.")
-    try:
-        built.name = name
-    except AttributeError:
-        pass
-    return built
 
 
 RewardSpec = Mapping[str, Any] | str | tuple[Any, float] | Reward | Callable[..., Any]
