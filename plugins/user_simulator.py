@@ -29,7 +29,7 @@ class UserSimulator:
         replies = []
         for c in conversations:
             followups = c.meta.get(self.key) or []
-            if isinstance(followups, str) or not all(isinstance(f, str) for f in followups):
+            if not isinstance(followups, (list, tuple)) or not all(isinstance(f, str) for f in followups):
                 raise ValueError(f"metadata {self.key!r} must be a list of strings, not {followups!r}.")
             k = c.agent_turns
             replies.append(Reply(followups[k - 1]) if k <= len(followups) else Reply("", done=True))

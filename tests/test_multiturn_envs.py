@@ -422,6 +422,9 @@ def test_user_simulator_asks_the_follow_ups_in_order_then_ends():
     assert sim([Conversation("q", meta, turns)])[0] == Reply("Why?")
     turns += (Turn("user", "Why?"), Turn("assistant", "B"), Turn("user", "Shorter?"), Turn("assistant", "C"))
     assert sim([Conversation("q", meta, turns)])[0].done
+    for bad in ["Why?", {"Why?": "Shorter?"}, ["Why?", 2]]:  # a dict was read by key: a KeyError on turn 1
+        with pytest.raises(ValueError, match="metadata 'followups' must be a list of strings, not "):
+            sim([Conversation("q", {"followups": bad}, (Turn("assistant", "A"),))])
     prompts = textgym.load_prompts("followups")
     assert len(prompts) >= 20 and all(len(p.meta["followups"]) == 2 for p in prompts)
 
