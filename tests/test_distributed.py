@@ -781,3 +781,34 @@ def test_the_process_group_starts_on_the_agents_device(monkeypatch):
     for device in ("cpu", "auto", "cuda"):
         init_process_group(device)
     assert started == [True, False, False]
+
+
+def test_any_error_preparing_the_run_on_the_main_process_reaches_the_others(monkeypatch):
+    """The main process prepares the run directory while the others wait for its result. An error that is not
+    a ConfigError (a damaged file read as JSON, a bug) is raised as itself on the main process, and the others
+    stop with its one-line summary, where they waited in the broadcast until the launcher killed them."""
+    import accelerate.utils
+
+    from textgym.errors import ConfigError
+    from textgym.launch import on_main
+
+    sent = []
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda payload: sent.append(list(payload)))
+    monkeypatch.setenv("RANK", "0")
+
+    def damaged():
+        return json.loads("{")
+
+    with pytest.raises(json.JSONDecodeError):
+        on_main(damaged)
+    assert sent == [[("error", "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")]]  # fmt: skip
+
+    def received(payload):
+        payload[0] = sent[0][0]
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", received)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(
+        ConfigError, match=r"^the main process could not start the run: JSONDecodeError: Expecting"
+    ):
+        on_main(damaged)

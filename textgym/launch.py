@@ -65,17 +65,24 @@ def end_process_group() -> None:
 
 
 def on_main(fn: Any) -> Any:
-    """``fn()`` on the main process; its result (or its error, as a one-line error) on every process."""
+    """``fn()`` on the main process; its result (or its error, as a one-line error) on every process. An error
+    other than a ConfigError or an OSError (a bug, a damaged file) is raised as itself, with its traceback, on
+    the main process; the others, which would wait for the result, stop with its one-line summary."""
     from accelerate.utils import broadcast_object_list
 
     payload: list[Any] = [None]
+    error: Exception | None = None
     if rank() == 0:
         try:
             payload = [("ok", fn())]
         except (ConfigError, OSError) as exc:
             payload = [("error", f"{exc}")]
+        except Exception as exc:
+            payload, error = [("error", f"{type(exc).__name__}: {exc}")], exc
     broadcast_object_list(payload)
     status, value = payload[0]
+    if error is not None:
+        raise error
     if status == "error":
         raise ConfigError(value if rank() == 0 else f"the main process could not start the run: {value}")
     return value
