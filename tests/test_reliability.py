@@ -121,6 +121,34 @@ def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_r
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
 
 
+def test_a_dqn_run_resumes_with_its_replay_buffer(tmp_path, capsys):
+    """An off-policy agent learns from its replay buffer: a resume started it empty, so DQN trained on a
+    handful of fresh transitions (past learning_starts) where the uninterrupted run had them all. The
+    checkpoint holds the buffer as plain arrays, loaded without unpickling."""
+    from textgym.sb3 import load_sb3_run, make_vec_env
+
+    config = tmp_path / "dqn.toml"
+    config.write_text(
+        '[run]\ntotal_timesteps = 128\n[env]\nid = "textgym/Copy-v0"\nnum_envs = 8\n'
+        '[agent]\nname = "dqn"\nlearning_starts = 0\n'
+    )
+    out = tmp_path / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 0
+    env = make_vec_env("textgym/Copy-v0", n_envs=8)
+    before = load_sb3_run(out, env).replay_buffer
+    assert before.pos == 128 // 8 and not before.full  # one row of 8 sub-envs per step
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=256"]) == 0
+    after = load_sb3_run(out, env).replay_buffer
+    assert after.pos == 256 // 8
+    for field in ("actions", "rewards", "dones"):
+        assert (getattr(after, field)[:16] == getattr(before, field)[:16]).all()
+    for key, rows in before.observations.items():
+        assert (after.observations[key][:16] == rows[:16]).all() and rows[:16].any()
+    (out / "checkpoint" / "replay_buffer.npz").write_bytes(b"PK\x03\x04 damaged")
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=384"]) == 2
+    assert "replay_buffer.npz is not a readable .npz file (BadZipFile" in capsys.readouterr().err
+
+
 def test_a_killed_sb3_run_resumes_its_tensorboard_events_without_repeating_a_step(tmp_path):
     """SB3's logger continued run_1 with the events the killed run logged past its checkpoint still shown."""
     pytest.importorskip("tensorboard")

@@ -274,14 +274,64 @@ def load_sb3_run(run_dir: Path, env: Any) -> Any:
     return load_sb3_checkpoint(fresh, agent_class, Path(run_dir) / CHECKPOINT, env)[0]
 
 
+REPLAY_BUFFER = "replay_buffer.npz"
+REPLAY_FIELDS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
+
+
 def save_sb3_checkpoint(agent: Any, path: Path, state: dict[str, Any]) -> None:
     from textgym.models import atomic_build_dir
 
     def build(out: Path) -> None:
         agent.save(out / SB3_MODEL)
+        buffer = getattr(agent, "replay_buffer", None)
+        if buffer is not None:
+            save_replay_buffer(buffer, out / REPLAY_BUFFER)
         (out / "state.json").write_text(json.dumps({**state, "num_timesteps": agent.num_timesteps}, indent=2))
 
     atomic_build_dir(path, build, replace=True)
+
+
+def _replay_arrays(buffer: Any) -> dict[str, np.ndarray]:
+    """A replay buffer's arrays by name (``observations/KEY`` for a dict observation space's)."""
+    arrays = {}
+    for field in REPLAY_FIELDS:
+        value = getattr(buffer, field, None)  # next_observations is None under optimize_memory_usage
+        if isinstance(value, dict):
+            arrays.update({f"{field}/{key}": array for key, array in value.items()})
+        elif value is not None:
+            arrays[field] = value
+    return arrays
+
+
+def save_replay_buffer(buffer: Any, path: Path) -> None:
+    """An off-policy agent's (DQN's) replay buffer as plain arrays, its filled rows only: SB3's own
+    ``save_replay_buffer`` pickles it, and a checkpoint is loaded without unpickling anything."""
+    filled = buffer.buffer_size if buffer.full else buffer.pos
+    arrays = {name: array[:filled] for name, array in _replay_arrays(buffer).items()}
+    with open(path, "wb") as f:
+        np.savez(f, pos=np.int64(buffer.pos), full=np.bool_(buffer.full), **arrays)
+
+
+def load_replay_buffer(buffer: Any, path: Path) -> None:
+    """Fill a fresh replay buffer of the same size from :func:`save_replay_buffer`'s file."""
+    import zipfile
+
+    arrays = _replay_arrays(buffer)
+    try:
+        saved = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path.name} is not a readable .npz file ({type(exc).__name__}: {exc})") from exc
+    with saved:
+        if set(saved.files) != {"pos", "full", *arrays}:
+            raise ValueError(f"{path.name} holds {sorted(saved.files)}, not this agent's replay buffer")
+        for name, array in arrays.items():
+            rows = saved[name]
+            if rows.shape[1:] != array.shape[1:] or len(rows) > len(array):
+                raise ValueError(
+                    f"{path.name}: {name} has shape {rows.shape}; this buffer's is {array.shape}"
+                )
+            array[: len(rows)] = rows
+        buffer.pos, buffer.full = int(saved["pos"]), bool(saved["full"])
 
 
 def load_sb3_checkpoint(fresh: Any, agent_class: Any, path: Path, env: Any) -> tuple[Any, dict[str, Any]]:
@@ -301,6 +351,8 @@ def load_sb3_checkpoint(fresh: Any, agent_class: Any, path: Path, env: Any) -> t
                 f"checkpoint {model} stores pickled objects textgym does not rebuild: {missing}."
             )
         agent = agent_class.load(model, env=env, custom_objects={k: getattr(fresh, k) for k in pickled})
+        if getattr(agent, "replay_buffer", None) is not None and (path / REPLAY_BUFFER).exists():
+            load_replay_buffer(agent.replay_buffer, path / REPLAY_BUFFER)
         state = json.loads((path / "state.json").read_text())
     except ConfigError:
         raise
