@@ -407,6 +407,63 @@ def test_evaluate_policy_with_a_seed_is_repeatable_and_leaves_the_global_random_
         evaluate_policy(model)
 
 
+def test_evaluate_policy_repeats_on_a_single_env_and_in_sequential_order_and_leaves_the_order_alone():
+    """A single gymnasium env was wrapped by SB3 unseeded (the same seed gave other episodes); in sequential
+    order an evaluation went on from wherever training was, and moved the training env past the prompts it
+    evaluated on."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.monitor import Monitor
+
+    from textgym.evaluate import round_seed
+
+    model = PPO("MultiInputPolicy", make_vec_env("textgym/Copy-v0", n_envs=2, seed=0), seed=0)
+    single = Monitor(gymnasium.make("textgym/Copy-v0"))
+    sequential = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, autoreset_mode="Disabled",
+                                    prompt_order="sequential")  # fmt: skip
+    for env, cursors in ((single, [0, 0]), (sequential, [5, 9])):
+        results = []
+        for cursor in cursors:
+            sequential.prompt_cursor = cursor
+            results.append(evaluate_policy(model, env, 8, False, return_episode_rewards=True, seed=3))
+            assert sequential.prompt_cursor == cursor
+        assert results[0] == results[1]
+    # 8 episodes on 4 sub-envs: two batches, the second not the next seed's first
+    assert round_seed(3, 0) == 3 and round_seed(3, 1) not in (3, 4)
+
+
+def test_a_mean_return_under_normalize_then_sum_is_refused_and_eval_callback_repeats_its_seed(tmp_path):
+    """normalize_then_sum standardises each batch of rewards: evaluate_policy's mean was ~1e-17 for every
+    policy, and EvalCallback chose its best model and stopped on that. Its evaluations ran on seeds 1, 2, 3..
+    (the callback's step count): each on other prompts, so the best model was chosen on unequal terms."""
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    stack = {"aggregate": "normalize_then_sum", "components": [{"name": "match", "partial": True},
+             {"name": "length_penalty", "target": 3}]}  # fmt: skip
+    from stable_baselines3 import PPO
+
+    native = make_env(4, rewards=stack)
+    vec = VecNormalize(make_vec_env("textgym/Copy-v0", n_envs=4, seed=0, rewards=stack), norm_reward=False)
+    agents = (LMPPO(char_llama(), make_env(), verbose=0, seed=0), PPO("MultiInputPolicy", vec, seed=0))
+    for agent, env in zip(agents, (native, vec)):
+        with pytest.raises(ConfigError, match=r"evaluate_policy: the env's reward stack sums with aggregate = "
+                           r"'normalize_then_sum'.*about 0 whatever the policy"):  # fmt: skip
+            evaluate_policy(agent, env, 8)
+        with pytest.raises(ConfigError, match="normalize_then_sum"):
+            evaluate_policy(agent, env, 8, return_episode_rewards=True, reward_threshold=0.0)
+        rewards, _ = evaluate_policy(agent, env, 8, return_episode_rewards=True)  # what the env paid
+        assert len(rewards) == 8
+        with pytest.raises(ConfigError, match="EvalCallback: the env's reward stack sums with aggregate"):
+            EvalCallback(env)
+    frozen = LMPPO(char_llama(), make_env(), verbose=0, seed=0)
+    for group in frozen.optimizer.param_groups:
+        group["lr"] = 0.0  # the policy does not change
+    evaluation = EvalCallback(make_env(8), n_eval_episodes=8, eval_freq=1, deterministic=False,
+                              log_path=str(tmp_path / "frozen"), verbose=0, seed=5)  # fmt: skip
+    frozen.learn(16 * 6 * 3, callback=evaluation)
+    results = np.load(tmp_path / "frozen" / "evaluations.npz")["results"]
+    assert len(results) >= 3 and (results == results[0]).all()  # an unchanged policy, the same evaluation
+
+
 def test_a_pad_token_setting_for_tokenizers_that_pad_with_eos():
     from textgym.models import CharTokenizer
 

@@ -8,9 +8,10 @@ agents step the env with ``predict``. Episode returns are the reward stack's tot
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,18 @@ def evaluate_policy(
     """Mean and std of the return over ``n_eval_episodes`` (or the returns and lengths): SB3's
     ``evaluate_policy``, with its arguments in its order. ``env``: a ``TextGenVectorEnv`` in either autoreset
     mode, or an SB3 ``VecEnv`` (then SB3's own function runs, after ``env.seed(seed)``; sb3-contrib's for
-    ``MaskablePPO``); for an LM agent it defaults to ``model.get_env()``. ``seed`` seeds the episodes'
-    prompts and the sampling, on random streams of its own: the same seed, the same episodes, and the
-    caller's streams as they were. ``MaskablePPO`` steps with its action masks, ``RecurrentPPO`` with its
+    ``MaskablePPO``; a single env is wrapped in a ``DummyVecEnv`` first, as SB3 does); for an LM agent it
+    defaults to ``model.get_env()``. ``seed`` seeds the episodes' prompts and the sampling, on random streams
+    of its own: the same seed, the same episodes, and the caller's streams as they were. Under
+    ``prompt_order = "sequential"`` the evaluation takes the source's first prompts, and leaves the env's
+    place in the order where it was. ``MaskablePPO`` steps with its action masks, ``RecurrentPPO`` with its
     state. ``render`` and ``callback`` (called with SB3's ``locals()`` at every step) need an SB3
-    ``VecEnv`` (``textgym.sb3.make_vec_env``)."""
+    ``VecEnv`` (``textgym.sb3.make_vec_env``).
+
+    Raises:
+        ConfigError: for a mean (or a ``reward_threshold``) on an env whose reward stack sums with
+            ``normalize_then_sum``: it standardises each batch of rewards, so their mean is about 0 whatever
+            the policy. Its episode returns (``return_episode_rewards=True``) are what the env pays."""
     if (
         isinstance(n_eval_episodes, bool)
         or not isinstance(n_eval_episodes, numbers.Integral)
@@ -49,7 +57,6 @@ def evaluate_policy(
     ):
         raise ConfigError(f"n_eval_episodes must be a positive integer, not {n_eval_episodes!r}.")
     from textgym.agent_config import is_lm_agent
-    from textgym.sb3 import seeded_sampling, takes_action_masks
 
     if env is None and not is_lm_agent(type(model)):  # SB3's own evaluate_policy needs an env too
         raise ConfigError(
@@ -58,15 +65,39 @@ def evaluate_policy(
             "n_envs=4, seed=0)."
         )
     env = env if env is not None else model.get_env()
+    sources = textgym_episodes(env)
+    if not return_episode_rewards or reward_threshold is not None:
+        check_mean_reward(sources, "evaluate_policy")
+    with prompts_from_the_start(sources):
+        return _evaluate(model, env, n_eval_episodes, deterministic, render, callback, reward_threshold,
+                         return_episode_rewards, warn, seed)  # fmt: skip
+
+
+def _evaluate(
+    model: Any,
+    env: Any,
+    n_eval_episodes: int,
+    deterministic: bool,
+    render: bool,
+    callback: Callable[[dict[str, Any], dict[str, Any]], None] | None,
+    reward_threshold: float | None,
+    return_episode_rewards: bool,
+    warn: bool,
+    seed: int,
+) -> tuple[float, float] | tuple[list[float], list[int]]:
+    from textgym.sb3 import seeded_sampling, takes_action_masks
+
     if not isinstance(env, TextGenVectorEnv):
-        from stable_baselines3.common.vec_env import VecEnv
+        from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 
         if takes_action_masks(model):  # MaskablePPO: sb3-contrib's evaluate_policy passes its masks
             from sb3_contrib.common.maskable.evaluation import evaluate_policy as sb3_evaluate
         else:
             from stable_baselines3.common.evaluation import evaluate_policy as sb3_evaluate
-        if isinstance(env, VecEnv):
-            env.seed(seed)
+        if not isinstance(env, VecEnv):  # as SB3's evaluate_policy wraps it, but seeded
+            single = env
+            env = DummyVecEnv([lambda: single])
+        env.seed(seed)
         with seeded_sampling(seed):
             return sb3_evaluate(
                 model, env, n_eval_episodes, deterministic, render, callback, reward_threshold,
@@ -82,7 +113,7 @@ def evaluate_policy(
     round_ = 0
     with seeded_sampling(seed):
         while len(rewards) < n_eval_episodes:
-            for episode in _episodes(model, env, deterministic, seed + round_):
+            for episode in _episodes(model, env, deterministic, round_seed(seed, round_)):
                 rewards.append(float(episode["reward"]))
                 lengths.append(int(episode["num_tokens"]))
             round_ += 1
@@ -93,6 +124,54 @@ def evaluate_policy(
     if return_episode_rewards:
         return rewards, lengths
     return mean, std
+
+
+def round_seed(seed: int, round_: int) -> int:
+    """The seed of an evaluation's ``round_``-th batch of episodes: ``seed`` itself for the first, then seeds
+    drawn from (seed, round), so that evaluation k's second batch is not evaluation k + 1's first."""
+    return seed if round_ == 0 else int(np.random.SeedSequence([seed, round_]).generate_state(1)[0])
+
+
+def textgym_episodes(env: Any) -> list[Any]:
+    """The episode sources (:class:`~textgym.envs.episodes.Episodes`: prompts, reward stack) of the textgym
+    envs inside ``env``, through gymnasium wrappers (``env``), SB3 ``VecEnv`` wrappers (``venv``), a
+    ``DummyVecEnv``'s envs and :class:`~textgym.sb3.TextGymVecEnv`."""
+    from textgym.envs.episodes import Episodes
+
+    found, todo = [], [env]
+    while todo and len(found) < 1024:
+        attributes = getattr(todo.pop(), "__dict__", {})
+        if isinstance(attributes.get("episodes"), Episodes):
+            found.append(attributes["episodes"])
+            continue
+        todo += [attributes[name] for name in ("env", "venv") if name in attributes]
+        todo += attributes.get("envs") if isinstance(attributes.get("envs"), list) else []
+    return found
+
+
+def check_mean_reward(sources: list[Any], who: str) -> None:
+    """Refuse a mean return on an env whose total is standardised over each batch (``normalize_then_sum``)."""
+    if any(e.stack.aggregate == "normalize_then_sum" for e in sources):
+        raise ConfigError(
+            f"{who}: the env's reward stack sums with aggregate = 'normalize_then_sum', which standardises each "
+            f"batch of rewards: their mean is about 0 whatever the policy, so it cannot tell policies apart. "
+            f"Evaluate on an env with the same rewards and aggregate = 'sum', or compare each component's "
+            f"mean (textgym train's [eval])."
+        )
+
+
+@contextlib.contextmanager
+def prompts_from_the_start(sources: list[Any]) -> Iterator[None]:
+    """Sequential prompt orders from their first prompt, and back where they were after: an evaluation on
+    the training env neither skips training prompts nor depends on where training was."""
+    cursors = [e.cursor for e in sources]
+    for e in sources:
+        e.cursor = 0
+    try:
+        yield
+    finally:
+        for e, cursor in zip(sources, cursors):
+            e.cursor = cursor
 
 
 def _episodes(model: Any, env: TextGenVectorEnv, deterministic: bool, seed: int) -> list[dict[str, Any]]:
@@ -128,9 +207,12 @@ class EvalCallback(EventCallback):
     ``eval/mean_reward`` and ``eval/mean_ep_length``, append to ``log_path/evaluations.npz`` (SB3's format),
     save the best model to ``best_model_save_path/best_model``, call ``callback_on_new_best`` on a new best
     (e.g. SB3's ``StopTrainingOnRewardThreshold``) and ``callback_after_eval`` after every evaluation (e.g.
-    ``StopTrainingOnNoModelImprovement``). Evaluation ``k`` uses seed ``k``. ``eval_freq`` counts callback
-    steps: iterations for LM agents, env steps for Stable-Baselines3 agents (as SB3's). A ``VecNormalize``
-    eval env gets the training env's statistics before each evaluation, as in SB3."""
+    ``StopTrainingOnNoModelImprovement``). Every evaluation uses the same ``seed`` (the same prompts and
+    sampling draws), so two evaluations differ only by the policy and the best model is chosen on equal terms
+    (SB3's runs each on wherever its eval env's random streams are). ``eval_freq`` counts callback steps:
+    iterations for LM agents, env steps for Stable-Baselines3 agents (as SB3's). A ``VecNormalize`` eval env
+    gets the training env's statistics before each evaluation, as in SB3. An eval env whose reward stack sums
+    with ``normalize_then_sum`` is refused (:func:`evaluate_policy`: its mean is about 0)."""
 
     def __init__(
         self,
@@ -145,8 +227,12 @@ class EvalCallback(EventCallback):
         render: bool = False,
         verbose: int = 1,
         warn: bool = True,
+        *,
+        seed: int = 0,
     ):
         super().__init__(callback_after_eval, verbose=verbose)
+        check_mean_reward(textgym_episodes(eval_env), "EvalCallback")
+        self.seed = seed
         self.eval_env, self.callback_on_new_best = eval_env, callback_on_new_best
         if callback_on_new_best is not None:
             callback_on_new_best.parent = self  # SB3's stopping callbacks read the best reward here
@@ -176,7 +262,7 @@ class EvalCallback(EventCallback):
             sync_envs_normalization(self.training_env, self.eval_env)
         rewards, lengths = evaluate_policy(
             self.model, self.eval_env, self.n_eval_episodes, self.deterministic, self.render,
-            return_episode_rewards=True, warn=self.warn, seed=self.n_calls,
+            return_episode_rewards=True, warn=self.warn, seed=self.seed,
         )  # fmt: skip
         if self.log_path:
             self.evaluations_timesteps.append(self.num_timesteps)
