@@ -1,6 +1,7 @@
 """textgym stacks as TRL reward functions, called exactly as TRL's GRPOTrainer calls them (TRL itself is not
 installed): keyword arguments prompts, completions, completion_ids, every dataset column, trainer_state."""
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -76,13 +77,20 @@ def test_round_trip_stack_to_trl_functions_gives_the_same_totals():
     )
 
 
-def test_metadata_columns_reach_plugins_and_none_values_are_missing_keys():
+def test_metadata_columns_reach_plugins_and_an_empty_cell_is_a_null():
     stack = build_reward_stack([{"name": "match"}])  # match reads meta["reference"]
     (func,) = reward_funcs(stack)
     scores = func(prompts=["q", "q"], completions=["5", "5"], reference=["5", "4"], trainer_state=object())
     assert scores == [1.0, 0.0]
     samples = samples_from_trl(["q"], ["c"], [[1, 2]], {"reference": [None], "topic": ["t"], "scalar": 3})
-    assert samples[0].meta == {"topic": "t"} and samples[0].completion_ids == (1, 2)
+    assert samples[0].meta == {"reference": None, "topic": "t"} and samples[0].completion_ids == (1, 2)
+    # a dataset's empty cell is a prompt file's null: the reference does not apply, as inside textgym (it was
+    # left out of the metadata, and match stopped TRL's training with "prompt 'b' has no 'reference'")
+    scores = func(prompts=["a", "b"], completions=["5", "5"], reference=["5", None], trainer_state=object())
+    assert scores == [1.0, None]
+    assert list(stack.score([Sample("b", "5", meta={"reference": None})])[1]["match"]) == [pytest.approx(math.nan, nan_ok=True)]  # fmt: skip
+    with pytest.raises(RewardError, match="prompt 'a' has no 'reference' in its metadata"):
+        func(prompts=["a"], completions=["5"], trainer_state=object())  # the dataset has no such column
 
 
 def test_conversational_prompts_and_completions_become_text():
@@ -116,14 +124,15 @@ def test_a_tool_calling_completion_is_a_multi_turn_sample_scored_on_its_last_ans
 
 
 def test_the_whole_stack_is_textgyms_total_everywhere_a_gates_penalty_included():
-    """TRL reads None as NaN and sums it to 0: a completion no weighted component applies to gets textgym's own
-    total instead, so that a gate on a metric-only component still charges it."""
+    """TRL takes a completion every function returned None for as unscorable (advantage 0): a completion no
+    weighted component applies to gets textgym's own total instead, so that a gate on a metric-only component
+    still charges it."""
     func = total_reward_func(build_reward_stack([(correct, 2.0)]))
     assert trl_call(func, SAMPLES) == [2.0, 0.0, 0.0]  # the third sample has no reference: nothing applies
     gated = {"components": [(correct, 2.0), (n_tokens, 0.0)],
              "gates": [{"component": "n_tokens", "max": 4.0, "action": "cap", "cap": -1.0}]}  # fmt: skip
     func = total_reward_func(build_reward_stack(gated))
-    # the third: no reference, and 5 tokens fail the gate: -1 as inside textgym (None would have made it 0)
+    # the third: no reference, and 5 tokens fail the gate: -1 as inside textgym (None would have lost it)
     assert trl_call(func, SAMPLES) == [2.0, 0.0, -1.0]
     assert build_reward_stack(gated).score(SAMPLES)[0].tolist() == [2.0, 0.0, -1.0]
 

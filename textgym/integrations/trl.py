@@ -101,9 +101,9 @@ def total_reward_func(
         if getattr(state, "max_steps", 0):
             stack.set_progress(min(1.0, state.global_step / state.max_steps))
         total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos))
-        # textgym's total for every completion, gates included. None would not leave a completion out: TRL
-        # reads it as NaN and sums it to 0 (with a warning), which would drop a gate's penalty on a
-        # completion none of the weighted components applies to
+        # textgym's total for every completion, gates included, never None: TRL (1.12) takes a completion
+        # every function returned None for as unscorable (out of its group's baseline, advantage 0), which
+        # would drop a gate's penalty on a completion none of the weighted components applies to
         return [float(v) for v in total]
 
     return textgym_total
@@ -133,7 +133,9 @@ def samples_from_trl(
     conversational data, lists of ``{"role", "content"}`` messages (the prompt's last user message is used;
     a completion of several messages, as with tools, is a multi-turn sample whose completion is the last
     assistant message). A keyword that is a list with one value per completion becomes
-    metadata (``None`` values are left out, as a missing key). A ``finish_reason`` column sets the samples'
+    metadata, ``None`` values included: a dataset's empty cell reads as a prompt file's ``null`` (a reference
+    that does not apply: ``match`` leaves the completion out), while a column the dataset lacks is a
+    missing key (``match`` says so). A ``finish_reason`` column sets the samples'
     finish reasons; TRL has none, so with ``eos_token_id`` and ``completion_ids`` a completion that does not
     end on the EOS was cut (``"length"``), and otherwise every one counts as ``"stop"``."""
     n = len(completions)
@@ -160,7 +162,7 @@ def samples_from_trl(
             completion=completion,
             completion_ids=tuple(int(t) for t in completion_ids[i]) if completion_ids is not None else (),
             finish_reason=finish[i] if finish[i] in ("stop", "length") else "stop",
-            meta={key: values[i] for key, values in columns.items() if values[i] is not None},
+            meta={key: values[i] for key, values in columns.items()},
             turns=turns,
         )
         for i, (completion, turns) in enumerate(texts)
