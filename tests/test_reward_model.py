@@ -1,6 +1,7 @@
 """textgym train-rm and textgym label-pairs: reward models from preference pairs, pairs from a gold stack."""
 
 import json
+import math
 import os
 import random
 import re
@@ -193,8 +194,10 @@ def test_label_pairs_ranks_by_the_gold_stack_and_flips_the_asked_share(register,
     for r in rows:
         assert r["chosen"] != r["rejected"]
         assert r["chosen_score"] == 0.5 * len(r["chosen"]) and r["rejected_score"] == 0.5 * len(r["rejected"])
-        assert r["margin"] == r["chosen_score"] - r["rejected_score"]
-        assert (r["margin"] < 0) == r["flipped"]  # noise swaps the labels, never the scores
+        assert (
+            r["gold_margin"] == r["chosen_score"] - r["rejected_score"] and "margin" not in r
+        )  # TRL's loss reads it
+        assert (r["gold_margin"] < 0) == r["flipped"]  # noise swaps the labels, never the scores
     assert main(argv) == 0  # seeded: the same file again
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows
 
@@ -213,6 +216,11 @@ def test_label_pairs_skips_a_prompt_whose_completions_the_gold_stack_did_not_bot
     assert stats.unscored > 0 and stats.pairs + stats.ties + stats.unscored == 24 and len(rows) == stats.pairs
     assert all(len(r["chosen"]) % 2 == 0 and len(r["rejected"]) % 2 == 0 for r in rows)
     assert f"{stats.unscored} not comparable" in stats.summary()
+    # a gold stack that scored nothing is no tie: it was counted as 24 ties of two 0 totals
+    register(reward_plugin("never", lambda ss: [None] * len(ss)), "never-plugin")
+    stats = label_pairs("chat", "tiny-random-llama", ["never"], tmp_path / "none.jsonl", num_prompts=24,
+                        max_new_tokens=6, batch_size=12)  # fmt: skip
+    assert (stats.pairs, stats.ties, stats.unscored) == (0, 0, 24)
 
 
 def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
@@ -549,6 +557,21 @@ def test_the_advice_for_too_few_pairs_is_enough():
         split_pairs(pairs[:2], 0.75, 0)  # it said 2, which fails the same way
     train, held_out = split_pairs(pairs, 0.75, 0)
     assert len(train) == 1 and len(held_out) == 2
+    # at every fraction the advice is the fewest pairs that split: a formula said 10 at 0.95, where 10 pairs
+    # leave 10 held-out (0.95 * 10 + 0.5 rounds down to 9.999...) and 11 is the least
+    many = read_pairs([{"prompt": "p", "chosen": f"a{i}", "rejected": "b"} for i in range(1200)])
+    for fraction in (0.95, 0.975, 0.98, 0.99, 0.995, 0.999, 0.001, 0.5, 0.1):
+        with pytest.raises(PairsError, match=r"Give at least (\d+) pairs") as refused:
+            split_pairs(many[:1], fraction, 0)
+        need = int(re.search(r"at least (\d+)", str(refused.value)).group(1))
+        split_pairs(many[:need], fraction, 0)  # enough
+        with pytest.raises(PairsError):
+            split_pairs(many[: need - 1], fraction, 0)  # and the fewest
+    for bad in (0, 1, 1.5, math.nan):
+        with pytest.raises(
+            PairsError, match=f"eval_fraction must be between 0 and 1 \\(exclusive\\), not {bad}"
+        ):
+            split_pairs(many, bad, 0)
 
 
 def test_a_rewards_file_without_a_rewards_list(tmp_path):

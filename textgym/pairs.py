@@ -2,12 +2,15 @@
 such pairs from a policy's samples and a gold reward stack.
 
 One pair per line: ``{"prompt": ..., "chosen": ..., "rejected": ...}`` (strings; other keys are ignored).
-``label-pairs`` also writes ``chosen_score``, ``rejected_score``, ``margin`` (chosen minus rejected, under
-the gold stack) and ``flipped`` (true where label noise swapped the two, so the margin is negative).
+``label-pairs`` also writes ``chosen_score``, ``rejected_score``, ``gold_margin`` (chosen minus rejected,
+under the gold stack) and ``flipped`` (true where label noise swapped the two, so the margin is negative).
+Not ``margin``: TRL's ``RewardTrainer`` reads a ``margin`` column into its loss, which would then ask for
+a gap in the gold stack's units, and a negative one on flipped rows.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -132,18 +135,25 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
-    """A seeded split into (train, held-out); the held-out part is ``round(eval_fraction * n)`` pairs.
+    """A seeded split into (train, held-out); the held-out part is ``eval_fraction * n`` pairs, rounded half up.
 
     Raises:
         PairsError: either part would be empty.
     """
     import numpy as np
 
+    if not (isinstance(eval_fraction, (int, float)) and 0 < eval_fraction < 1):
+        raise PairsError(f"eval_fraction must be between 0 and 1 (exclusive), not {eval_fraction!r}.")
+
+    def held_out_size(n: int) -> int:
+        return math.floor(eval_fraction * n + 0.5)
+
     n = len(pairs)
-    n_eval = math.floor(eval_fraction * n + 0.5)
+    n_eval = held_out_size(n)
     if n_eval < 1 or n_eval >= n:
-        # held-out >= 1 needs n >= 0.5 / f; training >= 1 needs n (1 - f) > 0.5
-        need = max(2, math.ceil(0.5 / eval_fraction), math.floor(0.5 / (1 - eval_fraction)) + 1)
+        # the fewest pairs that split, by the same float arithmetic (a formula for it was off by one, as
+        # 0.95 * 10 + 0.5 is 9.999999999999998)
+        need = next(k for k in itertools.count(2) if 1 <= held_out_size(k) < k)
         raise PairsError(
             f"{n} pair(s) at eval_fraction {eval_fraction} leave {n_eval} held-out and {n - n_eval} training "
             f"pair(s); both need at least one. Give at least {need} pairs, or change --eval-fraction."
@@ -200,7 +210,7 @@ class LabelStats:
     flipped: int  # rows whose labels label noise swapped (marked "flipped": true)
     seconds: float
     # prompts skipped: a weighted gold component applied to one completion and not to the other (None), so
-    # their totals were not comparable
+    # their totals were not comparable, or none applied to either (no gold signal)
     unscored: int = 0
 
     def summary(self) -> str:
@@ -336,7 +346,10 @@ def label_pairs(
                 )
                 ranked = []  # (better, worse) episode of each prompt under the gold stack
                 for a, b in zip(episodes[0 : 2 * len(indices) : 2], episodes[1 : 2 * len(indices) : 2]):
-                    if _applied(a, counted) != _applied(b, counted):
+                    applied = _applied(a, counted)
+                    if not applied or applied != _applied(
+                        b, counted
+                    ):  # no gold signal, or two different ones
                         unscored += 1
                     elif a["reward"] == b["reward"] or a["completion"] == b["completion"]:
                         ties += 1
@@ -373,7 +386,7 @@ def _row(chosen: Mapping[str, Any], rejected: Mapping[str, Any], flipped: bool =
         "rejected": rejected["completion"],
         "chosen_score": chosen["reward"],
         "rejected_score": rejected["reward"],
-        "margin": chosen["reward"] - rejected["reward"],
+        "gold_margin": chosen["reward"] - rejected["reward"],
         "flipped": flipped,
     }
 
