@@ -477,7 +477,10 @@ def test_train_rm_never_replaces_a_directory_it_did_not_write(tmp_path):
     [
         ({"label_noise": 0.5}, r"label_noise must be in \[0, 0.5\), not 0.5"),
         ({"label_noise": -0.1}, r"label_noise must be in \[0, 0.5\), not -0.1"),
-        ({"temperature": 0.0}, r"temperature must be > 0, not 0.0: greedy decoding"),
+        ({"temperature": 0.0}, r"temperature must be a finite number > 0, not 0.0: greedy decoding"),
+        ({"temperature": math.inf}, r"temperature must be a finite number > 0, not inf"),  # it sampled
+        ({"temperature": "1"}, r"temperature must be a finite number > 0, not '1'"),  # a TypeError
+        ({"label_noise": "0.1"}, r"label_noise must be in \[0, 0.5\), not '0.1'"),
         ({"num_prompts": 0}, r"num_prompts must be a positive integer"),
         ({"num_prompts": True}, r"num_prompts must be a positive integer"),
         ({"top_k": 1}, r"top_k must be 0 \(off\) or an integer >= 2, not 1: top_k = 1 is greedy"),

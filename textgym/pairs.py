@@ -182,17 +182,17 @@ def check_label_settings(
         raise ConfigError(
             f"num_prompts must be a positive integer (or omitted for all), not {num_prompts!r}."
         )
-    if not temperature > 0:
+    if not _real(temperature) or not 0 < temperature < math.inf:
         raise ConfigError(
-            f"temperature must be > 0, not {temperature!r}: greedy decoding would give both completions of a "
-            f"prompt the same text."
+            f"temperature must be a finite number > 0, not {temperature!r}: greedy decoding would give both "
+            f"completions of a prompt the same text, and an infinite one samples every token alike."
         )
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0 or top_k == 1:
         raise ConfigError(
             f"top_k must be 0 (off) or an integer >= 2, not {top_k!r}: top_k = 1 is greedy decoding, which "
             f"would give both completions of a prompt the same text."
         )
-    if not 0 <= label_noise < 0.5:
+    if not _real(label_noise) or not 0 <= label_noise < 0.5:
         raise ConfigError(
             f"label_noise must be in [0, 0.5), not {label_noise!r}: it is the share of labels flipped, and at "
             f"0.5 or more the labels say more about the noise than the gold reward."
@@ -389,6 +389,10 @@ def _row(chosen: Mapping[str, Any], rejected: Mapping[str, Any], flipped: bool =
         "gold_margin": chosen["reward"] - rejected["reward"],
         "flipped": flipped,
     }
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _disable(progress: bool | None) -> bool | None:
