@@ -2,7 +2,8 @@
 ``textgym bench`` scores every finished run with.
 
 An evaluation samples ``episodes`` completions on held-out prompts (the same prompts, in the same order and
-with the same sampling seed every time, so two evaluations differ only by the policy) and reports:
+with the same sampling seed every time, so two evaluations differ only by the policy; it samples ``[env]
+num_envs`` completions at a time, so runs with another ``num_envs`` draw other samples) and reports:
 
 - ``reward``: the training reward-stack total (composition applied, with scheduled weights as they end
   training, at every evaluation) on the held-out prompts. For a run trained on a proxy reward, this is the
