@@ -533,9 +533,19 @@ def test_a_resume_changes_only_how_long_a_run_goes_on_and_keeps_that_for_the_nex
     assert len(csv_rows(out / "metrics.csv")) == trained  # nothing trained
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 0
-    assert "run.total_timesteps 40 -> 80: what follows the training progress" in capsys.readouterr().out
+    assert "what follows the training progress" not in capsys.readouterr().out  # nothing does in this run
     assert load_config(out / "config.toml")["run"]["total_timesteps"] == 80  # a later resume goes on to 80
     assert load_config(out / "config.toml")["agent"] == load_config(config)["agent"]
+    # a linear learning rate and a scheduled weight do follow it, and are named
+    scheduled = tmp_path / "scheduled"
+    run(config, [f"run.output_dir='{scheduled}'", "run.total_timesteps=40", "agent.lr_schedule='linear'",
+                 "env.rewards=[{name='match', partial=true, weight={start=1.0, end=0.5}}]"])  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--resume", str(scheduled), "--set", "run.total_timesteps=80"]) == 0
+    assert (
+        "run.total_timesteps 40 -> 80: what follows the training progress (tokens / total: lr_schedule = "
+        "'linear' and the weight schedule of match) follows the new total from here on, so it steps back"
+    ) in capsys.readouterr().out
 
 
 def test_a_run_directory_is_locked_while_in_use(config, tmp_path, capsys):

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,11 +163,12 @@ def run(
 
     resuming = on_main(prepare) if world > 1 else prepare()
     before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
-    if resuming and before != after and main:  # not said when the run starts over from the beginning
+    follows = _follows_progress(config, hyperparameters)
+    if resuming and before != after and main and follows:  # not said when the run starts over
         print(
             f"textgym: run.total_timesteps {before} -> {after}: what follows the training progress (tokens / "
-            f"total: lr_schedule = 'linear', reward weight schedules) follows the new total from here on, "
-            f"so it steps {'back' if after > before else 'forward'} at this resume."
+            f"total: {' and '.join(follows)}) follows the new total from here on, so it steps "
+            f"{'back' if after > before else 'forward'} at this resume."
         )
     if is_lm_agent(agent_class):
         trainer = _run_native
@@ -185,6 +186,22 @@ def run(
         rd.unlock()
         if world > 1:
             end_process_group()
+
+
+def _follows_progress(config: dict[str, Any], hyperparameters: dict[str, Any]) -> list[str]:
+    """What in this run follows the training progress (tokens trained / run.total_timesteps)."""
+    from textgym.composition import stack_table
+
+    rewards = config["env"].get("rewards")
+    components = stack_table(rewards)["components"] if rewards is not None else []
+    scheduled = [
+        c.get("name") or c.get("fn")
+        for c in components
+        if isinstance(c, Mapping) and isinstance(c.get("weight"), Mapping)
+    ]
+    return (["lr_schedule = 'linear'"] if hyperparameters.get("lr_schedule") == "linear" else []) + (
+        [f"the weight schedule of {', '.join(map(str, scheduled))}"] if scheduled else []
+    )
 
 
 def _sample_table(generate: Any, config: dict[str, Any], progress: float = 0.0) -> list[dict[str, Any]]:
