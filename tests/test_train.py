@@ -113,6 +113,27 @@ def test_sample_tables_head_each_component_whole_and_say_the_total_is_weighted()
     assert line.endswith("              0.500                  n/a           0.250")
 
 
+def test_a_multi_turn_sample_table_shows_the_conversation_and_the_return():
+    """An Echo episode showed only its last turn ("aaaaa" for five turns), under "weighted total", which
+    held the turn rewards too."""
+    import gymnasium
+
+    from textgym.formatting import format_table
+    from textgym.models import load_model
+    from textgym.sampling import sample_episodes
+
+    # an untrained policy's turns end on any of these letters: three turns each
+    env = gymnasium.make_vec("textgym/Echo-v0", num_envs=2, autoreset_mode="Disabled", stop=list("abcdefg"),
+                             max_new_tokens=24)  # fmt: skip
+    rows = sample_episodes(load_model("tiny-char-llama")[0], env, seed=0)
+    header, _, *lines = format_table(rows).splitlines()
+    assert "conversation" in header and header.endswith("return (total + turns)")
+    for row, line in zip(rows, lines):
+        said = [t["text"] for t in row["turns"] if t["role"] == "user"]
+        assert len(row["turns"]) > 1 and all(f"[user: {s}]" in line for s in said)
+        assert line.endswith(f"{sum(row['turn_rewards']):.3f}")
+
+
 def test_resume_continues_counters_and_history(config, tmp_path, capsys):
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
     first = csv_rows(run_dir / "metrics.csv")

@@ -19,20 +19,28 @@ def one_line(text: Any, width: int | None = None) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, completion_width: int = 56) -> str:
     """A plain-text table: prompt, completion, each reward component's raw score, the weighted total (and
-    their means). A component's column is as wide as its name: two names cut alike would read as one."""
+    their means). A component's column is as wide as its name: two names cut alike would read as one.
+
+    A multi-turn episode shows its conversation (the agent's turns, the others' as ``[role: text]``), and its
+    last column is the episode's return: the weighted total plus the rewards paid for each turn."""
 
     def cut(text: str, width: int) -> str:
         return f"{one_line(text, width):<{width}}"
 
     names = list(rows[0]["reward_components"]) if rows else []
     widths = [max(14, len(n)) for n in names]
-    total = "weighted total"
-    header = [cut("prompt", prompt_width), cut("completion", completion_width)]
+    multi_turn = any(len(row.get("turns") or ()) > 1 for row in rows)
+    paid = any(row.get("turn_rewards") for row in rows)
+    total = "return (total + turns)" if paid else "weighted total"
+    header = [
+        cut("prompt", prompt_width),
+        cut("conversation" if multi_turn else "completion", completion_width),
+    ]
     header += [f"{n:>{w}}" for n, w in zip(names, widths)] + [total]
     rule = "-" * len("  ".join(header))
     lines = ["  ".join(header), rule]
     for row in rows:
-        cells = [cut(row["prompt"], prompt_width), cut(row["completion"], completion_width)]
+        cells = [cut(row["prompt"], prompt_width), cut(conversation(row), completion_width)]
         cells += [number(row["reward_components"][n], w) for n, w in zip(names, widths)]
         lines.append("  ".join([*cells, number(row["reward"], len(total))]))
     if rows:
@@ -41,6 +49,19 @@ def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, complet
         cells += [number(m, w) for m, w in zip(means, widths)]
         lines += [rule, "  ".join([*cells, number(sum(r["reward"] for r in rows) / len(rows), len(total))])]
     return "\n".join(lines)
+
+
+def conversation(row: dict[str, Any]) -> str:
+    """An episode's completion, or for a multi-turn one its turns in order: the agent's as written (``""``
+    where it said nothing), the environment's as ``[role: text]``."""
+    from textgym.responders import AGENT_ROLE
+
+    turns = row.get("turns") or ()
+    if len(turns) <= 1:
+        return row["completion"]
+    return " ".join(
+        (t["text"] or '""') if t["role"] == AGENT_ROLE else f"[{t['role']}: {t['text']}]" for t in turns
+    )
 
 
 def number(value: float | None, width: int = 0, digits: int = 3) -> str:
