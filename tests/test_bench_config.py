@@ -133,6 +133,22 @@ def test_design_rewards_from_run_plugins_are_loaded_before_designs_are_checked(t
     assert [m["label"] for m in spec["metric_rewards"]] == ["exact_copy", "shouting"]
 
 
+def test_paths_given_with_set_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """As in textgym train: `textgym bench sub/designs.toml --set run.plugins=["mine.py"]` looked for
+    sub/mine.py."""
+    import tomli_w
+
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "designs.toml"
+    path.write_text(tomli_w.dumps(designs(tmp_path)))
+    (tmp_path / "mine.py").write_text("import textgym\n")
+    (tmp_path / "extra.jsonl").write_text('{"prompt": "abc"}\n')
+    monkeypatch.chdir(tmp_path)
+    spec = load_designs(path, ['run.plugins=["mine.py"]', "bench.eval_prompts='extra.jsonl'"])
+    assert spec["base"]["run"]["plugins"] == [str(tmp_path / "mine.py")]
+    assert spec["bench"]["eval_prompts"] == str(tmp_path / "extra.jsonl")
+
+
 def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
     bad = designs(tmp_path)
     bad["eval"] = {"every": 2}

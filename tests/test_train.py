@@ -394,3 +394,31 @@ def test_sb3_runs_follow_weight_schedules_and_score_the_after_table_where_they_e
     )  # fmt: skip
     after = [json.loads(line) for line in (run_dir / "samples_after.jsonl").read_text().splitlines()]
     assert all(r["reward"] == pytest.approx(r["reward_components"]["length_penalty_2"]) for r in after)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("False", r"TOML writes booleans in lower case: env.chat_template=false \(for the text, quote it in "
+                  r"TOML: --set \"env.chat_template='False'\"\)"),
+        ("None", "TOML has no null value: leave the key out of the config for its default"),
+        (".5", r"'.5' is not a TOML number: write env.chat_template=0.5"),
+    ],
+)  # fmt: skip
+def test_a_set_value_in_another_languages_spelling_is_refused(tmp_path, value, message):
+    """A bare word was taken as a string: chat_template = "False" turned the chat template on (a non-empty
+    string is true), and SB3's normalize_advantage="False" switched normalisation on."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"env.chat_template={value}"])
+    assert load_config(None, ["env.prompts=chat"])["env"]["prompts"] == "chat"  # a bare word is still text
+
+
+def test_a_set_inline_table_replaces_the_table(tmp_path):
+    """`--set agent.lora='{r = 8}'` kept the file's other LoRA keys (pissa init, alpha), and a dotted key
+    could never take one away; a dotted key still sets one key of it."""
+    config = tmp_path / "c.toml"
+    config.write_text('[agent]\nlora = { r = 4, lora_alpha = 32, init_lora_weights = "pissa" }\n')
+    assert load_config(config, ["agent.lora={r = 8}"])["agent"]["lora"] == {"r": 8}
+    assert load_config(config, ["agent.lora.r=8"])["agent"]["lora"] == {
+        "r": 8, "lora_alpha": 32, "init_lora_weights": "pissa"
+    }  # fmt: skip

@@ -58,8 +58,8 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     else:
         source, base_dir = str(path), Path(path).resolve().parent
         raw = _resolve_paths(read_toml(path, "designs file"), base_dir)
-    for override in overrides:
-        apply_override(raw, override)
+    for override in overrides:  # paths given on the command line are relative to the working directory
+        apply_override(raw, override, lambda given: _resolve_paths(given, Path.cwd()))
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         hint = " The bench evaluates with [metrics] and bench.eval_*." if unknown[0] == "eval" else ""

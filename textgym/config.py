@@ -33,9 +33,10 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 import os
 import tomllib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:  # paths in a file mean the same from any working directory
         config = resolve_paths(config, Path(path).resolve().parent)
     for override in overrides:  # paths given on the command line are relative to the working directory
-        given: dict[str, Any] = {}
-        apply_override(given, override)
-        _merge(config, resolve_paths(given, Path.cwd()))
+        apply_override(config, override, lambda given: resolve_paths(given, Path.cwd()))
     return validate(config, source=str(path) if path else "the config")
 
 
@@ -196,9 +195,18 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
 
 
-def apply_override(config: dict[str, Any], override: str) -> None:
+def apply_override(
+    config: dict[str, Any], override: str, resolve: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> None:
     """Apply ``section.key=value`` (or ``section.table.key=value``, e.g. ``agent.grpo.beta=0.04``) to ``config``;
-    the value is parsed as TOML, a bare word as a string."""
+    the value is parsed as TOML, a bare word as a string. An inline table replaces the table it names
+    (``agent.lora={r = 8}`` is that whole table), as the same line in the file would. ``resolve`` makes the
+    paths the value names absolute first (against the working directory: see :func:`load_config`).
+
+    Raises:
+        ConfigError: a bare word that reads as another language's boolean, null or number (``False``,
+            ``None``, ``.01``): taken as a string, it would mean something else (a non-empty string is true).
+    """
     key, sep, value = override.partition("=")
     key = key.strip()
     if not sep or "." not in key or not all(key.split(".")):
@@ -208,17 +216,41 @@ def apply_override(config: dict[str, Any], override: str) -> None:
     try:
         parsed = tomllib.loads(f"{key} = {value}")
     except tomllib.TOMLDecodeError:
+        _check_bare_word(override, key, value.strip())
         try:
             parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"--set {override!r}: {key!r} is not a valid key ({exc}).") from None
-    _merge(config, parsed)
+    if resolve is not None:
+        parsed = resolve(parsed)
+    _merge(config, parsed, depth=len(key.split(".")))
 
 
-def _merge(into: dict[str, Any], values: Mapping[str, Any]) -> None:
+def _check_bare_word(override: str, key: str, word: str) -> None:
+    quote = f"""(for the text, quote it in TOML: --set "{key}='{word}'")"""
+    if word.lower() in ("true", "false"):
+        raise ConfigError(
+            f"--set {override!r}: TOML writes booleans in lower case: {key}={word.lower()} {quote}."
+        )
+    if word.lower() in ("none", "null", "nil"):
+        raise ConfigError(
+            f"--set {override!r}: TOML has no null value: leave the key out of the config for its default, or "
+            f"give a value {quote}."
+        )
+    try:
+        number = float(word)
+    except ValueError:
+        return
+    written = repr(number) if math.isfinite(number) else "nan" if math.isnan(number) else f"{number:f}"
+    raise ConfigError(f"--set {override!r}: {word!r} is not a TOML number: write {key}={written} {quote}.")
+
+
+def _merge(into: dict[str, Any], values: Mapping[str, Any], depth: int | None = None) -> None:
+    """Merge ``values`` into ``into``, table by table; at ``depth`` (the dotted key's last part) a value
+    replaces what was there, a table included."""
     for k, v in values.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
+        if isinstance(v, dict) and isinstance(into.get(k), dict) and (depth is None or depth > 1):
+            _merge(into[k], v, None if depth is None else depth - 1)
         else:
             into[k] = v
 
