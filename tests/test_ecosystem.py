@@ -597,3 +597,21 @@ def test_eval_callback_gives_a_vecnormalize_eval_env_the_training_envs_statistic
     model.learn(32, callback=EvalCallback(eval_env, n_eval_episodes=2, eval_freq=16, verbose=0))
     np.testing.assert_array_equal(eval_env.obs_rms["input_ids"].mean, train_env.obs_rms["input_ids"].mean)
     assert eval_env.obs_rms["input_ids"].mean.any()
+
+
+def test_a_seed_in_the_agent_table_is_refused_for_run_seed(tmp_path):
+    """[agent] seed won over run.seed: runs with run.seed 0 and 5 trained the same, and a bench's seeds were
+    copies of one run (their intervals and paired tests built on copies)."""
+    from textgym.agent_config import resolve_agent
+
+    for agent in ({"name": "lmppo", "policy": "tiny-char-llama", "seed": 3},
+                  {"name": "a2c", "a2c": {"seed": 3}}):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"\] seed: a run is seeded by run.seed \(a bench sets it"):
+            resolve_agent(agent)
+    d = {"bench": {"seeds": [0, 1], "output_dir": str(tmp_path / "b")}, "env": {"id": "textgym/Copy-v0"},
+         "agent": {"name": "lmppo", "policy": "tiny-char-llama", "seed": 7},
+         "designs": [{"name": "exact", "rewards": [{"name": "match"}]}]}  # fmt: skip
+    from textgym.bench import load_designs
+
+    with pytest.raises(ConfigError, match=r"\[agent\] seed: a run is seeded by run.seed"):
+        load_designs(d)

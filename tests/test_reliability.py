@@ -629,6 +629,9 @@ def test_a_config_toml_edited_after_the_checkpoint_is_refused_on_resume(config, 
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
     assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_epochs: 1 -> 4" in err
     assert len(csv_rows(out / "metrics.csv")) == 2  # nothing trained
+    (out / "config.toml").write_text(text.replace("seed = 0", "seed = 5"))
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    assert "(run.seed: 0 -> 5)" in capsys.readouterr().err  # it said agent.seed, a key the file does not have
     (out / "config.toml").write_text(text)
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 0
 

@@ -120,6 +120,11 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     own_policy = "policy" in own
     policy = own.pop("policy", agent.get("policy"))
     hyperparameters = {**shared, **own}
+    if "seed" in hyperparameters:  # it would win over run.seed: a bench's seeds would train one run
+        raise ConfigError(
+            f"{f'[agent.{name}]' if 'seed' in own else '[agent]'} seed: a run is seeded by run.seed (a bench sets "
+            f"it for each of its seeds); remove seed from the agent's table and set run.seed instead."
+        )
     valid = hyperparameter_names(agent_class)
     if valid is not None:
         for key in hyperparameters:

@@ -30,7 +30,7 @@ def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any]) -> None
     except (OSError, ValueError, KeyError):
         return  # an incomplete checkpoint: loading it says what is wrong
     changed = [
-        f"agent.{key}: {trained[key]!r} -> {value!r}"
+        f"{'run' if key == 'seed' else 'agent'}.{key}: {trained[key]!r} -> {value!r}"  # the seed is run.seed
         for key, value in hyperparameters.items()
         if key in trained and key not in MACHINE_SETTINGS and jsonable(value) != jsonable(trained[key])
     ]
