@@ -502,3 +502,30 @@ def test_a_home_relative_bench_output_dir_is_expanded(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=f"{tmp_path / 'home' / 'b'}' holds files no bench wrote"):
         bench.run(designs(tmp_path) | {"bench": {**DESIGNS["bench"], "output_dir": "~/b"}}, progress=False)
     assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d["env"].update(id="textgym/Copy-v9"), "unknown env 'textgym/Copy-v9'"),
+        (lambda d: d["env"].update(max_new_token=3), r"unknown key 'max_new_token'. Did you mean 'max_new_tokens'"),
+        (lambda d: d.update(agents=[{"name": "lmppo"}, {"name": "a2c", "n_steps": 8.0}]),
+         r"agent 'a2c': \[agent.a2c\] a2c: n_steps must be an integer, not 8.0"),
+        (lambda d: d.update(agents=[{"name": "lmppo"}, {"name": "a2c"}], designs=[*d["designs"], {"name": "nts",
+         "rewards": {"aggregate": "normalize_then_sum", "components": [{"name": "match"}]}}]),
+         "agent 'a2c' cannot train design 'nts': its aggregate = 'normalize_then_sum'"),
+        (lambda d: d.update(agents=[{"name": "lmppo"}, {"name": "a2c", "n_steps": 8}]) or d["agent"].update(
+         a2c={"n_steps": 16}), r"n_steps is 16 in \[agent.a2c\] and 8 in its \[\[agents\]\] entry; set it in one"),
+    ],
+    ids=["env-id", "env-key", "sb3-value", "sb3-normalize-then-sum", "set-under-an-entry"],
+)  # fmt: skip
+def test_what_a_run_would_refuse_is_refused_before_the_bench_trains(tmp_path, change, match):
+    """These passed the bench's check and failed when their run started: after the runs before it had
+    trained (an SB3 agent's normalize_then_sum design after every LM run), or silently lost (a --set under an
+    [[agents]] entry's key)."""
+    d = designs(tmp_path)
+    d["agent"].pop("name")  # with [[agents]], each entry names its agent
+    if "agents" not in d:
+        d["agents"] = [{"name": "lmppo"}]
+    change(d)
+    refused(tmp_path, d, match, error=(ConfigError, UnknownNameError))

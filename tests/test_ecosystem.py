@@ -615,3 +615,25 @@ def test_a_seed_in_the_agent_table_is_refused_for_run_seed(tmp_path):
 
     with pytest.raises(ConfigError, match=r"\[agent\] seed: a run is seeded by run.seed"):
         load_designs(d)
+
+
+def test_an_sb3_hyperparameter_of_the_wrong_type_is_refused_before_training(tmp_path):
+    """SB3 read batch_size = 32.0 only in its first update (a TypeError after the first rollout, and a run
+    directory left that refused the corrected command), and a string for a bool counted as true."""
+    from textgym.agent_config import resolve_agent
+
+    for agent, match in [
+        ({"name": "sb3-ppo", "batch_size": 32.0}, r"\[agent\] sb3-ppo: batch_size must be an integer, not 32.0"),
+        ({"name": "a2c", "a2c": {"normalize_advantage": "no"}},
+         r"\[agent.a2c\] a2c: normalize_advantage must be true or false, not 'no'"),
+        ({"name": "dqn", "gamma": "0.9"}, r"gamma must be a number, not '0.9'"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            resolve_agent(agent)
+    assert (
+        resolve_agent({"name": "a2c", "ent_coef": 0, "policy_kwargs": {"net_arch": [8]}})[2]["ent_coef"] == 0
+    )
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="batch_size must be an integer"):
+        run(EXAMPLES / "copy.toml", quick("agent.sb3-ppo.batch_size=32.0", tmp=out), agent_name="sb3-ppo")
+    assert not out.exists()

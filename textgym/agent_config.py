@@ -104,6 +104,23 @@ def hyperparameter_names(agent_class: Any) -> list[str] | None:
     ]
 
 
+def _check_annotations(
+    agent_class: Any, name: str, hyperparameters: dict[str, Any], own: dict[str, Any]
+) -> None:
+    """Each hyperparameter of a plain annotated type (``n_steps: int``, ``normalize_advantage: bool``) is one:
+    SB3 reads ``batch_size = 32.0`` only in its first update (a TypeError after the first rollout)."""
+    from textgym.config import annotation_mismatch
+
+    try:
+        params = inspect.signature(agent_class.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    for key, value in hyperparameters.items():
+        if key in params and (what := annotation_mismatch(params[key].annotation, value)):
+            where = f"[agent.{name}]" if key in own else "[agent]"
+            raise ConfigError(f"{where} {name}: {key} must be {what}, not {value!r}.")
+
+
 def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """``(agent_class, policy, hyperparameters)`` for the ``[agent]`` table of a validated config: shared keys,
     then the chosen agent's own table; every hyperparameter checked against what the agent takes."""
@@ -153,6 +170,8 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
                 f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}."
                 f"{tables}"
             )
+    if not is_lm_agent(agent_class):  # an LM agent's config dataclass checks its own annotations
+        _check_annotations(agent_class, name, hyperparameters, own)
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:

@@ -25,6 +25,7 @@ from typing import Any
 
 from textgym import plugin_manager
 from textgym.bench_rm import check_reward_models
+from textgym.composition import stack_table
 from textgym.config import MAX_SEED, apply_override, read_toml, resolve_paths, resolve_value, validate
 from textgym.errors import ConfigError, TextgymError, UnknownNameError, did_you_mean
 from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
@@ -100,7 +101,22 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
     if isinstance(raw.get("env"), Mapping) and "rewards" in raw["env"]:
         raise ConfigError(f"{source}: rewards belong to the [[designs]], not to [env].")
     base = validate(raw, source)  # [run], [env], [agent] as textgym train takes them
+    from textgym.train_env import check_env_id, check_env_keys
+
+    check_env_id(base["env"]["id"], base["run"]["allow_env_import"])
+    try:
+        check_env_keys(base["env"]["id"], base["env"])
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     agents = _agents(agents_raw, base, source)
+    for agent in agents:
+        for design in designs:
+            if not agent["lm"] and stack_table(design["rewards"])["aggregate"] != "sum":
+                raise ConfigError(
+                    f"{source}: agent {agent['label']!r} cannot train design {design['name']!r}: its aggregate = "
+                    f"'normalize_then_sum' standardises rewards over a batch of episodes, and a Stable-Baselines3 "
+                    f"agent scores them step by step. Use 'sum' in that design, or LM agents only."
+                )
     return {
         "bench": bench,
         "base": base,
@@ -270,6 +286,14 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
             # the entry's keys become the agent's own table ([agent.<name>]), over the shared ones; the
             # shared policy (an LM) stays the env's tokenizer, as in `textgym train --agent`
             own = {k: v for k, v in entry.items() if k not in ("name", "label") and v is not None}
+            named = shared.get(entry["name"], {})  # [agent.<name>], e.g. from --set agent.a2c.n_steps=16
+            clash = [k for k in own if isinstance(named, Mapping) and k in named and named[k] != own[k]]
+            if clash:
+                k = clash[0]
+                raise ConfigError(
+                    f"{source}: agent {entry['name']!r}: {k} is {named[k]!r} in [agent.{entry['name']}] and "
+                    f"{own[k]!r} in its [[agents]] entry; set it in one place (the entry's value would win)."
+                )
             table = {k: v for k, v in shared.items() if k != entry["name"]}
             table.update(name=entry["name"], **{entry["name"]: {**shared.get(entry["name"], {}), **own}})
             if "label" in entry:

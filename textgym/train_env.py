@@ -9,7 +9,7 @@ from typing import Any
 
 from textgym.errors import ConfigError, did_you_mean
 
-__all__ = ["check_env_id", "check_sb3_rewards", "env_errors", "make_env"]
+__all__ = ["check_env_id", "check_env_keys", "check_sb3_rewards", "env_errors", "make_env"]
 
 
 def check_env_id(env_id: str, allow_import: bool) -> None:
@@ -81,23 +81,46 @@ def env_errors(env_id: str) -> Iterator[None]:
         raise ConfigError(f"[env] {env_id} cannot be made: {type(exc).__name__}: {exc}") from exc
 
 
-def _closest_env_key(env_id: str, message: str) -> str:
-    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
+def check_env_keys(env_id: str, env: dict[str, Any]) -> None:
+    """Every ``[env]`` key is an argument the env's entry point takes (when it names them): what making the
+    env would refuse, said before anything loads or trains."""
+    params = _entry_parameters(env_id)
+    if params is None:
+        return
+    for key in env:
+        if key not in ("id", "num_envs") and key not in params:
+            raise ConfigError(f"[env] {env_id}: unknown key {key!r}.{did_you_mean(key, params)}")
+
+
+def _entry_parameters(env_id: str) -> list[str] | None:
+    """The keyword arguments the env's (vector) entry point takes, with its registered ones; None where it
+    takes any, or cannot be read."""
     import importlib
     import inspect
-    import re
 
     import gymnasium
 
-    bad = re.search(r"unexpected keyword argument '(\w+)'", message)
     try:
         spec = gymnasium.spec(env_id)
         entry = spec.vector_entry_point or spec.entry_point
         if isinstance(entry, str):
             module, _, name = entry.partition(":")
             entry = getattr(importlib.import_module(module), name)
-        known = [*inspect.signature(entry).parameters, *spec.kwargs]
+        params = inspect.signature(entry).parameters
     except Exception:
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return [*params, *spec.kwargs]
+
+
+def _closest_env_key(env_id: str, message: str) -> str:
+    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
+    import re
+
+    bad = re.search(r"unexpected keyword argument '(\w+)'", message)
+    known = _entry_parameters(env_id)
+    if known is None:
         return ""
     hint = did_you_mean(bad.group(1), known) if bad else ""
     return f".{hint}" if hint else ""
