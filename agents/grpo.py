@@ -39,6 +39,11 @@ class GRPOConfig(GroupConfig):
     (mean over all tokens of the optimizer step), "bnpo" (mean over the tokens of each micro-batch)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):  # TRL takes true for "group" and false for "none"
+            raise ConfigError(
+                f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, not {str(self.scale_rewards).lower()}: "
+                f"TRL's {str(self.scale_rewards).lower()} is {'group' if self.scale_rewards else 'none'!r} here."
+            )
         super().__post_init__()
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(

@@ -225,6 +225,11 @@ def test_with_mask_truncated_completions_the_entropy_is_over_the_tokens_in_the_l
         (dict(num_generations=1), "num_generations must be an integer >= 2"),
         (dict(loss_type="ppo"), "loss_type must be one of grpo, dr_grpo, dapo, bnpo, not 'ppo'"),
         (dict(scale_rewards="std"), "scale_rewards must be one of group, batch, none, not 'std'"),
+        # TRL's booleans: the message said "must be a string", not which strings
+        (
+            dict(scale_rewards=False),
+            "scale_rewards must be one of group, batch, none, not false: TRL's false is 'none'",
+        ),
         (dict(beta=-0.1), "beta must be a number >= 0"),
         (dict(epsilon=0.2, epsilon_high=0.1), r"epsilon_high must be >= epsilon \(0.2\)"),
         (dict(num_iterations=0), "num_iterations must be a positive integer"),
