@@ -532,10 +532,17 @@ def test_a_resume_changes_only_how_long_a_run_goes_on_and_keeps_that_for_the_nex
         assert refused[1].split("=")[0] in err and "new run" in err.lower(), err
     assert len(csv_rows(out / "metrics.csv")) == trained  # nothing trained
     capsys.readouterr()
-    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=80"]) == 0
+    # where it trains may change: a run trained on a GPU resumes on a CPU (it was refused, "start a new run")
+    assert (
+        main(
+            ["train", "--resume", str(out), "--set", "run.total_timesteps=80", "--set", "agent.device='cpu'"]
+        )
+        == 0
+    )
     assert "what follows the training progress" not in capsys.readouterr().out  # nothing does in this run
+    assert load_config(out / "config.toml")["agent"]["device"] == "cpu"
     assert load_config(out / "config.toml")["run"]["total_timesteps"] == 80  # a later resume goes on to 80
-    assert load_config(out / "config.toml")["agent"] == load_config(config)["agent"]
+    assert load_config(out / "config.toml")["agent"] == {**load_config(config)["agent"], "device": "cpu"}
     # a linear learning rate and a scheduled weight do follow it, and are named
     scheduled = tmp_path / "scheduled"
     run(config, [f"run.output_dir='{scheduled}'", "run.total_timesteps=40", "agent.lr_schedule='linear'",

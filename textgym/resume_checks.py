@@ -63,12 +63,18 @@ def check_resume_changes(
             f"a new run for another agent, in a directory of its own (textgym train {run_dir / 'config.toml'} "
             f"--agent {agent_name} --set run.output_dir='{run_dir}-{agent_name}')."
         )
-    changed = [key for key in _differences(saved, config) if key not in RESUME_SETTINGS]
+    changed = [
+        key
+        for key in _differences(saved, config)
+        if key not in RESUME_SETTINGS
+        and not (key.startswith("agent.") and key.rsplit(".", 1)[-1] in MACHINE_SETTINGS)  # where it trains
+    ]
     if changed:
         raise ConfigError(
             f"--set {', '.join(changed)} on --resume: a resume continues {run_dir} as it was trained (its "
             f"optimizer, KL controller, seeds and env come from the checkpoint and config.toml), so only "
-            f"{', '.join(RESUME_SETTINGS)} may change. Start a new run to change the others."
+            f"{', '.join(RESUME_SETTINGS)} and the agent's {', '.join(MACHINE_SETTINGS)} may change. Start a new "
+            f"run to change the others."
         )
 
 
