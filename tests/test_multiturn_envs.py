@@ -636,7 +636,14 @@ def test_step_by_step_evaluations_return_every_turns_reward():
     returns, _ = evaluate_policy(Echoer(env), env, n_eval_episodes=4, return_episode_rewards=True, seed=5)
     assert returns == [3.0] * 4
     env = make()
-    assert [row["reward"] for row in sb3_episodes(Echoer(env), env, seed=5)] == [3.0] * 4
+    rows = sb3_episodes(Echoer(env), env, seed=5)
+    assert [row["reward"] for row in rows] == [3.0] * 4
+    # with their turns, as an LM agent's: the table showed the last turn under "weighted total"
+    from textgym.formatting import format_table
+
+    assert all(len(r["turns"]) == 5 and r["turn_rewards"] == [1.0, 1.0, 1.0] for r in rows)
+    header, _, line, *_ = format_table(rows).splitlines()
+    assert "conversation" in header and header.endswith("return (total + turns)") and "[user: " in line
 
 
 def test_a_turn_ended_on_a_time_limits_last_step_is_the_last_turn():

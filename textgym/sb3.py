@@ -238,9 +238,15 @@ def seeded_sampling(seed: int) -> Iterator[None]:
 
 
 def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
+    """An ended episode as the sample tables and files hold it (a multi-turn one with its turns and turn
+    rewards, as an LM agent's)."""
     components = {k: None if np.isnan(v) else float(v) for k, v in info.get("reward_components", {}).items()}
-    return {"prompt": info.get("prompt", ""), "completion": info["completion"],
-            "finish_reason": info.get("finish_reason"), "reward_components": components, "reward": reward}  # fmt: skip
+    row = {"prompt": info.get("prompt", ""), "completion": info["completion"],
+           "finish_reason": info.get("finish_reason"), "reward_components": components, "reward": reward}  # fmt: skip
+    if "turns" in info:
+        row["turns"] = [dict(t) for t in info["turns"]]
+        row["turn_rewards"] = [float(r) for r in info.get("turn_rewards", ())]
+    return row
 
 
 def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
