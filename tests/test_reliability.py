@@ -137,7 +137,10 @@ def test_a_dqn_run_resumes_with_its_replay_buffer(tmp_path, capsys):
     env = make_vec_env("textgym/Copy-v0", n_envs=8)
     before = load_sb3_run(out, env).replay_buffer
     assert before.pos == 128 // 8 and not before.full  # one row of 8 sub-envs per step
-    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=256"]) == 0
+    # where it logs may change on resume, and takes effect (SB3's load kept the saved tensorboard_log)
+    tb = tmp_path / "tb"
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=256", "--set", f"agent.tensorboard_log='{tb}'"]) == 0  # fmt: skip
+    assert any(tb.rglob("events.out.tfevents.*"))
     after = load_sb3_run(out, env).replay_buffer
     assert after.pos == 256 // 8
     for field in ("actions", "rewards", "dones"):

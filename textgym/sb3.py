@@ -356,7 +356,12 @@ def load_sb3_checkpoint(fresh: Any, agent_class: Any, path: Path, env: Any) -> t
             raise ConfigError(
                 f"checkpoint {model} stores pickled objects textgym does not rebuild: {missing}."
             )
-        agent = agent_class.load(model, env=env, custom_objects={k: getattr(fresh, k) for k in pickled})
+        # where and how loudly it trains are the fresh agent's (a resume may change them): SB3 saves no
+        # device, and its saved verbose and tensorboard_log would win over the config's
+        agent = agent_class.load(
+            model, env=env, device=fresh.device, custom_objects={k: getattr(fresh, k) for k in pickled},
+            verbose=fresh.verbose, tensorboard_log=fresh.tensorboard_log,
+        )  # fmt: skip
         if getattr(agent, "replay_buffer", None) is not None and (path / REPLAY_BUFFER).exists():
             load_replay_buffer(agent.replay_buffer, path / REPLAY_BUFFER)
         state = json.loads((path / "state.json").read_text())
