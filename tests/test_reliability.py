@@ -139,8 +139,11 @@ def test_a_dqn_run_resumes_with_its_replay_buffer(tmp_path, capsys):
     assert before.pos == 128 // 8 and not before.full  # one row of 8 sub-envs per step
     # where it logs may change on resume, and takes effect (SB3's load kept the saved tensorboard_log)
     tb = tmp_path / "tb"
+    capsys.readouterr()
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=256", "--set", f"agent.tensorboard_log='{tb}'"]) == 0  # fmt: skip
     assert any(tb.rglob("events.out.tfevents.*"))
+    # DQN's epsilon follows the progress: a longer run raises it again, and the resume says so
+    assert "tokens / total: the exploration rate (exploration_fraction))" in capsys.readouterr().out
     after = load_sb3_run(out, env).replay_buffer
     assert after.pos == 256 // 8
     for field in ("actions", "rewards", "dones"):
@@ -549,7 +552,7 @@ def test_a_resume_changes_only_how_long_a_run_goes_on_and_keeps_that_for_the_nex
     # a linear learning rate and a scheduled weight do follow it, and are named
     scheduled = tmp_path / "scheduled"
     run(config, [f"run.output_dir='{scheduled}'", "run.total_timesteps=40", "agent.lr_schedule='linear'",
-                 "env.rewards=[{name='match', partial=true, weight={start=1.0, end=0.5}}]"])  # fmt: skip
+                 "env.rewards=[\"match partial=true weight={start=1.0, end=0.5}\"]"])  # a spec string's too  # fmt: skip
     capsys.readouterr()
     assert main(["train", "--resume", str(scheduled), "--set", "run.total_timesteps=80"]) == 0
     assert (

@@ -163,7 +163,7 @@ def run(
 
     resuming = on_main(prepare) if world > 1 else prepare()
     before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
-    follows = _follows_progress(config, hyperparameters)
+    follows = _follows_progress(config, agent_class, hyperparameters)
     if resuming and before != after and main and follows:  # not said when the run starts over
         print(
             f"textgym: run.total_timesteps {before} -> {after}: what follows the training progress (tokens / "
@@ -188,20 +188,24 @@ def run(
             end_process_group()
 
 
-def _follows_progress(config: dict[str, Any], hyperparameters: dict[str, Any]) -> list[str]:
+def _follows_progress(config: dict[str, Any], agent_class: Any, hyperparameters: dict[str, Any]) -> list[str]:
     """What in this run follows the training progress (tokens trained / run.total_timesteps)."""
+    from textgym.agent_config import hyperparameter_names
     from textgym.composition import stack_table
+    from textgym.rewards import parse_reward_spec
 
     rewards = config["env"].get("rewards")
     components = stack_table(rewards)["components"] if rewards is not None else []
+    specs = [parse_reward_spec(c) if isinstance(c, str) else c for c in components]
     scheduled = [
-        c.get("name") or c.get("fn")
-        for c in components
-        if isinstance(c, Mapping) and isinstance(c.get("weight"), Mapping)
+        s.get("name") or s.get("fn")
+        for s in specs
+        if isinstance(s, Mapping) and isinstance(s.get("weight"), Mapping)
     ]
-    return (["lr_schedule = 'linear'"] if hyperparameters.get("lr_schedule") == "linear" else []) + (
-        [f"the weight schedule of {', '.join(map(str, scheduled))}"] if scheduled else []
-    )
+    follows = ["lr_schedule = 'linear'"] if hyperparameters.get("lr_schedule") == "linear" else []
+    if "exploration_fraction" in (hyperparameter_names(agent_class) or []):  # DQN's epsilon-greedy
+        follows.append("the exploration rate (exploration_fraction)")
+    return follows + ([f"the weight schedule of {', '.join(map(str, scheduled))}"] if scheduled else [])
 
 
 def _sample_table(generate: Any, config: dict[str, Any], progress: float = 0.0) -> list[dict[str, Any]]:
