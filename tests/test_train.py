@@ -411,6 +411,8 @@ def test_a_set_value_in_another_languages_spelling_is_refused(tmp_path, value, m
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"env.chat_template={value}"])
     assert load_config(None, ["env.prompts=chat"])["env"]["prompts"] == "chat"  # a bare word is still text
+    with pytest.raises(ConfigError, match="'007' is not a TOML number: write run.seed=7 "):  # not 7.0
+        load_config(None, ["run.seed=007"])
 
 
 def test_a_set_inline_table_replaces_the_table(tmp_path):

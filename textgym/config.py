@@ -241,7 +241,10 @@ def _check_bare_word(override: str, key: str, word: str) -> None:
         number = float(word)
     except ValueError:
         return
-    written = repr(number) if math.isfinite(number) else "nan" if math.isnan(number) else f"{number:f}"
+    if word.lstrip("+-").isdigit():  # 007: a whole number TOML refuses for its leading zeros
+        written = str(int(word))
+    else:
+        written = repr(number) if math.isfinite(number) else "nan" if math.isnan(number) else f"{number:f}"
     raise ConfigError(f"--set {override!r}: {word!r} is not a TOML number: write {key}={written} {quote}.")
 
 

@@ -10,7 +10,6 @@ a gap in the gold stack's units, and a negative one on flipped rows.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -152,8 +151,17 @@ def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple
     n_eval = held_out_size(n)
     if n_eval < 1 or n_eval >= n:
         # the fewest pairs that split, by the same float arithmetic (a formula for it was off by one, as
-        # 0.95 * 10 + 0.5 is 9.999999999999998)
-        need = next(k for k in itertools.count(2) if 1 <= held_out_size(k) < k)
+        # 0.95 * 10 + 0.5 is 9.999999999999998): a binary search, as more pairs never split worse
+        def splits(k: int) -> bool:
+            return 1 <= held_out_size(k) < k
+
+        low, high = 1, 2
+        while not splits(high):
+            low, high = high, 2 * high
+        while high - low > 1:  # splits(high), not splits(low)
+            middle = (low + high) // 2
+            low, high = (low, middle) if splits(middle) else (middle, high)
+        need = high
         raise PairsError(
             f"{n} pair(s) at eval_fraction {eval_fraction} leave {n_eval} held-out and {n - n_eval} training "
             f"pair(s); both need at least one. Give at least {need} pairs, or change --eval-fraction."
