@@ -42,7 +42,7 @@ from textgym.plotting import training_curves
 from textgym.resume_checks import check_checkpoint_config, check_resume_changes
 from textgym.rundir import CHECKPOINT, SAMPLES_AFTER, RunDir, crash_point
 from textgym.stopping import StopFlag
-from textgym.train_env import check_env_id, check_sb3_rewards, make_env
+from textgym.train_env import check_env_id, check_env_keys, check_sb3_rewards, make_env
 
 __all__ = ["CHECKPOINT", "is_lm_agent", "run"]
 
@@ -105,6 +105,7 @@ def run(
     for path in config["run"]["plugins"]:
         plugin_manager.load_plugin_file(path)
     check_env_id(config["env"]["id"], config["run"]["allow_env_import"])
+    check_env_keys(config["env"]["id"], config["env"])
     agent_class, policy, hyperparameters = resolve_agent(config["agent"])
     if not is_lm_agent(agent_class):
         check_sb3_rewards(config)

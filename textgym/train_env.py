@@ -82,19 +82,26 @@ def env_errors(env_id: str) -> Iterator[None]:
 
 
 def check_env_keys(env_id: str, env: dict[str, Any]) -> None:
-    """Every ``[env]`` key is an argument the env's entry point takes (when it names them): what making the
-    env would refuse, said before anything loads or trains."""
+    """Every ``[env]`` key is an argument the env's entry point takes (when it names them), of the plain type
+    its annotation names (``chat_template: bool | None``: the text "no" would count as true): what making the
+    env would refuse or misread, said before anything loads or trains."""
+    from textgym.config import annotation_mismatch
+
     params = _entry_parameters(env_id)
     if params is None:
         return
-    for key in env:
-        if key not in ("id", "num_envs") and key not in params:
-            raise ConfigError(f"[env] {env_id}: unknown key {key!r}.{did_you_mean(key, params)}")
+    for key, value in env.items():
+        if key in ("id", "num_envs"):
+            continue
+        if key not in params:
+            raise ConfigError(f"[env] {env_id}: unknown key {key!r}.{did_you_mean(key, list(params))}")
+        if what := annotation_mismatch(params[key], value):
+            raise ConfigError(f"[env] {env_id}: {key} must be {what}, not {value!r}.")
 
 
-def _entry_parameters(env_id: str) -> list[str] | None:
-    """The keyword arguments the env's (vector) entry point takes, with its registered ones; None where it
-    takes any, or cannot be read."""
+def _entry_parameters(env_id: str) -> dict[str, Any] | None:
+    """The keyword arguments the env's (vector) entry point takes, with its registered ones, and their
+    annotations; None where it takes any, or cannot be read."""
     import importlib
     import inspect
 
@@ -111,7 +118,10 @@ def _entry_parameters(env_id: str) -> list[str] | None:
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return None
-    return [*params, *spec.kwargs]
+    return {
+        **dict.fromkeys(spec.kwargs, inspect.Parameter.empty),
+        **{n: p.annotation for n, p in params.items()},
+    }
 
 
 def _closest_env_key(env_id: str, message: str) -> str:
@@ -122,5 +132,5 @@ def _closest_env_key(env_id: str, message: str) -> str:
     known = _entry_parameters(env_id)
     if known is None:
         return ""
-    hint = did_you_mean(bad.group(1), known) if bad else ""
+    hint = did_you_mean(bad.group(1), list(known)) if bad else ""
     return f".{hint}" if hint else ""
