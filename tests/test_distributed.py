@@ -803,6 +803,13 @@ def test_any_error_preparing_the_run_on_the_main_process_reaches_the_others(monk
         on_main(damaged)
     assert sent == [[("error", "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")]]  # fmt: skip
 
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C on the main process reaches the others too
+        on_main(interrupted)
+    assert sent[-1] == [("error", "KeyboardInterrupt")]
+
     def received(payload):
         payload[0] = sent[0][0]
 

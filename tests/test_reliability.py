@@ -831,7 +831,7 @@ def test_a_home_relative_output_dir_and_plugin_file_are_expanded(config, tmp_pat
         ("env.prompts=['ABC']", "cannot be tokenized: character 'A' is not in the alphabet"),
         ("agent.n_epochs=0", "n_epochs must be a positive integer, not 0"),
         # "no" counted as true: the chat template was switched on
-        ("env.chat_template=no", "[env] textgym/Copy-v0: chat_template must be true or false (or none), not 'no'"),
+        ("env.chat_template=no", "chat_template must be true or false (or none), not 'no'"),
         ("env.max_new_token=3", "unknown key 'max_new_token'. Did you mean 'max_new_tokens'"),
     ],
 )

@@ -66,19 +66,19 @@ def end_process_group() -> None:
 
 def on_main(fn: Any) -> Any:
     """``fn()`` on the main process; its result (or its error, as a one-line error) on every process. An error
-    other than a ConfigError or an OSError (a bug, a damaged file) is raised as itself, with its traceback, on
+    other than a ConfigError or an OSError (a bug, a damaged file, a Ctrl-C) is raised as itself, with its traceback, on
     the main process; the others, which would wait for the result, stop with its one-line summary."""
     from accelerate.utils import broadcast_object_list
 
     payload: list[Any] = [None]
-    error: Exception | None = None
+    error: BaseException | None = None
     if rank() == 0:
         try:
             payload = [("ok", fn())]
         except (ConfigError, OSError) as exc:
             payload = [("error", f"{exc}")]
-        except Exception as exc:
-            payload, error = [("error", f"{type(exc).__name__}: {exc}")], exc
+        except BaseException as exc:  # a Ctrl-C too: the others wait for this broadcast
+            payload, error = [("error", f"{type(exc).__name__}: {exc}".removesuffix(": "))], exc
     broadcast_object_list(payload)
     status, value = payload[0]
     if error is not None:
