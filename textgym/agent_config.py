@@ -140,7 +140,8 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     if "seed" in hyperparameters:  # it would win over run.seed: a bench's seeds would train one run
         raise ConfigError(
             f"{f'[agent.{name}]' if 'seed' in own else '[agent]'} seed: a run is seeded by run.seed (a bench sets "
-            f"it for each of its seeds); remove seed from the agent's table and set run.seed instead."
+            f"it for each of its seeds); remove seed from the agent's table, and set run.seed (in a bench: "
+            f"bench.seeds) instead."
         )
     valid = hyperparameter_names(agent_class)
     if valid is not None:
