@@ -228,10 +228,16 @@ def test_numbers_keep_the_digits_that_tell_them_apart_and_user_labels_stay_text(
     assert (fmt_p(0.0004), fmt_p(0.0234), fmt_p(1.0)) == ("<0.001", "0.023", "1.000")
     # a metric's label with Markdown and HTML in it broke the tables' columns and rendered as markup
     out = tmp_path / "bench"
-    write_outputs(out, *fake_bench(out, label="exact|copy <i>x</i> *y*"))
+    write_outputs(out, *fake_bench(out, label="exact|copy <i>x</i> *y* `z`"))
     md = (out / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| design |"))
-    assert "exact\\|copy &lt;i&gt;x&lt;/i&gt; \\*y\\*" in header and "<i>" not in md
+    label = "exact\\|copy &lt;i&gt;x&lt;/i&gt; \\*y\\* \\`z\\`"
+    assert label in header and "<i>" not in md
+    # and in the flags, which name it too: it rendered as italics and code in both reports
+    flag = next(line for line in md.splitlines() if line.startswith("- **proxy**: proxy rose"))
+    assert "exact\\|copy &lt;i>x&lt;/i> \\*y\\* \\`z\\` 0.500 -> 0.150" in flag  # "->" stays readable
+    page = (out / "report.html").read_text()
+    assert "exact|copy &lt;i&gt;x&lt;/i&gt; *y* `z`" in page and "<code>z</code>" not in page
     assert (
         header.count(" | ")
         == next(line for line in md.splitlines() if line.startswith("|---")).count("|---") - 1

@@ -148,14 +148,24 @@ def needed_text(c: Mapping[str, Any]) -> str:
     return f" (~{n} seeds for 80% power at this effect)"
 
 
-def flag_lines(results: BenchResults) -> list[str]:
-    lines = []
+def flag_items(results: BenchResults) -> list[tuple[str, str, str]]:
+    """Each flag as (who: the design, and its agent where there are several; the message, which names
+    metrics by their labels: user text; on which seeds)."""
+    items = []
     for (agent, design), flags in results.flags.items():
         who = f"{design} ({agent})" if len(results.agents) > 1 else design
         for f in flags:
             seeds = f"{len(f['seeds'])} of {f['of']} seeds" if f["of"] > 1 else f"seed {f['first_seed']}"
-            lines.append(f"**{who}**: {f['message']} ({seeds}; shown: seed {f['first_seed']})")
-    return lines
+            items.append((who, f["message"], f"{seeds}; shown: seed {f['first_seed']}"))
+    return items
+
+
+def flag_lines(results: BenchResults) -> list[str]:
+    """Each flag as one line of report.md, its user text escaped (a label's ``*y*`` reads as written)."""
+    return [
+        f"**{_text(who)}**: {_md_escape(_text(message))} ({where})"
+        for who, message, where in flag_items(results)
+    ]
 
 
 def unchecked_lines(results: BenchResults) -> list[str]:
@@ -250,7 +260,7 @@ def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) 
     lines += ["", "## Flags", ""]
     flags = flag_lines(results)
     unchecked = unchecked_lines(results)
-    lines += [f"- {_text(line)}" for line in flags] or [no_flags_text(unchecked)]
+    lines += [f"- {line}" for line in flags] or [no_flags_text(unchecked)]
     lines += ["", *map(_text, unchecked)] if unchecked else []
     for agent in results.agents:
         heading = f"## Designs under agent `{agent}`" if len(results.agents) > 1 else "## Results"
@@ -348,7 +358,11 @@ def _cell_text(text: str, width: int | None = None) -> str:
     """User text (a prompt, a completion, a metric's label) as one Markdown table cell: on one line, cut at
     ``width`` characters, and escaped, so that ``<b>``, ``&amp;``, ``**`` or a backtick in it reads as written,
     not as markup."""
-    text = html.escape(one_line(text, width), quote=False)
+    return _md_escape(html.escape(one_line(text, width), quote=False))
+
+
+def _md_escape(text: str) -> str:
+    """``text`` with Markdown's inline characters backslash-escaped, so that they read as written."""
     for char in "\\`*[]|":
         text = text.replace(char, "\\" + char)
     return text

@@ -13,7 +13,7 @@ from typing import Any
 from textgym.bench_report import (
     STATS_TEXT,
     comparisons,
-    flag_lines,
+    flag_items,
     fmt,
     fmt_cell,
     fmt_interval,
@@ -62,9 +62,13 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         ],
         "</ul><h2>Flags</h2>",
     ]
-    flags, unchecked = flag_lines(results), unchecked_lines(results)
-    if flags:
-        parts += ["<ul>", *[f'<li class="flag">{_md(line)}</li>' for line in flags], "</ul>"]
+    flags, unchecked = flag_items(results), unchecked_lines(results)
+    if flags:  # the message names metrics by their labels: user text, escaped (not read as markup)
+        items = [
+            f'<li class="flag"><b>{e(who)}</b>: {e(message)} ({e(where)})</li>'
+            for who, message, where in flags
+        ]
+        parts += ["<ul>", *items, "</ul>"]
     else:
         parts.append(f"<p>{e(no_flags_text(unchecked))}</p>")
     parts += [f"<p>{_md(line)}</p>" for line in unchecked]
