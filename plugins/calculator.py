@@ -3,7 +3,8 @@
 The expression is parsed here (numbers, ``+ - * /``, parentheses, unary minus), never ``eval``-ed. The
 result is the tool's reply (``= 42``); a malformed call is answered with an error message the model reads as
 the tool result, and the episode goes on. A turn without ``<calc>`` is the agent's final answer: the episode
-ends and the reward stack scores it (e.g. ``match`` against the prompt's reference).
+ends and the reward stack scores it (e.g. ``match`` against the prompt's reference). A turn's last call is
+the one answered: ``Calculator-v0`` ends a turn at ``</calc>`` (its ``stop``), so a turn holds one.
 """
 
 from __future__ import annotations
