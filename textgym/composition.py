@@ -30,7 +30,7 @@ GATE_KEYS = ("component", "min", "max", "action", "cap")
 GATE_ACTIONS = ("zero", "cap")
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """A real number, numpy's included (np.int64, np.float32), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -53,10 +53,10 @@ class WeightSchedule:
 
     def __post_init__(self) -> None:
         for key, value in (("start", self.start), ("end", self.end)):
-            if not _is_number(value) or not math.isfinite(value):
+            if not is_number(value) or not math.isfinite(value):
                 raise ConfigError(f"weight schedule: {key} = {value!r} must be a finite number.")
         for key, value in (("from", self.from_), ("to", self.to)):
-            if not _is_number(value) or not 0.0 <= value <= 1.0:
+            if not is_number(value) or not 0.0 <= value <= 1.0:
                 raise ConfigError(
                     f"weight schedule: {key} = {value!r} is outside the run. Training progress runs from 0 "
                     f"(start) to 1 (end): give 0 <= from < to <= 1."
@@ -117,7 +117,7 @@ def parse_weight(value: Any, where: str) -> Weight:
             return WeightSchedule.from_spec(value)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-    if not _is_number(value) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise ConfigError(
             f"{where}: weight {value!r} must be a finite number or a schedule table such as "
             f"{{ start = 1.0, end = 0.2 }}."
@@ -137,7 +137,7 @@ def is_metric_weight(weight: Weight) -> bool:
 
 
 def check_progress(p: float) -> float:
-    if not _is_number(p) or not 0.0 <= p <= 1.0:
+    if not is_number(p) or not 0.0 <= p <= 1.0:
         raise ValueError(
             f"training progress p = {p!r} must be a number in [0, 1] (0 at the start of training, 1 at the end)."
         )
@@ -231,7 +231,7 @@ class Gate:
             raise ConfigError(f"{where}: gate on {component!r} needs min and/or max.")
         low, high = spec.get("min", -math.inf), spec.get("max", math.inf)
         for key, value in (("min", low), ("max", high)):
-            if not _is_number(value) or math.isnan(value):
+            if not is_number(value) or math.isnan(value):
                 raise ConfigError(f"{where}: gate on {component!r}: {key} = {value!r} must be a number.")
         if low > high:
             raise ConfigError(f"{where}: gate on {component!r}: min = {low} is above max = {high}.")
@@ -249,7 +249,7 @@ class Gate:
         cap = spec.get("cap", 0.0)
         if "cap" in spec and action != "cap":
             raise ConfigError(f"{where}: gate on {component!r}: cap only applies with action = 'cap'.")
-        if not _is_number(cap) or not math.isfinite(cap):
+        if not is_number(cap) or not math.isfinite(cap):
             raise ConfigError(f"{where}: gate on {component!r}: cap = {cap!r} must be a finite number.")
         return cls(component, float(low), float(high), action, float(cap))
 
@@ -331,7 +331,7 @@ def describe_stack(specs: Any) -> str:
         if isinstance(spec, Mapping):
             label = spec.get("name") or str(spec.get("fn")).rpartition(":")[2]
             weight = spec.get("weight", 1.0)
-            weight = f"{weight:g}" if _is_number(weight) else f"[{parse_weight(weight, 'rewards')}]"
+            weight = f"{weight:g}" if is_number(weight) else f"[{parse_weight(weight, 'rewards')}]"
             args = "".join(f" {k}={v}" for k, v in spec.items() if k not in ("name", "fn", "weight"))
             parts.append(f"{label} x{weight}{args}")
         else:

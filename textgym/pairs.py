@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from textgym.composition import is_number
 from textgym.errors import ConfigError, PairsError
 from textgym.formatting import shortened
 
@@ -190,7 +191,7 @@ def check_label_settings(
         raise ConfigError(
             f"num_prompts must be a positive integer (or omitted for all), not {num_prompts!r}."
         )
-    if not _real(temperature) or not 0 < temperature < math.inf:
+    if not is_number(temperature) or not 0 < temperature < math.inf:
         raise ConfigError(
             f"temperature must be a finite number > 0, not {temperature!r}: greedy decoding would give both "
             f"completions of a prompt the same text, and an infinite one samples every token alike."
@@ -200,7 +201,7 @@ def check_label_settings(
             f"top_k must be 0 (off) or an integer >= 2, not {top_k!r}: top_k = 1 is greedy decoding, which "
             f"would give both completions of a prompt the same text."
         )
-    if not _real(label_noise) or not 0 <= label_noise < 0.5:
+    if not is_number(label_noise) or not 0 <= label_noise < 0.5:
         raise ConfigError(
             f"label_noise must be in [0, 0.5), not {label_noise!r}: it is the share of labels flipped, and at "
             f"0.5 or more the labels say more about the noise than the gold reward."
@@ -397,10 +398,6 @@ def _row(chosen: Mapping[str, Any], rejected: Mapping[str, Any], flipped: bool =
         "gold_margin": chosen["reward"] - rejected["reward"],
         "flipped": flipped,
     }
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _disable(progress: bool | None) -> bool | None:
