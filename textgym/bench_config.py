@@ -295,7 +295,7 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
                     f"{own[k]!r} in its [[agents]] entry; set it in one place (the entry's value would win)."
                 )
             table = {k: v for k, v in shared.items() if k != entry["name"]}
-            table.update(name=entry["name"], **{entry["name"]: {**shared.get(entry["name"], {}), **own}})
+            table.update(name=entry["name"], **{entry["name"]: {**named, **own}})
             if "label" in entry:
                 table["label"] = entry["label"]
             tables.append(table)

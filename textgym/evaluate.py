@@ -138,9 +138,13 @@ def textgym_episodes(env: Any) -> list[Any]:
     ``DummyVecEnv``'s envs and :class:`~textgym.sb3.TextGymVecEnv`."""
     from textgym.envs.episodes import Episodes
 
-    found, todo = [], [env]
-    while todo and len(found) < 1024:
-        attributes = getattr(todo.pop(), "__dict__", {})
+    found, todo, seen = [], [env], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:  # wrappers that refer back to each other
+            continue
+        seen.add(id(obj))
+        attributes = getattr(obj, "__dict__", {})
         if isinstance(attributes.get("episodes"), Episodes):
             found.append(attributes["episodes"])
             continue

@@ -355,10 +355,8 @@ def label_pairs(
                 )
                 ranked = []  # (better, worse) episode of each prompt under the gold stack
                 for a, b in zip(episodes[0 : 2 * len(indices) : 2], episodes[1 : 2 * len(indices) : 2]):
-                    applied = _applied(a, counted)
-                    if not applied or applied != _applied(
-                        b, counted
-                    ):  # no gold signal, or two different ones
+                    applied = _applied(a, counted)  # none: no gold signal; or two different ones
+                    if not applied or applied != _applied(b, counted):
                         unscored += 1
                     elif a["reward"] == b["reward"] or a["completion"] == b["completion"]:
                         ties += 1

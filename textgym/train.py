@@ -164,8 +164,8 @@ def run(
 
     resuming = on_main(prepare) if world > 1 else prepare()
     before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
-    follows = _follows_progress(config, agent_class, hyperparameters)
-    if resuming and before != after and main and follows:  # not said when the run starts over
+    follows = _follows_progress(config, agent_class, hyperparameters) if resuming and before != after else []
+    if main and follows:  # not said when the run starts over
         print(
             f"textgym: run.total_timesteps {before} -> {after}: what follows the training progress (tokens / "
             f"total: {' and '.join(follows)}) follows the new total from here on, so it steps "
