@@ -136,10 +136,105 @@ def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(finish
     assert counted["trained"] == []
 
 
-def test_changed_evaluation_settings_evaluate_again_without_training(finished, counted, tmp_path):
+def test_a_run_directory_changed_by_hand_since_the_bench_recorded_it_is_refused(finished, counted, tmp_path):
+    """bench.json still matches, but the run's config.toml (what a resume trains with, what an SB3 run loads
+    with) or its checkpoint (what an evaluation reads) is no longer what the bench started and evaluated."""
+    import tomllib
+
+    edited, swapped = tmp_path / "edited", tmp_path / "swapped"
+    shutil.copytree(finished, edited)
+    path = edited / "runs" / "exact-seed0" / "config.toml"
+    config = tomllib.loads(path.read_text())
+    config["agent"]["learning_rate"] = 0.5
+    path.write_text(tomli_w.dumps(config))
+    with pytest.raises(ConfigError, match=r"was changed since this bench started the run \(agent.learning_rate: "
+                       r"0.001 -> 0.5\)"):  # fmt: skip
+        bench.run(designs(edited, eval_episodes=8), progress=False)
+
+    shutil.copytree(finished, swapped)
+    runs = swapped / "runs"
+    shutil.rmtree(runs / "exact-seed0" / "checkpoint")
+    shutil.copytree(runs / "exact-seed1" / "checkpoint", runs / "exact-seed0" / "checkpoint")
+    for kept in (designs(swapped), designs(swapped, eval_episodes=8)):  # reused, or evaluated again
+        with pytest.raises(
+            ConfigError, match=r"exact-seed0/checkpoint is not the checkpoint this bench evaluated"
+        ):
+            bench.run(kept, progress=False)
+    assert counted == {"trained": [], "evaluated": []}
+
+
+def test_a_second_bench_in_the_same_directory_is_refused_while_the_first_runs(tmp_path, monkeypatch):
+    """Two benches in one directory recorded their runs over each other's in bench.json: one design's run
+    could be reported under the other's config."""
+    import os
+
+    out = tmp_path / "out"
+    first = designs(out, seeds=[0], eval_every=0)
+    first["designs"] = first["designs"][:1]
+    first["run"]["total_timesteps"] = 32
+    second = json.loads(json.dumps(first))
+    second["agent"]["learning_rate"] = 0.5
+    real_train, refusals = bench._train, []
+
+    def train_while_another_starts(job):
+        with pytest.raises(
+            ConfigError, match=rf"another textgym bench \(process {os.getpid()}\) is running in"
+        ):
+            bench.run(second, progress=False)
+        refusals.append(job.run_id)
+        real_train(job)
+
+    monkeypatch.setattr(bench, "_train", train_while_another_starts)
+    bench.run(first, progress=False)
+    assert refusals == ["exact-seed0"]
+    monkeypatch.setattr(bench, "_train", real_train)
+    bench.run(first, progress=False)  # the lock went with the first bench: it is reused
+    assert (
+        json.loads((out / "bench.json").read_text())["runs"]["exact-seed0"]["config"]["agent"][
+            "learning_rate"
+        ]
+        == 0.001
+    )
+
+
+def test_a_bench_refused_before_writing_leaves_no_directory_and_its_lock_file_is_not_foreign(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+
+    def refused(spec, out):
+        raise ConfigError("refused")
+
+    monkeypatch.setattr(bench, "plan", refused)
+    with pytest.raises(ConfigError, match="refused"):
+        bench.run(designs(out), progress=False)
+    assert not out.exists()
+    out.mkdir()
+    (out / bench.LOCK_FILE).write_text("")  # left by a bench killed before it wrote bench.json
+    bench._check_owned(out)
+
+
+def test_changed_evaluation_settings_evaluate_again_without_training(
+    finished, counted, tmp_path, monkeypatch
+):
+    """And a kill while the new outputs are written leaves the old ones, which agree with each other."""
+    import textgym.bench_plots
+
     out = tmp_path / "copy"
     shutil.copytree(finished, out)
-    bench.run(designs(out, eval_episodes=8), progress=False)
+    before = {name: (out / name).read_bytes() for name in ("summary.csv", "results.jsonl", "report.md")}
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(textgym.bench_plots, "plot_all", killed)
+        with pytest.raises(KeyboardInterrupt):
+            bench.run(designs(out, eval_episodes=8), progress=False)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    bench.run(designs(out, eval_episodes=8), progress=False)  # (evaluated by the killed bench: reused)
+    assert (out / "summary.csv").read_bytes() != before["summary.csv"]
+    assert not (out / ".outputs.tmp").exists()
     assert counted["trained"] == [] and len(counted["evaluated"]) == 4
     assert all(len(json.loads(p.read_text())["samples"]) == 2 for p in out.glob("runs/*/eval.json"))
     report = (out / "report.md").read_text()
@@ -341,3 +436,32 @@ def test_a_bench_plugin_file_is_part_of_every_runs_identity_and_config(tmp_path,
     # a run recorded without the file's digest (a bench from before --plugin joined run.plugins) is refused:
     # nothing shows which content it trained with, and the refusal says the digest was added, not changed
     assert bench._changes({"code": {}}, {"code": {"shortness.py": "x"}}) == ["code.shortness.py: added"]
+
+
+def test_the_local_modules_a_plugin_file_imports_are_part_of_a_runs_identity(tmp_path):
+    """A plugin file's directory joins sys.path, so `import helpers` beside it runs helpers.py: an edit there
+    changes the rewards, and a run trained before it must not be reused as if nothing changed."""
+    files = {
+        "plugin.py": "import os.path\nimport numpy\nimport helpers\nfrom pkg.sub import thing\nfrom pkg import other\n",
+        "helpers.py": "import deeper\n",
+        "deeper.py": "SCALE = 1.0\n",
+        "unused.py": "",
+        "pkg/__init__.py": "",
+        "pkg/sub.py": "thing = 1\n",
+        "pkg/other.py": "from .sibling import y\nfrom .. import up_too_far\n",
+        "pkg/sibling.py": "y = 2\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    plugin = str(tmp_path / "plugin.py")
+    found = bench.with_local_imports([plugin])
+    assert found[0] == plugin
+    assert sorted(found[1:]) == sorted(
+        str(tmp_path / n) for n in files if n not in ("plugin.py", "unused.py")
+    )
+
+    config = {"run": {"plugins": [plugin]}, "env": {"rewards": []}, "agent": {}}
+    before = bench.identity(config)
+    (tmp_path / "deeper.py").write_text("SCALE = 10.0\n")
+    assert bench._changes(before, bench.identity(config)) == [f"code.{tmp_path / 'deeper.py'}: changed"]

@@ -14,6 +14,7 @@ during training with the old settings) are left out of the report.
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import copy
@@ -21,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ __all__ = [
 
 EVAL_FILE = "eval.json"
 INDEX_FILE = "bench.json"
+LOCK_FILE = ".bench.lock"  # held by the bench that runs in the directory
 ACTION_WORDS = {"reuse": "reused", "evaluate": "to evaluate again", "train": "to train"}
 EVAL_SEED = 1234  # every run is evaluated on the same prompts with the same sampling seed
 
@@ -113,9 +116,8 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
     never change training), each code file's digest (plugin files, ``fn`` reward files), each data file's or
     directory's (prompt files, policy and reward-model directories: ``data``), and the settings digest of
     each proxy reward model the bench trains (``[[reward_models]]``)."""
-    ident = {k: copy.deepcopy(v) for k, v in config.items() if k != "eval"}
-    ident["run"] = {k: v for k, v in ident["run"].items() if k != "output_dir"}
-    files = list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards"))
+    ident = _settings(config)
+    files = with_local_imports(list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards")))
     ident["code"] = {f: file_digest(f) for f in sorted(set(files))}
     # a proxy reward model the bench trains counts by its settings (reward_models), not by its files, which
     # appear after the first plan
@@ -127,11 +129,18 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
     return ident
 
 
+def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config without what never changes training: ``run.output_dir`` and ``[eval]``."""
+    settings = {k: copy.deepcopy(v) for k, v in config.items() if k != "eval"}
+    settings["run"] = {k: v for k, v in settings["run"].items() if k != "output_dir"}
+    return settings
+
+
 def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The digests the held-out evaluation depends on besides its settings: the ``fn`` files of the metrics
     (``code``; plugin files are in every run's identity already, so a changed one is refused there), and the
     held-out prompt file and the metrics' model directories (``data``). Empty when there are none."""
-    code = fn_files(spec["metric_rewards"])
+    code = with_local_imports(fn_files(spec["metric_rewards"]))
     outputs = [e["output"] for e in spec.get("reward_models", [])]
     data = data_paths(
         {"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]}, skip=outputs
@@ -179,6 +188,49 @@ def fn_files(specs: Any) -> list[str]:
             if target.endswith(".py"):
                 files.append(target)
     return files
+
+
+def with_local_imports(files: Sequence[str]) -> list[str]:
+    """``files`` (plugin and ``fn`` files) and the local modules they import, as they are loaded: a plugin
+    file's directory joins ``sys.path``, so ``import helpers`` beside it runs ``helpers.py`` (or the package
+    ``helpers/``), and an edit there changes the rewards as much as one in the file itself. Found by reading
+    the imports (``ast``), each module's own imports too; installed packages are not looked for."""
+    given = [Path(name).expanduser().resolve() for name in files]
+    seen: set[Path] = set()
+    imported: list[str] = []
+
+    def visit(file: Path, root: Path) -> None:
+        if file in seen or not file.is_file():
+            return
+        seen.add(file)
+        if file not in given:
+            imported.append(str(file))
+        try:
+            tree = ast.parse(file.read_bytes())
+        except (OSError, SyntaxError, ValueError):  # (loading it fails, naming the file)
+            return
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [(root, alias.name.split(".")) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level > len(file.parents):
+                    continue
+                base = root if not node.level else file.parents[node.level - 1]
+                module = node.module.split(".") if node.module else []
+                targets = [(base, [*module, alias.name]) for alias in node.names]  # (a name may be a module)
+            else:
+                continue
+            for base, parts in targets:
+                for i in range(
+                    1, len(parts) + 1
+                ):  # importing a.b.c runs a/__init__.py, a/b/__init__.py, a/b/c
+                    place = base.joinpath(*parts[:i])
+                    visit(place.with_name(place.name + ".py"), root)
+                    visit(place / "__init__.py", root)
+
+    for path in given:
+        visit(path, path.parent)
+    return [*files, *imported]
 
 
 _digests: dict[tuple[str, int, int], str] = {}  # (file, size, mtime) -> digest: each file read once
@@ -244,6 +296,8 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
             problems.append(
                 f"{job.run_id} was trained with another config ({'; '.join(changes[:4]) or 'code files'})"
             )
+        elif edited := _edited(job):
+            problems.append(edited)
         else:
             done = _read_json(job.run_dir / EVAL_FILE)
             if done and done.get("config_hash") == job.config_hash:
@@ -258,6 +312,29 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
             f"directories away to train them again."
         )
     return todo
+
+
+def _edited(job: Job) -> str | None:
+    """What changed in a run directory since the bench recorded it, or None. Its ``config.toml`` is what a
+    resume trains with and what an SB3 run is loaded with; its checkpoint, what an evaluation reads: both
+    must still be what the bench started and evaluated (a ``textgym train --resume RUN --set ...`` by hand,
+    or another run's checkpoint copied in, changes them without changing ``bench.json``)."""
+    from textgym.config import load_config
+    from textgym.rundir import RunDir
+
+    path = job.run_dir / "config.toml"
+    if path.is_file():
+        try:
+            changes = _changes(_settings(job.config), _settings(load_config(path)))
+        except ConfigError as exc:
+            return f"{path} cannot be read ({exc})"
+        if changes:
+            return f"{path} was changed since this bench started the run ({'; '.join(changes[:4])})"
+    done = _read_json(job.run_dir / EVAL_FILE) or {}
+    evaluated = RunDir(job.run_dir).checkpoint
+    if "checkpoint" in done and file_digest(evaluated) != done["checkpoint"]:
+        return f"{evaluated} is not the checkpoint this bench evaluated (its files changed since)"
+    return None
 
 
 def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -387,16 +464,27 @@ def run(
     Everything is checked before the first run trains: the designs file, and every run already in the
     output directory (see the module doc for when a run is reused, evaluated again or refused).
     """
-    from tqdm.auto import tqdm
-
-    from textgym.rundir import RunDir
-
     spec = load_designs(designs, overrides)
     listed = spec["base"]["run"]["plugins"]
     listed += [p for p in (str(Path(f).expanduser().resolve()) for f in plugins) if p not in listed]
     stem = Path(designs).stem if isinstance(designs, (str, os.PathLike)) else "bench"
     out = Path(spec["bench"]["output_dir"] or f"runs/bench-{stem}").expanduser()
     _check_owned(out)
+    created = not out.exists()
+    lock = _lock(out)  # held to the end: two benches in one directory would record over each other's runs
+    try:
+        return _run(spec, out, progress)
+    finally:
+        os.close(lock)
+        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # refused before it wrote anything
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
+    from tqdm.auto import tqdm
+
+    from textgym.rundir import RunDir
+
     jobs = plan(spec, out)
     todo = actions(jobs, out)
     if progress and any(action != "train" for action in todo.values()):  # a rerun says what it redoes
@@ -422,8 +510,9 @@ def run(
                         )
                 if todo[job.run_id] != "reuse":
                     _check_unchanged(job.eval_files)
+                    checkpoint = file_digest(RunDir(job.run_dir).checkpoint)  # (what a rerun checks)
                     with _logged(job.run_dir / "train.log"):
-                        result = evaluate(job, spec)
+                        result = {**evaluate(job, spec), "checkpoint": checkpoint}
                     _write_json(
                         job.run_dir / EVAL_FILE, result
                     )  # written last: its presence means "finished"
@@ -434,12 +523,33 @@ def run(
     return out
 
 
+def _lock(out: Path) -> int:
+    """The bench's lock on its output directory (see :func:`textgym.rundir.hold_lock`)."""
+    from textgym.rundir import hold_lock
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create bench.output_dir {str(out)!r}: {exc.strerror or exc}; choose a writable place."
+        ) from None
+    return hold_lock(
+        out / LOCK_FILE,
+        in_use=lambda holder: (
+            f"another textgym bench (process {holder}) is running in {out}: two benches in one directory "
+            f"would train and record runs over each other. Wait for it to finish, or give this bench its own "
+            f"bench.output_dir."
+        ),
+        unwritable=f"cannot lock bench.output_dir {str(out)!r}",
+    )
+
+
 def _check_owned(out: Path) -> None:
     """Refuse an output directory that holds anything but a bench's own files: a bench writes its reports,
     plots and CSVs there, over files of the same names."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"bench.output_dir {str(out)!r} is a file, not a directory.")
-    found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    found = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
     started = (out / INDEX_FILE).is_file() or (found == ["runs"] and not any((out / "runs").iterdir()))
     if found and not started:
         shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")

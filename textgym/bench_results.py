@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from textgym.bench_flags import group_flags, has_curve, run_flags
 from textgym.bench_stats import compare, mean_ci
 from textgym.evaluation import BUILTIN_METRICS, REWARD, jsonable, metric_ranges
 
+STAGING = ".outputs.tmp"  # where write_outputs writes before it moves the files in
 SUMMARY_COLUMNS = [
     "agent", "design", "metric", "n", "seeds", "mean", "ci_low", "ci_high", "rank", "agent_rank",
 ]  # fmt: skip
@@ -212,13 +215,24 @@ def write_outputs(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> Be
     from textgym.report_html import write_html
 
     results = collect(out, spec, jobs)
-    with (out / "results.jsonl").open("w", encoding="utf-8") as f:
+    # written whole into a staging directory, then moved in: a kill while the figures draw leaves the
+    # previous outputs, which agree with each other, not a new summary.csv beside an old report.md
+    stage = out / STAGING
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    with (stage / "results.jsonl").open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(jsonable(r), allow_nan=False) + "\n" for r in results.rows)
-    _write_csv(out / "summary.csv", SUMMARY_COLUMNS, results.summary)
-    _write_csv(out / "comparisons.csv", COMPARISON_COLUMNS, results.comparisons)
-    figures = plot_all(out, results)
-    write_report(out / "report.md", results, figures)
-    write_html(out / "report.html", results, figures)
+    _write_csv(stage / "summary.csv", SUMMARY_COLUMNS, results.summary)
+    _write_csv(stage / "comparisons.csv", COMPARISON_COLUMNS, results.comparisons)
+    figures = plot_all(stage, results)
+    write_report(stage / "report.md", results, figures)
+    write_html(stage / "report.html", results, figures)
+    for path in sorted(stage.rglob("*"), key=lambda p: p.name.startswith("report.")):  # the reports last
+        if path.is_file():
+            target = out / path.relative_to(stage)
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)
+    shutil.rmtree(stage, ignore_errors=True)
     return results
 
 

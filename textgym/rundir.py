@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,29 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def hold_lock(path: Path, in_use: Callable[[str], str], unwritable: str) -> int:
+    """Take the exclusive ``flock`` of ``path`` (created if missing) and write this process's id into it;
+    returns the open file descriptor (closing it releases the lock, as the OS does when the process dies).
+    Raises :class:`ConfigError` with ``in_use(holder pid)`` when another process holds it."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(
+            f"{unwritable}: {exc.strerror or exc}; textgym writes into it, so it must be writable."
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(in_use(holder)) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
 
 def metrics_csv(history: Sequence[dict[str, Any]]) -> str:
@@ -116,27 +139,14 @@ class RunDir:
         return created
 
     def lock(self) -> None:
-        import fcntl
-
-        try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot lock the run directory {self.path}: {exc.strerror or exc}; textgym writes into it, so "
-                f"it must be writable."
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise ConfigError(
-                f"run directory {self.path} is in use by textgym process {holder}: two runs on one directory would "
-                f"overwrite each other. Wait for it to finish, or stop it."
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        self._lock_fd = hold_lock(
+            self.path / LOCK,
+            in_use=lambda holder: (
+                f"run directory {self.path} is in use by textgym process {holder}: two runs on one directory "
+                f"would overwrite each other. Wait for it to finish, or stop it."
+            ),
+            unwritable=f"cannot lock the run directory {self.path}",
+        )
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
