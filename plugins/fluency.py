@@ -45,6 +45,7 @@ class Fluency:
         repetition_penalty: weight of the distinct-n penalty (0 = off). n: the n of distinct-n.
         batch_size, max_length: batching and truncation: the prompt is cut from the left, and a completion
             longer than ``max_length - 1`` tokens is scored on its first ``max_length - 1`` (its EOS cut).
+            An empty prompt (through the Python API) is scored after the tokenizer's BOS (else EOS) token.
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
         share_prefix: run the token prefix that a batch's prompts share, and each prompt that comes more
@@ -73,6 +74,10 @@ class Fluency:
         share_prefix: bool = True,
     ):
         check_positive(n=n, batch_size=batch_size, max_length=max_length)
+        if max_length < 2:  # a token to predict from and one to score
+            raise ValueError(
+                f"max_length must be at least 2 (a context token and a scored one), not {max_length}."
+            )
         if not 0 <= repetition_penalty < float("inf"):  # NaN and inf too: every score would be NaN
             raise ValueError(f"repetition_penalty must be a finite number >= 0, not {repetition_penalty}.")
         from textgym.models import load_model
@@ -91,6 +96,11 @@ class Fluency:
         self.chat = uses_chat_template(self.tokenizer, chat_template)
         self.repetition_penalty, self.n = repetition_penalty, n
         self.batch_size, self.max_length = batch_size, max_length
+        tok = self.tokenizer
+        # padding is masked and never read: any id will do where the tokenizer names none (GPT-2, Llama 3)
+        self.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
+        # what an empty prompt is scored after: the first completion token needs something to predict it
+        self.start_id = next((i for i in (tok.bos_token_id, tok.eos_token_id) if i is not None), self.pad_id)
 
     def _ids(self, s: Sample) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
@@ -102,7 +112,7 @@ class Fluency:
         if s.finish_reason in ENDED_ON_A_TOKEN or not completion:
             completion.append(tok.eos_token_id)  # p(EOS) is part of a fluent, finished reply
         completion = completion[: self.max_length - 1]
-        return prompt[-(self.max_length - len(completion)) :], completion
+        return prompt[-(self.max_length - len(completion)) :] or [self.start_id], completion
 
     def logprobs(self, samples: Sequence[Sample]) -> list[float]:
         """Mean log-prob of each completion given its prompt (EOS included when it ended on it)."""
@@ -139,7 +149,7 @@ class Fluency:
         L = 0
         if self.share_prefix and len(pairs) > 1:  # one row gains nothing from a prefix run apart
             L = shared_prefix_length([p for p, _ in pairs], min(len(p) for p, _ in pairs) - 1)
-        ids, mask = padded([p[L:] + c for p, c in pairs], self.tokenizer.pad_token_id, self.device)
+        ids, mask = padded([p[L:] + c for p, c in pairs], self.pad_id, self.device)
         predicts = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)  # column t predicts t+1
         for r, (p, c) in enumerate(pairs):
             predicts[r, max(len(p) - L - 1, 0) : len(p) - L + len(c) - 1] = True
@@ -179,7 +189,7 @@ class Fluency:
         trunk = self.split[0]  # type: ignore[index]
         prompts = list(dict.fromkeys(tuple(p) for p, _ in pairs))  # distinct, in order
         of_row = [prompts.index(tuple(p)) for p, _ in pairs]
-        pad = self.tokenizer.pad_token_id
+        pad = self.pad_id
         completions, is_token = padded([c for _, c in pairs], pad, self.device)  # (B, C)
         predicts = is_token.bool()  # column t's output predicts completion token t
         with torch.inference_mode(), autocast(self.device, self.bf16):

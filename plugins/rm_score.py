@@ -93,10 +93,20 @@ class RMScore:
         # reward model would otherwise run in bf16 with bf16 off, norms included
         loaded = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32)
         self.model = loaded.to(self.device).eval()
-        if self.tokenizer.pad_token_id is None:
+        # The classifier reads each row at its last token that is not config.pad_token_id: the texts must be
+        # padded with that id, or a short text in a batch with a longer one is read on its padding.
+        config_pad = self.model.config.pad_token_id
+        if config_pad is not None and config_pad != self.tokenizer.pad_token_id:
+            token = self.tokenizer.convert_ids_to_tokens(config_pad)
+            if not isinstance(token, str):
+                raise ValueError(
+                    f"the reward model {model!r} names pad_token_id = {config_pad} in its config.json, which its "
+                    f"tokenizer does not have: set config.json's pad_token_id to the tokenizer's pad token id."
+                )
+            self.tokenizer.pad_token = token
+        elif self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
         # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
         self.share_prefix = (
             share_prefix and cache_argument(self.model) is not None and can_share_prefix(self.model)

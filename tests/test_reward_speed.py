@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from textgym import Sample, load_tokenizer, make_reward
+from textgym.errors import PluginArgumentError
 from textgym.scoring import (
     chat_prompt,
     length_sorted_batches,
@@ -510,3 +511,68 @@ def test_the_report_states_the_fluency_ratio_and_the_target(tmp_path, monkeypatc
     assert "| fluency, 8 completions per prompt | 10.0 | 20.0 | 40.0 | 80.0 | **5.00x** | 12.00x |" in report
     assert "`fluency`, 8 completions per prompt (GRPO's default group)" in report
     assert "The trunk runs over 150 row-tokens (before: 400), 80 GFLOP against 300; measured 5.00x" in report
+
+
+def test_rm_score_pads_with_the_id_the_classifier_reads_past(reward_model_dir, tmp_path):
+    """A reward model whose tokenizer has no pad token (Llama, Mistral) and whose config names one: padding
+    with EOS left a short text in a batch with a longer one read on its padding, so its score depended on
+    its batch-mates."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(reward_model_dir, tmp_path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id is None
+    assert json.loads((tmp_path / "config.json").read_text())["pad_token_id"] != tokenizer.eos_token_id
+    reward = make_reward("rm_score", model=str(tmp_path), share_prefix=False)
+    np.testing.assert_allclose(reward(SAMPLES), slow_rm_score(reward, SAMPLES), rtol=0, atol=1e-5)
+    # a pad id past the tokenizer's tokens (in an embedding padded to a round size) cannot pad its texts
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    beyond = len(tokenizer) + 10
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + 64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=beyond,
+    )  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "padded")
+    tokenizer.save_pretrained(tmp_path / "padded")
+    with pytest.raises(PluginArgumentError, match=f"names pad_token_id = {beyond} in its config.json"):
+        make_reward("rm_score", model=str(tmp_path / "padded"))
+
+
+def test_fluency_scores_without_a_pad_token_and_after_an_empty_prompt(tmp_path):
+    """Most base models' tokenizers name no pad token: fluency padded with None and crashed. An empty prompt
+    (tiny-char-llama adds no BOS) left nothing to predict the first completion token: NaN, or a mean without
+    it. max_length = 1 left nothing to score."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id is None
+    fluency = make_reward("fluency", model=str(tmp_path), chat_template=False)
+    np.testing.assert_allclose(fluency(SAMPLES), slow_fluency(fluency, SAMPLES), rtol=0, atol=1e-5)
+
+    char = make_reward("fluency", model="tiny-char-llama")
+    tok = char.tokenizer
+    assert tok.encode("") == []  # no BOS
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    slow = []
+    for completion in ([tok.eos_token_id], [*tok.encode("ab"), tok.eos_token_id], tok.encode("ab")):
+        ids = torch.tensor([[start, *completion]])
+        with torch.inference_mode():
+            logp = torch.log_softmax(char.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        slow.append(logp.gather(-1, ids[0, 1:, None]).mean().item())
+    empty = [s("", prompt=""), s("ab", prompt=""), s("ab", prompt="", finish_reason="length")]
+    np.testing.assert_allclose(char(empty), slow, rtol=0, atol=1e-5)
+    with pytest.raises(PluginArgumentError, match="max_length must be at least 2"):
+        make_reward("fluency", model="tiny-char-llama", max_length=1)
