@@ -137,20 +137,29 @@ def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(finish
 
 
 def test_a_run_directory_changed_by_hand_since_the_bench_recorded_it_is_refused(finished, counted, tmp_path):
-    """bench.json still matches, but the run's config.toml (what a resume trains with, what an SB3 run loads
-    with) or its checkpoint (what an evaluation reads) is no longer what the bench started and evaluated."""
+    """bench.json still matches, but the run's config.toml (what a resume trains with, its held-out curves
+    included, and what an SB3 run loads with) or its checkpoint (what an evaluation reads) is no longer what
+    the bench started and evaluated. A deleted checkpoint (disk freed) leaves the results reusable."""
     import tomllib
 
-    edited, swapped = tmp_path / "edited", tmp_path / "swapped"
-    shutil.copytree(finished, edited)
-    path = edited / "runs" / "exact-seed0" / "config.toml"
-    config = tomllib.loads(path.read_text())
-    config["agent"]["learning_rate"] = 0.5
-    path.write_text(tomli_w.dumps(config))
+    def edited(change, name):
+        out = tmp_path / name
+        shutil.copytree(finished, out)
+        path = out / "runs" / "exact-seed0" / "config.toml"
+        config = tomllib.loads(path.read_text())
+        change(config)
+        path.write_text(tomli_w.dumps(config))
+        return out
+
+    learning_rate = edited(lambda c: c["agent"].update(learning_rate=0.5), "lr")
     with pytest.raises(ConfigError, match=r"was changed since this bench started the run \(agent.learning_rate: "
                        r"0.001 -> 0.5\)"):  # fmt: skip
-        bench.run(designs(edited, eval_episodes=8), progress=False)
+        bench.run(designs(learning_rate, eval_episodes=8), progress=False)
+    episodes = edited(lambda c: c["eval"].update(episodes=1), "episodes")
+    with pytest.raises(ConfigError, match=r"started the run \(eval.episodes: 16 -> 1\)"):
+        bench.run(designs(episodes), progress=False)
 
+    swapped = tmp_path / "swapped"
     shutil.copytree(finished, swapped)
     runs = swapped / "runs"
     shutil.rmtree(runs / "exact-seed0" / "checkpoint")
@@ -160,6 +169,11 @@ def test_a_run_directory_changed_by_hand_since_the_bench_recorded_it_is_refused(
             ConfigError, match=r"exact-seed0/checkpoint is not the checkpoint this bench evaluated"
         ):
             bench.run(kept, progress=False)
+
+    shutil.rmtree(runs / "exact-seed0" / "checkpoint")  # deleted: reused, not evaluated again
+    bench.run(designs(swapped), progress=False)
+    with pytest.raises(ConfigError, match=r"exact-seed0/checkpoint is gone, so the run cannot be evaluated"):
+        bench.run(designs(swapped, eval_episodes=8), progress=False)
     assert counted == {"trained": [], "evaluated": []}
 
 
@@ -239,7 +253,7 @@ def test_changed_evaluation_settings_evaluate_again_without_training(
     assert all(len(json.loads(p.read_text())["samples"]) == 2 for p in out.glob("runs/*/eval.json"))
     report = (out / "report.md").read_text()
     assert "held-out curves of 4 runs are not shown" in report  # measured with the old settings
-    assert not (out / "eval_curves.png").exists() or "eval_curves" not in report
+    assert "eval_curves" not in report and not (out / "eval_curves.png").exists()  # (not the old figure)
 
 
 def test_a_run_resumed_after_the_evaluation_settings_changed_keeps_its_curves_out(tmp_path, monkeypatch):

@@ -435,7 +435,16 @@ def test_a_proxy_reward_models_settings_digest_follows_its_gold_function(tmp_pat
     first = check_reward_models([entry], "d")[0]["digest"]
     assert check_reward_models([entry], "d")[0]["digest"] == first
     gold.write_text("def gold(samples):\n    return [-1.0 for s in samples]\n")  # inverted labels
-    assert check_reward_models([entry], "d")[0]["digest"] != first
+    second = check_reward_models([entry], "d")[0]["digest"]
+    assert second != first
+    # and the module beside it that it imports
+    gold.write_text(
+        "import gold_helper\ndef gold(samples):\n    return [gold_helper.SIGN for s in samples]\n"
+    )
+    (tmp_path / "gold_helper.py").write_text("SIGN = 1.0\n")
+    third = check_reward_models([entry], "d")[0]["digest"]
+    (tmp_path / "gold_helper.py").write_text("SIGN = -1.0\n")
+    assert check_reward_models([entry], "d")[0]["digest"] != third
 
 
 @pytest.mark.parametrize("form", ["toml", "string"])

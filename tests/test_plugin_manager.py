@@ -270,6 +270,63 @@ def test_reward_decorator_in_a_plain_file(tmp_path):
         plugin_manager.unregister_plugin(f"{path.resolve()}::exclaim")
 
 
+HELPED_FILE = """
+import textgym
+import scale_helper_{tag}
+from unchanged_helper_{tag} import LOADS
+
+@textgym.reward("helped_{tag}")
+def helped(samples):
+    return [scale_helper_{tag}.SCALE * len(s.completion) for s in samples]
+"""
+
+
+def test_a_helper_module_edited_since_its_plugin_file_loaded_is_imported_again(tmp_path):
+    """A plugin file is imported again when it changes; the module it imports beside it was served from
+    sys.modules, so a helper edited between two runs in one process (a notebook) trained with the old code
+    while a bench recorded the new file's digest."""
+    tag = tmp_path.name.replace("-", "_")
+    path = tmp_path / "helped.py"
+    path.write_text(HELPED_FILE.format(tag=tag))
+    (tmp_path / f"scale_helper_{tag}.py").write_text("SCALE = 1.0\n")
+    (tmp_path / f"unchanged_helper_{tag}.py").write_text("LOADS = []\nLOADS.append(1)\n")
+    name = plugin_manager.load_plugin_file(path)
+    try:
+        reward = lambda: list(textgym.make_reward(f"helped_{tag}")([textgym.Sample("p", "abc")]))  # noqa: E731
+        assert reward() == [3.0]
+        unchanged = sys.modules[f"unchanged_helper_{tag}"]
+        (tmp_path / f"scale_helper_{tag}.py").write_text("SCALE = 10.0\n")
+        assert plugin_manager.load_plugin_file(path) == name
+        assert reward() == [30.0]
+        assert sys.modules[f"unchanged_helper_{tag}"] is unchanged and unchanged.LOADS == [1]  # not run again
+        assert plugin_manager.load_plugin_file(path) == name and reward() == [30.0]  # unchanged: a no-op
+    finally:
+        plugin_manager.unregister_plugin(name)
+        plugin_manager.unregister_plugin(f"{path.resolve()}::helped")
+
+
+def test_local_imports_are_found_where_python_finds_them_beside_any_plugin_file(tmp_path):
+    """Every plugin file's directory joins sys.path: a module beside one plugin is importable from another."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "plugin_a.py").write_text("import shared\nfrom pkg import sub\n")
+    (tmp_path / "b" / "plugin_b.py").write_text("")
+    (tmp_path / "b" / "shared.py").write_text("import deeper\n")
+    (tmp_path / "b" / "deeper.py").write_text(
+        "x = 1 +" + " 1 +" * 100_000 + " 1\n"
+    )  # (ast's recursion limit)
+    (tmp_path / "a" / "pkg").mkdir()
+    (tmp_path / "a" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "a" / "pkg" / "sub.py").write_text("from . import sibling\n")
+    (tmp_path / "a" / "pkg" / "sibling.py").write_text("")
+    found = plugin_manager.local_imports([tmp_path / "a" / "plugin_a.py", tmp_path / "b" / "plugin_b.py"])
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in found) == [
+        "a/pkg/__init__.py", "a/pkg/sibling.py", "a/pkg/sub.py", "b/deeper.py", "b/shared.py"
+    ]  # fmt: skip
+    alone = plugin_manager.local_imports([tmp_path / "a" / "plugin_a.py"], roots=[tmp_path / "b"])
+    assert sorted(alone) == sorted(found)
+
+
 def test_bad_plugin_files_are_errors(tmp_path):
     with pytest.raises(PluginError, match="does not exist"):
         plugin_manager.load_plugin_file(tmp_path / "nope.py")

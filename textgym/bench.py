@@ -14,7 +14,6 @@ during training with the old settings) are left out of the report.
 
 from __future__ import annotations
 
-import ast
 import collections
 import contextlib
 import copy
@@ -191,46 +190,12 @@ def fn_files(specs: Any) -> list[str]:
 
 
 def with_local_imports(files: Sequence[str]) -> list[str]:
-    """``files`` (plugin and ``fn`` files) and the local modules they import, as they are loaded: a plugin
-    file's directory joins ``sys.path``, so ``import helpers`` beside it runs ``helpers.py`` (or the package
-    ``helpers/``), and an edit there changes the rewards as much as one in the file itself. Found by reading
-    the imports (``ast``), each module's own imports too; installed packages are not looked for."""
-    given = [Path(name).expanduser().resolve() for name in files]
-    seen: set[Path] = set()
-    imported: list[str] = []
+    """``files`` (plugin and ``fn`` files) and the local modules they import
+    (:func:`textgym.plugin_manager.local_imports`): an edit to ``helpers.py`` beside a plugin that imports it
+    changes the rewards as much as one in the plugin itself."""
+    from textgym.plugin_manager import local_imports
 
-    def visit(file: Path, root: Path) -> None:
-        if file in seen or not file.is_file():
-            return
-        seen.add(file)
-        if file not in given:
-            imported.append(str(file))
-        try:
-            tree = ast.parse(file.read_bytes())
-        except (OSError, SyntaxError, ValueError):  # (loading it fails, naming the file)
-            return
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [(root, alias.name.split(".")) for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level > len(file.parents):
-                    continue
-                base = root if not node.level else file.parents[node.level - 1]
-                module = node.module.split(".") if node.module else []
-                targets = [(base, [*module, alias.name]) for alias in node.names]  # (a name may be a module)
-            else:
-                continue
-            for base, parts in targets:
-                for i in range(
-                    1, len(parts) + 1
-                ):  # importing a.b.c runs a/__init__.py, a/b/__init__.py, a/b/c
-                    place = base.joinpath(*parts[:i])
-                    visit(place.with_name(place.name + ".py"), root)
-                    visit(place / "__init__.py", root)
-
-    for path in given:
-        visit(path, path.parent)
-    return [*files, *imported]
+    return [*files, *(str(p) for p in local_imports(files))]
 
 
 _digests: dict[tuple[str, int, int], str] = {}  # (file, size, mtime) -> digest: each file read once
@@ -296,7 +261,7 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
             problems.append(
                 f"{job.run_id} was trained with another config ({'; '.join(changes[:4]) or 'code files'})"
             )
-        elif edited := _edited(job):
+        elif edited := _edited(job, record):
             problems.append(edited)
         else:
             done = _read_json(job.run_dir / EVAL_FILE)
@@ -314,26 +279,33 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
     return todo
 
 
-def _edited(job: Job) -> str | None:
+def _edited(job: Job, record: Mapping[str, Any]) -> str | None:
     """What changed in a run directory since the bench recorded it, or None. Its ``config.toml`` is what a
-    resume trains with and what an SB3 run is loaded with; its checkpoint, what an evaluation reads: both
-    must still be what the bench started and evaluated (a ``textgym train --resume RUN --set ...`` by hand,
-    or another run's checkpoint copied in, changes them without changing ``bench.json``)."""
+    resume trains with (held-out curves included) and what an SB3 run is loaded with; its checkpoint, what
+    an evaluation reads: both must still be what the bench started and evaluated (a hand edit, or another
+    run's checkpoint copied in, changes them without changing ``bench.json``). A finished run's checkpoint
+    may be deleted (to free the disk): its results are reused, and only evaluating it again is refused."""
     from textgym.config import load_config
     from textgym.rundir import RunDir
 
     path = job.run_dir / "config.toml"
     if path.is_file():
         try:
-            changes = _changes(_settings(job.config), _settings(load_config(path)))
+            saved = load_config(path)
         except ConfigError as exc:
             return f"{path} cannot be read ({exc})"
+        changes = _changes(_settings(job.config), _settings(saved))
+        if "eval" in record:  # (recorded since bench.json keeps it)
+            changes += _changes({"eval": record["eval"]}, {"eval": saved.get("eval")})
         if changes:
             return f"{path} was changed since this bench started the run ({'; '.join(changes[:4])})"
     done = _read_json(job.run_dir / EVAL_FILE) or {}
     evaluated = RunDir(job.run_dir).checkpoint
-    if "checkpoint" in done and file_digest(evaluated) != done["checkpoint"]:
-        return f"{evaluated} is not the checkpoint this bench evaluated (its files changed since)"
+    if "checkpoint" in done and (digest := file_digest(evaluated)) != done["checkpoint"]:
+        if digest != "missing":
+            return f"{evaluated} is not the checkpoint this bench evaluated (its files changed since)"
+        if done.get("eval_hash") != job.eval_hash:
+            return f"{evaluated} is gone, so the run cannot be evaluated with the new evaluation settings"
     return None
 
 
@@ -370,10 +342,13 @@ def _record(out: Path, job: Job) -> None:
     path = out / INDEX_FILE
     index = _read_json(path) or {}
     runs = index.setdefault("runs", {})
-    curves_hash = job.curves_hash
-    if RunDir(job.run_dir).is_run() and "curves_hash" in runs.get(job.run_id, {}):
-        curves_hash = runs[job.run_id]["curves_hash"]
-    runs[job.run_id] = {"config_hash": job.config_hash, "curves_hash": curves_hash, "config": job.identity}
+    started = {"curves_hash": job.curves_hash, "eval": job.config.get("eval")}
+    if RunDir(job.run_dir).is_run():  # resumed: its config.toml's [eval], as it started
+        before = runs.get(job.run_id, {})
+        started = {"curves_hash": before.get("curves_hash", job.curves_hash)}
+        if "eval" in before:  # (a record from before bench.json kept it has none)
+            started["eval"] = before["eval"]
+    runs[job.run_id] = {"config_hash": job.config_hash, **started, "config": job.identity}
     _write_json(path, index)
 
 
@@ -475,9 +450,9 @@ def run(
     try:
         return _run(spec, out, progress)
     finally:
-        os.close(lock)
         if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # refused before it wrote anything
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)  # (with the lock held: no other bench is in it)
+        os.close(lock)
 
 
 def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:

@@ -227,11 +227,16 @@ def write_outputs(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> Be
     figures = plot_all(stage, results)
     write_report(stage / "report.md", results, figures)
     write_html(stage / "report.html", results, figures)
-    for path in sorted(stage.rglob("*"), key=lambda p: p.name.startswith("report.")):  # the reports last
-        if path.is_file():
-            target = out / path.relative_to(stage)
-            target.parent.mkdir(exist_ok=True)
-            os.replace(path, target)
+    written = sorted(
+        (p.relative_to(stage) for p in stage.rglob("*") if p.is_file()),
+        key=lambda p: p.name.startswith("report."),
+    )  # the reports last
+    for name in written:
+        (out / name).parent.mkdir(exist_ok=True)
+        os.replace(stage / name, out / name)
+    for old in [*out.glob("*.png"), *out.glob("curves/*.png")]:  # a figure of an earlier report only
+        if old.relative_to(out) not in written:
+            old.unlink()
     shutil.rmtree(stage, ignore_errors=True)
     return results
 

@@ -37,7 +37,7 @@ REQUIRED_PAIRS = ("prompts", "policy", "rewards")
 def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
     """The ``[[reward_models]]`` entries, checked (names, arguments, values, gold rewards) and each with its
     settings ``digest``. Nothing is loaded or trained here."""
-    from textgym.bench import data_paths, file_digest, fn_files
+    from textgym.bench import data_paths, file_digest, fn_files, with_local_imports
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
     from textgym.reward_model import check_train_settings, train_reward_model
     from textgym.rewards import parse_reward_spec
@@ -85,7 +85,9 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         gold = [parse_reward_spec(s) if isinstance(s, str) else s for s in gold_specs(pairs["rewards"])]
         named = pairs["rewards"] if isinstance(pairs["rewards"], list) else [pairs["rewards"]]
         tomls = [str(item) for item in named if isinstance(item, str) and item.endswith(".toml")]
-        files = sorted(set(tomls + fn_files(gold) + data_paths(settings) + data_paths(gold)))
+        files = sorted(
+            set(tomls + with_local_imports(fn_files(gold)) + data_paths(settings) + data_paths(gold))
+        )
         digested = {**settings, "files": {f: file_digest(f) for f in files}} if files else settings
         digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
         out.append({"output": output, **settings, "digest": digest})

@@ -7,6 +7,7 @@ registries are rebuilt from the hooks whenever the set of plugins changes.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.metadata
@@ -15,7 +16,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,11 +212,17 @@ def load_plugin_file(path: str | os.PathLike) -> str:
         if pm.has_plugin(name):
             return name  # (loaded before, and gone since: what was loaded stays)
         raise PluginError(f"plugin file {str(path)!r} does not exist or is not a .py file.")
-    content = file.read_bytes()
+    helpers = local_imports([file], roots=_plugin_dirs)
+    # the file and the local modules it imports, as they are now: an edit to either imports it again
+    content = b"\0".join([file.read_bytes(), *(_read(h) for h in helpers)])
     if pm.has_plugin(name):
         if _file_contents.get(name) == content:
             return name
         unregister_plugin(name)
+    for key, (origin, imported) in list(_helper_modules.items()):  # one edited since: imported again
+        if origin in helpers and _read(origin) != imported:
+            sys.modules.pop(key, None)
+            del _helper_modules[key]
     module_name = f"textgym_plugin_{abs(hash(name)):x}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -223,10 +230,18 @@ def load_plugin_file(path: str | os.PathLike) -> str:
     module = importlib.util.module_from_spec(spec)
     if str(file.parent) not in sys.path:  # the file may import modules that sit next to it, as a script can
         sys.path.append(str(file.parent))
+    if file.parent not in _plugin_dirs:
+        _plugin_dirs.append(file.parent)
+    before = set(sys.modules)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    finally:  # the local modules this import brought in (not textgym, not what was imported before)
+        for key in set(sys.modules) - before:
+            origin = getattr(sys.modules.get(key), "__file__", None)
+            if origin and Path(origin).resolve() in helpers:
+                _helper_modules[key] = Path(origin).resolve(), _read(Path(origin))
     for hook in KINDS:
         function = getattr(module, hook, None)
         if callable(function) and not hasattr(function, "textgym_impl"):
@@ -239,7 +254,66 @@ def load_plugin_file(path: str | os.PathLike) -> str:
     return name
 
 
-_file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes, as imported
+_file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its local modules', as imported
+# the sys.modules keys that plugin files imported first, with their files and the bytes imported
+_helper_modules: dict[str, tuple[Path, bytes]] = {}
+_plugin_dirs: list[Path] = []  # the directories plugin files were loaded from: on sys.path, in that order
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def local_imports(files: Sequence[str | os.PathLike], roots: Sequence[Path] = ()) -> list[Path]:
+    """The local modules that plugin (or ``fn``) ``files`` import, at any depth: the ``.py`` files (and
+    packages' ``__init__.py``) that their ``import`` statements name, found as Python finds them once the
+    files are loaded: in each file's directory, which joins ``sys.path``, and in ``roots`` (other plugin
+    files' directories, on ``sys.path`` too); relative imports from a package's directory. Read from the
+    source (``ast``); installed packages are not looked for, nor a name given to ``importlib`` at run time."""
+    given = [Path(f).expanduser().resolve() for f in files]
+    dirs = list(dict.fromkeys([*(g.parent for g in given), *(Path(r).resolve() for r in roots)]))
+    seen: set[Path] = set()
+    found: list[Path] = []
+
+    def visit(file: Path) -> None:
+        if file in seen or not file.is_file():
+            return
+        seen.add(file)
+        if file not in given:
+            found.append(file)
+        try:
+            tree = ast.parse(file.read_bytes())
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):  # (loading it says why)
+            return
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [(base, alias.name.split(".")) for alias in node.names for base in dirs]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module.split(".") if node.module else []
+                if not node.level:
+                    bases = dirs
+                elif node.level <= len(file.parents):
+                    bases = [file.parents[node.level - 1]]
+                else:
+                    continue
+                # (an imported name may be a module of the package)
+                targets = [(base, [*module, alias.name]) for alias in node.names for base in bases]
+            else:
+                continue
+            for base, parts in targets:
+                for i in range(
+                    1, len(parts) + 1
+                ):  # importing a.b.c runs a/__init__.py, a/b/__init__.py, a/b/c
+                    place = base.joinpath(*parts[:i])
+                    visit(place.with_name(place.name + ".py"))
+                    visit(place / "__init__.py")
+
+    for path in given:
+        visit(path)
+    return found
 
 
 _load_error: Exception | None = None
