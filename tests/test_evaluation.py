@@ -183,6 +183,38 @@ def test_an_evaluation_is_reproducible_and_reads_every_component(tmp_path):
     assert first.errors["exact_copy"] >= 0 and not math.isnan(first.errors["reward"])
 
 
+def test_an_lm_agents_evaluation_draws_the_same_random_numbers_every_time_and_leaves_trainings(
+    tmp_path, register
+):
+    """A metric (or responder) that draws from numpy's, torch's or Python's global stream (an LLM judge
+    sampling without a generator): the LM path seeded only its own sampling, so the same checkpoint scored
+    differently every time, and eval.json disagreed with the curve's last point."""
+    import random
+
+    import torch
+    from conftest import reward_plugin
+
+    from textgym.agents.ppo import LMPPO
+
+    def noisy(samples):
+        return [float(np.random.rand() + torch.rand(()).item() + random.random()) for _ in samples]
+
+    register(reward_plugin("noisy", noisy), "noisy")
+    config = load_config(config_file(tmp_path, COPY + EVAL))
+    spec = {**config["eval"], "rewards": [{"name": "noisy", "label": "noisy"}]}
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled", model="tiny-char-llama", prompts="copy-train")  # fmt: skip
+    agent = LMPPO("tiny-char-llama", env, seed=0, verbose=0)
+    evaluator = Evaluator(config, spec, config["env"]["rewards"], lm_agent=True)
+    np.random.seed(5), torch.manual_seed(5), random.seed(5)
+    first = evaluator(agent)
+    after = np.random.rand(), torch.rand(()).item(), random.random()  # training's streams go on untouched
+    np.random.seed(5), torch.manual_seed(5), random.seed(5)
+    assert (np.random.rand(), torch.rand(()).item(), random.random()) == after
+    np.random.seed(6), torch.manual_seed(6), random.seed(6)
+    assert evaluator(agent).metrics == first.metrics
+
+
 def test_a_metric_named_as_a_training_component_does_not_hide_it_in_the_episodes(tmp_path):
     from textgym.agents.ppo import LMPPO
 
@@ -346,6 +378,9 @@ def test_a_multi_turn_evaluation_counts_the_turn_rewards_and_only_the_policys_to
     assert set(rewards) <= {0.0, 1.0, 2.0, 3.0} and max(rewards) >= 2  # the turns each episode completed
     assert result.metrics["reward"] == pytest.approx(sum(rewards) / 8)
     assert sum(map(len, read)) == sum(e["num_tokens"] for e in result.episodes)
+    assert len(read) == sum(
+        min(3, int(r) + (e["finish_reason"] == "length")) for r, e in zip(rewards, result.episodes)
+    )
     # an episode stopped by its turn limit ended its last turn on EOS: eos_rate counted only "stop"
     reasons = [e["finish_reason"] for e in result.episodes]
     assert "max_turns" in reasons

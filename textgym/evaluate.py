@@ -85,7 +85,8 @@ def _evaluate(
     warn: bool,
     seed: int,
 ) -> tuple[float, float] | tuple[list[float], list[int]]:
-    from textgym.sb3 import seeded_sampling, takes_action_masks
+    from textgym.models import seeded_sampling
+    from textgym.sb3 import takes_action_masks
 
     if not isinstance(env, TextGenVectorEnv):
         from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv

@@ -47,7 +47,7 @@ BUILTIN_METRICS: dict[str, MetricInfo] = {
     ),
     "length": MetricInfo(None, 0.0, math.inf, "generated tokens per completion, EOS included"),
     "distinct_2": MetricInfo(
-        "higher", 0.0, 1.0, "unique token bigrams / all token bigrams over the held-out completions"
+        "higher", 0.0, 1.0, "unique token bigrams / all token bigrams over the held-out completions (multi-turn: within each agent turn)"
     ),
     "eos_rate": MetricInfo(
         "higher", 0.0, 1.0, "share of completions that ended on EOS or a stop string (multi-turn: the last turn)"
@@ -245,12 +245,18 @@ class Evaluator:
         self._env: Any = None
 
     def __call__(self, agent: Any) -> Evaluation:
+        from textgym.models import seeded_sampling
+
         n = self.spec["episodes"]
-        if self.lm_agent:
-            episodes, tokens, kls = self._rollouts_lm(agent, n)
-        else:
-            episodes, tokens, kls = self._rollouts_sb3(agent, n)
-        return self._summarize(episodes, tokens, kls)
+        # Every evaluation draws the same random numbers: an SB3 policy's sampling (torch's global stream, a
+        # DQN's numpy's), a metric or responder that draws from torch's, numpy's or Python's. Training's
+        # streams go on after it as if it drew none.
+        with seeded_sampling(self.spec["seed"]):
+            if self.lm_agent:
+                episodes, tokens, kls = self._rollouts_lm(agent, n)
+            else:
+                episodes, tokens, kls = self._rollouts_sb3(agent, n)
+            return self._summarize(episodes, tokens, kls)
 
     def close(self) -> None:
         """Close the metric rewards. The training components belong to the training stack, so the eval env
@@ -270,7 +276,9 @@ class Evaluator:
             kwargs["prompts"] = self.spec["prompts"]
         return {**kwargs, "rewards": self.stack}
 
-    def _rollouts_lm(self, agent: Any, n: int) -> tuple[list[dict[str, Any]], list[list[int]], list[float]]:
+    def _rollouts_lm(
+        self, agent: Any, n: int
+    ) -> tuple[list[dict[str, Any]], list[list[list[int]]], list[float]]:
         import gymnasium
         import torch
 
@@ -286,7 +294,7 @@ class Evaluator:
             )
         env = self._env
         episodes: list[dict[str, Any]] = []
-        tokens: list[list[int]] = []
+        tokens: list[list[list[int]]] = []
         kls: list[float] = []
         for round_ in range(math.ceil(n / env.num_envs)):
             # Explicit prompt indices and seeds: every evaluation sees the same prompts and random stream.
@@ -306,52 +314,57 @@ class Evaluator:
                 )
             mask = r.response_mask if r.action_mask is None else r.action_mask  # the policy's own tokens
             for row, info in enumerate(r.infos):
-                tokens.append(r.response_ids[row][mask[row].bool()].tolist())
+                tokens.append(_runs(r.response_ids[row].tolist(), mask[row].bool().tolist()))
                 episodes.append(info)
             kls.extend(float(k) for k in kl)
         return episodes[:n], tokens[:n], kls[:n]
 
-    def _rollouts_sb3(self, agent: Any, n: int) -> tuple[list[dict[str, Any]], list[list[int]], list[float]]:
-        from textgym.sb3 import Predictor, make_vec_env, seeded_sampling
+    def _rollouts_sb3(
+        self, agent: Any, n: int
+    ) -> tuple[list[dict[str, Any]], list[list[list[int]]], list[float]]:
+        from textgym.sb3 import Predictor, make_vec_env
 
-        # One sub-env, prompts in order: the same prompts every time. The policy's own sampling runs on
-        # forked random streams, seeded, so an evaluation during training does not change the training stream.
+        # One sub-env, prompts in order: the same prompts every time (the random streams: see __call__).
         kwargs = {**self._env_kwargs(), "prompt_order": "sequential"}
         env = make_vec_env(self.config["env"]["id"], n_envs=1, seed=self.spec["seed"], **kwargs)
         episodes: list[dict[str, Any]] = []
-        tokens: list[list[int]] = []
+        tokens: list[list[list[int]]] = []
         chosen: list[int] = []  # the policy's tokens of the episode under way, EOS included, as the LM path's
         predict = Predictor(agent, 1)  # with MaskablePPO's masks and RecurrentPPO's state
-        with seeded_sampling(self.spec["seed"]):
-            obs = env.reset()
-            while len(episodes) < n:
-                action = predict(obs, env, deterministic=False)
-                chosen.append(int(np.asarray(action).reshape(-1)[0]))
-                obs, _, dones, infos = env.step(action)
-                predict.ended(dones)
-                if dones[0]:
-                    info = infos[0]
-                    components = {
-                        k: None if v is None or math.isnan(float(v)) else float(v)
-                        for k, v in info["reward_components"].items()
+        obs = env.reset()
+        while len(episodes) < n:
+            action = predict(obs, env, deterministic=False)
+            chosen.append(int(np.asarray(action).reshape(-1)[0]))
+            obs, _, dones, infos = env.step(action)
+            predict.ended(dones)
+            if dones[0]:
+                info = infos[0]
+                components = {
+                    k: None if v is None or math.isnan(float(v)) else float(v)
+                    for k, v in info["reward_components"].items()
+                }
+                episodes.append(
+                    {
+                        "prompt": str(info["prompt"]) if "prompt" in info else "",
+                        "completion": str(info["completion"]),
+                        "finish_reason": str(info["finish_reason"]),
+                        "num_tokens": int(info["num_tokens"]),
+                        "reward_components": components,
+                        "turn_rewards": [float(r) for r in info.get("turn_rewards", [])],
                     }
-                    episodes.append(
-                        {
-                            "prompt": str(info["prompt"]) if "prompt" in info else "",
-                            "completion": str(info["completion"]),
-                            "finish_reason": str(info["finish_reason"]),
-                            "num_tokens": int(info["num_tokens"]),
-                            "reward_components": components,
-                            "turn_rewards": [float(r) for r in info.get("turn_rewards", [])],
-                        }
-                    )
-                    tokens.append(chosen)
-                    chosen = []
+                )
+                replies = [t["tokens"] for t in info.get("turns", []) if t["role"] == "assistant"]
+                if sum(replies) == len(chosen) and replies:  # each agent turn apart, as the LM path's
+                    ends = np.cumsum(replies)
+                    tokens.append([chosen[end - size : end] for size, end in zip(replies, ends)])
+                else:
+                    tokens.append([chosen])
+                chosen = []
         return episodes, tokens, [math.nan] * len(episodes)
 
     # -- the numbers -------------------------------------------------------------------------------
     def _summarize(
-        self, episodes: list[dict[str, Any]], tokens: list[list[int]], kls: list[float]
+        self, episodes: list[dict[str, Any]], tokens: list[list[list[int]]], kls: list[float]
     ) -> Evaluation:
         from textgym.composition import standardize
         from textgym.rewards import ENDED_ON_A_TOKEN
@@ -380,7 +393,7 @@ class Evaluator:
         if "length" in builtin:
             metrics["length"] = _mean(np.array([e["num_tokens"] for e in episodes], dtype=float))
         if "distinct_2" in builtin:
-            metrics["distinct_2"] = corpus_distinct_n(tokens, 2)
+            metrics["distinct_2"] = corpus_distinct_n([turn for turns in tokens for turn in turns], 2)
         if "eos_rate" in builtin:
             # multi-turn: an episode stopped by its turn limit, or by a reply that did not fit, ended its
             # last turn on EOS too; only "length" was cut without one (training's clipped_ratio)
@@ -463,3 +476,15 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return value
+
+
+def _runs(ids: list[int], mask: list[bool]) -> list[list[int]]:
+    """The runs of ``ids`` where ``mask`` is true: a multi-turn episode's replies, each apart (a bigram that
+    spans the env's turn between two replies is not one the policy wrote)."""
+    runs: list[list[int]] = []
+    for token, mine, before in zip(ids, mask, [False, *mask]):
+        if mine:
+            if not before:
+                runs.append([])
+            runs[-1].append(token)
+    return runs

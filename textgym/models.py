@@ -253,6 +253,26 @@ def torch_seeded(seed: int) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def seeded_sampling(seed: int) -> Iterator[None]:
+    """Within the block, torch's, numpy's and Python's global random numbers start from ``seed`` (an SB3
+    model samples from torch's, a DQN's epsilon-greedy from numpy's); outside it, they continue as if the
+    block had drawn none: an evaluation neither changes the training that follows nor depends on it."""
+    import random
+
+    import numpy as np
+
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch_seeded(seed):
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+
+
 def _built(model: Any, name: str, kwargs: dict[str, Any]) -> Any:
     """A model built in code, in eval mode, in ``dtype`` if given; other ``from_pretrained`` arguments do not
     apply to it, and are refused rather than ignored."""

@@ -6,12 +6,10 @@ the vector env's batched reward scoring kept (one reward call per step for all e
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
-import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError
+from textgym.models import seeded_sampling
 
 SINGLE_SPACES = {"observation_space": "single_observation_space", "action_space": "single_action_space"}
 # safe to call for a subset of sub-envs: their rows are read, and nothing changes
@@ -217,24 +216,6 @@ class Predictor:
 def takes_action_masks(model: Any) -> bool:
     """Whether ``model.predict`` takes the env's action masks (sb3-contrib's ``MaskablePPO``)."""
     return "action_masks" in inspect.signature(model.predict).parameters
-
-
-@contextlib.contextmanager
-def seeded_sampling(seed: int) -> Iterator[None]:
-    """Within the block, torch's, numpy's and Python's global random numbers start from ``seed`` (an SB3
-    model samples from torch's, a DQN's epsilon-greedy from numpy's); outside it, they continue as if the
-    block had drawn none: an evaluation neither changes the training that follows nor depends on it."""
-    from textgym.models import torch_seeded
-
-    np_state, py_state = np.random.get_state(), random.getstate()
-    with torch_seeded(seed):
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
-        try:
-            yield
-        finally:
-            np.random.set_state(np_state)
-            random.setstate(py_state)
 
 
 def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
