@@ -104,3 +104,20 @@ def test_an_entry_point_in_another_group_or_naming_a_class_is_said_plainly(tmp_p
     env = a_distribution(tmp_path / "c", "textgym", "wrongplug:plugin", fixed)
     result = run(["plugins"], env)
     assert result.returncode == 0 and "wrongreward" in result.stdout, result.stderr
+
+
+def test_importing_textgym_with_a_broken_installed_plugin_names_it(tmp_path):
+    """`import textgym` went through silently and gymnasium.make("textgym/Copy-v0") then said only that the
+    namespace was not found: the plugin that broke the loading was named nowhere."""
+    env = a_distribution(tmp_path, "textgym", "wrongplug", "import numpyy\n")
+    script = "import textgym, gymnasium\ngymnasium.make('textgym/Copy-v0')\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode != 0
+    assert (
+        "RuntimeWarning: textgym's plugins did not load, so its envs, rewards and agents are not registered: "
+        "plugin 'wrong' (entry point wrongplug in wrongplug 0.1) failed to load: ModuleNotFoundError"
+    ) in result.stderr
+    cli = run(["plugins"], env)  # the CLI says it once, as its one-line error
+    assert cli.returncode != 0 and "RuntimeWarning" not in cli.stderr and "plugin 'wrong'" in cli.stderr

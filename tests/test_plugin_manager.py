@@ -438,6 +438,30 @@ def test_cli_plugins_text_listing(capsys, tmp_path):
     assert f"(file {(tmp_path / 'empty.py').resolve()})\n    (registers nothing)" in out
 
 
+def test_cli_plugins_name_shows_its_arguments_defaults_and_documentation(capsys, tmp_path):
+    """The README's table names a reward's main arguments only: `textgym plugins NAME` says what each takes,
+    with its defaults, and what it computes."""
+    assert main(["plugins", "length_penalty"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "reward length_penalty  (plugin textgym.plugins.length_penalty: built-in)\n    arguments: ("
+    )
+    assert "missing_eos_penalty: 'float' = 1.0" in out and "is subtracted when the completion hit" in out
+    assert main(["plugins", "textgym/Copy-v0"]) == 0
+    assert "registered with: model='chars', prompts='copy'" in capsys.readouterr().out
+    assert main(["plugins", "echo", "--json"]) == 0
+    assert [row["kind"] for row in json.loads(capsys.readouterr().out)] == ["prompt source", "responder"]
+    (tmp_path / "mine.py").write_text(
+        "import textgym\n\n@textgym.reward('politeness')\ndef politeness(samples, bonus: float = 1.0):\n"
+        '    """bonus per \'please\'."""\n    return [bonus * s.completion.count(\'please\') for s in samples]\n'
+    )
+    assert main(["plugins", "--plugin", str(tmp_path / "mine.py"), "politeness"]) == 0
+    out = capsys.readouterr().out
+    assert "arguments: (*, bonus: float = 1.0)" in out and "bonus per 'please'." in out
+    assert main(["plugins", "lenght_penalty"]) == 2
+    assert "unknown plugin name 'lenght_penalty'. Did you mean 'length_penalty'?" in capsys.readouterr().err
+
+
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert main(["plugins", "--plugin", str(tmp_path / "missing.py")]) == 2
     assert "textgym: error: plugin file" in capsys.readouterr().err

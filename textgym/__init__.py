@@ -41,8 +41,18 @@ try:
 
     try:
         plugin_manager.load_plugins()
-    except errors.TextgymError:
-        pass  # a broken plugin: every lookup raises the error, which the CLI prints as one line
+    except errors.TextgymError as _exc:
+        # a broken plugin: every lookup raises the error, which the CLI prints as one line. In Python it is
+        # said now too: gymnasium.make("textgym/...") never asks textgym, and would say only that the
+        # namespace is not found.
+        if not _is_cli():
+            import warnings as _warnings
+
+            _warnings.warn(
+                f"textgym's plugins did not load, so its envs, rewards and agents are not registered: {_exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 except KeyboardInterrupt:  # Ctrl-C while the command imports torch and transformers: one line, no traceback
     if not _is_cli():
         raise

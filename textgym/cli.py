@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_parser = functools.partial(commands.add_parser, formatter_class=_DefaultsHelp)
 
     p = add_parser("plugins", parents=[plugin_args], help="list plugins and what each registered")
+    p.add_argument(
+        "name",
+        nargs="?",
+        help="a registered name (a reward, env, agent, ...): its arguments and documentation",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = add_parser(
@@ -291,6 +297,19 @@ def _label_pairs(args: argparse.Namespace) -> int:
 def _plugins(args: argparse.Namespace) -> int:
     from textgym import plugin_manager
 
+    if args.name is not None:
+        described = plugin_manager.describe(args.name)
+        if args.json:
+            print(json.dumps(described, indent=2, default=repr))
+            return 0
+        for row in described:
+            print(f"{row['kind']} {row['name']}  (plugin {row['plugin']}: {row['source']})")
+            if row["signature"] is not None:
+                print(f"    arguments: {row['signature']}")
+            if row["defaults"]:
+                print(f"    registered with: {', '.join(f'{k}={v!r}' for k, v in row['defaults'].items())}")
+            print(textwrap.indent(row["doc"] or "(no documentation)", "    "))
+        return 0
     report = plugin_manager.plugins_report()
     if args.json:
         print(json.dumps(report, indent=2))

@@ -440,7 +440,7 @@ def responder(name: str, role: str = "user") -> Callable[[Callable[..., Any]], C
                 if p.kind is not p.VAR_POSITIONAL
             ]
         )
-
+        factory.__doc__ = fn.__doc__  # (`textgym plugins NAME` shows it)
         plugin_manager.register_function_plugin(
             "register_responders", name, factory, fn, "@textgym.responder"
         )

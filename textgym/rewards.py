@@ -419,6 +419,7 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
             return FunctionReward(name, fn, **kwargs)
 
         factory.__signature__ = fixed_signature(fn)  # type: ignore[attr-defined]
+        factory.__doc__ = fn.__doc__  # (`textgym plugins NAME` shows it)
         plugin_manager.register_function_plugin("register_rewards", name, factory, fn, "@textgym.reward")
         return fn
 
