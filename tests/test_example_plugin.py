@@ -121,3 +121,27 @@ def test_importing_textgym_with_a_broken_installed_plugin_names_it(tmp_path):
     ) in result.stderr
     cli = run(["plugins"], env)  # the CLI says it once, as its one-line error
     assert cli.returncode != 0 and "RuntimeWarning" not in cli.stderr and "plugin 'wrong'" in cli.stderr
+
+
+def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(tmp_path):
+    """An installed plugin package's code is not read by the bench: a new version of one was reused
+    silently. A run's identity (and a metric's, and a proxy model's gold stack's) now names the versions of
+    the packages that registered a name it uses, and only those."""
+    fixed = WRONG_PLUGIN + "\n\nplugin = WrongPlugin()\n"
+    env = a_distribution(tmp_path, "textgym", "wrongplug:plugin", fixed)
+    script = (
+        "import json\nfrom textgym.bench import identity\n"
+        "run = {'run': {}, 'env': {'id': 'textgym/Copy-v0', 'rewards': ['wrongreward weight=2', {'name': 'match'}]},"
+        " 'agent': {'name': 'lmppo'}}\n"
+        "plain = {'run': {}, 'env': {'id': 'textgym/Copy-v0', 'rewards': [{'name': 'match'}]}, 'agent': {}}\n"
+        "print(json.dumps([identity(run).get('packages'), identity(plain).get('packages')]))\n"
+    )
+    read = lambda: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    result = read()
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"wrongplug": "0.1"}, None]
+    metadata = tmp_path / "wrongplug-0.1.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 0.1", "Version: 0.2"))
+    assert json.loads(read().stdout)[0] == {"wrongplug": "0.2"}

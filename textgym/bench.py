@@ -32,6 +32,7 @@ from textgym.bench_config import BENCH_DEFAULTS, load_designs
 from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError
 from textgym.evaluation import BUILTIN_METRICS, jsonable
+from textgym.plugin_manager import packages_used
 
 __all__ = [
     "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "Stopped", "evaluate", "load_designs", "mean_ci", "plan", "run"
@@ -125,6 +126,8 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
         ident["data"] = {p: file_digest(p) for p in sorted(set(data))}
     if reward_models:
         ident["reward_models"] = dict(reward_models)
+    if packages := packages_used(ident):  # an installed plugin package counts by its version
+        ident["packages"] = packages
     return ident
 
 
@@ -147,6 +150,8 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if code:
         out["code"] = {f: file_digest(f) for f in sorted(set(code))}
+    if packages := packages_used(spec["metric_rewards"]):
+        out["packages"] = packages
     if data:
         out["data"] = {p: file_digest(p) for p in sorted(set(data))}
     return out

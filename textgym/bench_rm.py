@@ -39,6 +39,7 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
     settings ``digest``. Nothing is loaded or trained here."""
     from textgym.bench import data_paths, file_digest, fn_files, with_local_imports
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
+    from textgym.plugin_manager import packages_used
     from textgym.reward_model import check_train_settings, train_reward_model
     from textgym.rewards import parse_reward_spec
 
@@ -89,6 +90,8 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
             set(tomls + with_local_imports(fn_files(gold)) + data_paths(settings) + data_paths(gold))
         )
         digested = {**settings, "files": {f: file_digest(f) for f in files}} if files else settings
+        if packages := packages_used(gold):  # a gold reward from an installed plugin package: by its version
+            digested = {**digested, "packages": packages}
         digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
         out.append({"output": output, **settings, "digest": digest})
     outputs = [Path(e["output"]).resolve() for e in out]

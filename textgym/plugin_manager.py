@@ -16,7 +16,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,6 +317,35 @@ def local_imports(files: Sequence[str | os.PathLike], roots: Sequence[Path] = ()
 
 
 _load_error: Exception | None = None
+_distributions: dict[str, tuple[str, str]] = {}  # an entry-point plugin -> its distribution's name, version
+
+
+def packages_used(config: Any) -> dict[str, str]:
+    """The installed plugin packages (entry points) that registered a name ``config`` uses, with their
+    versions: ``{"textgym-example": "0.1.0"}``. A name is any string in it (a spec string's first word) that
+    is registered as a reward, env, agent, responder, prompt source or model."""
+    load_plugins()
+    words: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and value.strip():
+            words.add(value.split()[0])
+
+    walk(config)
+    used = {}
+    for hook_name in KINDS:
+        for word in sorted(words & set(registry(hook_name).names())):
+            plugin = registry(hook_name).get(word).plugin
+            if plugin in _distributions:
+                name, version = _distributions[plugin]
+                used[name] = version
+    return dict(sorted(used.items()))
 
 
 def load_plugins() -> None:
@@ -367,6 +396,8 @@ def _load_all() -> None:
                     f"{DISABLE_AUTOLOAD_VAR}=1."
                 ) from None
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
+            if ep.dist:
+                _distributions[ep.name] = (ep.dist.name, ep.dist.version)
         _warn_other_groups()
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
