@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import warnings
 
 import pytest
 
@@ -122,9 +123,19 @@ def test_flags_rankings_and_clipped_intervals(report):
     assert "(3 of 3 seeds; shown: seed 0)" in md
     assert "EOS collapse: EOS rate 0.80 -> 0.00 (2 of 3 seeds; shown: seed 0)" in md
     assert "component 'match' makes 95% of the total's spread" in md  # the gold design's stack
+    # beside the flags raised, the checks that raised none: a check that passed is said, not inferred
+    assert "No flag from these checks: length drift, diversity collapse." in md
+    assert "No flag from these checks: length drift, diversity collapse." in (out / "report.html").read_text()
     assert "**exact_copy** (higher is better): 1. gold (0.525), 2. proxy (0.160)" in md
     assert "| abc&lt;&amp;&gt; |" in md and "abc<&>" not in md  # a completion's text, not markup
-    # `reward` is each design's own total: shown, not ranked between designs
+    # `reward` is each design's own total: shown, not ranked between designs, and said under the table
+    note = (
+        "`reward`: each design's own training total on the held-out prompts: not comparable between designs"
+    )
+    assert (
+        note in md
+        and "<code>reward</code>: each design&#x27;s own training total" in (out / "report.html").read_text()
+    )
     assert "**reward**" not in md.split("Rankings:")[1].split("Paired")[0]
     eos = results.cell("lmppo", "proxy", "eos_rate")  # 0, 0.09, 0.36: the t interval reaches below 0
     assert eos["ci_low"] == 0.0 and eos["mean"] == pytest.approx(0.15) and eos["ci_high"] <= 1
@@ -148,13 +159,23 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
                 writer = csv.DictWriter(f, fieldnames=[k for k in rows[0] if not k.endswith("_se")])
                 writer.writeheader()
                 writer.writerows({k: v for k, v in r.items() if not k.endswith("_se")} for r in rows)
-        if job.design["name"] == "gold":
+        if job.design["name"] == "gold":  # a normalize_then_sum total: not measured, in the curves too
+            rows = list(csv.DictReader((job.run_dir / "eval.csv").open()))
+            with (job.run_dir / "eval.csv").open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows({**r, "reward": ""} for r in rows)
             result = json.loads((job.run_dir / "eval.json").read_text())
             result["metrics"]["reward"] = None
             result["metrics"]["kl"] = "inf" if job.seed == 0 else result["metrics"]["kl"]  # a KL that blew up
             result["samples"][0]["components"]["match"] = "inf"
             (job.run_dir / "eval.json").write_text(json.dumps(result))
-    write_outputs(out, spec, jobs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        write_outputs(out, spec, jobs)
+    assert not [
+        w for w in caught if "Mean of empty slice" in str(w.message)
+    ]  # (the gold's unmeasured reward)
     md = (out / "report.md").read_text()
     assert "exact_copy 0.500 -> 0.150 (2 of 2 seeds; shown: seed 0)" in md  # seed 2 had no curve to check
     assert "did not run on 1 of 6 runs: they have no held-out curve" in md

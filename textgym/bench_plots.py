@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,9 @@ def overoptimization(results: BenchResults) -> Any:
                 n = min((len(x) for x, _ in runs), default=0)
                 if n:
                     mean_x = np.mean([x[:n] for x, _ in runs], axis=0)
-                    mean_y = np.nanmean([y[:n] for _, y in runs], axis=0)
+                    with warnings.catch_warnings():  # a point no seed measured is NaN (a gap), not a warning
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        mean_y = np.nanmean([y[:n] for _, y in runs], axis=0)
                     ax.plot(
                         mean_x, mean_y, color=color, ls=style, lw=2.2, label=_label(results, agent, design)
                     )

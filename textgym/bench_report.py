@@ -76,6 +76,14 @@ def metric_note(results: BenchResults, metric: str, scope: str) -> str:
     return f"{direction} is better"
 
 
+def reward_note(results: BenchResults) -> str | None:
+    """Under a table of designs: what its ``reward`` column is (each design's own proxy), beside the gold
+    metrics that can be compared."""
+    if REWARD not in results.metrics or not rankable(results, "designs"):
+        return None
+    return f"`{REWARD}`: {metric_note(results, REWARD, 'designs')}; the other columns are measured alike for all."
+
+
 def ranking(
     results: BenchResults, metric: str, scope: str, within: str
 ) -> list[tuple[int | None, str, float]]:
@@ -204,6 +212,22 @@ def unchecked_lines(results: BenchResults) -> list[str]:
     return lines
 
 
+CHECK_NAMES = {"gaming": "gaming (the proxy rose while a gold metric fell)", "length_drift": "length drift",
+               "eos_collapse": "EOS collapse", "diversity_collapse": "diversity collapse"}  # fmt: skip
+
+
+def quiet_checks_text(results: BenchResults) -> str | None:
+    """Beside raised flags: the curve checks that ran and raised none, so that a gaming check that passed
+    is said, not left to be inferred from its absence. None where no flag was raised (:func:`no_flags_text`
+    says it) or no curve check ran."""
+    raised = {f["kind"] for flags in results.flags.values() for f in flags}
+    if not raised or not any(map(has_curve, results.curves.values())):
+        return None
+    ran = [kind for kind in CHECK_NAMES if kind != "gaming" or results.gold]
+    quiet = [CHECK_NAMES[kind] for kind in ran if kind not in raised]
+    return f"No flag from these checks: {', '.join(quiet)}." if quiet else None
+
+
 def no_flags_text(unchecked: Sequence[str]) -> str:
     """What the report says when no flag was raised, given :func:`unchecked_lines`."""
     if unchecked:
@@ -261,10 +285,12 @@ def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) 
     flags = flag_lines(results)
     unchecked = unchecked_lines(results)
     lines += [f"- {line}" for line in flags] or [no_flags_text(unchecked)]
+    lines += ["", quiet] if (quiet := quiet_checks_text(results)) else []
     lines += ["", *map(_text, unchecked)] if unchecked else []
     for agent in results.agents:
         heading = f"## Designs under agent `{agent}`" if len(results.agents) > 1 else "## Results"
         lines += ["", heading, "", *_table(results, [(agent, d, d) for d in results.designs], "design"), ""]
+        lines += [reward_note(results), ""] if reward_note(results) else []
         lines += _rankings_and_pairs(results, "designs", agent)
     if len(results.agents) > 1:
         for design in results.designs:

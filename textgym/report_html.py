@@ -20,9 +20,11 @@ from textgym.bench_report import (
     fmt_p,
     metric_note,
     no_flags_text,
+    quiet_checks_text,
     rankable,
     ranking,
     ranking_text,
+    reward_note,
     setup_text,
     unchecked_lines,
     verdict,
@@ -69,6 +71,8 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
             for who, message, where in flags
         ]
         parts += ["<ul>", *items, "</ul>"]
+        if quiet := quiet_checks_text(results):
+            parts.append(f"<p>{e(quiet)}</p>")
     else:
         parts.append(f"<p>{e(no_flags_text(unchecked))}</p>")
     parts += [f"<p>{_md(line)}</p>" for line in unchecked]
@@ -77,6 +81,7 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         parts += [
             f"<h2>{e(title)}</h2>",
             _table(results, [(agent, d, d) for d in results.designs], "design", "rank"),
+            f"<p>{_md(note)}</p>" if (note := reward_note(results)) else "",
         ]
         parts += _rankings(results, "designs", agent)
     if len(results.agents) > 1:
