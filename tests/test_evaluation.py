@@ -48,10 +48,14 @@ def config_file(tmp_path, text, name="c.toml"):
     return path
 
 
-def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path):
+def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path, capsys):
     plain = run(config_file(tmp_path, COPY), [f"run.output_dir='{tmp_path / 'plain'}'"])
+    capsys.readouterr()
     diag = run(config_file(tmp_path, COPY + EVAL, "e.toml"), [f"run.output_dir='{tmp_path / 'diag'}'"])
     evals = csv_rows(diag / "eval.csv")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert len(printed) == len(evals)  # each evaluation is said on the console too
+    assert printed[0].startswith("eval    0  held out: reward ") and " exact_copy " in printed[0]
     iterations = [int(r["iteration"]) for r in evals]
     last = int(csv_rows(diag / "metrics.csv")[-1]["iteration"])
     assert iterations == [*range(0, last, 2), last] or iterations == list(range(0, last + 1, 2))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
+from tqdm.auto import tqdm
 
 from textgym.evaluation import REWARD, Evaluator, check_metric_specs
 
@@ -162,11 +163,19 @@ class EvalCallback(BaseCallback):
         if not self.main:
             return
         write_rows(self.run_dir / EVAL_CSV, self.rows)
+        tqdm.write(eval_line(iteration, evaluation.metrics))
         logger = self.model.logger
         if logger is not None:
             for key, value in evaluation.metrics.items():
                 logger.record(f"eval/{key}", value)
             logger.dump(step=int(self.model.num_timesteps))
+
+
+def eval_line(iteration: int, metrics: Mapping[str, float]) -> str:
+    """An evaluation as one console line, under the training's iteration lines (eval.csv has its errors)."""
+    from textgym.formatting import number
+
+    return f"eval {iteration:4d}  held out: " + "  ".join(f"{k} {number(v)}" for k, v in metrics.items())
 
 
 def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
