@@ -95,7 +95,7 @@ def test_a_reward_object_registered_where_its_factory_belongs_is_named(register)
             register("shout", Shout())
 
     register(Plugin(), "object-plugin")
-    with pytest.raises(PluginError, match=r"registered reward 'shout' as a Shout object, which takes \(samples\): "
+    with pytest.raises(PluginError, match=r"registered reward 'shout' as an instance of Shout, which takes \(samples\): "
                        r"register what makes one.*register\('shout', Shout\) \(the class\)"):  # fmt: skip
         plugin_manager.registry("register_rewards")
     plugin_manager.unregister_plugin("object-plugin")

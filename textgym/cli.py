@@ -72,7 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=96, help="longer prompts are cut to their end")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed (batch i uses seed + i)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the sampling seed (batch i uses seed + i, so the completions also depend on --batch-size, and on "
+        "--num where it is smaller)",
+    )
     p.add_argument(
         "--reward",
         action="append",

@@ -107,7 +107,7 @@ class Registry:
         if self.kind in SPEC_KINDS and (takes := _object_not_factory(value)):
             cls = type(value).__name__
             raise PluginError(
-                f"plugin {plugin!r} registered {self.kind} {name!r} as a {cls} object, which takes ({takes}): "
+                f"plugin {plugin!r} registered {self.kind} {name!r} as an instance of {cls}, which takes ({takes}): "
                 f"register what makes one, called with a spec's arguments: register({name!r}, {cls}) (the class), "
                 f"or a function that returns one."
             )
