@@ -122,10 +122,15 @@ def test_runs_keep_held_out_curves_from_before_training_to_the_end(finished):
     assert set(final["components"]["match"]) == {"weight", "mean", "std", "share"}
 
 
-def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(finished, counted, capsys):
+def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(
+    finished, counted, capsys, monkeypatch
+):
     before = {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")}
+    digested, digest = [], bench.file_digest
+    monkeypatch.setattr(bench, "file_digest", lambda path: digested.append(str(path)) or digest(path))
     bench.run(designs(finished), progress=False)
     assert counted == {"trained": [], "evaluated": []}
+    assert not [p for p in digested if "checkpoint" in p]  # unchanged files (sizes, times): not read again
     bench.run(designs(finished))  # it printed only "report in ...": nothing said the runs were reused
     assert f"textgym: 4 runs in {finished}: 4 reused" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")} == before

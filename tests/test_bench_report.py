@@ -124,8 +124,11 @@ def test_flags_rankings_and_clipped_intervals(report):
     assert "EOS collapse: EOS rate 0.80 -> 0.00 (2 of 3 seeds; shown: seed 0)" in md
     assert "component 'match' makes 95% of the total's spread" in md  # the gold design's stack
     # beside the flags raised, the checks that raised none: a check that passed is said, not inferred
-    assert "No flag from these checks: length drift, diversity collapse." in md
-    assert "No flag from these checks: length drift, diversity collapse." in (out / "report.html").read_text()
+    assert "No flag from these checks, where they ran: length drift, diversity collapse." in md
+    assert (
+        "No flag from these checks, where they ran: length drift, diversity collapse."
+        in (out / "report.html").read_text()
+    )
     assert "**exact_copy** (higher is better): 1. gold (0.525), 2. proxy (0.160)" in md
     assert "| abc&lt;&amp;&gt; |" in md and "abc<&>" not in md  # a completion's text, not markup
     # `reward` is each design's own total: shown, not ranked between designs, and said under the table
@@ -143,6 +146,28 @@ def test_flags_rankings_and_clipped_intervals(report):
     for name in ("training_curves.png", "eval_curves.png", "overoptimization.png", "metric_bars.png",
                  "curves/proxy.png", "curves/gold.png"):  # fmt: skip
         assert (out / name).stat().st_size > 10_000
+
+
+def test_the_checks_said_to_raise_nothing_are_those_whose_metrics_the_curves_have(report):
+    """A check whose metric `[metrics] builtin` left out did not run: it is not listed as passed."""
+    import dataclasses
+
+    from textgym.bench_report import quiet_checks_text
+
+    _, results = report
+
+    def without(*metrics):
+        curves = {
+            k: [{m: v for m, v in row.items() if m not in metrics} for row in c]
+            for k, c in results.curves.items()
+        }
+        return dataclasses.replace(results, curves=curves)
+
+    assert (
+        quiet_checks_text(without("length"))
+        == "No flag from these checks, where they ran: diversity collapse."
+    )
+    assert quiet_checks_text(without("length", "distinct_2")) is None
 
 
 def test_the_report_says_which_checks_did_not_run(tmp_path):

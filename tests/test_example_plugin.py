@@ -145,3 +145,7 @@ def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(
     metadata = tmp_path / "wrongplug-0.1.dist-info" / "METADATA"
     metadata.write_text(metadata.read_text().replace("Version: 0.1", "Version: 0.2"))
     assert json.loads(read().stdout)[0] == {"wrongplug": "0.2"}
+    # a package whose module registers the reward with @textgym.reward (a plugin of its own, "FILE::fn")
+    decorated = "import textgym\n\n@textgym.reward('wrongreward')\ndef wrongreward(samples):\n    return [1.0] * len(samples)\n"
+    env.update(a_distribution(tmp_path / "d", "textgym", "wrongplug", decorated))
+    assert json.loads(read().stdout)[0] == {"wrongplug": "0.1"}

@@ -305,6 +305,46 @@ def test_a_helper_module_edited_since_its_plugin_file_loaded_is_imported_again(t
         plugin_manager.unregister_plugin(f"{path.resolve()}::helped")
 
 
+PACKAGED_FILE = """
+import textgym
+import pkg_{tag}.sub
+from pkg_{tag} import other
+
+@textgym.reward("packaged_{tag}")
+def packaged(samples):
+    return [pkg_{tag}.sub.SCALE * other.OFFSET for s in samples]
+"""
+
+
+def test_an_edited_local_package_is_imported_again_whole(tmp_path):
+    """Dropping only the edited module from sys.modules broke `import pkg.sub` (a new pkg without its sub,
+    an AttributeError in the reward) and kept `from pkg import other` on the old code (pkg's attribute)."""
+    tag = tmp_path.name.replace("-", "_")
+    path = tmp_path / "packaged.py"
+    path.write_text(PACKAGED_FILE.format(tag=tag))
+    package = tmp_path / f"pkg_{tag}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "sub.py").write_text("SCALE = 2.0\n")
+    (package / "other.py").write_text("OFFSET = 1.0\n")
+    name = plugin_manager.load_plugin_file(path)
+    try:
+        reward = lambda: list(textgym.make_reward(f"packaged_{tag}")([textgym.Sample("p", "a")]))  # noqa: E731
+        assert reward() == [2.0]
+        (package / "__init__.py").write_text("VERSION = 2\n")
+        plugin_manager.load_plugin_file(path)
+        assert reward() == [2.0] and sys.modules[f"pkg_{tag}"].VERSION == 2
+        (package / "other.py").write_text("OFFSET = 5.0\n")
+        plugin_manager.load_plugin_file(path)
+        assert reward() == [10.0]
+        (package / "sub.py").write_text("SCALE = 3.0\n")  # still followed after a reload
+        plugin_manager.load_plugin_file(path)
+        assert reward() == [15.0]
+    finally:
+        plugin_manager.unregister_plugin(name)
+        plugin_manager.unregister_plugin(f"{path.resolve()}::packaged")
+
+
 def test_local_imports_are_found_where_python_finds_them_beside_any_plugin_file(tmp_path):
     """Every plugin file's directory joins sys.path: a module beside one plugin is importable from another."""
     (tmp_path / "a").mkdir()

@@ -228,6 +228,13 @@ def file_digest(path: str | Path) -> str:
         return "missing"
 
 
+def file_stats(path: Path) -> dict[str, list[int]]:
+    """Each file of a directory with its size and modification time: a rerun reads a multi-gigabyte
+    checkpoint again (for :func:`file_digest`) only when these changed."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    return {p.relative_to(path).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
 def _digest(value: Any) -> str:
     text = json.dumps(jsonable(value), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -306,7 +313,8 @@ def _edited(job: Job, record: Mapping[str, Any]) -> str | None:
             return f"{path} was changed since this bench started the run ({'; '.join(changes[:4])})"
     done = _read_json(job.run_dir / EVAL_FILE) or {}
     evaluated = RunDir(job.run_dir).checkpoint
-    if "checkpoint" in done and (digest := file_digest(evaluated)) != done["checkpoint"]:
+    unchanged = "checkpoint_files" in done and file_stats(evaluated) == done["checkpoint_files"]
+    if "checkpoint" in done and not unchanged and (digest := file_digest(evaluated)) != done["checkpoint"]:
         if digest != "missing":
             return f"{evaluated} is not the checkpoint this bench evaluated (its files changed since)"
         if done.get("eval_hash") != job.eval_hash:
@@ -490,9 +498,13 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                         )
                 if todo[job.run_id] != "reuse":
                     _check_unchanged(job.eval_files)
-                    checkpoint = file_digest(RunDir(job.run_dir).checkpoint)  # (what a rerun checks)
+                    evaluated = RunDir(job.run_dir).checkpoint  # what a rerun checks (see _edited)
+                    checkpoint = {
+                        "checkpoint": file_digest(evaluated),
+                        "checkpoint_files": file_stats(evaluated),
+                    }
                     with _logged(job.run_dir / "train.log"):
-                        result = {**evaluate(job, spec), "checkpoint": checkpoint}
+                        result = {**evaluate(job, spec), **checkpoint}
                     _write_json(
                         job.run_dir / EVAL_FILE, result
                     )  # written last: its presence means "finished"

@@ -221,11 +221,19 @@ def quiet_checks_text(results: BenchResults) -> str | None:
     is said, not left to be inferred from its absence. None where no flag was raised (:func:`no_flags_text`
     says it) or no curve check ran."""
     raised = {f["kind"] for flags in results.flags.values() for f in flags}
-    if not raised or not any(map(has_curve, results.curves.values())):
+    curves = [c for c in results.curves.values() if has_curve(c)]
+    if not raised or not curves:
         return None
-    ran = [kind for kind in CHECK_NAMES if kind != "gaming" or results.gold]
+
+    def measured(metric: str) -> bool:  # in some curve ([metrics] builtin may leave a metric out)
+        return any(not _missing(row.get(metric)) for c in curves for row in c)
+
+    needs = {"gaming": [REWARD], "length_drift": ["length"], "eos_collapse": ["eos_rate"],
+             "diversity_collapse": ["distinct_2"]}  # fmt: skip
+    ran = [kind for kind, metrics in needs.items() if all(map(measured, metrics))]
+    ran = [kind for kind in ran if kind != "gaming" or any(map(measured, results.gold))]
     quiet = [CHECK_NAMES[kind] for kind in ran if kind not in raised]
-    return f"No flag from these checks: {', '.join(quiet)}." if quiet else None
+    return f"No flag from these checks, where they ran: {', '.join(quiet)}." if quiet else None
 
 
 def no_flags_text(unchecked: Sequence[str]) -> str:

@@ -8,6 +8,7 @@ registries are rebuilt from the hooks whenever the set of plugins changes.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -220,9 +221,8 @@ def load_plugin_file(path: str | os.PathLike) -> str:
             return name
         unregister_plugin(name)
     for key, (origin, imported) in list(_helper_modules.items()):  # one edited since: imported again
-        if origin in helpers and _read(origin) != imported:
-            sys.modules.pop(key, None)
-            del _helper_modules[key]
+        if key in _helper_modules and origin in helpers and _read(origin) != imported:
+            _forget_module(key)
     module_name = f"textgym_plugin_{abs(hash(name)):x}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -258,6 +258,22 @@ _file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its
 # the sys.modules keys that plugin files imported first, with their files and the bytes imported
 _helper_modules: dict[str, tuple[Path, bytes]] = {}
 _plugin_dirs: list[Path] = []  # the directories plugin files were loaded from: on sys.path, in that order
+
+
+def _forget_module(key: str) -> None:
+    """Drop a local module from ``sys.modules`` so that the next import runs it as it is now, with its whole
+    local package: a package dropped without its submodules would be imported again without them (``import
+    pkg.sub`` finds ``pkg.sub`` cached and never sets ``pkg.sub`` on the new ``pkg``), and a submodule
+    dropped while its package stays is still served as the package's attribute (``from pkg import sub``)."""
+    top = key.split(".")[0]
+    root = top if top in _helper_modules else key  # (a namespace package has no file to track)
+    for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
+        sys.modules.pop(name, None)
+        _helper_modules.pop(name, None)
+    parent, _, child = root.rpartition(".")
+    if parent in sys.modules:
+        with contextlib.suppress(AttributeError):
+            delattr(sys.modules[parent], child)
 
 
 def _read(path: Path) -> bytes:
@@ -374,6 +390,7 @@ def _load_all() -> None:
             if pm.has_plugin(ep.name):
                 continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            before = {name for name, _ in pm.list_name_plugin()}
             try:
                 plugin = ep.load()
             except Exception as exc:
@@ -396,8 +413,9 @@ def _load_all() -> None:
                     f"{DISABLE_AUTOLOAD_VAR}=1."
                 ) from None
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
-            if ep.dist:
-                _distributions[ep.name] = (ep.dist.name, ep.dist.version)
+            if ep.dist:  # (and the @textgym.reward functions its import registered, plugins of their own)
+                for name in {ep.name} | {name for name, _ in pm.list_name_plugin()} - before:
+                    _distributions[name] = (ep.dist.name, ep.dist.version)
         _warn_other_groups()
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):
