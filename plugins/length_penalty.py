@@ -14,7 +14,11 @@ class LengthPenalty:
     """``-(distance / scale) ** p`` where distance is how far the length is from ``target`` (or outside
     ``[min, max]``), ``p`` is 1 (``shape="linear"``) or 2 (``"quadratic"``), and ``scale`` defaults to the
     target (or ``max``). ``missing_eos_penalty`` is subtracted when the completion hit the token limit
-    without ending (``finish_reason == "length"``).
+    without ending (``finish_reason == "length"``). At most 0: 0 at the target (or inside the range).
+
+    ``unit``: ``"tokens"`` (the completion's text tokens: the EOS or stop string that ended it does not
+    count) or ``"words"`` (whitespace-separated). Example: ``target=3``, a 4-token completion cut at the
+    limit scores ``-(1/3) - 1 = -1.333``.
     """
 
     name = "length_penalty"

@@ -8,7 +8,8 @@ from textgym import Sample, hookimpl
 
 
 class Sentiment:
-    """VADER compound score; ``target="negative"`` flips the sign to reward negative text."""
+    """VADER's compound sentiment score of the completion, in [-1, 1] (0 for neutral or empty text);
+    ``target="negative"`` flips the sign to reward negative text."""
 
     name = "sentiment"
 
