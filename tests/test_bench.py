@@ -484,3 +484,22 @@ def test_the_local_modules_a_plugin_file_imports_are_part_of_a_runs_identity(tmp
     before = bench.identity(config)
     (tmp_path / "deeper.py").write_text("SCALE = 10.0\n")
     assert bench._changes(before, bench.identity(config)) == [f"code.{tmp_path / 'deeper.py'}: changed"]
+
+
+def test_an_fn_reward_named_by_module_counts_by_its_file_or_its_packages_version(tmp_path, monkeypatch):
+    """`fn = "package.module:func"` was not in a run's identity at all: an edited module was reused."""
+    import importlib.metadata
+
+    tag = tmp_path.name.replace("-", "_")
+    (tmp_path / f"scores_{tag}.py").write_text(
+        f"import helper_{tag}\ndef score(samples):\n    return [1.0]\n"
+    )
+    (tmp_path / f"helper_{tag}.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {"run": {}, "agent": {},
+              "env": {"rewards": [{"fn": f"scores_{tag}:score"}, "fn=numpy.linalg:norm weight=0"]}}  # fmt: skip
+    ident = bench.identity(config)
+    assert set(ident["code"]) == {str(tmp_path / f"scores_{tag}.py"), str(tmp_path / f"helper_{tag}.py")}
+    assert ident["packages"] == {"numpy": importlib.metadata.version("numpy")}
+    (tmp_path / f"helper_{tag}.py").write_text("X = 2\n")
+    assert bench._changes(ident, bench.identity(config)) == [f"code.{tmp_path / f'helper_{tag}.py'}: changed"]

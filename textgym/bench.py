@@ -117,8 +117,9 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
     directory's (prompt files, policy and reward-model directories: ``data``), and the settings digest of
     each proxy reward model the bench trains (``[[reward_models]]``)."""
     ident = _settings(config)
-    files = with_local_imports(list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards")))
-    ident["code"] = {f: file_digest(f) for f in sorted(set(files))}
+    modules, provided = fn_modules(ident["env"].get("rewards"))
+    files = list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards")) + modules
+    ident["code"] = {f: file_digest(f) for f in sorted(set(with_local_imports(files)))}
     # a proxy reward model the bench trains counts by its settings (reward_models), not by its files, which
     # appear after the first plan
     data = data_paths({"env": ident["env"], "agent": ident["agent"]}, skip=reward_models or {})
@@ -126,8 +127,8 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
         ident["data"] = {p: file_digest(p) for p in sorted(set(data))}
     if reward_models:
         ident["reward_models"] = dict(reward_models)
-    if packages := packages_used(ident):  # an installed plugin package counts by its version
-        ident["packages"] = packages
+    if packages := {**packages_used(ident), **provided}:  # an installed package counts by its version
+        ident["packages"] = dict(sorted(packages.items()))
     return ident
 
 
@@ -142,7 +143,8 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The digests the held-out evaluation depends on besides its settings: the ``fn`` files of the metrics
     (``code``; plugin files are in every run's identity already, so a changed one is refused there), and the
     held-out prompt file and the metrics' model directories (``data``). Empty when there are none."""
-    code = with_local_imports(fn_files(spec["metric_rewards"]))
+    modules, provided = fn_modules(spec["metric_rewards"])
+    code = with_local_imports(fn_files(spec["metric_rewards"]) + modules)
     outputs = [e["output"] for e in spec.get("reward_models", [])]
     data = data_paths(
         {"prompts": spec["bench"]["eval_prompts"], "rewards": spec["metric_rewards"]}, skip=outputs
@@ -150,8 +152,8 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if code:
         out["code"] = {f: file_digest(f) for f in sorted(set(code))}
-    if packages := packages_used(spec["metric_rewards"]):
-        out["packages"] = packages
+    if packages := {**packages_used(spec["metric_rewards"]), **provided}:
+        out["packages"] = dict(sorted(packages.items()))
     if data:
         out["data"] = {p: file_digest(p) for p in sorted(set(data))}
     return out
@@ -192,6 +194,38 @@ def fn_files(specs: Any) -> list[str]:
             if target.endswith(".py"):
                 files.append(target)
     return files
+
+
+def fn_modules(specs: Any) -> tuple[list[str], dict[str, str]]:
+    """Where the code of the ``fn`` components named by module (``"package.module:func"``) is: the installed
+    distributions that provide their top-level package, with their versions, and the ``.py`` files of the
+    others (a module found on ``sys.path``, as the run will import it)."""
+    import importlib.metadata
+    import importlib.util
+
+    from textgym.rewards import parse_reward_spec
+
+    if isinstance(specs, (Mapping, str)):
+        specs = specs.get("components", [specs]) if isinstance(specs, Mapping) else [specs]
+    files: list[str] = []
+    packages: dict[str, str] = {}
+    for spec in specs or []:
+        spec = parse_reward_spec(spec) if isinstance(spec, str) else spec
+        target = spec.get("fn") if isinstance(spec, Mapping) else None
+        module = target.rpartition(":")[0] if isinstance(target, str) else ""
+        if not module or module.endswith(".py") or "/" in module or os.sep in module:
+            continue  # (a file: fn_files)
+        provided = importlib.metadata.packages_distributions().get(module.split(".")[0], [])
+        for name in provided:
+            packages[name] = importlib.metadata.version(name)
+        if not provided:
+            try:
+                found = importlib.util.find_spec(module)
+            except Exception:  # (a module that does not import: the run says so, naming it)
+                found = None
+            if found is not None and found.origin and found.origin.endswith(".py"):
+                files.append(found.origin)
+    return files, packages
 
 
 def with_local_imports(files: Sequence[str]) -> list[str]:

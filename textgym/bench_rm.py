@@ -37,7 +37,7 @@ REQUIRED_PAIRS = ("prompts", "policy", "rewards")
 def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
     """The ``[[reward_models]]`` entries, checked (names, arguments, values, gold rewards) and each with its
     settings ``digest``. Nothing is loaded or trained here."""
-    from textgym.bench import data_paths, file_digest, fn_files, with_local_imports
+    from textgym.bench import data_paths, file_digest, fn_files, fn_modules, with_local_imports
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
     from textgym.plugin_manager import packages_used
     from textgym.reward_model import check_train_settings, train_reward_model
@@ -86,12 +86,15 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         gold = [parse_reward_spec(s) if isinstance(s, str) else s for s in gold_specs(pairs["rewards"])]
         named = pairs["rewards"] if isinstance(pairs["rewards"], list) else [pairs["rewards"]]
         tomls = [str(item) for item in named if isinstance(item, str) and item.endswith(".toml")]
-        files = sorted(
-            set(tomls + with_local_imports(fn_files(gold)) + data_paths(settings) + data_paths(gold))
-        )
+        modules, provided = fn_modules(gold)
+        code = with_local_imports(fn_files(gold) + modules)
+        files = sorted(set(tomls + code + data_paths(settings) + data_paths(gold)))
         digested = {**settings, "files": {f: file_digest(f) for f in files}} if files else settings
-        if packages := packages_used(gold):  # a gold reward from an installed plugin package: by its version
-            digested = {**digested, "packages": packages}
+        if packages := {
+            **packages_used(gold),
+            **provided,
+        }:  # gold code from an installed package: its version
+            digested = {**digested, "packages": dict(sorted(packages.items()))}
         digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
         out.append({"output": output, **settings, "digest": digest})
     outputs = [Path(e["output"]).resolve() for e in out]
