@@ -5,6 +5,7 @@
 out, one sample at a time with no padding, and compares. No timings: those are in docs/performance.md.
 """
 
+import copy
 import json
 
 import numpy as np
@@ -549,7 +550,7 @@ def test_fluency_scores_without_a_pad_token_and_after_an_empty_prompt(tmp_path):
     it. max_length = 1 left nothing to score."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    tokenizer = copy.deepcopy(load_tokenizer("smollm2-135m-instruct"))  # (the zoo's is shared: left as it is)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
