@@ -398,7 +398,11 @@ def _load_model(name_or_path: str | os.PathLike, **kwargs: Any) -> tuple[Any, An
 
 
 def load_tokenizer(model: Any = EMBEDDED) -> Any:
-    """The tokenizer for ``model``: a tokenizer object, a zoo name, a model directory or a hub id."""
+    """The tokenizer for ``model``: a tokenizer object, a zoo name, a model directory or a hub id.
+
+    A zoo name's or directory's tokenizer is loaded once per process and shared by every env and reward that
+    names it: ``copy.deepcopy`` it before changing it (its pad token, its padding side), or the change
+    reaches them all."""
     from textgym import plugin_manager
 
     if _is_tokenizer(model):
