@@ -180,20 +180,24 @@ def data_paths(value: Any, skip: Iterable[str] = ()) -> list[str]:
     return found(value, None)
 
 
-def fn_files(specs: Any) -> list[str]:
-    """The ``.py`` files of the ``fn`` components of a stack spec (tables or ``"fn=file.py:name"`` strings)."""
+def _fn_targets(specs: Any) -> list[str]:
+    """The ``fn`` targets (``"file.py:name"``, ``"package.module:name"``) of a stack spec's components, given as
+    tables or as spec strings, without their ``:name``."""
     from textgym.rewards import parse_reward_spec
 
     if isinstance(specs, (Mapping, str)):
         specs = specs.get("components", [specs]) if isinstance(specs, Mapping) else [specs]
-    files = []
+    targets = []
     for spec in specs or []:
         spec = parse_reward_spec(spec) if isinstance(spec, str) else spec
         if isinstance(spec, Mapping) and isinstance(spec.get("fn"), str):
-            target = spec["fn"].rpartition(":")[0]
-            if target.endswith(".py"):
-                files.append(target)
-    return files
+            targets.append(spec["fn"].rpartition(":")[0])
+    return targets
+
+
+def fn_files(specs: Any) -> list[str]:
+    """The ``.py`` files of the ``fn`` components of a stack spec (tables or ``"fn=file.py:name"`` strings)."""
+    return [target for target in _fn_targets(specs) if target.endswith(".py")]
 
 
 def fn_modules(specs: Any) -> tuple[list[str], dict[str, str]]:
@@ -203,19 +207,14 @@ def fn_modules(specs: Any) -> tuple[list[str], dict[str, str]]:
     import importlib.metadata
     import importlib.util
 
-    from textgym.rewards import parse_reward_spec
+    from textgym.reward_functions import _is_file_target
 
-    if isinstance(specs, (Mapping, str)):
-        specs = specs.get("components", [specs]) if isinstance(specs, Mapping) else [specs]
+    modules = [t for t in _fn_targets(specs) if t and not _is_file_target(t)]  # (a file: fn_files)
+    distributions = importlib.metadata.packages_distributions() if modules else {}
     files: list[str] = []
     packages: dict[str, str] = {}
-    for spec in specs or []:
-        spec = parse_reward_spec(spec) if isinstance(spec, str) else spec
-        target = spec.get("fn") if isinstance(spec, Mapping) else None
-        module = target.rpartition(":")[0] if isinstance(target, str) else ""
-        if not module or module.endswith(".py") or "/" in module or os.sep in module:
-            continue  # (a file: fn_files)
-        provided = importlib.metadata.packages_distributions().get(module.split(".")[0], [])
+    for module in modules:
+        provided = distributions.get(module.split(".")[0], [])
         for name in provided:
             packages[name] = importlib.metadata.version(name)
         if not provided:

@@ -320,9 +320,8 @@ def local_imports(files: Sequence[str | os.PathLike], roots: Sequence[Path] = ()
             else:
                 continue
             for base, parts in targets:
-                for i in range(
-                    1, len(parts) + 1
-                ):  # importing a.b.c runs a/__init__.py, a/b/__init__.py, a/b/c
+                # importing a.b.c runs a/__init__.py, a/b/__init__.py, a/b/c
+                for i in range(1, len(parts) + 1):
                     place = base.joinpath(*parts[:i])
                     visit(place.with_name(place.name + ".py"))
                     visit(place / "__init__.py")
