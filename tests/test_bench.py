@@ -10,7 +10,7 @@ import pytest
 import tomli_w
 from conftest import reward_plugin
 
-from textgym import bench
+from textgym import bench, bench_identity
 from textgym.bench_stats import mean_ci
 from textgym.cli import main
 from textgym.errors import ConfigError
@@ -474,7 +474,7 @@ def test_the_local_modules_a_plugin_file_imports_are_part_of_a_runs_identity(tmp
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     plugin = str(tmp_path / "plugin.py")
-    found = bench.with_local_imports([plugin])
+    found = bench_identity.with_local_imports([plugin])
     assert found[0] == plugin
     assert sorted(found[1:]) == sorted(
         str(tmp_path / n) for n in files if n not in ("plugin.py", "unused.py")
