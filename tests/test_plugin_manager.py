@@ -9,7 +9,7 @@ import pytest
 
 import textgym
 from tests.conftest import reward_plugin
-from textgym import plugin_manager
+from textgym import plugin_files, plugin_manager
 from textgym.cli import main
 from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
 
@@ -359,11 +359,11 @@ def test_local_imports_are_found_where_python_finds_them_beside_any_plugin_file(
     (tmp_path / "a" / "pkg" / "__init__.py").write_text("")
     (tmp_path / "a" / "pkg" / "sub.py").write_text("from . import sibling\n")
     (tmp_path / "a" / "pkg" / "sibling.py").write_text("")
-    found = plugin_manager.local_imports([tmp_path / "a" / "plugin_a.py", tmp_path / "b" / "plugin_b.py"])
+    found = plugin_files.local_imports([tmp_path / "a" / "plugin_a.py", tmp_path / "b" / "plugin_b.py"])
     assert sorted(p.relative_to(tmp_path).as_posix() for p in found) == [
         "a/pkg/__init__.py", "a/pkg/sibling.py", "a/pkg/sub.py", "b/deeper.py", "b/shared.py"
     ]  # fmt: skip
-    alone = plugin_manager.local_imports([tmp_path / "a" / "plugin_a.py"], roots=[tmp_path / "b"])
+    alone = plugin_files.local_imports([tmp_path / "a" / "plugin_a.py"], roots=[tmp_path / "b"])
     assert sorted(alone) == sorted(found)
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from textgym.evaluation import jsonable
-from textgym.plugin_manager import packages_used
 
 __all__ = [
     "config_hash", "data_paths", "evaluation_files", "file_digest", "file_stats", "fn_files", "fn_modules",
-    "identity", "with_local_imports",
+    "identity", "packages_used", "with_local_imports",
 ]  # fmt: skip
 
 
@@ -144,9 +143,9 @@ def fn_modules(specs: Any) -> tuple[list[str], dict[str, str]]:
 
 def with_local_imports(files: Sequence[str]) -> list[str]:
     """``files`` (plugin and ``fn`` files) and the local modules they import
-    (:func:`textgym.plugin_manager.local_imports`): an edit to ``helpers.py`` beside a plugin that imports it
+    (:func:`textgym.plugin_files.local_imports`): an edit to ``helpers.py`` beside a plugin that imports it
     changes the rewards as much as one in the plugin itself."""
-    from textgym.plugin_manager import local_imports
+    from textgym.plugin_files import local_imports
 
     return [*files, *(str(p) for p in local_imports(files))]
 
@@ -181,6 +180,35 @@ def file_stats(path: Path) -> dict[str, list[int]]:
     checkpoint again (for :func:`file_digest`) only when these changed."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
     return {p.relative_to(path).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
+def packages_used(config: Any) -> dict[str, str]:
+    """The installed plugin packages (entry points) that registered a name ``config`` uses, with their
+    versions: ``{"textgym-example": "0.1.0"}``. A name is any string in it (a spec string's first word) that
+    is registered as a reward, env, agent, responder, prompt source or model."""
+    from textgym.plugin_manager import KINDS, distribution_of, load_plugins, registry
+
+    load_plugins()
+    words: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and value.strip():
+            words.add(value.split()[0])
+
+    walk(config)
+    used = {}
+    for hook_name in KINDS:
+        for word in sorted(words & set(registry(hook_name).names())):
+            if found := distribution_of(registry(hook_name).get(word).plugin):
+                name, version = found
+                used[name] = version
+    return dict(sorted(used.items()))
 
 
 def _digest(value: Any) -> str:

@@ -37,9 +37,15 @@ REQUIRED_PAIRS = ("prompts", "policy", "rewards")
 def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
     """The ``[[reward_models]]`` entries, checked (names, arguments, values, gold rewards) and each with its
     settings ``digest``. Nothing is loaded or trained here."""
-    from textgym.bench_identity import data_paths, file_digest, fn_files, fn_modules, with_local_imports
+    from textgym.bench_identity import (
+        data_paths,
+        file_digest,
+        fn_files,
+        fn_modules,
+        packages_used,
+        with_local_imports,
+    )
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
-    from textgym.plugin_manager import packages_used
     from textgym.reward_model import check_train_settings, train_reward_model
     from textgym.rewards import parse_reward_spec
 

@@ -7,8 +7,6 @@ registries are rebuilt from the hooks whenever the set of plugins changes.
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -17,7 +15,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import pluggy
 
 from textgym import hookspecs
 from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
+from textgym.plugin_files import forget_edited, local_imports, read_bytes, track_imported
 
 DEFAULT_PLUGINS = (
     "textgym.plugins.rm_score",
@@ -215,14 +214,12 @@ def load_plugin_file(path: str | os.PathLike) -> str:
         raise PluginError(f"plugin file {str(path)!r} does not exist or is not a .py file.")
     helpers = local_imports([file], roots=_plugin_dirs)
     # the file and the local modules it imports, as they are now: an edit to either imports it again
-    content = b"\0".join([file.read_bytes(), *(_read(h) for h in helpers)])
+    content = b"\0".join([file.read_bytes(), *(read_bytes(h) for h in helpers)])
     if pm.has_plugin(name):
         if _file_contents.get(name) == content:
             return name
         unregister_plugin(name)
-    for key, (origin, imported) in list(_helper_modules.items()):  # one edited since: imported again
-        if key in _helper_modules and origin in helpers and _read(origin) != imported:
-            _forget_module(key)
+    forget_edited(helpers)
     module_name = f"textgym_plugin_{abs(hash(name)):x}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
@@ -237,11 +234,8 @@ def load_plugin_file(path: str | os.PathLike) -> str:
         spec.loader.exec_module(module)
     except Exception as exc:
         raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
-    finally:  # the local modules this import brought in (not textgym, not what was imported before)
-        for key in set(sys.modules) - before:
-            origin = getattr(sys.modules.get(key), "__file__", None)
-            if origin and Path(origin).resolve() in helpers:
-                _helper_modules[key] = Path(origin).resolve(), _read(Path(origin))
+    finally:
+        track_imported(before, helpers)
     for hook in KINDS:
         function = getattr(module, hook, None)
         if callable(function) and not hasattr(function, "textgym_impl"):
@@ -255,112 +249,15 @@ def load_plugin_file(path: str | os.PathLike) -> str:
 
 
 _file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its local modules', as imported
-# the sys.modules keys that plugin files imported first, with their files and the bytes imported
-_helper_modules: dict[str, tuple[Path, bytes]] = {}
 _plugin_dirs: list[Path] = []  # the directories plugin files were loaded from: on sys.path, in that order
-
-
-def _forget_module(key: str) -> None:
-    """Drop a local module from ``sys.modules`` so that the next import runs it as it is now, with its whole
-    local package: a package dropped without its submodules would be imported again without them (``import
-    pkg.sub`` finds ``pkg.sub`` cached and never sets ``pkg.sub`` on the new ``pkg``), and a submodule
-    dropped while its package stays is still served as the package's attribute (``from pkg import sub``)."""
-    top = key.split(".")[0]
-    root = top if top in _helper_modules else key  # (a namespace package has no file to track)
-    for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
-        sys.modules.pop(name, None)
-        _helper_modules.pop(name, None)
-    parent, _, child = root.rpartition(".")
-    if parent in sys.modules:
-        with contextlib.suppress(AttributeError):
-            delattr(sys.modules[parent], child)
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return b""
-
-
-def local_imports(files: Sequence[str | os.PathLike], roots: Sequence[Path] = ()) -> list[Path]:
-    """The local modules that plugin (or ``fn``) ``files`` import, at any depth: the ``.py`` files (and
-    packages' ``__init__.py``) that their ``import`` statements name, found as Python finds them once the
-    files are loaded: in each file's directory, which joins ``sys.path``, and in ``roots`` (other plugin
-    files' directories, on ``sys.path`` too); relative imports from a package's directory. Read from the
-    source (``ast``); installed packages are not looked for, nor a name given to ``importlib`` at run time."""
-    given = [Path(f).expanduser().resolve() for f in files]
-    dirs = list(dict.fromkeys([*(g.parent for g in given), *(Path(r).resolve() for r in roots)]))
-    seen: set[Path] = set()
-    found: list[Path] = []
-
-    def visit(file: Path) -> None:
-        if file in seen or not file.is_file():
-            return
-        seen.add(file)
-        if file not in given:
-            found.append(file)
-        try:
-            tree = ast.parse(file.read_bytes())
-        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):  # (loading it says why)
-            return
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [(base, alias.name.split(".")) for alias in node.names for base in dirs]
-            elif isinstance(node, ast.ImportFrom):
-                module = node.module.split(".") if node.module else []
-                if not node.level:
-                    bases = dirs
-                elif node.level <= len(file.parents):
-                    bases = [file.parents[node.level - 1]]
-                else:
-                    continue
-                # (an imported name may be a module of the package)
-                targets = [(base, [*module, alias.name]) for alias in node.names for base in bases]
-            else:
-                continue
-            for base, parts in targets:
-                # importing a.b.c runs a/__init__.py, a/b/__init__.py, a/b/c
-                for i in range(1, len(parts) + 1):
-                    place = base.joinpath(*parts[:i])
-                    visit(place.with_name(place.name + ".py"))
-                    visit(place / "__init__.py")
-
-    for path in given:
-        visit(path)
-    return found
-
-
 _load_error: Exception | None = None
 _distributions: dict[str, tuple[str, str]] = {}  # an entry-point plugin -> its distribution's name, version
 
 
-def packages_used(config: Any) -> dict[str, str]:
-    """The installed plugin packages (entry points) that registered a name ``config`` uses, with their
-    versions: ``{"textgym-example": "0.1.0"}``. A name is any string in it (a spec string's first word) that
-    is registered as a reward, env, agent, responder, prompt source or model."""
-    load_plugins()
-    words: set[str] = set()
-
-    def walk(value: Any) -> None:
-        if isinstance(value, Mapping):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-        elif isinstance(value, str) and value.strip():
-            words.add(value.split()[0])
-
-    walk(config)
-    used = {}
-    for hook_name in KINDS:
-        for word in sorted(words & set(registry(hook_name).names())):
-            plugin = registry(hook_name).get(word).plugin
-            if plugin in _distributions:
-                name, version = _distributions[plugin]
-                used[name] = version
-    return dict(sorted(used.items()))
+def distribution_of(plugin: str) -> tuple[str, str] | None:
+    """The installed distribution (name, version) whose entry point loaded ``plugin`` (also a function its
+    import registered with ``@textgym.reward``), or None for a built-in, a file or a plugin registered in code."""
+    return _distributions.get(plugin)
 
 
 def load_plugins() -> None:
