@@ -384,3 +384,26 @@ def test_the_html_report_renders_its_plots_and_tables_in_a_browser(report, tmp_p
 
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[0] > 1000 and pixels.std() > 0.05
+
+
+def test_the_overoptimization_plot_draws_a_kl_estimate_below_zero_left_of_zero(report):
+    """Mean log pi - log pi_ref over a few samples can be negative near the reference: drawn as -sqrt(-KL), and the
+    axis says so, not clamped to a KL of exactly 0."""
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from textgym.bench_plots import overoptimization
+
+    _, results = report
+    run = next(iter(results.curves))
+    curves = {k: [dict(r) for r in c] for k, c in results.curves.items()}
+    curves[run][0]["kl"] = -0.25
+    fig = overoptimization(dataclasses.replace(results, curves=curves))
+    xs = [x for ax in fig.axes for line in ax.get_lines() for x in line.get_xdata()]
+    assert min(xs) == pytest.approx(-0.5)
+    assert "below 0" in fig.axes[0].get_xlabel()
+    fig_clean = overoptimization(results)
+    assert "below 0" not in fig_clean.axes[0].get_xlabel()
+    assert min(x for ax in fig_clean.axes for line in ax.get_lines() for x in line.get_xdata()) >= 0

@@ -205,6 +205,11 @@ def overoptimization(results: BenchResults) -> Any:
     metrics = [REWARD, *results.gold]
     colors, styles = _style(results)
     fig, axes = _grid(len(metrics))
+    # KL is a sample mean of log pi - log pi_ref, so near the reference it can come out below 0. Such a
+    # point is drawn left of 0 (the signed root), not at 0: a clamp would show a measured -0.3 as exactly 0.
+    negative = any(
+        r["kl"] < 0 for rows in results.curves.values() for r in rows if not math.isnan(r.get("kl", math.nan))
+    )
     for ax, metric in zip(axes, metrics):
         for agent in results.agents:
             for design in results.designs:
@@ -217,7 +222,7 @@ def overoptimization(results: BenchResults) -> Any:
                     ]
                     runs.append(
                         (
-                            [math.sqrt(max(r["kl"], 0.0)) for r in rows],
+                            [math.copysign(math.sqrt(abs(r["kl"])), r["kl"]) for r in rows],
                             [r.get(metric, math.nan) for r in rows],
                         )
                     )
@@ -236,7 +241,10 @@ def overoptimization(results: BenchResults) -> Any:
         ax.set_title(
             "reward (each design's own total: the proxy)" if metric == REWARD else f"metric: {metric}"
         )
-        ax.set_xlabel("sqrt(KL to the reference), sqrt(nats)")
+        ax.set_xlabel(
+            "sqrt(KL to the reference), sqrt(nats)"
+            + ("; left of 0: sample estimates below 0, -sqrt(-KL)" if negative else "")
+        )
         ax.grid(alpha=0.3)
     if axes:
         axes[0].legend(fontsize=7)
