@@ -9,7 +9,7 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 import textgym
-from textgym import Reply, TextGenEnv, TextGenVectorEnv, plugin_manager
+from textgym import Reply, TextGenEnv, TextGenVectorEnv, plugin_info, plugin_manager
 from textgym.errors import ConfigError, UnknownNameError
 from textgym.models import CharTokenizer
 from textgym.responders import ResponderError
@@ -546,7 +546,7 @@ def test_responder_decorator_and_specs_go_through_the_plugin_manager():
     try:
         made = textgym.make_responder("countdown start=5")
         assert made([textgym.Conversation("p")]) == ["5"]
-        rows = {row["name"]: row for row in plugin_manager.plugins_report()}
+        rows = {row["name"]: row for row in plugin_info.plugins_report()}
         assert rows["textgym.plugins.calculator"]["registers"]["responder"] == ["calculator"]
         assert any(r["registers"].get("responder") == ["countdown"] for r in rows.values())
     finally:

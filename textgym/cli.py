@@ -301,10 +301,10 @@ def _label_pairs(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from textgym import plugin_manager
+    from textgym import plugin_info
 
     if args.name is not None:
-        described = plugin_manager.describe(args.name)
+        described = plugin_info.describe(args.name)
         if args.json:
             print(json.dumps(described, indent=2, default=repr))
             return 0
@@ -316,7 +316,7 @@ def _plugins(args: argparse.Namespace) -> int:
                 print(f"    registered with: {', '.join(f'{k}={v!r}' for k, v in row['defaults'].items())}")
             print(textwrap.indent(row["doc"] or "(no documentation)", "    "))
         return 0
-    report = plugin_manager.plugins_report()
+    report = plugin_info.plugins_report()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
