@@ -297,6 +297,12 @@ def test_a_lora_policy_with_dropout_runs_in_eval_mode():
         lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
     )  # fmt: skip
     assert not [n for n, m in agent.rollout_model.named_modules() if m.training]
+    agent.learn(16)  # lora_B is 0 at the start, when the adapters' dropout has nothing to drop
+    batch = agent.collect_rollouts()
+    with torch.no_grad():
+        logprobs = agent.policy_logprobs(batch)[0] * batch.response_mask
+    torch.testing.assert_close(logprobs, batch.logprobs * batch.response_mask, atol=1e-5, rtol=0)
+    assert not [n for n, m in agent.rollout_model.named_modules() if m.training]
 
 
 @needs_bf16

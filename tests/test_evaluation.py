@@ -184,7 +184,10 @@ def test_an_evaluation_is_reproducible_and_reads_every_component(tmp_path):
     assert e["reward"] == pytest.approx(e["components"]["match"] + 0.5 * e["components"]["length_penalty"])
     shares = [c["share"] for c in first.components.values()]
     assert sum(shares) == pytest.approx(1.0) and first.components["length_penalty"]["weight"] == 0.5
-    assert first.errors["exact_copy"] >= 0 and not math.isnan(first.errors["reward"])
+    # the standard error of each mean: the sample std (n - 1) over sqrt(n), per metric over its episodes
+    for name, values in [("exact_copy", [e["components"]["exact_copy"] for e in first.episodes]),
+                         ("reward", [e["reward"] for e in first.episodes])]:  # fmt: skip
+        assert first.errors[name] == pytest.approx(np.std(values, ddof=1) / math.sqrt(len(values)))
 
 
 def test_an_lm_agents_evaluation_draws_the_same_random_numbers_every_time_and_leaves_trainings(

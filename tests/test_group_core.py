@@ -116,8 +116,15 @@ def test_unknown_loss_type_lists_the_valid_ones():
 
 
 def test_sequence_ratio_is_over_the_completions_tokens():
-    # log-ratios 0.1 + 0.2 over the two real tokens (the masked 9.0 does not count): ratio e^0.3 = 1.35
-    logprobs, old = T([[0.1, 0.2, 9.0], [0.0, 0.0, 0.0]]), torch.zeros(2, 3)
+    # log-ratios 0.05 + 0.05 over the two real tokens (the masked 9.0 does not count): ratio e^0.1, inside
+    # the clip range; counting the 9.0 would clip it at 1.2
+    logprobs, old = T([[0.05, 0.05, 9.0], [0.0, 0.0, 0.0]]), torch.zeros(2, 3)
     loss, low, high = sequence_clipped_surrogate(logprobs, old, MASK, T([1.0, -2.0]), 0.2, 0.2)
-    close(loss, [-1.2, 2.0])  # clipped at 1.2 with A = 1; ratio 1 with A = -2
-    assert high.tolist() == [True, False] and low.tolist() == [False, False]
+    close(loss, [-math.exp(0.1), 2.0])  # unclipped with A = 1; ratio 1 with A = -2
+    assert high.tolist() == [False, False] and low.tolist() == [False, False]
+    # a ratio past 1 + epsilon_high is clipped, and flagged
+    loss, _, high = sequence_clipped_surrogate(
+        T([[0.1, 0.2, 9.0], [0.0, 0.0, 0.0]]), old, MASK, T([1.0, -2.0]), 0.2, 0.2
+    )
+    close(loss, [-1.2, 2.0])
+    assert high.tolist() == [True, False]

@@ -4,6 +4,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import reward_plugin
 from lm_helpers import CHARS, char_llama, iterations, make_env
 from stable_baselines3.common.callbacks import (
     BaseCallback,
@@ -103,7 +104,6 @@ def test_save_load_round_trip_gives_identical_predictions_and_resumes_bit_for_bi
     agent.save(tmp_path / "ckpt")
     loaded = LMPPO.load(tmp_path / "ckpt", make_env())
     assert (loaded.num_timesteps, loaded.iteration) == (agent.num_timesteps, agent.iteration)
-    assert loaded.kl_ctl.kl_coef == agent.kl_ctl.kl_coef
     obs, _ = make_env(4).reset(seed=1)
     np.testing.assert_array_equal(
         agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
@@ -302,6 +302,11 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
     trainable = sum(p.numel() for p in agent.params)
     assert trainable < sum(p.numel() for p in base.parameters()) / 5
     agent.learn(16 * 6 * 2)
+    # after training (B no longer 0) the adapters move the policy, and the reference is still the base model
+    with torch.no_grad():
+        reference = logprobs_from_logits(agent.forward(base, b)[0], b.response_ids) * b.response_mask
+    torch.testing.assert_close(agent.reference_logprobs(b), reference)
+    assert not torch.allclose(agent.sequence_logprobs(agent.rollout_model, b)[0], reference, atol=1e-4)
     with pytest.raises(ConfigError, match="LoRA policy needs the base model given by name"):
         agent.save(tmp_path / "lora")
 
@@ -445,8 +450,10 @@ def test_bad_hyperparameters_and_envs_are_clear_errors():
 
 def test_score_shaping_order():
     agent = LMPPO(char_llama(), None, missing_eos_penalty=1.0, score_scale=2.0, score_clip=1.5, verbose=0)
-    shaped = agent.shape_scores(torch.tensor([0.5, 0.5]), truncated=torch.tensor([True, False]))
-    assert shaped.tolist() == [-1.0, 1.0]  # (0.5 - 1) * 2 = -1; 0.5 * 2 = 1, under the clip
+    shaped = agent.shape_scores(torch.tensor([0.5, 1.0]), truncated=torch.tensor([True, False]))
+    # (0.5 - 1) * 2 = -1 (a penalty after scaling would give 0); 1.0 * 2 = 2, clipped to 1.5 (a clip before
+    # scaling would give 2)
+    assert shaped.tolist() == [-1.0, 1.5]
     assert json.dumps(agent.config.__dict__)  # the config is JSON-serialisable for checkpoints
 
 
@@ -461,10 +468,12 @@ def test_a_checkpoints_policy_is_a_model_directory_with_its_tokenizer(tmp_path):
     assert tokenizer.pad_token_id == env.pad_token_id and model.config.vocab_size == len(tokenizer)
 
 
-def test_lora_checkpoint_round_trip_by_model_name(tmp_path):
+def test_lora_checkpoint_round_trip_by_model_name(tmp_path, register):
+    # a score that differs between completions: the update moves the adapter (sentiment is 0 on all of them)
+    register(reward_plugin("first_id", lambda ss: [s.completion_ids[0] / 1000 for s in ss]), "first-id")
     env = TextGenVectorEnv(
         num_envs=2, model="tiny-random-llama", prompts=["Hi", "Why?"], max_new_tokens=4,
-        rewards=[{"name": "sentiment"}], autoreset_mode="Disabled",
+        rewards=[{"name": "first_id"}], autoreset_mode="Disabled",
     )  # fmt: skip
     lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
     agent = LMPPO("tiny-random-llama", env, lora=lora, seed=0, **FAST).learn(8)
@@ -477,6 +486,11 @@ def test_lora_checkpoint_round_trip_by_model_name(tmp_path):
         agent.predict(obs, deterministic=True)[0], loaded.predict(obs, deterministic=True)[0]
     )
     assert loaded.iteration == agent.iteration and loaded.ref_policy is None
+    # the trained adapter itself came back (greedy actions rarely show one small update)
+    b = agent.collect_rollouts()
+    trained = agent.sequence_logprobs(agent.rollout_model, b)[0]
+    torch.testing.assert_close(loaded.sequence_logprobs(loaded.rollout_model, b)[0], trained)
+    assert not torch.allclose(trained, agent.reference_logprobs(b), atol=1e-6)
 
 
 @pytest.mark.parametrize(("target_kl", "steps"), [(None, 8), (1e-9, 2)])

@@ -43,14 +43,12 @@ def test_gae_with_gamma_1_lambda_1_gives_reward_to_go_minus_value():
 
 
 def test_whitening_ignores_padding_and_can_keep_the_mean():
-    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    x = torch.tensor([[1.0, 3.0, 5.0, 100.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    w = masked_whiten(x, mask)
-    torch.testing.assert_close(
-        w, torch.tensor([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-6, rtol=0
-    )  # unbiased std = 1
-    kept = masked_whiten(x, mask, shift_mean=False)
-    torch.testing.assert_close(kept, torch.tensor([[1.0, 2.0, 3.0, 0.0]]), atol=1e-6, rtol=0)
+    w = masked_whiten(x, mask)  # mean 3, unbiased std 2 over the three unmasked entries
+    torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-6, rtol=0)
+    kept = masked_whiten(x, mask, shift_mean=False)  # scaled by 1/std, the mean added back
+    torch.testing.assert_close(kept, torch.tensor([[2.0, 3.0, 4.0, 0.0]]), atol=1e-6, rtol=0)
 
 
 def test_per_token_rewards_put_the_score_on_the_last_real_token():
@@ -101,8 +99,8 @@ def test_clipped_policy_loss_against_hand_numbers():
 def test_policy_loss_ignores_positions_after_eos():
     old, new = torch.zeros(1, 2), torch.tensor([[0.0, 3.0]])
     adv = torch.tensor([[1.0, 1000.0]])
-    loss, clipfrac, _ = policy_loss(new, old, adv, torch.tensor([[1, 0]]), 0.2)
-    assert loss.item() == -1.0 and clipfrac.item() == 0.0
+    loss, clipfrac, approx_kl = policy_loss(new, old, adv, torch.tensor([[1, 0]]), 0.2)
+    assert loss.item() == -1.0 and clipfrac.item() == 0.0 and approx_kl.item() == 0.0
 
 
 def test_clipped_value_loss_against_hand_numbers():

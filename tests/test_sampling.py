@@ -179,7 +179,9 @@ def test_a_diverged_model_fails_the_rollout_with_its_cause():
         sample_episodes(model, env, temperature=1.0, seed=0)
 
 
-def test_rollout_returns_host_log_probs_and_keeps_hidden_states_on_the_model_device(tiny):
+def test_rollout_log_probs_are_of_the_sampled_tokens_and_hidden_states_come_back_when_asked(tiny):
+    """(On a GPU the log-probs come back on the host and the hidden states stay on the model's device;
+    tests/test_host_syncs.py counts the copies on every machine.)"""
     from textgym.sampling import rollout
 
     model, _ = tiny
@@ -191,6 +193,7 @@ def test_rollout_returns_host_log_probs_and_keeps_hidden_states_on_the_model_dev
     device = next(model.parameters()).device
     assert r.logprobs.device.type == "cpu" and r.hidden.device == device
     assert torch.isfinite(r.logprobs).all() and (r.logprobs[r.response_mask.bool()] < 0).all()
+    assert r.hidden.shape[:2] == r.logprobs.shape and r.hidden.shape[2] == model.config.hidden_size
 
 
 def test_a_tiny_char_llama_checkpoints_policy_samples_from_the_command_line(tmp_path, capsys):
