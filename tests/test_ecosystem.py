@@ -17,6 +17,7 @@ from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 import textgym
 from textgym import FunctionReward, RewardStack
 from textgym.agents.ppo import LMPPO
+from textgym.cli import main
 from textgym.errors import ConfigError, PluginError
 from textgym.evaluate import EvalCallback, evaluate_policy
 from textgym.models import is_complete
@@ -107,6 +108,67 @@ def test_a_misnamed_agent_or_agent_table_is_named_as_such():
         UnknownNameError, match=r"Did you mean Stable-Baselines3's 'a2c'\?.*named directly too"
     ):
         find_agent("a2")
+    assert find_agent("GRPO") is find_agent("grpo")  # as find_agent("A2C") is SB3's A2C
+
+
+def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_anything_loads(capsys):
+    """A typo in another agent's table was copied into the run's config.toml unseen; `num_generations = "4"`
+    was a TypeError traceback from the process split; [agent.ppo] and [agent.sb3-ppo] (one algorithm) had
+    the last one win silently; GRPO's `kl_coef` and a misspelt `seed` pointed nowhere useful."""
+    from textgym.agent_config import resolve_agent
+
+    base = {"name": "lmppo", "policy": "tiny-char-llama"}
+    for table, says in [({"grpo": {"bta": 0.1}}, r"\[agent.grpo\] grpo: unknown hyperparameter 'bta'. Did you mean 'beta'"),
+                        ({"a2c": {"n_stpes": 4}}, r"\[agent.a2c\] a2c: unknown hyperparameter 'n_stpes'. Did you mean 'n_steps'"),
+                        ({"sedd": 3}, r"unknown hyperparameter 'sedd'. Did you mean run.seed"),
+                        ({"name": "grpo", "kl_coef": 0.1}, r"grpo: unknown hyperparameter 'kl_coef'. grpo calls it 'beta'"),
+                        ({"name": "grpo", "num_generations": "4"}, r"^\[agent\] grpo: num_generations must be"),
+                        ({"name": "ppo", "ppo": {"n_steps": 8}, "sb3-ppo": {"n_steps": 32}},
+                         r"\[agent.ppo\] and \[agent.sb3-ppo\] both hold ppo's hyperparameters")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=says):
+            resolve_agent({**base, **table})
+    args = [
+        "train",
+        str(EXAMPLES / "copy.toml"),
+        "--agent",
+        "grpo",
+        "--set",
+        'agent.grpo.num_generations="4"',
+    ]
+    assert main(args) == 2 and "num_generations must be" in capsys.readouterr().err
+
+
+def test_an_sb3_resume_refuses_an_edited_config_and_takes_another_name_of_its_agent(tmp_path, capsys):
+    """n_steps edited in an A2C run's config.toml was ignored on resume (SB3's saved value won) while the file
+    said otherwise; `--resume RUN --agent sb3-a2c` on an a2c run was refused as another agent."""
+    out = tmp_path / "a2c"
+    run(EXAMPLES / "copy-sb3.toml", quick("run.total_timesteps=64", tmp=out), agent_name="a2c")
+    text = (out / "config.toml").read_text()
+    assert "n_steps = 16" in text
+    (out / "config.toml").write_text(text.replace("n_steps = 16", "n_steps = 4"))
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_steps: 16 -> 4" in err
+    (out / "config.toml").write_text(text)
+    assert (
+        main(["train", "--resume", str(out), "--agent", "SB3-A2C", "--set", "run.total_timesteps=128"]) == 0
+    )
+    assert int(csv_rows(out / "metrics.csv")[-1]["timesteps"]) == 256  # 16 envs x 16 steps per rollout
+
+
+def test_a_checkpoint_of_another_agent_than_config_toml_names_is_refused_by_name(tmp_path):
+    """grpo -> rloo in a run's config.toml was refused for a hyperparameter whose default differs (beta),
+    not for the agent."""
+    from textgym.agents.rloo import RLOO
+    from textgym.resume_checks import check_checkpoint_config
+    from textgym.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.checkpoint.mkdir(parents=True)
+    (rd.checkpoint / "state.json").write_text(json.dumps({"agent": "grpo", "config": {"beta": 0.0}}))
+    with pytest.raises(
+        ConfigError, match=r"now names the agent 'rloo', but .* was trained by 'grpo'.*agent.name = 'grpo'"
+    ):
+        check_checkpoint_config(rd, {"beta": 0.01}, RLOO)
 
 
 @pytest.mark.parametrize("agent", ["a2c", "lmppo"])

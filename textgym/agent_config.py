@@ -65,6 +65,8 @@ def find_agent(name: str) -> Any:
     try:
         return plugin_manager.load_agent(name)
     except UnknownNameError as exc:
+        if isinstance(name, str) and name.lower() in plugin_manager.registry("register_agents"):
+            return plugin_manager.load_agent(name.lower())  # `--agent GRPO`, as `--agent A2C` works
         algorithm = sb3_algorithm(name) if isinstance(name, str) else None
         if algorithm is None:
             close = difflib.get_close_matches(
@@ -121,6 +123,52 @@ def _check_annotations(
             raise ConfigError(f"{where} {name}: {key} must be {what}, not {value!r}.")
 
 
+# other libraries' names for a hyperparameter (TRL's GRPO calls the KL coefficient beta, its PPO kl_coef)
+ALSO_CALLED = {"kl_coef": "beta", "beta": "kl_coef", "init_kl_coef": "kl_coef", "num_train_epochs": "n_epochs",
+               "num_ppo_epochs": "n_epochs", "cliprange": "clip_range", "epsilon": "clip_range"}  # fmt: skip
+
+
+def _check_names(name: str, agent_class: Any, hyperparameters: dict[str, Any], own: Any) -> None:
+    """Every key of ``hyperparameters`` is one ``agent_class`` takes; ``own``: the keys that came from the
+    agent's own table (``True``: all of them), for the message."""
+    valid = hyperparameter_names(agent_class)
+    if valid is None:
+        return
+    valid = [v for v in valid if v != "seed"]  # run.seed seeds a run (refused above)
+    for key in hyperparameters:
+        if key in valid:
+            continue
+        mine = own is True or key in own
+        near = difflib.get_close_matches(key, valid, n=1)
+        # a table no hyperparameter is close to: [agent.<key>], meant for an agent
+        if not mine and isinstance(hyperparameters[key], dict) and not near:
+            agents = plugin_manager.registry("register_agents").names()
+            close = difflib.get_close_matches(key, agents, n=1)
+            hint = f" Did you mean [agent.{close[0]}]?" if close else ""
+            raise ConfigError(
+                f"[agent.{key}] names no known agent.{hint} Known agents: {', '.join(agents)} and "
+                f"Stable-Baselines3's algorithms; an agent from a plugin file needs the file loaded "
+                f"(--plugin FILE.py or run.plugins)."
+            )
+        if ALSO_CALLED.get(key) in valid:
+            hint = f" {name} calls it {ALSO_CALLED[key]!r}."
+        elif difflib.get_close_matches(key, ["seed"], n=1):
+            hint = " Did you mean run.seed (a run's seed)?"
+        else:
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+        where = f"[agent.{name}]" if mine else "[agent]"
+        tables = (
+            ""
+            if mine
+            else f" Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
+            f"[agent.<other agent>]."
+        )
+        raise ConfigError(
+            f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}."
+            f"{tables}"
+        )
+
+
 def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """``(agent_class, policy, hyperparameters)`` for the ``[agent]`` table of a validated config: shared keys,
     then the chosen agent's own table; every hyperparameter checked against what the agent takes."""
@@ -129,10 +177,15 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     tables = {
         k: v for k, v in agent.items() if isinstance(v, dict) and k not in RESERVED and is_agent_name(k)
     }
-    own = {}
-    for key, table in tables.items():
-        if key == name or find_agent(key) is agent_class:
-            own = dict(table)
+    mine = [key for key in tables if key == name or find_agent(key) is agent_class]
+    if len(mine) > 1:  # one would silently win over the other
+        raise ConfigError(
+            f"{' and '.join(f'[agent.{k}]' for k in mine)} both hold {name}'s hyperparameters: keep one table."
+        )
+    own = dict(tables[mine[0]]) if mine else {}
+    for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo in it would wait,
+        # unseen, for the run that reads it (`--agent <it>`), and be copied into this run's config.toml
+        _check_names(key, find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}, own=True)
     shared = {k: v for k, v in agent.items() if k not in RESERVED and k not in tables}
     own_policy = "policy" in own
     policy = own.pop("policy", agent.get("policy"))
@@ -143,35 +196,13 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
             f"it for each of its seeds); remove seed from the agent's table, and set run.seed (in a bench: "
             f"bench.seeds) instead."
         )
-    valid = hyperparameter_names(agent_class)
-    if valid is not None:
-        for key in hyperparameters:
-            if key in valid:
-                continue
-            near = difflib.get_close_matches(key, valid, n=1)
-            # a table no hyperparameter is close to: [agent.<key>], meant for an agent
-            if key not in own and isinstance(hyperparameters[key], dict) and not near:
-                agents = plugin_manager.registry("register_agents").names()
-                close = difflib.get_close_matches(key, agents, n=1)
-                hint = f" Did you mean [agent.{close[0]}]?" if close else ""
-                raise ConfigError(
-                    f"[agent.{key}] names no known agent.{hint} Known agents: {', '.join(agents)} and "
-                    f"Stable-Baselines3's algorithms; an agent from a plugin file needs the file loaded "
-                    f"(--plugin FILE.py or run.plugins)."
-                )
-            hint = f" Did you mean {near[0]!r}?" if near else ""
-            where = f"[agent.{name}]" if key in own else "[agent]"
-            tables = (
-                ""
-                if key in own
-                else f" Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
-                f"[agent.<other agent>]."
-            )
-            raise ConfigError(
-                f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}."
-                f"{tables}"
-            )
-    if not is_lm_agent(agent_class):  # an LM agent's config dataclass checks its own annotations
+    _check_names(name, agent_class, hyperparameters, own=own)
+    if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
+        try:
+            agent_class.config_class(**hyperparameters)
+        except (ConfigError, TypeError) as exc:  # (TypeError: a plugin config's field without a default)
+            raise ConfigError(f"[agent] {name}: {exc}") from None
+    else:
         _check_annotations(agent_class, name, hyperparameters, own)
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]

@@ -117,7 +117,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         config = resolve_paths(config, Path(path).resolve().parent)
     for override in overrides:  # paths given on the command line are relative to the working directory
         apply_override(config, override, lambda given: resolve_paths(given, Path.cwd()))
-    return validate(config, source=str(path) if path else "the config")
+    source = str(path) if path else "the config"
+    if overrides:  # a bad value may come from either: both are named
+        source += f" with --set {' '.join(overrides)}"
+    return validate(config, source=source)
 
 
 def resolve_paths(config: dict[str, Any], base_dir: Path) -> dict[str, Any]:

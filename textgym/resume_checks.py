@@ -10,42 +10,84 @@ from typing import Any
 from textgym.errors import ConfigError
 from textgym.rundir import RunDir
 
-__all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_resume_changes"]
+__all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_resume_changes",
+           "check_sb3_checkpoint_config"]  # fmt: skip
 
 
 # hyperparameters that say where and how loudly a run trains, not what it learns: a resume may differ in them
 MACHINE_SETTINGS = ("device", "verbose", "tensorboard_log")
 
 
-def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any]) -> None:
-    """The checkpoint was trained with the hyperparameters the run's config.toml gives now. A resume loads
-    the optimizer (its learning rate) and the counters from the checkpoint and the rest from config.toml: a
-    value edited there would half apply (a new n_epochs, the old learning rate), and state.json would record
-    one that was never used."""
+def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any], agent_class: Any = None) -> None:
+    """The checkpoint was trained with the agent and the hyperparameters the run's config.toml gives now. A
+    resume loads the optimizer (its learning rate) and the counters from the checkpoint and the rest from
+    config.toml: a value edited there would half apply (a new n_epochs, the old learning rate), and state.json
+    would record one that was never used."""
     from textgym.evaluation import jsonable
 
     state_file = rd.checkpoint / "state.json"
     try:
-        trained = json.loads(state_file.read_text(encoding="utf-8"))["config"]
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+        trained = state["config"]
     except (OSError, ValueError, KeyError):
         return  # an incomplete checkpoint: loading it says what is wrong
+    trained_by = state.get("agent")
+    if (
+        agent_class is not None
+        and trained_by is not None
+        and trained_by != getattr(agent_class, "name", None)
+    ):
+        raise ConfigError(
+            f"{rd.path / 'config.toml'} now names the agent {getattr(agent_class, 'name', agent_class)!r}, but "
+            f"{rd.checkpoint} was trained by {trained_by!r}: a resume continues the run with its own agent. Put "
+            f"agent.name = '{trained_by}' back, or start a new run for the other agent."
+        )
     changed = [
         f"{'run' if key == 'seed' else 'agent'}.{key}: {trained[key]!r} -> {value!r}"  # the seed is run.seed
         for key, value in hyperparameters.items()
         if key in trained and key not in MACHINE_SETTINGS and jsonable(value) != jsonable(trained[key])
     ]
+    # a LoRA checkpoint's policy/ holds the adapter alone, which is not a model to start from
+    start = (
+        f"merge its adapter, {rd.checkpoint / 'policy'}, into its base model (peft's merge_and_unload) and save "
+        f"it with the tokenizer, to start from its weights"
+        if trained.get("lora") is not None
+        else f"agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights"
+    )
+    _refuse_changes(rd, changed, start)
+
+
+def check_sb3_checkpoint_config(rd: RunDir, fresh: Any, hyperparameters: dict[str, Any]) -> None:
+    """:func:`check_checkpoint_config` for a Stable-Baselines3 checkpoint: the values SB3 saved (as JSON, in
+    its zip's ``data``) against the same attributes of ``fresh``, the agent built from config.toml now (SB3
+    changes some as it stores them, e.g. DQN's target_update_interval per env: both sides are SB3's)."""
+    import zipfile
+
+    from textgym.evaluation import jsonable
+    from textgym.sb3 import SB3_MODEL
+
+    try:
+        with zipfile.ZipFile(rd.checkpoint / SB3_MODEL) as archive:
+            data = json.loads(archive.read("data"))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return  # loading it says what is wrong
+    changed = []
+    for key in hyperparameters:
+        saved = data.get(key)
+        if key in MACHINE_SETTINGS or saved is None or (isinstance(saved, dict) and ":serialized:" in saved):
+            continue  # pickled values (schedules, classes) are not compared
+        now = jsonable(getattr(fresh, key, saved))
+        if now != jsonable(saved):
+            changed.append(f"{'run' if key == 'seed' else 'agent'}.{key}: {saved!r} -> {now!r}")
+    _refuse_changes(rd, changed)
+
+
+def _refuse_changes(rd: RunDir, changed: list[str], start: str | None = None) -> None:
     if changed:
-        # a LoRA checkpoint's policy/ holds the adapter alone, which is not a model to start from
-        start = (
-            f"merge its adapter, {rd.checkpoint / 'policy'}, into its base model (peft's merge_and_unload) and save "
-            f"it with the tokenizer, to start from its weights"
-            if trained.get("lora") is not None
-            else f"agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights"
-        )
         raise ConfigError(
             f"{rd.path / 'config.toml'} no longer says what {rd.checkpoint} was trained with ({'; '.join(changed)}): "
             f"a resume continues the run as it was trained. Put those values back, or start a new run to change "
-            f"them ({start})."
+            f"them{f' ({start})' if start else ''}."
         )
 
 
@@ -57,7 +99,11 @@ RESUME_SETTINGS = ("run.total_timesteps", "run.checkpoint_every", "run.sample_pr
 def check_resume_changes(
     run_dir: Path, saved: dict[str, Any], config: dict[str, Any], agent_name: str | None
 ) -> None:
-    if agent_name and agent_name != saved["agent"]["name"]:
+    if (
+        agent_name
+        and agent_name != saved["agent"]["name"]
+        and not _same_agent(agent_name, saved["agent"]["name"])
+    ):
         raise ConfigError(
             f"--agent {agent_name}: {run_dir} trains {saved['agent']['name']!r}, and a resume continues it; start "
             f"a new run for another agent, in a directory of its own (textgym train {run_dir / 'config.toml'} "
@@ -76,6 +122,16 @@ def check_resume_changes(
             f"{', '.join(RESUME_SETTINGS)} and the agent's {', '.join(MACHINE_SETTINGS)} may change. Start a new "
             f"run to change the others."
         )
+
+
+def _same_agent(a: str, b: str) -> bool:
+    """Two names of one agent (``a2c``, ``sb3-a2c``, ``A2C``)."""
+    from textgym.agent_config import find_agent
+
+    try:
+        return find_agent(a) is find_agent(b)
+    except Exception:  # an unknown name is another agent; resolving the config names it
+        return False
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:

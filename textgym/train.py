@@ -273,7 +273,7 @@ def _run_native(
     env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
     hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
     if resuming:
-        check_checkpoint_config(rd, hyperparameters)
+        check_checkpoint_config(rd, hyperparameters, agent_class)
         agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
     else:
         agent = agent_class(policy, env, **hyperparameters)

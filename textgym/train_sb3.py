@@ -31,6 +31,7 @@ def run_sb3(
     from stable_baselines3.common.callbacks import BaseCallback
 
     from textgym.diagnostics import finish_evaluations, training_callbacks
+    from textgym.resume_checks import check_sb3_checkpoint_config
     from textgym.sb3 import load_sb3_checkpoint, make_vec_env, save_sb3_checkpoint, sb3_episodes, sb3_row
 
     run = config["run"]
@@ -48,6 +49,7 @@ def run_sb3(
         raise ConfigError(f"[agent] {name}: {exc or type(exc).__name__}") from exc
     state = {"iteration": 0, "history": []}
     if resuming:
+        check_sb3_checkpoint_config(rd, agent, hyperparameters)
         agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
         _resumed(rd, state["iteration"], state["history"], agent.num_timesteps, run["total_timesteps"])
     history = state["history"]
