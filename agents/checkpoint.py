@@ -230,6 +230,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
 
     from textgym.models import is_complete
 
+    if not path.exists():
+        raise ConfigError(f"{str(path)!r} does not exist: give the directory {cls.__name__}.save wrote.")
     if not is_complete(path):
         raise ConfigError(
             f"{str(path)!r} is not a complete {cls.__name__} checkpoint (no state.json written by save)."

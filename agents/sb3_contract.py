@@ -194,6 +194,15 @@ class SB3Contract:
 
         if self.env is None:
             raise ConfigError(f"this {self.name} has no env: pass one to the agent or to load(path, env).")
+        whole = isinstance(total_timesteps, (int, float)) and not isinstance(total_timesteps, bool)
+        if not (
+            whole and total_timesteps >= 0 and float(total_timesteps).is_integer()
+        ):  # 1e5 is fine, as in SB3
+            raise ConfigError(
+                f"learn(total_timesteps={total_timesteps!r}): give a whole number of tokens >= 0 (it is rounded up "
+                f"to whole iterations)."
+            )
+        total_timesteps = int(total_timesteps)
         if reset_num_timesteps:
             self.num_timesteps = 0
         else:

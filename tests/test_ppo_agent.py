@@ -163,6 +163,17 @@ def test_load_of_an_incomplete_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(ConfigError, match="not a complete LMPPO checkpoint"):
         LMPPO.load(tmp_path / "half")
+    with pytest.raises(ConfigError, match="'.*nowhere' does not exist: give the directory LMPPO.save wrote"):
+        LMPPO.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("bad", [-5, 1.5, float("nan"), True, "100"])
+def test_learn_takes_a_whole_number_of_tokens(bad):
+    """learn(-5) and learn(1.5) ran silently (1.5: a whole iteration); 1e5, as SB3 users write it, is fine."""
+    agent = LMPPO(char_llama(), make_env(), seed=0, **FAST)
+    with pytest.raises(ConfigError, match=re.escape(f"learn(total_timesteps={bad!r}): give a whole number")):
+        agent.learn(bad)
+    assert agent.learn(1e1).iteration == 1
 
 
 class Recorder(BaseCallback):
