@@ -500,6 +500,21 @@ def test_cli_plugins_name_shows_its_arguments_defaults_and_documentation(capsys,
     assert "arguments: (*, bonus: float = 1.0)" in out and "bonus per 'please'." in out
     assert main(["plugins", "lenght_penalty"]) == 2
     assert "unknown plugin name 'lenght_penalty'. Did you mean 'length_penalty'?" in capsys.readouterr().err
+    # an LM agent's hyperparameters are its config's fields (its signature is **hyperparameters); an SB3
+    # algorithm, which --agent takes by name, is described too
+    assert main(["plugins", "grpo"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "hyperparameters (defaults):\n" in out
+        and "        beta = 0.0\n" in out
+        and "num_generations = 8" in out
+    )
+    assert main(["plugins", "a2c"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("agent a2c  (plugin stable_baselines3: Stable-Baselines3 algorithm")
+        and "n_steps: int = 5" in out
+    )
 
 
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):

@@ -92,16 +92,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output", type=Path, help="also write the rows as JSONL here")
 
     p = add_parser("train", parents=[plugin_args], help="train an agent as a TOML config says")
-    p.add_argument("config", nargs="?", type=Path, help="the run's TOML config (see textgym.config)")
     p.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
+        "config",
+        nargs="?",
+        type=Path,
+        help="the run's TOML config (see docs/training.md and examples/*.toml)",
     )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override a config value; the value is TOML (agent.lora={r=8}, env.prompts=['Hi']); repeatable",
+    )  # fmt: skip
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    p.add_argument("--agent", help="a registered agent name (overrides agent.name)")
+    p.add_argument(
+        "--agent",
+        help="overrides agent.name: a registered agent (lmppo, grpo, rloo, `textgym plugins` lists them) or any "
+        "Stable-Baselines3 / sb3-contrib algorithm by name (a2c, dqn, recurrentppo, ...)",
+    )
 
     p = add_parser("bench", parents=[plugin_args], help="benchmark reward designs side by side")
     p.add_argument("designs", type=Path, help="the designs file (TOML; see docs/bench.md)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a value")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override a value of the designs file; the value is TOML; repeatable",
+    )  # fmt: skip
 
     p = add_parser(
         "train-rm", parents=[plugin_args], help="train a reward model on preference pairs (for rm_score)"
@@ -312,7 +325,11 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"{row['kind']} {row['name']}  (plugin {row['plugin']}: {row['source']})")
             if row["signature"] is not None:
                 print(f"    arguments: {row['signature']}")
-            if row["defaults"]:
+            if row["defaults"] and row["kind"] == "agent":  # an LM agent's config fields, one a line
+                print("    hyperparameters (defaults):")
+                for key, value in row["defaults"].items():
+                    print(f"        {key} = {value!r}")
+            elif row["defaults"]:
                 print(f"    registered with: {', '.join(f'{k}={v!r}' for k, v in row['defaults'].items())}")
             print(textwrap.indent(row["doc"] or "(no documentation)", "    "))
         return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
+from textgym.agent_config import is_lm_agent, sb3_algorithm
 from textgym.errors import UnknownNameError
 from textgym.plugin_manager import KINDS, describe_source, load_plugins, pm, registry, resolve
 
@@ -42,11 +44,28 @@ def describe(name: str) -> list[dict[str, Any]]:
         defaults = (
             {k: v for k, v in entry.extra.items() if k != "vector_entry_point"} if kind == "env" else {}
         )
+        if kind == "agent" and is_lm_agent(target):  # its hyperparameters: its config dataclass's fields
+            defaults = {f.name: _default(f) for f in dataclasses.fields(target.config_class)}
         out.append({
             "kind": kind, "name": name, "plugin": entry.plugin, "source": describe_source(entry.plugin),
             "signature": signature, "defaults": defaults, "doc": inspect.getdoc(target) if callable(target) else None,
+        })  # fmt: skip
+    if not out and (algorithm := sb3_algorithm(name)) is not None:  # `--agent a2c` works: so does this
+        out.append({
+            "kind": "agent", "name": name, "plugin": algorithm.__module__.split(".")[0],
+            "source": f"Stable-Baselines3 algorithm {algorithm.__module__}.{algorithm.__name__}",
+            "signature": str(inspect.signature(algorithm.__init__)).replace("(self, ", "("), "defaults": {},
+            "doc": (inspect.getdoc(algorithm) or "").split("\n\n")[0] or None,
         })  # fmt: skip
     if not out:
         every = {n: None for hook_name in KINDS for n in registry(hook_name).names()}
         raise UnknownNameError("plugin name", name, every)
     return out
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return "(required)"
