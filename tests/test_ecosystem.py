@@ -145,6 +145,7 @@ def test_an_sb3_resume_refuses_an_edited_config_and_takes_another_name_of_its_ag
     run(EXAMPLES / "copy-sb3.toml", quick("run.total_timesteps=64", tmp=out), agent_name="a2c")
     text = (out / "config.toml").read_text()
     assert "n_steps = 16" in text
+    (out / ".config-written.toml").unlink()  # checked against the checkpoint itself, without textgym's copy
     (out / "config.toml").write_text(text.replace("n_steps = 16", "n_steps = 4"))
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
     assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_steps: 16 -> 4" in err

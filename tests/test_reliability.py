@@ -640,13 +640,26 @@ def test_a_config_toml_edited_after_the_checkpoint_is_refused_on_resume(config, 
     text = (out / "config.toml").read_text()
     (out / "config.toml").write_text(text.replace("n_epochs = 1", "n_epochs = 4"))
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
-    assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_epochs: 1 -> 4" in err
+    assert "was edited since textgym wrote it (agent.n_epochs: 1 -> 4)" in capsys.readouterr().err
     assert len(csv_rows(out / "metrics.csv")) == 2  # nothing trained
+    # what the checkpoint does not record: the env (num_envs changed the batch mid-run, unseen)
+    (out / "config.toml").write_text(text.replace("num_envs = 8", "num_envs = 4"))
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    assert "(env.num_envs: 8 -> 4)" in capsys.readouterr().err
+    # without textgym's copy (a run directory from before it kept one), the checkpoint's own record
+    written = (out / ".config-written.toml").read_text()
+    (out / ".config-written.toml").unlink()
+    (out / "config.toml").write_text(text.replace("n_epochs = 1", "n_epochs = 4"))
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_epochs: 1 -> 4" in err
     (out / "config.toml").write_text(text.replace("seed = 0", "seed = 5"))
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
     assert "(run.seed: 0 -> 5)" in capsys.readouterr().err  # it said agent.seed, a key the file does not have
-    (out / "config.toml").write_text(text)
-    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 0
+    (out / ".config-written.toml").write_text(written)
+    # what a resume may change may be edited in the file too
+    (out / "config.toml").write_text(text.replace("total_timesteps = 64", "total_timesteps = 128"))
+    assert main(["train", "--resume", str(out)]) == 0
+    assert int(csv_rows(out / "metrics.csv")[-1]["timesteps"]) >= 128
 
 
 @pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])

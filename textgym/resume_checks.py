@@ -10,8 +10,8 @@ from typing import Any
 from textgym.errors import ConfigError
 from textgym.rundir import RunDir
 
-__all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_resume_changes",
-           "check_sb3_checkpoint_config"]  # fmt: skip
+__all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_config_edits",
+           "check_resume_changes", "check_sb3_checkpoint_config"]  # fmt: skip
 
 
 # hyperparameters that say where and how loudly a run trains, not what it learns: a resume may differ in them
@@ -109,12 +109,7 @@ def check_resume_changes(
             f"a new run for another agent, in a directory of its own (textgym train {run_dir / 'config.toml'} "
             f"--agent {agent_name} --set run.output_dir='{run_dir}-{agent_name}')."
         )
-    changed = [
-        key
-        for key in _differences(saved, config)
-        if key not in RESUME_SETTINGS
-        and not (key.startswith("agent.") and key.rsplit(".", 1)[-1] in MACHINE_SETTINGS)  # where it trains
-    ]
+    changed = [key for key in _differences(saved, config) if not _may_change(key)]
     if changed:
         raise ConfigError(
             f"--set {', '.join(changed)} on --resume: a resume continues {run_dir} as it was trained (its "
@@ -122,6 +117,37 @@ def check_resume_changes(
             f"{', '.join(RESUME_SETTINGS)} and the agent's {', '.join(MACHINE_SETTINGS)} may change. Start a new "
             f"run to change the others."
         )
+
+
+def check_config_edits(run_dir: Path, saved: dict[str, Any]) -> None:
+    """``config.toml`` (``saved``, loaded) says what textgym last wrote there, but for what a resume may
+    change. An edit by hand (``env.num_envs``, a reward's weight) would resume the checkpoint under settings it
+    was not trained with, and the file would then describe a run that never happened."""
+    from textgym.config import load_config
+    from textgym.rundir import WRITTEN_CONFIG
+
+    if not (run_dir / WRITTEN_CONFIG).is_file():  # a run directory from before textgym kept the copy
+        return
+    written = load_config(run_dir / WRITTEN_CONFIG)
+    edited = [key for key in _differences(written, saved) if not _may_change(key)]
+    if edited:
+        shown = "; ".join(f"{key}: {_get(written, key)!r} -> {_get(saved, key)!r}" for key in edited)
+        raise ConfigError(
+            f"{run_dir / 'config.toml'} was edited since textgym wrote it ({shown}): a resume continues the run "
+            f"as it was trained, so only {', '.join(RESUME_SETTINGS)} and the agent's "
+            f"{', '.join(MACHINE_SETTINGS)} may change (or --set them). Put the rest back (textgym's copy: "
+            f"{run_dir / WRITTEN_CONFIG}), or start a new run to change them."
+        )
+
+
+def _may_change(key: str) -> bool:
+    return key in RESUME_SETTINGS or (key.startswith("agent.") and key.rsplit(".", 1)[-1] in MACHINE_SETTINGS)
+
+
+def _get(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def _same_agent(a: str, b: str) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 from textgym.errors import ConfigError, TrainingError
 
 MARKER = ".textgym-run"
+WRITTEN_CONFIG = ".config-written.toml"  # config.toml as textgym last wrote it: a resume finds edits by hand
 LOCK = ".lock"
 CHECKPOINT = "checkpoint"
 SAMPLES_AFTER = "samples_after.jsonl"  # written when a run finishes, not when it stops
@@ -226,10 +227,17 @@ class RunDir:
 
     # -- metrics and samples ---------------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
-        """The resolved config as ``config.toml``, atomically (keys set to None are left out: TOML has no null)."""
+        """The resolved config as ``config.toml``, atomically (keys set to None are left out: TOML has no null),
+        and the copy a resume compares it with (written first: an interruption between the two leaves a copy
+        that differs from config.toml at most in what the resume being written may change). A run directory
+        without the copy (from before textgym kept one) is not given one by a resume: its config.toml may hold
+        edits the copy would then vouch for."""
         import tomli_w
 
-        write_atomic(self.path / "config.toml", tomli_w.dumps(_drop_none(config)))
+        text = tomli_w.dumps(_drop_none(config))
+        if (self.path / WRITTEN_CONFIG).exists() or not (self.path / "config.toml").exists():
+            write_atomic(self.path / WRITTEN_CONFIG, text)
+        write_atomic(self.path / "config.toml", text)
 
     def write_metrics(self, history: Sequence[dict[str, Any]]) -> None:
         try:

@@ -39,7 +39,7 @@ from textgym.launch import (
     world_size,
 )
 from textgym.plotting import training_curves
-from textgym.resume_checks import check_checkpoint_config, check_resume_changes
+from textgym.resume_checks import check_checkpoint_config, check_config_edits, check_resume_changes
 from textgym.rundir import CHECKPOINT, SAMPLES_AFTER, RunDir, crash_point
 from textgym.stopping import StopFlag
 from textgym.train_env import check_env_id, check_env_keys, check_sb3_rewards, make_env
@@ -78,6 +78,7 @@ def run(
                 f"{run_dir} was trained by {trained_by} process(es); a resume keeps that number, as the seeds "
                 f"and the batch split depend on it: drop run.processes={config['run']['processes']} from --set."
             )
+        check_config_edits(run_dir, saved)
         check_resume_changes(run_dir, saved, config, agent_name)
         changed = config != saved
         if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
