@@ -438,21 +438,25 @@ class Shared(nn.Module):  # a child under two parents, and a buffer registered i
         self.last.register_buffer("table", table)
 
 
-torch.manual_seed(0)
-whole = Shared()
-if main:
-    print(f"expected: {[round(float(p.detach().sum()), 4) for p in whole.parameters()]}", flush=True)
-with torch.device("meta"):
-    skeleton, other = Shared(), Shared()  # the reference on every process; the other process's policy
-model = whole if main else other
-config = zero3._engine_config({"stage": 3})
-zero3._partition(skeleton, config, torch.device("cpu"), main_weights(whole, type("D", (), {"is_main": main})))
-zero3._partition(model, config, torch.device("cpu"))
-for built in (skeleton, model):
-    assert built.one.child is built.two.child and built.one.table is built.last.table
-    assert torch.equal(built.one.table, torch.arange(4.0))
-    values = [full_tensor(p) for p in built.parameters()]
-    print(f"rank {torch.distributed.get_rank()}: {[round(float(v.sum()), 4) for v in values]}", flush=True)
+def partition():  # its models are freed before the group ends (else the interpreter's exit can abort)
+    torch.manual_seed(0)
+    whole = Shared()
+    if main:
+        print(f"expected: {[round(float(p.detach().sum()), 4) for p in whole.parameters()]}", flush=True)
+    with torch.device("meta"):
+        skeleton, other = Shared(), Shared()  # the reference on every process; the other process's policy
+    model = whole if main else other
+    config = zero3._engine_config({"stage": 3})
+    zero3._partition(skeleton, config, torch.device("cpu"), main_weights(whole, type("D", (), {"is_main": main})))
+    zero3._partition(model, config, torch.device("cpu"))
+    for built in (skeleton, model):
+        assert built.one.child is built.two.child and built.one.table is built.last.table
+        assert torch.equal(built.one.table, torch.arange(4.0))
+        values = [full_tensor(p) for p in built.parameters()]
+        print(f"rank {torch.distributed.get_rank()}: {[round(float(v.sum()), 4) for v in values]}", flush=True)
+
+
+partition()
 torch.distributed.barrier()
 end_process_group()
 """
