@@ -10,6 +10,7 @@ know which agent wrote a file.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 import time
@@ -194,7 +195,9 @@ class SB3Contract:
 
         if self.env is None:
             raise ConfigError(f"this {self.name} has no env: pass one to the agent or to load(path, env).")
-        whole = isinstance(total_timesteps, (int, float)) and not isinstance(total_timesteps, bool)
+        whole = isinstance(total_timesteps, numbers.Real) and not isinstance(
+            total_timesteps, bool
+        )  # np.int64 too
         if not (
             whole and total_timesteps >= 0 and float(total_timesteps).is_integer()
         ):  # 1e5 is fine, as in SB3

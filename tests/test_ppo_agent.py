@@ -174,6 +174,7 @@ def test_learn_takes_a_whole_number_of_tokens(bad):
     with pytest.raises(ConfigError, match=re.escape(f"learn(total_timesteps={bad!r}): give a whole number")):
         agent.learn(bad)
     assert agent.learn(1e1).iteration == 1
+    assert agent.learn(np.int64(10)).iteration == 2  # numpy's integers too
 
 
 class Recorder(BaseCallback):
