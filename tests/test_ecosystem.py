@@ -50,12 +50,24 @@ def test_one_flag_swaps_the_agent_of_a_config(tmp_path, config, agent):
     assert textgym.config.load_config(out / "config.toml")["agent"]["name"] == agent
 
 
-@pytest.mark.parametrize("agent", ["dqn", "qrdqn", "trpo", "ars", "ppo", "a2c"])
+@pytest.mark.parametrize("agent", ["dqn", "qrdqn", "trpo", "ppo", "a2c", "maskableppo", "recurrentppo"])
 def test_the_sb3_example_takes_any_sb3_or_sb3_contrib_algorithm_as_it_says(agent):
-    """Its shared [agent] table held ent_coef, which DQN, QR-DQN, TRPO and ARS do not take."""
+    """Its shared [agent] table held ent_coef, which DQN, QR-DQN and TRPO do not take."""
     from textgym.agent_config import resolve_agent
 
     resolve_agent(textgym.config.load_config(EXAMPLES / "copy-sb3.toml", [f"agent.name='{agent}'"])["agent"])
+
+
+def test_an_sb3_algorithm_without_a_policy_for_dict_observations_is_refused_before_it_starts():
+    """ARS failed after the env was made: "Policy MultiInputPolicy unknown", naming no cause."""
+    from textgym.agent_config import resolve_agent
+
+    config = textgym.config.load_config(EXAMPLES / "copy-sb3.toml", ["agent.name='ars'"])
+    with pytest.raises(
+        ConfigError,
+        match=r"ars has no policy for dict observations \(its policies: MlpPolicy, LinearPolicy\)",
+    ):
+        resolve_agent(config["agent"])
 
 
 def test_an_sb3_run_counts_every_rollout_as_an_iteration_with_a_sample_std(tmp_path):
@@ -109,6 +121,10 @@ def test_a_misnamed_agent_or_agent_table_is_named_as_such():
     ):
         find_agent("a2")
     assert find_agent("GRPO") is find_agent("grpo")  # as find_agent("A2C") is SB3's A2C
+    _, _, hyperparameters = resolve_agent(
+        {"name": "GRPO", "policy": "tiny-char-llama", "GRPO": {"beta": 0.1}}
+    )
+    assert hyperparameters == {"beta": 0.1}
 
 
 def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_anything_loads(capsys):
@@ -149,6 +165,10 @@ def test_an_sb3_resume_refuses_an_edited_config_and_takes_another_name_of_its_ag
     (out / "config.toml").write_text(text.replace("n_steps = 16", "n_steps = 4"))
     assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
     assert "no longer says what" in (err := capsys.readouterr().err) and "agent.n_steps: 16 -> 4" in err
+    # a hyperparameter config.toml did not give before (its default was trained) is a change too
+    (out / "config.toml").write_text(text.replace("n_steps = 16", "n_steps = 16\ngae_lambda = 0.9"))
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    assert "agent.gae_lambda: 1.0 -> 0.9" in capsys.readouterr().err
     (out / "config.toml").write_text(text)
     assert (
         main(["train", "--resume", str(out), "--agent", "SB3-A2C", "--set", "run.total_timesteps=128"]) == 0
@@ -582,6 +602,23 @@ def test_paths_in_a_config_resolve_against_its_file_and_resume_works_from_anywhe
     again = subprocess.run([*cmd, "--resume", str(out), "--set", "run.total_timesteps=128"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr
+    # the data moved: config.toml's absolute path is edited to follow it, and that edit is accepted (once
+    # said); pointing a path that still exists at another file is an edit of what the run trains on
+    (project / "moved").mkdir()
+    (project / "data" / "words.txt").rename(project / "moved" / "words.txt")
+    text = (out / "config.toml").read_text()
+    (out / "config.toml").write_text(text.replace(str(project / "data"), str(project / "moved")))
+    resume = [*cmd, "--resume", str(out), "--set", "run.total_timesteps=192"]
+    moved = subprocess.run(resume, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert moved.returncode == 0, moved.stderr
+    assert f"env.prompts: {project / 'data' / 'words.txt'} is gone; the run resumes with" in moved.stdout
+    (project / "other.txt").write_text("abc\n")
+    text = (out / "config.toml").read_text()
+    (out / "config.toml").write_text(
+        text.replace(str(project / "moved" / "words.txt"), str(project / "other.txt"))
+    )
+    other = subprocess.run(resume, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "was edited since textgym wrote it (env.prompts:" in other.stderr
 
 
 def test_reward_specs_parse_with_quotes_and_brackets():

@@ -83,7 +83,8 @@ def find_agent(name: str) -> Any:
 
 
 def is_agent_name(name: str) -> bool:
-    return name in plugin_manager.registry("register_agents") or sb3_algorithm(name) is not None
+    agents = plugin_manager.registry("register_agents")
+    return name in agents or str(name).lower() in agents or sb3_algorithm(name) is not None
 
 
 def hyperparameter_names(agent_class: Any) -> list[str] | None:
@@ -217,7 +218,15 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         if not isinstance(policy, str) or policy not in aliases:
             # the env's observations are a dict: the agent's MultiInput policy (RecurrentPPO's is
             # MultiInputLstmPolicy); the LM policy name (if any) only picks the env's tokenizer
-            policy = next((p for p in aliases if p.startswith("MultiInput")), "MultiInputPolicy")
+            policy = next((p for p in aliases if p.startswith("MultiInput")), None)
+            if (
+                policy is None
+            ):  # (sb3-contrib's ARS: "Policy MultiInputPolicy unknown", once the env was made)
+                raise ConfigError(
+                    f"{name} has no policy for dict observations (its policies: {', '.join(aliases) or 'none'}), "
+                    f"and textgym's envs observe a dict (token ids and an attention mask): choose another "
+                    f"algorithm, e.g. ppo, a2c, dqn or recurrentppo."
+                )
     elif policy is None:
         raise ConfigError(
             "agent.policy is required: a zoo name (e.g. smollm2-135m-instruct) or a model directory."

@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its last checkpoint")
     p.add_argument(
         "--agent",
-        help="overrides agent.name: a registered agent (lmppo, grpo, rloo, `textgym plugins` lists them) or any "
-        "Stable-Baselines3 / sb3-contrib algorithm by name (a2c, dqn, recurrentppo, ...)",
+        help="overrides agent.name: a registered agent (lmppo, grpo, rloo, `textgym plugins` lists them) or a "
+        "Stable-Baselines3 / sb3-contrib algorithm for discrete actions by name (a2c, dqn, recurrentppo, ...)",
     )
 
     p = add_parser("bench", parents=[plugin_args], help="benchmark reward designs side by side")

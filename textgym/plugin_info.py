@@ -30,6 +30,8 @@ def describe(name: str) -> list[dict[str, Any]]:
     registered) and its docstring. Raises :class:`UnknownNameError` (with the closest names) for a name
     registered as nothing."""
     load_plugins()
+    if not any(name in registry(h) for h in KINDS) and name.lower() in registry("register_agents"):
+        name = name.lower()  # `--agent GRPO` trains grpo: it is described too
     out = []
     for hook_name, kind in KINDS.items():
         if name not in registry(hook_name):
@@ -45,7 +47,10 @@ def describe(name: str) -> list[dict[str, Any]]:
             {k: v for k, v in entry.extra.items() if k != "vector_entry_point"} if kind == "env" else {}
         )
         if kind == "agent" and is_lm_agent(target):  # its hyperparameters: its config dataclass's fields
-            defaults = {f.name: _default(f) for f in dataclasses.fields(target.config_class)}
+            # (seed is run.seed in a config: a bench seeds each of its runs)
+            defaults = {
+                f.name: _default(f) for f in dataclasses.fields(target.config_class) if f.name != "seed"
+            }
         out.append({
             "kind": kind, "name": name, "plugin": entry.plugin, "source": describe_source(entry.plugin),
             "signature": signature, "defaults": defaults, "doc": inspect.getdoc(target) if callable(target) else None,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,9 @@ def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any], agent_c
 
 def check_sb3_checkpoint_config(rd: RunDir, fresh: Any, hyperparameters: dict[str, Any]) -> None:
     """:func:`check_checkpoint_config` for a Stable-Baselines3 checkpoint: the values SB3 saved (as JSON, in
-    its zip's ``data``) against the same attributes of ``fresh``, the agent built from config.toml now (SB3
-    changes some as it stores them, e.g. DQN's target_update_interval per env: both sides are SB3's)."""
+    its zip's ``data``) against the same attributes of ``fresh``, the agent built from config.toml now (both
+    sides as SB3 stores them), for every hyperparameter the agent takes: one config.toml no longer gives falls
+    back to its default, which is a change too."""
     import zipfile
 
     from textgym.evaluation import jsonable
@@ -71,10 +73,14 @@ def check_sb3_checkpoint_config(rd: RunDir, fresh: Any, hyperparameters: dict[st
             data = json.loads(archive.read("data"))
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         return  # loading it says what is wrong
+    from textgym.agent_config import hyperparameter_names
+
     changed = []
-    for key in hyperparameters:
-        saved = data.get(key)
-        if key in MACHINE_SETTINGS or saved is None or (isinstance(saved, dict) and ":serialized:" in saved):
+    for key in dict.fromkeys([*hyperparameters, *(hyperparameter_names(type(fresh)) or [])]):
+        if key not in data or key in MACHINE_SETTINGS or not hasattr(fresh, key):
+            continue
+        saved = data[key]
+        if isinstance(saved, dict) and ":serialized:" in saved:
             continue  # pickled values (schedules, classes) are not compared
         now = jsonable(getattr(fresh, key, saved))
         if now != jsonable(saved):
@@ -119,25 +125,42 @@ def check_resume_changes(
         )
 
 
-def check_config_edits(run_dir: Path, saved: dict[str, Any]) -> None:
+def check_config_edits(run_dir: Path, saved: dict[str, Any]) -> bool:
     """``config.toml`` (``saved``, loaded) says what textgym last wrote there, but for what a resume may
     change. An edit by hand (``env.num_envs``, a reward's weight) would resume the checkpoint under settings it
-    was not trained with, and the file would then describe a run that never happened."""
+    was not trained with, and the file would then describe a run that never happened. Returns whether a path
+    was pointed at where its file moved (the copy is then written again)."""
     from textgym.config import load_config
     from textgym.rundir import WRITTEN_CONFIG
 
     if not (run_dir / WRITTEN_CONFIG).is_file():  # a run directory from before textgym kept the copy
-        return
+        return False
     written = load_config(run_dir / WRITTEN_CONFIG)
     edited = [key for key in _differences(written, saved) if not _may_change(key)]
+    moved = [key for key in edited if _moved(_get(written, key), _get(saved, key))]
+    if moved and os.environ.get("RANK", "0") == "0":  # said once, not by every process
+        for key in moved:
+            print(f"textgym: {key}: {_get(written, key)} is gone; the run resumes with {_get(saved, key)}")
+    edited = [key for key in edited if key not in moved]
     if edited:
         shown = "; ".join(f"{key}: {_get(written, key)!r} -> {_get(saved, key)!r}" for key in edited)
         raise ConfigError(
             f"{run_dir / 'config.toml'} was edited since textgym wrote it ({shown}): a resume continues the run "
             f"as it was trained, so only {', '.join(RESUME_SETTINGS)} and the agent's "
-            f"{', '.join(MACHINE_SETTINGS)} may change (or --set them). Put the rest back (textgym's copy: "
-            f"{run_dir / WRITTEN_CONFIG}), or start a new run to change them."
+            f"{', '.join(MACHINE_SETTINGS)} may change (or --set them), and a path whose file or directory has "
+            f"moved. Put the rest back (textgym's copy: {run_dir / WRITTEN_CONFIG}), or start a new run to change "
+            f"them."
         )
+    return bool(moved)
+
+
+def _moved(old: Any, new: Any) -> bool:
+    """A path edited in config.toml because what it named moved (a project copied elsewhere: config.toml's
+    paths are absolute): the old one is gone and the new one exists."""
+    return (
+        isinstance(old, str) and isinstance(new, str) and os.path.isabs(old) and not os.path.exists(old)
+        and os.path.exists(new)
+    )  # fmt: skip
 
 
 def _may_change(key: str) -> bool:

@@ -78,9 +78,9 @@ def run(
                 f"{run_dir} was trained by {trained_by} process(es); a resume keeps that number, as the seeds "
                 f"and the batch split depend on it: drop run.processes={config['run']['processes']} from --set."
             )
-        check_config_edits(run_dir, saved)
+        moved = check_config_edits(run_dir, saved)
         check_resume_changes(run_dir, saved, config, agent_name)
-        changed = config != saved
+        changed = config != saved or moved
         if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
             print(
                 f"textgym: loading the plugin files of {run_dir}'s config: {', '.join(config['run']['plugins'])}"
