@@ -401,10 +401,13 @@ def test_one_ctrl_c_to_a_run_and_its_forked_worker_stops_it(config, tmp_path):
     assert output.count("stopping after this iteration") == 1
 
 
-def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
-    """The Ctrl-C arrives after the model and env have loaded, before training (a signal sent after a fixed
-    sleep once landed after this small run had already finished, on a quiet machine)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", INTERRUPT_VAR: "start-up"}
+@pytest.mark.parametrize("sent", ["", ":SIGTERM"], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_during_start_up_is_one_line_and_the_same_command_then_runs(config, tmp_path, sent):
+    """The signal arrives after the model and env have loaded, before training (a signal sent after a fixed
+    sleep once landed after this small run had already finished, on a quiet machine). SIGTERM (timeout,
+    docker stop, a scheduler) killed the process without a word, and the run directory it left made the same
+    command fail with "already holds a run"."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", INTERRUPT_VAR: f"start-up{sent}"}
     # Ctrl-C's default action, as in a terminal: a test run started in the background by a shell without job
     # control ignores SIGINT, and its child processes would inherit that
     proc = subprocess.run([sys.executable, "-m", "textgym", "train", str(config), "--set",
@@ -413,6 +416,11 @@ def test_ctrl_c_during_start_up_is_one_line(config, tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 130 and "Traceback" not in output, output
     assert "textgym: aborted" in output and "iter    1" not in output
+    assert not (tmp_path / "run").exists()
+    again = subprocess.run([sys.executable, "-m", "textgym", "train", str(config), "--set",
+                            f"run.output_dir='{tmp_path / 'run'}'", "--set", "run.total_timesteps=32"],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr
 
 
 PLUGIN = """

@@ -167,9 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     args.plugin = [*args.plugin, *args.plugin_after_command]
-    from textgym.stopping import dropped_interrupts_raised_again
+    from textgym.stopping import dropped_interrupts_raised_again, terminate_as_interrupt
 
-    with dropped_interrupts_raised_again():
+    with dropped_interrupts_raised_again(), terminate_as_interrupt():
         return _command(args)
 
 

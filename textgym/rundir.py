@@ -39,9 +39,10 @@ _crash_counts: dict[str, int] = {}
 def crash_point(name: str) -> None:
     """Kill this process with SIGKILL when ``$TEXTGYM_CRASH_AT`` is ``name`` or ``name:N`` (the N-th time
     this point is reached): the crash-consistency tests use it to cut a run at exact moments. Send it
-    SIGINT (a Ctrl-C) when ``$TEXTGYM_INTERRUPT_AT`` is ``name``."""
-    if os.environ.get(INTERRUPT_VAR) == name:
-        signal.raise_signal(signal.SIGINT)
+    SIGINT (a Ctrl-C) when ``$TEXTGYM_INTERRUPT_AT`` is ``name`` (SIGTERM when it is ``name:SIGTERM``)."""
+    point, _, sent = os.environ.get(INTERRUPT_VAR, "").partition(":")
+    if point == name:
+        signal.raise_signal(signal.SIGTERM if sent == "SIGTERM" else signal.SIGINT)
     wanted = os.environ.get(CRASH_VAR)
     if not wanted or wanted.partition(":")[0] != name:
         return

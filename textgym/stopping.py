@@ -172,6 +172,27 @@ def _abort(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``timeout``, ``docker stop``, a batch scheduler) acts as a Ctrl-C while it is active: outside a
+    training loop (whose :class:`StopFlag` handles both, and gives this handler back) it aborts through
+    ``KeyboardInterrupt``, so a run stopped while it starts up is cleaned up as after a Ctrl-C. By default
+    SIGTERM killed the process without a word, and left a run directory the same command then refused."""
+    try:
+        theirs = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not in the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, theirs)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def dropped_interrupts_raised_again() -> Iterator[None]:
     """Python drops an exception raised where nothing can catch it (a weakref callback, a ``__del__``) with an
     'Exception ignored' message. A Ctrl-C whose handler happens to run there is lost: the second Ctrl-C that
