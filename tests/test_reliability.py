@@ -670,6 +670,35 @@ def test_a_config_toml_edited_after_the_checkpoint_is_refused_on_resume(config, 
     assert int(csv_rows(out / "metrics.csv")[-1]["timesteps"]) >= 128
 
 
+def test_a_reward_files_path_that_followed_its_file_is_accepted_and_another_edit_in_the_list_is_not(
+    tmp_path, capsys
+):
+    """A project copied elsewhere: `fn = "/old/r.py:f"` in env.rewards (a list) was compared as one value, and
+    "path.py:function" was never a path, so the edit that followed the file was refused."""
+    from textgym.errors import ConfigError
+    from textgym.resume_checks import check_config_edits
+    from textgym.rundir import WRITTEN_CONFIG
+
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "r.py").write_text("def f(samples):\n    return [0.0 for _ in samples]\n")
+    old, new = tmp_path / "old" / "r.py", tmp_path / "new" / "r.py"
+    config = '[env]\nid = "textgym/Copy-v0"\nrewards = [{{ fn = "{}:f", weight = {} }}]\n'
+    (tmp_path / WRITTEN_CONFIG).write_text(config.format(old, 1.0))
+    (tmp_path / "config.toml").write_text(config.format(new, 1.0))
+    assert check_config_edits(tmp_path, load_config(tmp_path / "config.toml")) is True
+    assert f"env.rewards.0.fn: {old}:f is gone; the run resumes with {new}:f" in capsys.readouterr().out
+    (tmp_path / "config.toml").write_text(config.format(new, 0.5))
+    with pytest.raises(
+        ConfigError, match=r"edited since textgym wrote it \(env.rewards.0.weight: 1.0 -> 0.5\)"
+    ):
+        check_config_edits(tmp_path, load_config(tmp_path / "config.toml"))
+    # a string that is not a moved file (a stop string "/end" -> "/") is an edit
+    (tmp_path / WRITTEN_CONFIG).write_text('[env]\nid = "textgym/Copy-v0"\nstop = ["/end"]\n')
+    (tmp_path / "config.toml").write_text('[env]\nid = "textgym/Copy-v0"\nstop = ["/"]\n')
+    with pytest.raises(ConfigError, match=r"env.stop.0: '/end' -> '/'"):
+        check_config_edits(tmp_path, load_config(tmp_path / "config.toml"))
+
+
 @pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
 def test_the_refused_resumes_advice_to_start_from_the_weights_fits_the_checkpoint(tmp_path, lora):
     """A LoRA checkpoint's policy/ holds the adapter alone: `agent.policy = RUN/checkpoint/policy` failed."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.errors import ConfigError
+from textgym.launch import LAUNCHED_VAR, rank
 from textgym.rundir import RunDir
 
 __all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_config_edits",
@@ -136,14 +137,18 @@ def check_config_edits(run_dir: Path, saved: dict[str, Any]) -> bool:
     if not (run_dir / WRITTEN_CONFIG).is_file():  # a run directory from before textgym kept the copy
         return False
     written = load_config(run_dir / WRITTEN_CONFIG)
-    edited = [key for key in _differences(written, saved) if not _may_change(key)]
-    moved = [key for key in edited if _moved(_get(written, key), _get(saved, key))]
-    if moved and os.environ.get("RANK", "0") == "0":  # said once, not by every process
-        for key in moved:
-            print(f"textgym: {key}: {_get(written, key)} is gone; the run resumes with {_get(saved, key)}")
-    edited = [key for key in edited if key not in moved]
+    edited = [path for path in _changed_paths(written, saved) if not _may_change(_dotted(path))]
+    moved = [path for path in edited if _moved(_get(written, path), _get(saved, path))]
+    if (
+        moved and rank() == 0 and not os.environ.get(LAUNCHED_VAR)
+    ):  # said once: not by the processes it starts
+        for path in moved:
+            print(
+                f"textgym: {_dotted(path)}: {_get(written, path)} is gone; the run resumes with {_get(saved, path)}"
+            )
+    edited = [path for path in edited if path not in moved]
     if edited:
-        shown = "; ".join(f"{key}: {_get(written, key)!r} -> {_get(saved, key)!r}" for key in edited)
+        shown = "; ".join(f"{_dotted(p)}: {_get(written, p)!r} -> {_get(saved, p)!r}" for p in edited)
         raise ConfigError(
             f"{run_dir / 'config.toml'} was edited since textgym wrote it ({shown}): a resume continues the run "
             f"as it was trained, so only {', '.join(RESUME_SETTINGS)} and the agent's "
@@ -156,21 +161,56 @@ def check_config_edits(run_dir: Path, saved: dict[str, Any]) -> bool:
 
 def _moved(old: Any, new: Any) -> bool:
     """A path edited in config.toml because what it named moved (a project copied elsewhere: config.toml's
-    paths are absolute): the old one is gone and the new one exists."""
+    paths are absolute): the old one is gone, the new one exists, under the same name. A reward's
+    ``fn = "/path/file.py:function"`` counts by its file."""
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    old, new = _file_part(old), _file_part(new)
     return (
-        isinstance(old, str) and isinstance(new, str) and os.path.isabs(old) and not os.path.exists(old)
-        and os.path.exists(new)
+        os.path.isabs(old) and not os.path.exists(old) and os.path.exists(new)
+        and os.path.basename(old) == os.path.basename(new) != ""
     )  # fmt: skip
 
 
+def _file_part(value: str) -> str:
+    """``/path/file.py`` of ``/path/file.py:function``."""
+    head, sep, tail = value.rpartition(":")
+    return head if sep and head.endswith(".py") and tail.isidentifier() else value
+
+
 def _may_change(key: str) -> bool:
-    return key in RESUME_SETTINGS or (key.startswith("agent.") and key.rsplit(".", 1)[-1] in MACHINE_SETTINGS)
+    if any(key == s or key.startswith(f"{s}.") for s in RESUME_SETTINGS):  # (run.plugins.0: a list's item)
+        return True
+    return key.startswith("agent.") and key.rsplit(".", 1)[-1] in MACHINE_SETTINGS
 
 
-def _get(config: Any, key: str) -> Any:
-    for part in key.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
+def _get(config: Any, path: tuple[Any, ...]) -> Any:
+    for part in path:
+        if isinstance(config, dict):
+            config = config.get(part)
+        elif isinstance(config, list) and isinstance(part, int) and part < len(config):
+            config = config[part]
+        else:
+            return None
     return config
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(map(str, path))
+
+
+def _changed_paths(a: Any, b: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Where two configs differ, as key paths; into tables, and into lists of the same length (a reward
+    spec's ``fn`` in ``env.rewards``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            p
+            for name in dict.fromkeys([*a, *b])
+            for p in _changed_paths(a.get(name), b.get(name), (*path, name))
+        ]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _changed_paths(x, y, (*path, i))]
+    return [path] if a != b else []
 
 
 def _same_agent(a: str, b: str) -> bool:
@@ -183,12 +223,6 @@ def _same_agent(a: str, b: str) -> bool:
         return False
 
 
-def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+def _differences(a: Any, b: Any) -> list[str]:
     """The dotted keys whose values differ between two configs."""
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return [prefix] if a != b else []
-    return [
-        key
-        for name in dict.fromkeys([*a, *b])
-        for key in _differences(a.get(name), b.get(name), f"{prefix}.{name}" if prefix else str(name))
-    ]
+    return [_dotted(path) for path in _changed_paths(a, b)]

@@ -185,7 +185,10 @@ def terminate_as_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, theirs)
+        # where a stopped run left its abort handler in place (the command keeps it until it exits: a late
+        # second signal is one line, not a silent kill), it stays
+        if signal.getsignal(signal.SIGTERM) is _terminated:
+            signal.signal(signal.SIGTERM, theirs)
 
 
 def _terminated(signum: int, frame: Any) -> None:
