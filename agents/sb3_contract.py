@@ -195,12 +195,9 @@ class SB3Contract:
 
         if self.env is None:
             raise ConfigError(f"this {self.name} has no env: pass one to the agent or to load(path, env).")
-        whole = isinstance(total_timesteps, numbers.Real) and not isinstance(
-            total_timesteps, bool
-        )  # np.int64 too
-        if not (
-            whole and total_timesteps >= 0 and float(total_timesteps).is_integer()
-        ):  # 1e5 is fine, as in SB3
+        # a whole number of any numeric type (np.int64; 1e5, as SB3 users write it), not a bool
+        numeric = isinstance(total_timesteps, numbers.Real) and not isinstance(total_timesteps, bool)
+        if not (numeric and total_timesteps >= 0 and float(total_timesteps).is_integer()):
             raise ConfigError(
                 f"learn(total_timesteps={total_timesteps!r}): give a whole number of tokens >= 0 (it is rounded up "
                 f"to whole iterations)."

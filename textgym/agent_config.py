@@ -60,13 +60,20 @@ def sb3_algorithm(name: str) -> type | None:
     return next((cls for attr, cls in _sb3_algorithms().items() if _key(attr) == wanted), None)
 
 
+def registered_agent(name: Any) -> str | None:
+    """The registered agent ``name`` names, as registered: itself, or its lower case (`--agent GRPO` is grpo,
+    as `--agent A2C` is SB3's A2C); None for a name registered as no agent."""
+    agents = plugin_manager.registry("register_agents")
+    if name in agents:
+        return name
+    return name.lower() if isinstance(name, str) and name.lower() in agents else None
+
+
 def find_agent(name: str) -> Any:
     """The agent class for a registered name or a Stable-Baselines3 algorithm's name."""
     try:
-        return plugin_manager.load_agent(name)
+        return plugin_manager.load_agent(registered_agent(name) or name)
     except UnknownNameError as exc:
-        if isinstance(name, str) and name.lower() in plugin_manager.registry("register_agents"):
-            return plugin_manager.load_agent(name.lower())  # `--agent GRPO`, as `--agent A2C` works
         algorithm = sb3_algorithm(name) if isinstance(name, str) else None
         if algorithm is None:
             close = difflib.get_close_matches(
@@ -83,8 +90,7 @@ def find_agent(name: str) -> Any:
 
 
 def is_agent_name(name: str) -> bool:
-    agents = plugin_manager.registry("register_agents")
-    return name in agents or str(name).lower() in agents or sb3_algorithm(name) is not None
+    return registered_agent(name) is not None or sb3_algorithm(name) is not None
 
 
 def hyperparameter_names(agent_class: Any) -> list[str] | None:
@@ -219,9 +225,8 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
             # the env's observations are a dict: the agent's MultiInput policy (RecurrentPPO's is
             # MultiInputLstmPolicy); the LM policy name (if any) only picks the env's tokenizer
             policy = next((p for p in aliases if p.startswith("MultiInput")), None)
-            if (
-                policy is None
-            ):  # (sb3-contrib's ARS: "Policy MultiInputPolicy unknown", once the env was made)
+            # (without this, sb3-contrib's ARS failed once the env was made: "Policy MultiInputPolicy unknown")
+            if policy is None:
                 raise ConfigError(
                     f"{name} has no policy for dict observations (its policies: {', '.join(aliases) or 'none'}), "
                     f"and textgym's envs observe a dict (token ids and an attention mask): choose another "

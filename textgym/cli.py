@@ -206,12 +206,9 @@ def _command(args: argparse.Namespace) -> int:
             )
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
-        import os
+        from textgym.launch import speaks_for_the_run
 
-        from textgym.launch import LAUNCHED_VAR, rank
-
-        # said once: by the main process, or by the one that started the others (run.processes = N)
-        if rank() == 0 and not os.environ.get(LAUNCHED_VAR):
+        if speaks_for_the_run():  # said once
             print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
         return 130
 

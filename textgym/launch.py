@@ -33,6 +33,12 @@ def rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
+def speaks_for_the_run() -> bool:
+    """Whether this process says what every process would: the main one (rank 0), and not one of the
+    processes ``run.processes = N`` started (the one that started them speaks)."""
+    return rank() == 0 and not os.environ.get(LAUNCHED_VAR)
+
+
 def under_launcher() -> bool:
     """Whether a launcher (torchrun, accelerate's multi-process launch) started this process, even as the only
     one: then the launcher, not ``run.processes``, decides how many processes train."""

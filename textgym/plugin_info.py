@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 from typing import Any
 
-from textgym.agent_config import is_lm_agent, sb3_algorithm
+from textgym.agent_config import is_lm_agent, registered_agent, sb3_algorithm
 from textgym.errors import UnknownNameError
 from textgym.plugin_manager import KINDS, describe_source, load_plugins, pm, registry, resolve
 
@@ -30,8 +30,8 @@ def describe(name: str) -> list[dict[str, Any]]:
     registered) and its docstring. Raises :class:`UnknownNameError` (with the closest names) for a name
     registered as nothing."""
     load_plugins()
-    if not any(name in registry(h) for h in KINDS) and name.lower() in registry("register_agents"):
-        name = name.lower()  # `--agent GRPO` trains grpo: it is described too
+    if not any(name in registry(h) for h in KINDS):
+        name = registered_agent(name) or name  # `--agent GRPO` trains grpo: it is described too
     out = []
     for hook_name, kind in KINDS.items():
         if name not in registry(hook_name):

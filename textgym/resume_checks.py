@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.errors import ConfigError
-from textgym.launch import LAUNCHED_VAR, rank
+from textgym.launch import speaks_for_the_run
 from textgym.rundir import RunDir
 
 __all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_config_edits",
@@ -83,7 +83,7 @@ def check_sb3_checkpoint_config(rd: RunDir, fresh: Any, hyperparameters: dict[st
         saved = data[key]
         if isinstance(saved, dict) and ":serialized:" in saved:
             continue  # pickled values (schedules, classes) are not compared
-        now = jsonable(getattr(fresh, key, saved))
+        now = jsonable(getattr(fresh, key))
         if now != jsonable(saved):
             changed.append(f"{'run' if key == 'seed' else 'agent'}.{key}: {saved!r} -> {now!r}")
     _refuse_changes(rd, changed)
@@ -139,9 +139,7 @@ def check_config_edits(run_dir: Path, saved: dict[str, Any]) -> bool:
     written = load_config(run_dir / WRITTEN_CONFIG)
     edited = [path for path in _changed_paths(written, saved) if not _may_change(_dotted(path))]
     moved = [path for path in edited if _moved(_get(written, path), _get(saved, path))]
-    if (
-        moved and rank() == 0 and not os.environ.get(LAUNCHED_VAR)
-    ):  # said once: not by the processes it starts
+    if speaks_for_the_run():  # said once
         for path in moved:
             print(
                 f"textgym: {_dotted(path)}: {_get(written, path)} is gone; the run resumes with {_get(saved, path)}"
