@@ -195,8 +195,13 @@ def _title(metric: str) -> str:
     return metric
 
 
+def _measured_kl(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The curve rows with a KL (an SB3 agent's have none: it has no reference)."""
+    return [r for r in rows if not math.isnan(r.get("kl", math.nan))]
+
+
 def _has_kl_curves(results: BenchResults) -> bool:
-    return any(not math.isnan(r.get("kl", math.nan)) for rows in results.curves.values() for r in rows)
+    return any(_measured_kl(rows) for rows in results.curves.values())
 
 
 def overoptimization(results: BenchResults) -> Any:
@@ -207,9 +212,7 @@ def overoptimization(results: BenchResults) -> Any:
     fig, axes = _grid(len(metrics))
     # KL is a sample mean of log pi - log pi_ref, so near the reference it can come out below 0. Such a
     # point is drawn left of 0 (the signed root), not at 0: a clamp would show a measured -0.3 as exactly 0.
-    negative = any(
-        r["kl"] < 0 for rows in results.curves.values() for r in rows if not math.isnan(r.get("kl", math.nan))
-    )
+    negative = any(r["kl"] < 0 for rows in results.curves.values() for r in _measured_kl(rows))
     for ax, metric in zip(axes, metrics):
         for agent in results.agents:
             for design in results.designs:
@@ -217,9 +220,7 @@ def overoptimization(results: BenchResults) -> Any:
                 for j in results.jobs:
                     if (j.agent["label"], j.design["name"]) != (agent, design):
                         continue
-                    rows = [
-                        r for r in results.curves.get(j.run_id, []) if not math.isnan(r.get("kl", math.nan))
-                    ]
+                    rows = _measured_kl(results.curves.get(j.run_id, []))
                     runs.append(
                         (
                             [math.copysign(math.sqrt(abs(r["kl"])), r["kl"]) for r in rows],
