@@ -34,7 +34,7 @@ from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import local
 from textgym.errors import TrainingError
-from textgym.launch import end_process_group
+from textgym.launch import end_process_group, exit_process
 from textgym.rewards import FunctionReward, RewardStack
 from textgym.sampling import rollout
 
@@ -136,3 +136,4 @@ if __name__ == "__main__":
     main()
     torch.distributed.barrier()
     end_process_group()  # as textgym train ends: the agent is freed, then the group (else exit can abort)
+    exit_process(0)  # and without the interpreter's teardown, as the textgym command does

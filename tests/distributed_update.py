@@ -29,7 +29,7 @@ from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
 from textgym.agents.rollout_batch import RolloutBatch
 from textgym.agents.sharding import full_tensor
-from textgym.launch import end_process_group
+from textgym.launch import end_process_group, exit_process
 
 # one epoch, one minibatch: the same update whatever the split; micro-batches exercise accumulation
 PPO = dict(n_epochs=1, n_minibatches=1, micro_batch_size=4, kl_coef=0.05, learning_rate=1e-2)
@@ -117,3 +117,4 @@ if __name__ == "__main__":
     if torch.distributed.is_initialized():  # (the one-process reference run has no group)
         torch.distributed.barrier()
     end_process_group()  # as textgym train ends: the agents are freed, then the group (else exit can abort)
+    exit_process(0)  # and without the interpreter's teardown, as the textgym command does

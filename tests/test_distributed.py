@@ -216,7 +216,7 @@ import torch.distributed
 import textgym.models
 from textgym.agents.ppo import LMPPO
 from textgym.agents.sharding import full_tensor
-from textgym.launch import end_process_group
+from textgym.launch import end_process_group, exit_process
 from textgym.plugin_manager import load_plugin_file
 
 load_plugin_file(sys.argv[1])
@@ -246,6 +246,7 @@ def main():
 main()
 torch.distributed.barrier()
 end_process_group()
+exit_process(0)
 """
 
 
@@ -421,7 +422,7 @@ from torch import nn
 
 from textgym.agents import zero3
 from textgym.agents.sharding import full_tensor, main_weights
-from textgym.launch import end_process_group
+from textgym.launch import end_process_group, exit_process
 
 torch.distributed.init_process_group("gloo")
 main = torch.distributed.get_rank() == 0
@@ -459,6 +460,7 @@ def partition():  # its models are freed before the group ends (else the interpr
 partition()
 torch.distributed.barrier()
 end_process_group()
+exit_process(0)
 """
 
 

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from textgym import __version__
 from textgym.config import MAX_SEED
@@ -24,6 +24,18 @@ DEMO_REWARDS = [
     "safety weight=1.0",
     "length_penalty weight=0.5 target=24",
 ]
+
+
+def command() -> NoReturn:
+    """The textgym command (its console script, and ``python -m textgym``): exits with :func:`main`'s status.
+    One of several processes (torchrun, ``accelerate launch``, ``run.processes = N``) skips the interpreter's
+    teardown (see :func:`textgym.launch.exit_process`)."""
+    from textgym.launch import exit_process, world_size
+
+    code = main()
+    if world_size() > 1:
+        exit_process(code)
+    raise SystemExit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

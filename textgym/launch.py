@@ -12,13 +12,13 @@ import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from textgym.agent_config import is_lm_agent
 from textgym.errors import ConfigError, TrainingError
 from textgym.rundir import RunDir
 
-__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "init_process_group", "launch", "on_main",
+__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "init_process_group", "launch", "on_main",
            "rank", "under_launcher", "world_size"]  # fmt: skip
 
 LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
@@ -60,7 +60,8 @@ def end_process_group() -> None:
     shutdown can abort the process ("terminate called without an active exception"). So can a DDP model
     freed after the group ends: the training's callbacks and closures form reference cycles that keep the
     agent's Accelerator (and the DDP-wrapped modules it holds) alive until a garbage collection, so one
-    runs first, while the group still exists."""
+    runs first, while the group still exists. FSDP2's device meshes outlive the group too (DTensor's caches
+    hold them), each with its process groups: those are let go here, so the groups are freed now."""
     import gc
 
     import torch.distributed
@@ -68,6 +69,44 @@ def end_process_group() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         gc.collect()
         torch.distributed.destroy_process_group()
+        _release_device_meshes()
+        gc.collect()
+
+
+def _release_device_meshes() -> None:
+    """Empty the process-group registry of every device mesh still alive (their groups have ended)."""
+    import gc
+    import sys
+
+    mesh_class = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    if not isinstance(mesh_class, type):
+        return
+    for obj in gc.get_objects():  # by the class's MRO: DeviceMesh's isinstance hook touches every object
+        if mesh_class in type(obj).__mro__ and isinstance(
+            registry := getattr(obj, "_pg_registry", None), dict
+        ):
+            registry.clear()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process that took part in a process group, as :mod:`multiprocessing` ends its workers: threads
+    joined, ``atexit`` handlers run, output flushed, then ``os._exit``, skipping the interpreter's teardown.
+    What a library keeps alive past the group's end (DeepSpeed's engine, held by its hooks) still holds
+    gloo's worker threads, and one of those taking the GIL while the interpreter is torn down aborts the
+    process (SIGABRT, "terminate called without an active exception") after a run that finished whole."""
+    import atexit
+    import sys
+    import threading
+
+    try:
+        if hasattr(threading, "_shutdown"):
+            threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def on_main(fn: Any) -> Any:
