@@ -4,6 +4,7 @@ no interpreter teardown for gloo's worker threads to abort (SIGABRT after a run 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,31 @@ def test_one_of_several_processes_skips_the_teardown_keeping_output_exit_status_
         assert alone[2] == "torn down" and several[2] == ""  # one of several: no teardown
         assert several[:2] == alone[:2]  # the same output, flushed
     assert '"lmppo"' in runs["2", 0][0]  # (less than a buffer's worth: written at exit, by the flush)
+
+
+GIVES_GRACE = """
+import sys, time
+from textgym.launch import exit_process
+
+print(time.time(), flush=True)
+exit_process(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("rank", "code", "waits"), [("1", 2, True), ("1", 130, False), ("0", 2, False)])
+def test_a_failed_process_other_than_the_main_one_waits_for_the_main_ones_report(rank, code, waits):
+    """Under torchrun, the first process to exit with a failure gets the others stopped: a failing process
+    1 that exited at once cut off process 0's "process 1 failed, so every process stops" (seen in CI)."""
+    from textgym.launch import FAILURE_GRACE_S
+
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": rank}
+    process = subprocess.Popen(
+        [sys.executable, "-c", GIVES_GRACE, str(code)], stdout=subprocess.PIPE, env=env
+    )
+    started = float(process.stdout.readline())
+    assert process.wait(timeout=60) == code
+    waited = time.time() - started
+    if waits:
+        assert waited >= FAILURE_GRACE_S
+    else:
+        assert waited < FAILURE_GRACE_S  # (no wait: this is seconds under)

@@ -88,17 +88,28 @@ def _release_device_meshes() -> None:
             registry.clear()
 
 
+# How long a process other than the main one waits before it exits on a failure: its launcher stops every
+# process once one has failed, and the main process's report (which names the process that failed, and
+# its error) comes after the same clean-up as this one's
+FAILURE_GRACE_S = 5.0
+
+
 def exit_process(code: int) -> NoReturn:
     """End a process that took part in a process group, as :mod:`multiprocessing` ends its workers: threads
     joined, ``atexit`` handlers run, output flushed, then ``os._exit``, skipping the interpreter's teardown.
     What a library keeps alive past the group's end (DeepSpeed's engine, held by its hooks) still holds
     gloo's worker threads, and one of those taking the GIL while the interpreter is torn down aborts the
-    process (SIGABRT, "terminate called without an active exception") after a run that finished whole."""
+    process (SIGABRT, "terminate called without an active exception") after a run that finished whole.
+    A process other than the main one that failed (not one stopped by a Ctrl-C, 130) first gives the main
+    process :data:`FAILURE_GRACE_S` to report the failure."""
     import atexit
     import sys
     import threading
+    import time
 
     try:
+        if code not in (0, 130) and rank() != 0:
+            time.sleep(FAILURE_GRACE_S)
         if hasattr(threading, "_shutdown"):
             threading._shutdown()
         atexit._run_exitfuncs()
