@@ -162,16 +162,34 @@ def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
     ("agents", "match", "error"),
     [
         ([{"name": "ppo2"}], "unknown agent 'ppo2'", UnknownNameError),
-        ([{"name": "grpo", "n_epochs": 2}], "agent 'grpo'.*unknown hyperparameter 'n_epochs'", ConfigError),
+        # the agent named once, and its table as the bench file has it
+        (
+            [{"name": "grpo", "n_epochs": 2}],
+            r"agent 'grpo': its \[\[agents\]\] entry: unknown hyperparameter 'n_epochs'",
+            ConfigError,
+        ),
+        (
+            [{"name": "a2c", "n_steps": 2.5}],
+            r"agent 'a2c': its \[\[agents\]\] entry: n_steps must be an integer",
+            ConfigError,
+        ),
         (
             [{"name": "grpo", "num_generations": 3}],
             "num_envs = 16 is not a multiple of num_generations = 3",
             ConfigError,
         ),
-        ([{"name": "grpo", "num_generations": 1}], "num_generations must be an integer >= 2", ConfigError),
+        (
+            [{"name": "grpo", "num_generations": 1}],
+            "agent 'grpo': num_generations must be an integer >= 2",
+            ConfigError,
+        ),
         ([{"name": "lmppo"}, {"name": "lmppo"}], "agents 'lmppo' and 'lmppo' share the name", ConfigError),
         ([{"name": "lmppo", "label": "a/b"}], "agent name 'a/b' is not a safe directory name", ConfigError),
-        ([{"name": "sb3-ppo", "policy": "MultiInputPolicyy"}], "not one of .*MultiInputPolicy", ConfigError),
+        (
+            [{"name": "sb3-ppo", "policy": "MultiInputPolicyy"}],
+            r"agent 'sb3-ppo': its \[\[agents\]\] entry: policy 'MultiInputPolicyy' is not one of .*MultiInputPolicy",
+            ConfigError,
+        ),
         ([{"label": "x"}], r"needs name = a registered agent \(a string\), not None", ConfigError),
         ([{"name": 3}], "needs name = a registered agent .*not 3", ConfigError),
     ],
@@ -519,7 +537,7 @@ def test_a_home_relative_bench_output_dir_is_expanded(tmp_path, monkeypatch):
         (lambda d: d["env"].update(id="textgym/Copy-v9"), "unknown env 'textgym/Copy-v9'"),
         (lambda d: d["env"].update(max_new_token=3), r"unknown key 'max_new_token'. Did you mean 'max_new_tokens'"),
         (lambda d: d.update(agents=[{"name": "lmppo"}, {"name": "a2c", "n_steps": 8.0}]),
-         r"agent 'a2c': \[agent.a2c\] a2c: n_steps must be an integer, not 8.0"),
+         r"agent 'a2c': its \[\[agents\]\] entry: n_steps must be an integer, not 8.0"),
         (lambda d: d.update(agents=[{"name": "lmppo"}, {"name": "a2c"}], designs=[*d["designs"], {"name": "nts",
          "rewards": {"aggregate": "normalize_then_sum", "components": [{"name": "match"}]}}]),
          "agent 'a2c' cannot train design 'nts': its aggregate = 'normalize_then_sum'"),

@@ -92,7 +92,7 @@ def test_an_sb3_run_counts_every_rollout_as_an_iteration_with_a_sample_std(tmp_p
 
 def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(tmp_path):
     with pytest.raises(
-        ConfigError, match=r"\[agent.a2c\] a2c: unknown hyperparameter 'n_step'. Did you mean 'n_steps'"
+        ConfigError, match=r"\[agent.a2c\]: unknown hyperparameter 'n_step'. Did you mean 'n_steps'"
     ):
         run(EXAMPLES / "copy-sb3.toml", quick("agent.a2c.n_step=5", tmp=tmp_path / "x"), agent_name="a2c")
     with pytest.raises(ConfigError, match=r"\[agent\] grpo: unknown hyperparameter 'kl_coef'.*own table"):
@@ -110,7 +110,7 @@ def test_a_misnamed_agent_or_agent_table_is_named_as_such():
     with pytest.raises(ConfigError, match=r"^\[agent.grpoo\] names no known agent. Did you mean \[agent.grpo\]\?.*"
                        r"needs the file loaded \(--plugin FILE.py or run.plugins\)"):  # fmt: skip
         resolve_agent({"name": "lmppo", "policy": "tiny-char-llama", "grpoo": {"beta": 0.1}})
-    with pytest.raises(ConfigError, match=r"\[agent.lmppo\] lmppo: unknown hyperparameter 'n_epoch'") as own:
+    with pytest.raises(ConfigError, match=r"\[agent.lmppo\]: unknown hyperparameter 'n_epoch'") as own:
         resolve_agent({"name": "lmppo", "policy": "tiny-char-llama", "lmppo": {"n_epoch": 2}})
     assert "own table" not in str(own.value)
     # a table-valued hyperparameter misspelt is a hyperparameter, not an agent's table
@@ -134,8 +134,8 @@ def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_a
     from textgym.agent_config import resolve_agent
 
     base = {"name": "lmppo", "policy": "tiny-char-llama"}
-    for table, says in [({"grpo": {"bta": 0.1}}, r"\[agent.grpo\] grpo: unknown hyperparameter 'bta'. Did you mean 'beta'"),
-                        ({"a2c": {"n_stpes": 4}}, r"\[agent.a2c\] a2c: unknown hyperparameter 'n_stpes'. Did you mean 'n_steps'"),
+    for table, says in [({"grpo": {"bta": 0.1}}, r"\[agent.grpo\]: unknown hyperparameter 'bta'. Did you mean 'beta'"),
+                        ({"a2c": {"n_stpes": 4}}, r"\[agent.a2c\]: unknown hyperparameter 'n_stpes'. Did you mean 'n_steps'"),
                         ({"sedd": 3}, r"unknown hyperparameter 'sedd'. Did you mean run.seed"),
                         ({"name": "grpo", "kl_coef": 0.1}, r"grpo: unknown hyperparameter 'kl_coef'. grpo calls it 'beta'"),
                         ({"name": "grpo", "num_generations": "4"}, r"^\[agent\] grpo: num_generations must be"),
@@ -705,14 +705,16 @@ def test_a_seed_in_the_agent_table_is_refused_for_run_seed(tmp_path):
 
     for agent in ({"name": "lmppo", "policy": "tiny-char-llama", "seed": 3},
                   {"name": "a2c", "a2c": {"seed": 3}}):  # fmt: skip
-        with pytest.raises(ConfigError, match=r"\] seed: a run is seeded by run.seed \(a bench sets it"):
+        with pytest.raises(
+            ConfigError, match=r"\] sets seed, but a run is seeded by run.seed \(a bench sets it"
+        ):
             resolve_agent(agent)
     d = {"bench": {"seeds": [0, 1], "output_dir": str(tmp_path / "b")}, "env": {"id": "textgym/Copy-v0"},
          "agent": {"name": "lmppo", "policy": "tiny-char-llama", "seed": 7},
          "designs": [{"name": "exact", "rewards": [{"name": "match"}]}]}  # fmt: skip
     from textgym.bench import load_designs
 
-    with pytest.raises(ConfigError, match=r"\[agent\] seed: a run is seeded by run.seed"):
+    with pytest.raises(ConfigError, match=r"\[agent\] sets seed, but a run is seeded by run.seed"):
         load_designs(d)
 
 
@@ -724,7 +726,7 @@ def test_an_sb3_hyperparameter_of_the_wrong_type_is_refused_before_training(tmp_
     for agent, match in [
         ({"name": "sb3-ppo", "batch_size": 32.0}, r"\[agent\] sb3-ppo: batch_size must be an integer, not 32.0"),
         ({"name": "a2c", "a2c": {"normalize_advantage": "no"}},
-         r"\[agent.a2c\] a2c: normalize_advantage must be true or false, not 'no'"),
+         r"\[agent.a2c\]: normalize_advantage must be true or false, not 'no'"),
         ({"name": "dqn", "gamma": "0.9"}, r"gamma must be a number, not '0.9'"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=match):

@@ -113,8 +113,20 @@ def hyperparameter_names(agent_class: Any) -> list[str] | None:
     ]
 
 
+def _place(name: str, own: bool, entry: str | None) -> str:
+    """Where a hyperparameter of agent ``name`` was set, for a message: its own table (``entry``, as a bench
+    calls it, which names the agent itself), or the shared ``[agent]`` table."""
+    if entry is not None:
+        return entry if own else "[agent]"
+    return f"[agent.{name}]" if own else f"[agent] {name}"
+
+
 def _check_annotations(
-    agent_class: Any, name: str, hyperparameters: dict[str, Any], own: dict[str, Any]
+    agent_class: Any,
+    name: str,
+    hyperparameters: dict[str, Any],
+    own: dict[str, Any],
+    entry: str | None = None,
 ) -> None:
     """Each hyperparameter of a plain annotated type (``n_steps: int``, ``normalize_advantage: bool``) is one:
     SB3 reads ``batch_size = 32.0`` only in its first update (a TypeError after the first rollout)."""
@@ -126,8 +138,7 @@ def _check_annotations(
         return
     for key, value in hyperparameters.items():
         if key in params and (what := annotation_mismatch(params[key].annotation, value)):
-            where = f"[agent.{name}]" if key in own else "[agent]"
-            raise ConfigError(f"{where} {name}: {key} must be {what}, not {value!r}.")
+            raise ConfigError(f"{_place(name, key in own, entry)}: {key} must be {what}, not {value!r}.")
 
 
 # other libraries' names for a hyperparameter (TRL's GRPO calls the KL coefficient beta, its PPO kl_coef)
@@ -135,7 +146,9 @@ ALSO_CALLED = {"kl_coef": "beta", "beta": "kl_coef", "init_kl_coef": "kl_coef", 
                "num_ppo_epochs": "n_epochs", "cliprange": "clip_range", "epsilon": "clip_range"}  # fmt: skip
 
 
-def _check_names(name: str, agent_class: Any, hyperparameters: dict[str, Any], own: Any) -> None:
+def _check_names(
+    name: str, agent_class: Any, hyperparameters: dict[str, Any], own: Any, entry: str | None = None
+) -> None:
     """Every key of ``hyperparameters`` is one ``agent_class`` takes; ``own``: the keys that came from the
     agent's own table (``True``: all of them), for the message."""
     valid = hyperparameter_names(agent_class)
@@ -163,22 +176,26 @@ def _check_names(name: str, agent_class: Any, hyperparameters: dict[str, Any], o
             hint = " Did you mean run.seed (a run's seed)?"
         else:
             hint = f" Did you mean {near[0]!r}?" if near else ""
-        where = f"[agent.{name}]" if mine else "[agent]"
-        tables = (
-            ""
-            if mine
-            else f" Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
-            f"[agent.<other agent>]."
-        )
+        if mine:
+            tables = ""
+        elif entry is not None:
+            tables = f" Hyperparameters of one agent only belong in its own table ({entry})."
+        else:
+            tables = (
+                f" Hyperparameters of one agent only belong in its own table, e.g. [agent.{name}] or "
+                f"[agent.<other agent>]."
+            )
         raise ConfigError(
-            f"{where} {name}: unknown hyperparameter {key!r}.{hint} {name} takes: {', '.join(sorted(valid))}."
-            f"{tables}"
+            f"{_place(name, mine, entry)}: unknown hyperparameter {key!r}.{hint} {name} takes: "
+            f"{', '.join(sorted(valid))}.{tables}"
         )
 
 
-def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """``(agent_class, policy, hyperparameters)`` for the ``[agent]`` table of a validated config: shared keys,
-    then the chosen agent's own table; every hyperparameter checked against what the agent takes."""
+    then the chosen agent's own table; every hyperparameter checked against what the agent takes. ``entry``:
+    what the messages call the agent's own table where it is not ``[agent.<name>]`` (a bench's ``[[agents]]``
+    entry; the bench's message names the agent)."""
     name = agent["name"]
     agent_class = find_agent(name)
     tables = {
@@ -199,18 +216,19 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     hyperparameters = {**shared, **own}
     if "seed" in hyperparameters:  # it would win over run.seed: a bench's seeds would train one run
         raise ConfigError(
-            f"{f'[agent.{name}]' if 'seed' in own else '[agent]'} seed: a run is seeded by run.seed (a bench sets "
+            f"{(entry or f'[agent.{name}]') if 'seed' in own else '[agent]'} sets seed, but a run is seeded by "
+            f"run.seed (a bench sets "
             f"it for each of its seeds); remove seed from the agent's table, and set run.seed (in a bench: "
             f"bench.seeds) instead."
         )
-    _check_names(name, agent_class, hyperparameters, own=own)
+    _check_names(name, agent_class, hyperparameters, own=own, entry=entry)
     if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
         try:
             agent_class.config_class(**hyperparameters)
         except (ConfigError, TypeError) as exc:  # (TypeError: a plugin config's field without a default)
-            raise ConfigError(f"[agent] {name}: {exc}") from None
+            raise ConfigError(f"{exc}" if entry is not None else f"[agent] {name}: {exc}") from None
     else:
-        _check_annotations(agent_class, name, hyperparameters, own)
+        _check_annotations(agent_class, name, hyperparameters, own, entry)
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
@@ -219,7 +237,7 @@ def resolve_agent(agent: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         aliases = getattr(agent_class, "policy_aliases", {})
         if own_policy and policy not in aliases:
             raise ConfigError(
-                f"[agent.{name}] policy {policy!r} is not one of {name}'s policies: {', '.join(aliases)}."
+                f"{_place(name, True, entry)}: policy {policy!r} is not one of {name}'s policies: {', '.join(aliases)}."
             )
         if not isinstance(policy, str) or policy not in aliases:
             # the env's observations are a dict: the agent's MultiInput policy (RecurrentPPO's is

@@ -300,10 +300,11 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
                 table["label"] = entry["label"]
             tables.append(table)
     out = []
+    entry = "its [[agents]] entry"
     for table in tables:
         label = check_name(table.pop("label", table["name"]), "agent", source)
         try:  # the agent's name (registered or an SB3 algorithm) and every hyperparameter's name
-            agent_class, policy, hyperparameters = resolve_agent(table)
+            agent_class, policy, hyperparameters = resolve_agent(table, entry if agents is not None else None)
         except ConfigError as exc:
             raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
         lm = is_lm_agent(agent_class)
