@@ -2,6 +2,7 @@
 no interpreter teardown for gloo's worker threads to abort (SIGABRT after a run that finished whole)."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,28 +83,75 @@ def test_one_of_several_processes_skips_the_teardown_keeping_output_exit_status_
 
 
 GIVES_GRACE = """
-import sys, time
+import atexit, sys, time
 from textgym.launch import exit_process
 
-print(time.time(), flush=True)
+atexit.register(lambda: print("atexit handler ran"))
+print("written before the exit")  # buffered: stdout is a pipe
+sys.stderr.write(f"{time.time()}\\n")
+sys.stderr.flush()
 exit_process(int(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize(("rank", "code", "waits"), [("1", 2, True), ("1", 130, False), ("0", 2, False)])
-def test_a_failed_process_other_than_the_main_one_waits_for_the_main_ones_report(rank, code, waits):
+@pytest.mark.parametrize(
+    ("rank", "code", "launched", "waits"),
+    [("1", 2, False, True), ("1", 130, False, False), ("0", 2, False, False), ("1", 2, True, False)],
+)
+def test_a_failed_process_other_than_the_main_one_waits_for_the_main_ones_report(rank, code, launched, waits):
     """Under torchrun, the first process to exit with a failure gets the others stopped: a failing process
-    1 that exited at once cut off process 0's "process 1 failed, so every process stops" (seen in CI)."""
-    from textgym.launch import FAILURE_GRACE_S
+    1 that exited at once cut off process 0's "process 1 failed, so every process stops" (seen in CI).
+    textgym's own launcher (run.processes = N) waits for every process: no wait there."""
+    from textgym.launch import FAILURE_GRACE_S, LAUNCHED_VAR
 
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": rank}
-    process = subprocess.Popen(
-        [sys.executable, "-c", GIVES_GRACE, str(code)], stdout=subprocess.PIPE, env=env
-    )
-    started = float(process.stdout.readline())
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "RANK": rank,
+        "PYTHONUNBUFFERED": "",
+        LAUNCHED_VAR: "1" if launched else "",
+    }
+    process = subprocess.Popen([sys.executable, "-c", GIVES_GRACE, str(code)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    started = float(process.stderr.readline())
     assert process.wait(timeout=60) == code
     waited = time.time() - started
     if waits:
         assert waited >= FAILURE_GRACE_S
     else:
         assert waited < FAILURE_GRACE_S  # (no wait: this is seconds under)
+    assert process.stdout.read() == "written before the exit\natexit handler ran\n"
+
+
+def test_a_launchers_sigterm_during_the_wait_loses_no_output():
+    """torchrun stops the waiting process with a SIGTERM once the main one has exited: everything was
+    written before the wait (the wait had come first, and the signal killed the process with it unwritten)."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONUNBUFFERED": ""}
+    process = subprocess.Popen([sys.executable, "-c", GIVES_GRACE, "2"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    process.stderr.readline()
+    time.sleep(1.0)  # into the wait (it lasts 5 s)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.stdout.read() == "written before the exit\natexit handler ran\n"
+
+
+def test_an_error_escaping_main_in_one_of_several_processes_is_shown_and_skips_the_teardown(tmp_path):
+    """An error that is not a textgym one (a bug; gloo's "Connection closed by peer" when another process
+    died) escaped main(), and the process went through the teardown that can abort it."""
+    script = WITNESS + (
+        "import textgym.cli\n"
+        "def broken():\n"
+        "    raise RuntimeError('Connection closed by peer')\n"
+        "textgym.cli.main = broken\n"
+        "textgym.cli.command()\n"
+    )
+    witness = tmp_path / "w"
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(witness)], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 1
+    assert "RuntimeError: Connection closed by peer" in result.stderr and "Traceback" in result.stderr
+    assert result.stdout == "atexit handler ran\n"
+    assert (tmp_path / "w.teardown").read_text() == ""  # no teardown

@@ -32,10 +32,24 @@ def command() -> NoReturn:
     teardown (see :func:`textgym.launch.exit_process`)."""
     from textgym.launch import exit_process, world_size
 
-    code = main()
-    if world_size() > 1:
-        exit_process(code)
-    raise SystemExit(code)
+    if world_size() <= 1:
+        raise SystemExit(main())
+    try:
+        code = main()
+    except SystemExit as exc:  # what Python's exit does with it
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # a bug, or a collective broken by another process: its traceback, and code 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -447,4 +461,4 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

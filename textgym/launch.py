@@ -88,9 +88,9 @@ def _release_device_meshes() -> None:
             registry.clear()
 
 
-# How long a process other than the main one waits before it exits on a failure: its launcher stops every
-# process once one has failed, and the main process's report (which names the process that failed, and
-# its error) comes after the same clean-up as this one's
+# How long a process other than the main one waits before it exits on a failure, under torchrun or
+# accelerate launch: they stop every process once one has failed, and the main process's report (which
+# names the process that failed, and its error) comes after the same clean-up as this one's
 FAILURE_GRACE_S = 5.0
 
 
@@ -100,24 +100,38 @@ def exit_process(code: int) -> NoReturn:
     What a library keeps alive past the group's end (DeepSpeed's engine, held by its hooks) still holds
     gloo's worker threads, and one of those taking the GIL while the interpreter is torn down aborts the
     process (SIGABRT, "terminate called without an active exception") after a run that finished whole.
-    A process other than the main one that failed (not one stopped by a Ctrl-C, 130) first gives the main
-    process :data:`FAILURE_GRACE_S` to report the failure."""
+    A process other than the main one that failed (not one stopped by a Ctrl-C, 130) then gives the main
+    process :data:`FAILURE_GRACE_S` to report the failure, under a launcher that stops every process once
+    one has exited (not under ``run.processes = N``, whose launcher waits for all)."""
     import atexit
-    import sys
     import threading
     import time
 
     try:
-        if code not in (0, 130) and rank() != 0:
-            time.sleep(FAILURE_GRACE_S)
-        if hasattr(threading, "_shutdown"):
-            threading._shutdown()
+        try:
+            if hasattr(threading, "_shutdown"):
+                threading._shutdown()
+        except KeyboardInterrupt:  # a Ctrl-C while a thread is joined: Python's own exit runs atexit still
+            code = code or 130
         atexit._run_exitfuncs()
+        _flush_output()
+        if code not in (0, 130) and rank() != 0 and not os.environ.get(LAUNCHED_VAR):
+            time.sleep(FAILURE_GRACE_S)  # everything is written: a signal now changes only the exit code
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush_output()
         os._exit(code)
+
+
+def _flush_output() -> None:
+    """Python's standard streams, then C's (a library's own printf), as the interpreter's exit would."""
+    import ctypes
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
 
 
 def on_main(fn: Any) -> Any:
