@@ -192,6 +192,11 @@ def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
         ),
         ([{"label": "x"}], r"needs name = a registered agent \(a string\), not None", ConfigError),
         ([{"name": 3}], "needs name = a registered agent .*not 3", ConfigError),
+        (
+            [{"name": "a2c", "learning_rate": -1.0}],
+            r"agent 'a2c': its \[\[agents\]\] entry: learning_rate must be a positive number, not -1.0",
+            ConfigError,
+        ),
     ],
 )
 def test_bad_agents_are_refused(tmp_path, agents, match, error):
@@ -199,6 +204,24 @@ def test_bad_agents_are_refused(tmp_path, agents, match, error):
     del bad["agent"]["name"]
     bad["agents"] = agents
     refused(tmp_path, bad, match, error)
+
+
+def test_a_bench_without_an_agents_list_names_its_agent_once_and_the_table_of_a_bad_key(tmp_path):
+    bad = designs(tmp_path)
+    bad["agent"]["n_epochz"] = 2
+    refused(
+        tmp_path, bad, r"^the designs: agent 'lmppo': \[agent\]: unknown hyperparameter 'n_epochz'\. Did you"
+    )
+    bad = designs(tmp_path)
+    bad["agent"]["lmppo"] = {"n_epochz": 2}
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent.lmppo\]: unknown hyperparameter 'n_epochz'")
+    bad = designs(tmp_path)
+    bad["agents"] = [{"name": "lmppo"}]
+    del bad["agent"]["name"]
+    bad["agent"]["lmppo"] = {"n_epochz": 2}  # (--set agent.lmppo.n_epochz=2): merged into the entry
+    refused(
+        tmp_path, bad, r"agent 'lmppo': its \[\[agents\]\] entry or \[agent.lmppo\]: unknown hyperparameter"
+    )
 
 
 def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path):

@@ -232,7 +232,8 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            raise ConfigError(f"[agent] learning_rate must be a positive number, not {lr!r}.")
+            where = _place(name, "learning_rate" in own, entry)
+            raise ConfigError(f"{where}: learning_rate must be a positive number, not {lr!r}.")
     if not is_lm_agent(agent_class):
         aliases = getattr(agent_class, "policy_aliases", {})
         if own_policy and policy not in aliases:

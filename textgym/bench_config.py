@@ -273,10 +273,11 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
     shared = {k: v for k, v in base["agent"].items() if k != "name"}
     if agents is None:
         tables = [dict(base["agent"])]
+        entries = [f"[agent.{base['agent'].get('name')}]"]  # the agent's own table (what errors call it)
     elif not isinstance(agents, list) or not agents or not all(isinstance(a, Mapping) for a in agents):
         raise ConfigError(f"{source}: [[agents]] must be a list of tables, each with an agent name.")
     else:
-        tables = []
+        tables, entries = [], []
         for entry in agents:
             if not isinstance(entry.get("name"), str) or not entry["name"]:
                 raise ConfigError(
@@ -299,12 +300,13 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
             if "label" in entry:
                 table["label"] = entry["label"]
             tables.append(table)
+            also = f" or [agent.{entry['name']}]" if named else ""  # (--set agent.<name>.key=... merged in)
+            entries.append(f"its [[agents]] entry{also}")
     out = []
-    entry = "its [[agents]] entry"
-    for table in tables:
+    for table, own_table in zip(tables, entries):
         label = check_name(table.pop("label", table["name"]), "agent", source)
         try:  # the agent's name (registered or an SB3 algorithm) and every hyperparameter's name
-            agent_class, policy, hyperparameters = resolve_agent(table, entry if agents is not None else None)
+            agent_class, policy, hyperparameters = resolve_agent(table, own_table)
         except ConfigError as exc:
             raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
         lm = is_lm_agent(agent_class)
