@@ -126,13 +126,15 @@ def test_a_failed_process_other_than_the_main_one_waits_for_the_main_ones_report
 def test_a_launchers_sigterm_during_the_wait_loses_no_output():
     """torchrun stops the waiting process with a SIGTERM once the main one has exited: everything was
     written before the wait (the wait had come first, and the signal killed the process with it unwritten)."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONUNBUFFERED": ""}
+    from textgym.launch import LAUNCHED_VAR
+
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONUNBUFFERED": "", LAUNCHED_VAR: ""}
     process = subprocess.Popen([sys.executable, "-c", GIVES_GRACE, "2"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     process.stderr.readline()
     time.sleep(1.0)  # into the wait (it lasts 5 s)
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+    assert process.wait(timeout=60) == -signal.SIGTERM  # stopped in the wait
     assert process.stdout.read() == "written before the exit\natexit handler ran\n"
 
 
@@ -155,3 +157,17 @@ def test_an_error_escaping_main_in_one_of_several_processes_is_shown_and_skips_t
     assert "RuntimeError: Connection closed by peer" in result.stderr and "Traceback" in result.stderr
     assert result.stdout == "atexit handler ran\n"
     assert (tmp_path / "w.teardown").read_text() == ""  # no teardown
+
+
+def test_an_error_while_threads_are_joined_is_shown_and_atexit_runs_still():
+    script = (
+        "import atexit, threading\n"
+        "from textgym.launch import exit_process\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        "threading._register_atexit(lambda: 1 / 0)  # (as concurrent.futures registers its shutdown)\n"
+        "exit_process(0)\n"
+    )
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0
+    assert "ZeroDivisionError" in result.stderr and result.stdout == "atexit handler ran\n"

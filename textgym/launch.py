@@ -111,15 +111,22 @@ def exit_process(code: int) -> NoReturn:
         try:
             if hasattr(threading, "_shutdown"):
                 threading._shutdown()
-        except KeyboardInterrupt:  # a Ctrl-C while a thread is joined: Python's own exit runs atexit still
-            code = code or 130
+        except BaseException as exc:  # as Python's own exit: said, and atexit runs still
+            if isinstance(exc, KeyboardInterrupt):  # a Ctrl-C while a thread is joined
+                code = code or 130
+            else:
+                import traceback
+
+                traceback.print_exc()
         atexit._run_exitfuncs()
         _flush_output()
         if code not in (0, 130) and rank() != 0 and not os.environ.get(LAUNCHED_VAR):
             time.sleep(FAILURE_GRACE_S)  # everything is written: a signal now changes only the exit code
     finally:
-        _flush_output()
-        os._exit(code)
+        try:
+            _flush_output()
+        finally:  # (a second signal in the flush)
+            os._exit(code)
 
 
 def _flush_output() -> None:
