@@ -44,6 +44,20 @@ SHARDING["zero3"] = {**SHARDING["zero3"], "ACCELERATE_DEEPSPEED_ZERO3_INIT": "tr
 ENGINE = {None: None, "fsdp": "FSDP2", "zero3": "DeepSpeed ZeRO-3"}
 
 
+def failure(result):
+    """A failed launch's message: each process's own last error lines, then the launcher's report (which
+    alone filled the 3000 characters shown before, hiding the error of the process that failed first)."""
+    own = {}
+    for line in result.stderr.splitlines():
+        if match := re.match(r"\[rank(\d+)\]:", line):
+            own.setdefault(match[1], []).append(line)
+    return (
+        "\n".join(line for _, lines in sorted(own.items()) for line in lines[-30:])
+        + "\n...\n"
+        + result.stderr[-1500:]
+    )
+
+
 def run_cmd(cmd, shard=None, timeout=600, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     for variable in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
@@ -66,7 +80,7 @@ def update(batch_file, out, agents, processes, shard=None, *options):
     """Run tests/distributed_update.py: each agent's update, in turn, in the same processes."""
     script = [str(HERE / "distributed_update.py"), str(batch_file), str(out), *agents, *map(str, options)]
     result = run_cmd([*TORCHRUN, *script] if processes == 2 else [sys.executable, *script], shard=shard)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     for agent in agents:  # how it really ran
         assert f"{agent} sharded={ENGINE[shard] if processes == 2 else None}" in result.stdout
     (out / "stdout.txt").write_text(result.stdout)
@@ -262,7 +276,7 @@ def test_sharded_a_policy_the_other_processes_cannot_build_on_the_meta_device_is
     (tmp_path / "fallback.py").write_text(FALLBACK)
     script = [str(tmp_path / "fallback.py"), str(tmp_path / "models.py"), model]
     result = run_cmd([*TORCHRUN, *script], shard=shard, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     for rank in (0, 1):
         assert f"rank {rank}: read 1 times, the same model on both: True" in result.stdout
 
@@ -313,7 +327,7 @@ def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_eve
     # hang into a failure. See tests/distributed_sharding.py.
     script = [str(HERE / "distributed_sharding.py"), *(["--ddp"] if shard is None else [])]
     result = run_cmd([*TORCHRUN, *script], shard=shard, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     assert f"rank 0: sharded with {ENGINE[shard]}" in result.stdout
     assert ("rank 1: padding filled with NaN" in result.stdout) == (shard == "zero3")
     assert (
@@ -347,7 +361,7 @@ def two_process_run(tmp_path_factory):
     out = path / "run"
     result = run_cmd([*TORCHRUN, "-m", "textgym", "train", str(path / "copy.toml"), "--set", f"run.output_dir='{out}'",
                       "--set", "run.report_to=['tensorboard']"])  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     return out, result
 
 
@@ -398,7 +412,7 @@ def test_accelerate_launch_with_a_shipped_config_starts_two_processes_asking_for
     config = HERE.parent / "examples" / "accelerate" / f"{name}.yaml"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     result = run_cmd([*launch, str(tmp_path / "requested.py")])
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     for rank in (0, 1):  # on CPUs as on GPUs, and none of its options refused
         assert f"process {rank} of 2: {asks}" in result.stdout
 
@@ -470,7 +484,7 @@ def test_zero3_partitions_a_child_under_two_parents_and_a_buffer_in_two_modules_
     # the other process builds them on the meta device: each is allocated once, and takes the main's values
     (tmp_path / "shared.py").write_text(SHARED)
     result = run_cmd([*TORCHRUN, str(tmp_path / "shared.py")], shard="zero3", timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     # each print is one write, but the two processes' writes may interleave: find them anywhere in the output
     expected = re.findall(r"expected: (\[[^]]*\])", result.stdout)
     sums = re.findall(r"rank \d: (\[[^]]*\])", result.stdout)
@@ -500,7 +514,7 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
         f"run.output_dir='{out}'",
     ]
     result = run_cmd(cmd, shard=shard)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     assert result.stdout.count(f"the policy is sharded over 2 processes ({ENGINE[shard]})") == 1
     assert len(csv_rows(out / "metrics.csv")) == 3
     assert [r["iteration"] for r in csv_rows(out / "eval.csv")] == ["0", "2", "3"]  # every 2, and at the end
@@ -517,7 +531,7 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     assert [optimizer["state"][i]["exp_avg"].shape for i in range(len(shapes))] == shapes  # whole, not shards
     resumed = run_cmd([*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=160"],
                       shard=shard)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure(resumed)
     assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > 3
     assert "this resume is" not in resumed.stdout  # sharded as it was trained: nothing to say
     assert LMPPO.load(out / "checkpoint").iteration > 3
@@ -525,7 +539,7 @@ def test_a_sharded_two_process_run_writes_a_checkpoint_one_process_loads_and_res
     plain = run_cmd(
         [*TORCHRUN, "-m", "textgym", "train", "--resume", str(out), "--set", "run.total_timesteps=200"]
     )
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.returncode == 0, failure(plain)
     assert f"was last trained sharded with {ENGINE[shard]}; this resume is not sharded" in plain.stdout
 
 
@@ -562,7 +576,7 @@ def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(c
     done = len(csv_rows(out / "metrics.csv"))
     resumed = run_cmd([sys.executable, "-m", "textgym", "train", "--resume", str(out), "--set",
                        f"run.total_timesteps={(done + 1) * 32}"])  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure(resumed)
     assert "resuming" in resumed.stdout and len(csv_rows(out / "metrics.csv")) > done
 
 

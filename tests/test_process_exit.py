@@ -168,6 +168,8 @@ def test_an_error_while_threads_are_joined_is_shown_and_atexit_runs_still():
         "exit_process(0)\n"
     )
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0
     assert "ZeroDivisionError" in result.stderr and result.stdout == "atexit handler ran\n"
