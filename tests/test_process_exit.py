@@ -43,7 +43,7 @@ def test_ending_the_group_frees_its_process_groups_though_fsdp2_device_meshes_ou
     assert "groups alive: 0 of 1" in result.stdout, result.stdout + result.stderr[-2000:]
 
 
-# A plugin file with an atexit handler, and an object whose __del__ runs only when the interpreter is torn down.
+# A plugin file with an atexit handler, and an object whose __del__ runs only at the interpreter's teardown.
 WITNESS = """
 import atexit, sys
 import textgym

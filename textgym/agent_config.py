@@ -216,10 +216,9 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
     hyperparameters = {**shared, **own}
     if "seed" in hyperparameters:  # it would win over run.seed: a bench's seeds would train one run
         raise ConfigError(
-            f"{(entry or f'[agent.{name}]') if 'seed' in own else '[agent]'} sets seed, but a run is seeded by "
-            f"run.seed (a bench sets "
-            f"it for each of its seeds); remove seed from the agent's table, and set run.seed (in a bench: "
-            f"bench.seeds) instead."
+            f"{(entry or f'[agent.{name}]') if 'seed' in own else '[agent]'} sets seed, but a run is seeded "
+            f"by run.seed (a bench sets it for each of its seeds); remove seed from the agent's table, and set "
+            f"run.seed (in a bench: bench.seeds) instead."
         )
     _check_names(name, agent_class, hyperparameters, own=own, entry=entry)
     if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
@@ -238,13 +237,15 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
         aliases = getattr(agent_class, "policy_aliases", {})
         if own_policy and policy not in aliases:
             raise ConfigError(
-                f"{_place(name, True, entry)}: policy {policy!r} is not one of {name}'s policies: {', '.join(aliases)}."
+                f"{_place(name, True, entry)}: policy {policy!r} is not one of {name}'s policies: "
+                f"{', '.join(aliases)}."
             )
         if not isinstance(policy, str) or policy not in aliases:
             # the env's observations are a dict: the agent's MultiInput policy (RecurrentPPO's is
             # MultiInputLstmPolicy); the LM policy name (if any) only picks the env's tokenizer
             policy = next((p for p in aliases if p.startswith("MultiInput")), None)
-            # (without this, sb3-contrib's ARS failed once the env was made: "Policy MultiInputPolicy unknown")
+            # (without this, sb3-contrib's ARS failed once the env was made: "Policy MultiInputPolicy
+            # unknown")
             if policy is None:
                 raise ConfigError(
                     f"{name} has no policy for dict observations (its policies: {', '.join(aliases) or 'none'}), "

@@ -18,8 +18,8 @@ from textgym.agent_config import is_lm_agent
 from textgym.errors import ConfigError, TrainingError
 from textgym.rundir import RunDir
 
-__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "init_process_group", "launch", "on_main",
-           "rank", "under_launcher", "world_size"]  # fmt: skip
+__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "init_process_group",
+           "launch", "on_main", "rank", "speaks_for_the_run", "under_launcher", "world_size"]  # fmt: skip
 
 LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
 
