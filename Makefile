@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test bench lint clean
 
@@ -25,9 +26,11 @@ setup: $(VENV)/.setup-done
 demo: setup
 	$(VENV)/bin/textgym train examples/demo.toml
 
-# the 15 slowest tests are listed at the end: where the suite's minutes go
+# Two workers (pytest-xdist), each running whole files: one test process leaves a core idle about half the
+# time (its tests wait on the processes they start). The 15 slowest tests are listed at the end: where the
+# suite's minutes go. One test, or one file, alone: .venv/bin/pytest tests/test_x.py
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # Benchmarks, not tests: writes benchmarks/results/*.json and docs/performance.md (each section
 # alone: `python benchmarks/run.py --only NAME`).

@@ -7,9 +7,29 @@ os.environ.pop("TEXTGYM_PLUGINS", None)
 import contextlib
 
 import pytest
+import torch
 
 import textgym
 from textgym import plugin_manager
+
+# `pytest -n N` (make test runs two workers): each worker, and every process a test starts, takes its share of
+# the cores, so that a test comparing a run in this process to one in a subprocess compares like with like,
+# and two workers' torch threads do not fight over the same cores.
+if WORKERS := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The longest files first: `make test`'s workers each take one and the short ones fill in around them, so
+# the workers finish together (tests of one file stay on one worker: --dist loadfile).
+LONGEST_FIRST = ["test_distributed.py", "test_reliability.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
 
 
 @pytest.fixture(scope="session")
