@@ -180,7 +180,7 @@ def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
         ),
         (
             [{"name": "grpo", "num_generations": 1}],
-            "agent 'grpo': num_generations must be an integer >= 2",
+            r"agent 'grpo': its \[\[agents\]\] entry: num_generations must be an integer >= 2",
             ConfigError,
         ),
         ([{"name": "lmppo"}, {"name": "lmppo"}], "agents 'lmppo' and 'lmppo' share the name", ConfigError),
@@ -222,6 +222,24 @@ def test_a_bench_without_an_agents_list_names_its_agent_once_and_the_table_of_a_
     refused(
         tmp_path, bad, r"agent 'lmppo': its \[\[agents\]\] entry or \[agent.lmppo\]: unknown hyperparameter"
     )
+
+
+def test_a_bad_lm_hyperparameter_value_names_the_table_that_set_it(tmp_path):
+    """A value the agent's config refuses said only "clip_range must be ...": in a bench with an [[agents]]
+    list and a shared [agent] table, the user could not tell which of the two to edit."""
+    bad = designs(tmp_path)
+    bad["agent"]["clip_range"] = -1
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent\]: clip_range must be a number > 0, not -1")
+    bad = designs(tmp_path)
+    bad["agent"]["lmppo"] = {"clip_range": -1}
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent.lmppo\]: clip_range must be")
+    bad = designs(tmp_path)
+    bad["agents"] = [{"name": "lmppo", "clip_range": -1}]
+    del bad["agent"]["name"]
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': its \[\[agents\]\] entry: clip_range must be")
+    bad["agents"] = [{"name": "lmppo"}]
+    bad["agent"]["clip_range"] = -1  # shared by every entry
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent\]: clip_range must be")
 
 
 def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path):

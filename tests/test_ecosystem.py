@@ -139,6 +139,7 @@ def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_a
                         ({"sedd": 3}, r"unknown hyperparameter 'sedd'. Did you mean run.seed"),
                         ({"name": "grpo", "kl_coef": 0.1}, r"grpo: unknown hyperparameter 'kl_coef'. grpo calls it 'beta'"),
                         ({"name": "grpo", "num_generations": "4"}, r"^\[agent\] grpo: num_generations must be"),
+                        ({"grpo": {"beta": -1}, "name": "grpo"}, r"^\[agent.grpo\]: beta must be a number >= 0"),
                         ({"name": "ppo", "ppo": {"n_steps": 8}, "sb3-ppo": {"n_steps": 32}},
                          r"\[agent.ppo\] and \[agent.sb3-ppo\] both hold ppo's hyperparameters")]:  # fmt: skip
         with pytest.raises(ConfigError, match=says):

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import re
 from typing import Any
 
 from textgym import plugin_manager
@@ -225,6 +226,11 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
         try:
             agent_class.config_class(**hyperparameters)
         except (ConfigError, TypeError) as exc:  # (TypeError: a plugin config's field without a default)
+            # the table that set the value a message starts with ("clip_range must be ..."), else the agent
+            key = re.match(r"[A-Za-z_]\w*", f"{exc}")
+            key = key[0] if key and key[0] in hyperparameters else None
+            if key is not None:
+                raise ConfigError(f"{_place(name, key in own, entry)}: {exc}") from None
             raise ConfigError(f"{exc}" if entry is not None else f"[agent] {name}: {exc}") from None
     else:
         _check_annotations(agent_class, name, hyperparameters, own, entry)
