@@ -118,6 +118,23 @@ def test_interrupted_build_leaves_no_cache_and_the_next_build_completes(tmp_path
     assert atomic_build_dir(target, build) == target and len(calls) == 1  # complete: not rebuilt
 
 
+def test_a_build_that_another_process_finished_first_returns_the_finished_one(tmp_path, monkeypatch):
+    """Two processes (two test workers, two runs on a fresh machine) building the same cache: the one whose
+    rename came second failed with "Directory not empty" instead of using the other's complete build."""
+    target, rename, raced = tmp_path / "model", os.rename, []
+
+    def other_process_first(src, dst):
+        if dst == target and not raced:  # the other build lands between our check and our rename
+            raced.append(True)
+            atomic_build_dir(target, lambda d: (d / "w.bin").write_text("theirs"))
+        rename(src, dst)
+
+    monkeypatch.setattr(models.os, "rename", other_process_first)
+    assert atomic_build_dir(target, lambda d: (d / "w.bin").write_text("ours")) == target
+    assert (target / "w.bin").read_text() == "theirs" and models.is_complete(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left
+
+
 def test_embedded_cache_is_complete(tokenizer):
     assert (models.smollm2_dir() / "textgym-complete").is_file()
     assert (models.smollm2_dir() / "model.safetensors").is_file()

@@ -71,7 +71,12 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
             synced(target.parent, recursive=False)  # the renames too, before the old version goes
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.rename(tmp, target)
+            try:
+                os.rename(tmp, target)
+            except OSError:  # another process's build was renamed into place since the check above
+                if replace or not is_complete(target):
+                    raise
+                return target
             synced(target.parent, recursive=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
