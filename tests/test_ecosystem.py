@@ -127,6 +127,22 @@ def test_a_misnamed_agent_or_agent_table_is_named_as_such():
     assert hyperparameters == {"beta": 0.1}
 
 
+def test_a_message_names_the_agents_table_as_the_config_spells_it():
+    """[agent.A2C] (a2c's table under another of its names) was reported as [agent.a2c], a table the config
+    does not have."""
+    from textgym.agent_config import resolve_agent
+
+    for table, says in [({"name": "a2c", "A2C": {"n_stpes": 4}}, r"^\[agent.A2C\]: unknown hyperparameter 'n_stpes'"),
+                        ({"name": "sb3-a2c", "A2C": {"gamma": "x"}}, r"^\[agent.A2C\]: gamma must be a number"),
+                        ({"name": "a2c", "A2C": {"learning_rate": -1}}, r"^\[agent.A2C\]: learning_rate must be"),
+                        ({"name": "a2c", "A2C": {"seed": 1}}, r"^\[agent.A2C\] sets seed"),
+                        ({"name": "a2c", "gamma": "x", "A2C": {}}, r"^\[agent\] a2c: gamma must be a number"),
+                        ({"name": "lmppo", "policy": "tiny-char-llama", "LMPPO": {"clip_range": -1}},
+                         r"^\[agent.LMPPO\]: clip_range must be")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=says):
+            resolve_agent(table)
+
+
 def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_anything_loads(capsys):
     """A typo in another agent's table was copied into the run's config.toml unseen; `num_generations = "4"`
     was a TypeError traceback from the process split; [agent.ppo] and [agent.sb3-ppo] (one algorithm) had

@@ -114,12 +114,13 @@ def hyperparameter_names(agent_class: Any) -> list[str] | None:
     ]
 
 
-def _place(name: str, own: bool, entry: str | None) -> str:
+def _place(name: str, own: bool, entry: str | None, table: str | None = None) -> str:
     """Where a hyperparameter of agent ``name`` was set, for a message: its own table (``entry``, as a bench
-    calls it, which names the agent itself), or the shared ``[agent]`` table."""
+    calls it, which names the agent itself; else ``[agent.<table>]``, as the config spells it, e.g.
+    ``[agent.A2C]`` for a2c), or the shared ``[agent]`` table."""
     if entry is not None:
         return entry if own else "[agent]"
-    return f"[agent.{name}]" if own else f"[agent] {name}"
+    return f"[agent.{table or name}]" if own else f"[agent] {name}"
 
 
 def _check_annotations(
@@ -128,6 +129,7 @@ def _check_annotations(
     hyperparameters: dict[str, Any],
     own: dict[str, Any],
     entry: str | None = None,
+    table: str | None = None,
 ) -> None:
     """Each hyperparameter of a plain annotated type (``n_steps: int``, ``normalize_advantage: bool``) is one:
     SB3 reads ``batch_size = 32.0`` only in its first update (a TypeError after the first rollout)."""
@@ -139,7 +141,9 @@ def _check_annotations(
         return
     for key, value in hyperparameters.items():
         if key in params and (what := annotation_mismatch(params[key].annotation, value)):
-            raise ConfigError(f"{_place(name, key in own, entry)}: {key} must be {what}, not {value!r}.")
+            raise ConfigError(
+                f"{_place(name, key in own, entry, table)}: {key} must be {what}, not {value!r}."
+            )
 
 
 # other libraries' names for a hyperparameter (TRL's GRPO calls the KL coefficient beta, its PPO kl_coef)
@@ -148,7 +152,12 @@ ALSO_CALLED = {"kl_coef": "beta", "beta": "kl_coef", "init_kl_coef": "kl_coef", 
 
 
 def _check_names(
-    name: str, agent_class: Any, hyperparameters: dict[str, Any], own: Any, entry: str | None = None
+    name: str,
+    agent_class: Any,
+    hyperparameters: dict[str, Any],
+    own: Any,
+    entry: str | None = None,
+    table: str | None = None,
 ) -> None:
     """Every key of ``hyperparameters`` is one ``agent_class`` takes; ``own``: the keys that came from the
     agent's own table (``True``: all of them), for the message."""
@@ -187,7 +196,7 @@ def _check_names(
                 f"[agent.<other agent>]."
             )
         raise ConfigError(
-            f"{_place(name, mine, entry)}: unknown hyperparameter {key!r}.{hint} {name} takes: "
+            f"{_place(name, mine, entry, table)}: unknown hyperparameter {key!r}.{hint} {name} takes: "
             f"{', '.join(sorted(valid))}.{tables}"
         )
 
@@ -208,6 +217,7 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
             f"{' and '.join(f'[agent.{k}]' for k in mine)} both hold {name}'s hyperparameters: keep one table."
         )
     own = dict(tables[mine[0]]) if mine else {}
+    table = mine[0] if mine else None  # as the config spells it: [agent.A2C] for a2c
     for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo in it would wait,
         # unseen, for the run that reads it (`--agent <it>`), and be copied into this run's config.toml
         _check_names(key, find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}, own=True)
@@ -217,11 +227,11 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
     hyperparameters = {**shared, **own}
     if "seed" in hyperparameters:  # it would win over run.seed: a bench's seeds would train one run
         raise ConfigError(
-            f"{(entry or f'[agent.{name}]') if 'seed' in own else '[agent]'} sets seed, but a run is seeded "
+            f"{_place(name, True, entry, table) if 'seed' in own else '[agent]'} sets seed, but a run is seeded "
             f"by run.seed (a bench sets it for each of its seeds); remove seed from the agent's table, and set "
             f"run.seed (in a bench: bench.seeds) instead."
         )
-    _check_names(name, agent_class, hyperparameters, own=own, entry=entry)
+    _check_names(name, agent_class, hyperparameters, own=own, entry=entry, table=table)
     if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
         try:
             agent_class.config_class(**hyperparameters)
@@ -230,20 +240,20 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
             key = re.match(r"[A-Za-z_]\w*", f"{exc}")
             key = key[0] if key and key[0] in hyperparameters else None
             if key is not None:
-                raise ConfigError(f"{_place(name, key in own, entry)}: {exc}") from None
+                raise ConfigError(f"{_place(name, key in own, entry, table)}: {exc}") from None
             raise ConfigError(f"{exc}" if entry is not None else f"[agent] {name}: {exc}") from None
     else:
-        _check_annotations(agent_class, name, hyperparameters, own, entry)
+        _check_annotations(agent_class, name, hyperparameters, own, entry, table)
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            where = _place(name, "learning_rate" in own, entry)
+            where = _place(name, "learning_rate" in own, entry, table)
             raise ConfigError(f"{where}: learning_rate must be a positive number, not {lr!r}.")
     if not is_lm_agent(agent_class):
         aliases = getattr(agent_class, "policy_aliases", {})
         if own_policy and policy not in aliases:
             raise ConfigError(
-                f"{_place(name, True, entry)}: policy {policy!r} is not one of {name}'s policies: "
+                f"{_place(name, True, entry, table)}: policy {policy!r} is not one of {name}'s policies: "
                 f"{', '.join(aliases)}."
             )
         if not isinstance(policy, str) or policy not in aliases:
