@@ -788,6 +788,39 @@ def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, 
     assert not out.exists()
 
 
+def test_a_program_binding_the_port_before_the_processes_start_does_not_stop_a_run(
+    config, tmp_path, monkeypatch
+):
+    """run.processes = N chose a free port, released it, and the main process bound it seconds later: another
+    program (here, this test, just before the processes start) could take it meanwhile, and the run failed
+    with "address already in use". The port is now held by the launching process's store throughout."""
+    import socket
+
+    taken, popen = [], subprocess.Popen
+
+    def start(cmd, env, **kwargs):
+        if not taken:  # the port the processes are told to meet at, bound by another program if it can
+            other = socket.socket()
+            try:
+                other.bind((env["MASTER_ADDR"], int(env["MASTER_PORT"])))
+                other.listen()
+            except OSError:  # held: nobody else can take it
+                other.close()
+            taken.append(other)
+        return popen(cmd, env=env, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", start)
+    out = tmp_path / "run"
+    try:
+        assert (
+            main(["train", str(config), "--set", "run.processes=2", "--set", f"run.output_dir='{out}'"]) == 0
+        )
+    finally:
+        for other in taken:
+            other.close()
+    assert len(csv_rows(out / "metrics.csv")) == 3
+
+
 def test_the_process_group_starts_on_the_agents_device(monkeypatch):
     """accelerate keeps the device of the first PartialState: a group started for a GPU would put an agent
     with device = "cpu" on the GPU (NCCL), so `textgym train` starts it on the agent's device."""

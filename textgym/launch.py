@@ -230,6 +230,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     import sys
     import tempfile
 
+    from torch.distributed import TCPStore
+
     n = config["run"]["processes"]
     rd = RunDir(run_dir)
     created = False
@@ -240,8 +242,12 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if resuming:  # a new run's overrides are in the config.toml written above
         cmd += [arg for override in overrides for arg in ("--set", override)]
     print(f"textgym: training {run_dir} with {n} processes on this machine", flush=True)
-    env = {**os.environ, LAUNCHED_VAR: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0"}  # fmt: skip
+    # The processes meet at a store this process holds, as torchrun's agent does: its port is bound here and
+    # now, so no other program can take it between choosing a free port and the main process binding it.
+    store = TCPStore("127.0.0.1", 0, world_size=n, is_master=True, wait_for_workers=False)
+    env = {**os.environ, LAUNCHED_VAR: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+           "GROUP_RANK": "0"}  # fmt: skip
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     # Where this process's output is redirected (textgym bench writes each run's to its train.log), the
     # processes' output goes there too, not to the console.
@@ -272,14 +278,6 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     raise TrainingError(
         f"the {n}-process run of {run_dir} failed (process {failed} exited with code {codes[failed]}); see above."
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # after one process fails, the others have this long to stop by themselves (textgym stops every process when
