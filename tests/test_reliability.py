@@ -902,8 +902,11 @@ def test_bad_sb3_hyperparameters_are_one_line_errors(tmp_path, capsys):
 
 def test_undecodable_prompt_files_are_named(config, tmp_path, capsys):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    assert main(["train", str(config), "--set", f"env.prompts='{tmp_path / 'latin1.txt'}'"]) == 2
+    out = tmp_path / "run"
+    args = ["--set", f"env.prompts='{tmp_path / 'latin1.txt'}'", "--set", f"run.output_dir='{out}'"]
+    assert main(["train", str(config), *args]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
+    assert not out.exists()  # the failed start leaves no run directory
 
 
 def test_a_bad_plugin_file_in_textgym_plugins_is_one_line(tmp_path):
