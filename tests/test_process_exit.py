@@ -132,10 +132,12 @@ def test_a_launchers_sigterm_during_the_wait_loses_no_output():
     process = subprocess.Popen([sys.executable, "-c", GIVES_GRACE, "2"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     process.stderr.readline()
-    time.sleep(1.0)  # into the wait (it lasts 5 s)
+    # everything written, then the 5 s wait: the signal comes in it (a fixed sleep here could come before
+    # the flush on a busy machine)
+    written = process.stdout.readline() + process.stdout.readline()
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == -signal.SIGTERM  # stopped in the wait
-    assert process.stdout.read() == "written before the exit\natexit handler ran\n"
+    assert written + process.stdout.read() == "written before the exit\natexit handler ran\n"
 
 
 def test_an_error_escaping_main_in_one_of_several_processes_is_shown_and_skips_the_teardown(tmp_path):
