@@ -233,6 +233,10 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     from torch.distributed import TCPStore
 
     n = config["run"]["processes"]
+    # The processes meet at a store this process holds, as torchrun's agent does: its port is bound here and
+    # now, so no other program can take it between choosing a free port and the main process binding it.
+    # (Before the run directory is made: a store that cannot start leaves none.)
+    store = TCPStore("127.0.0.1", 0, world_size=n, is_master=True, wait_for_workers=False)
     rd = RunDir(run_dir)
     created = False
     if not resuming:
@@ -242,9 +246,6 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if resuming:  # a new run's overrides are in the config.toml written above
         cmd += [arg for override in overrides for arg in ("--set", override)]
     print(f"textgym: training {run_dir} with {n} processes on this machine", flush=True)
-    # The processes meet at a store this process holds, as torchrun's agent does: its port is bound here and
-    # now, so no other program can take it between choosing a free port and the main process binding it.
-    store = TCPStore("127.0.0.1", 0, world_size=n, is_master=True, wait_for_workers=False)
     env = {**os.environ, LAUNCHED_VAR: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
            "GROUP_RANK": "0"}  # fmt: skip
