@@ -242,6 +242,27 @@ def test_a_bad_lm_hyperparameter_value_names_the_table_that_set_it(tmp_path):
     refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent\]: clip_range must be")
 
 
+def test_a_bench_names_an_agents_table_as_the_config_spells_it(tmp_path):
+    """[agent.LMPPO] was reported as [agent.lmppo] in a bench without [[agents]]; with [[agents]], an entry
+    lmppo beside a shared [agent.LMPPO] was refused as "[agent.LMPPO] and [agent.lmppo] both hold ...",
+    neither of which the config had twice."""
+    bad = designs(tmp_path)
+    bad["agent"]["LMPPO"] = {"clip_range": -1}
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent.LMPPO\]: clip_range must be")
+    bad["agent"]["LMPPO"] = {"n_epochz": 2}
+    refused(tmp_path, bad, r"^the designs: agent 'lmppo': \[agent.LMPPO\]: unknown hyperparameter 'n_epochz'")
+    d = designs(tmp_path)
+    del d["agent"]["name"]
+    d["agents"] = [{"name": "lmppo", "n_epochs": 2}]
+    d["agent"]["LMPPO"] = {"clip_range": 0.3}  # (--set agent.LMPPO.clip_range=0.3): merged into the entry
+    (agent,) = load_designs(d)["agents"]
+    assert agent["table"]["lmppo"] == {"clip_range": 0.3, "n_epochs": 2} and "LMPPO" not in agent["table"]
+    d["agent"]["LMPPO"] = {"n_epochs": 3}
+    refused(tmp_path, d, r"n_epochs is 3 in \[agent.LMPPO\] and 2 in its \[\[agents\]\] entry")
+    d["agent"]["LMPPO"] = {"clip_range": -1}
+    refused(tmp_path, d, r"agent 'lmppo': its \[\[agents\]\] entry or \[agent.LMPPO\]: clip_range must be")
+
+
 def test_agents_share_the_agent_table_and_run_in_their_own_directories(tmp_path):
     d = designs(tmp_path)
     del d["agent"]["name"]

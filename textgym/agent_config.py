@@ -16,6 +16,7 @@ import difflib
 import importlib
 import inspect
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from textgym import plugin_manager
@@ -92,6 +93,22 @@ def find_agent(name: str) -> Any:
 
 def is_agent_name(name: str) -> bool:
     return registered_agent(name) is not None or sb3_algorithm(name) is not None
+
+
+def own_table_key(agent: Mapping[str, Any], name: str) -> str | None:
+    """The key of agent ``name``'s own table in an ``[agent]`` table, as the config spells it (``A2C`` for
+    a2c, ``LMPPO`` for lmppo); None without one, or when ``name`` names no agent."""
+    if name in agent and isinstance(agent[name], Mapping):
+        return name
+    try:
+        agent_class = find_agent(name)
+    except UnknownNameError:
+        return None
+    return next(
+        (k for k, v in agent.items() if isinstance(v, Mapping) and k not in RESERVED and is_agent_name(k)
+         and find_agent(k) is agent_class),
+        None,
+    )  # fmt: skip
 
 
 def hyperparameter_names(agent_class: Any) -> list[str] | None:
@@ -218,6 +235,8 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
         )
     own = dict(tables[mine[0]]) if mine else {}
     table = mine[0] if mine else None  # as the config spells it: [agent.A2C] for a2c
+    if table is not None and entry == f"[agent.{name}]":  # (a bench without [[agents]] calls it so)
+        entry = f"[agent.{table}]"
     for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo in it would wait,
         # unseen, for the run that reads it (`--agent <it>`), and be copied into this run's config.toml
         _check_names(key, find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}, own=True)

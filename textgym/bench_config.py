@@ -268,7 +268,7 @@ def _designs(designs: Any, source: str, base_dir: Path) -> list[dict[str, Any]]:
 def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str, Any]]:
     """Each agent: ``label`` (its directory and report name), ``table`` (the ``[agent]`` table of its runs:
     the shared ``[agent]`` keys, then its own) and ``lm`` (an LM agent, or an SB3-style one)."""
-    from textgym.agent_config import is_lm_agent, resolve_agent
+    from textgym.agent_config import is_lm_agent, own_table_key, resolve_agent
 
     shared = {k: v for k, v in base["agent"].items() if k != "name"}
     if agents is None:
@@ -287,20 +287,22 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
             # the entry's keys become the agent's own table ([agent.<name>]), over the shared ones; the
             # shared policy (an LM) stays the env's tokenizer, as in `textgym train --agent`
             own = {k: v for k, v in entry.items() if k not in ("name", "label") and v is not None}
-            named = shared.get(entry["name"], {})  # [agent.<name>], e.g. from --set agent.a2c.n_steps=16
+            # [agent.<name>] (as the config spells it: [agent.A2C] for a2c), e.g. from --set agent.a2c.n_steps=16
+            key = own_table_key(shared, entry["name"]) or entry["name"]
+            named = shared.get(key, {})
             clash = [k for k in own if isinstance(named, Mapping) and k in named and named[k] != own[k]]
             if clash:
                 k = clash[0]
                 raise ConfigError(
-                    f"{source}: agent {entry['name']!r}: {k} is {named[k]!r} in [agent.{entry['name']}] and "
+                    f"{source}: agent {entry['name']!r}: {k} is {named[k]!r} in [agent.{key}] and "
                     f"{own[k]!r} in its [[agents]] entry; set it in one place (the entry's value would win)."
                 )
-            table = {k: v for k, v in shared.items() if k != entry["name"]}
+            table = {k: v for k, v in shared.items() if k != key}
             table.update(name=entry["name"], **{entry["name"]: {**named, **own}})
             if "label" in entry:
                 table["label"] = entry["label"]
             tables.append(table)
-            also = f" or [agent.{entry['name']}]" if named else ""  # (--set agent.<name>.key=... merged in)
+            also = f" or [agent.{key}]" if named else ""  # (--set agent.<name>.key=... merged in)
             entries.append(f"its [[agents]] entry{also}")
     out = []
     for table, own_table in zip(tables, entries):
