@@ -95,20 +95,24 @@ def is_agent_name(name: str) -> bool:
     return registered_agent(name) is not None or sb3_algorithm(name) is not None
 
 
+def _agent_tables(agent: Mapping[str, Any]) -> dict[str, Any]:
+    """The tables of an ``[agent]`` table that are agents' own (``[agent.grpo]``, ``[agent.A2C]``)."""
+    return {k: v for k, v in agent.items() if isinstance(v, dict) and k not in RESERVED and is_agent_name(k)}
+
+
+def _own_tables(tables: Mapping[str, Any], name: str, agent_class: Any) -> list[str]:
+    """The keys of ``tables`` that hold agent ``name``'s hyperparameters, under any of its names."""
+    return [key for key in tables if key == name or find_agent(key) is agent_class]
+
+
 def own_table_key(agent: Mapping[str, Any], name: str) -> str | None:
     """The key of agent ``name``'s own table in an ``[agent]`` table, as the config spells it (``A2C`` for
     a2c, ``LMPPO`` for lmppo); None without one, or when ``name`` names no agent."""
-    if name in agent and isinstance(agent[name], Mapping):
-        return name
     try:
-        agent_class = find_agent(name)
+        mine = _own_tables(_agent_tables(agent), name, find_agent(name))
     except UnknownNameError:
         return None
-    return next(
-        (k for k, v in agent.items() if isinstance(v, Mapping) and k not in RESERVED and is_agent_name(k)
-         and find_agent(k) is agent_class),
-        None,
-    )  # fmt: skip
+    return name if name in mine else next(iter(mine), None)
 
 
 def hyperparameter_names(agent_class: Any) -> list[str] | None:
@@ -225,18 +229,14 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
     entry; the bench's message names the agent)."""
     name = agent["name"]
     agent_class = find_agent(name)
-    tables = {
-        k: v for k, v in agent.items() if isinstance(v, dict) and k not in RESERVED and is_agent_name(k)
-    }
-    mine = [key for key in tables if key == name or find_agent(key) is agent_class]
+    tables = _agent_tables(agent)
+    mine = _own_tables(tables, name, agent_class)
     if len(mine) > 1:  # one would silently win over the other
         raise ConfigError(
             f"{' and '.join(f'[agent.{k}]' for k in mine)} both hold {name}'s hyperparameters: keep one table."
         )
     own = dict(tables[mine[0]]) if mine else {}
     table = mine[0] if mine else None  # as the config spells it: [agent.A2C] for a2c
-    if table is not None and entry == f"[agent.{name}]":  # (a bench without [[agents]] calls it so)
-        entry = f"[agent.{table}]"
     for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo in it would wait,
         # unseen, for the run that reads it (`--agent <it>`), and be copied into this run's config.toml
         _check_names(key, find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}, own=True)

@@ -273,7 +273,9 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
     shared = {k: v for k, v in base["agent"].items() if k != "name"}
     if agents is None:
         tables = [dict(base["agent"])]
-        entries = [f"[agent.{base['agent'].get('name')}]"]  # the agent's own table (what errors call it)
+        # the agent's own table (what errors call it), as the config spells it ([agent.LMPPO] for lmppo)
+        name = base["agent"].get("name")
+        entries = [f"[agent.{(isinstance(name, str) and own_table_key(base['agent'], name)) or name}]"]
     elif not isinstance(agents, list) or not agents or not all(isinstance(a, Mapping) for a in agents):
         raise ConfigError(f"{source}: [[agents]] must be a list of tables, each with an agent name.")
     else:
