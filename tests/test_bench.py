@@ -500,6 +500,7 @@ def test_an_fn_reward_named_by_module_counts_by_its_file_or_its_packages_version
               "env": {"rewards": [{"fn": f"scores_{tag}:score"}, "fn=numpy.linalg:norm weight=0"]}}  # fmt: skip
     ident = bench.identity(config)
     assert set(ident["code"]) == {str(tmp_path / f"scores_{tag}.py"), str(tmp_path / f"helper_{tag}.py")}
-    assert ident["packages"] == {"numpy": importlib.metadata.version("numpy")}
+    assert ident["packages"] == {"numpy": bench_identity.installed_package("numpy")}
+    assert ident["packages"]["numpy"].startswith(f"{importlib.metadata.version('numpy')} (code ")
     (tmp_path / f"helper_{tag}.py").write_text("X = 2\n")
     assert bench._changes(ident, bench.identity(config)) == [f"code.{tmp_path / f'helper_{tag}.py'}: changed"]

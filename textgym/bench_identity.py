@@ -1,6 +1,6 @@
 """What a bench run's results depend on, as digests: its config without what never changes training
 (:func:`identity`), the code it loads (plugin and ``fn`` files with the local modules they import, the
-versions of the installed packages it uses), its data files and directories, and the files of the held-out
+versions and code of the installed packages it uses), its data files and directories, and the files of the held-out
 evaluation (:func:`evaluation_files`). :mod:`textgym.bench` records them and compares them on a rerun."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from textgym.evaluation import jsonable
 
 __all__ = [
     "config_hash", "data_paths", "evaluation_files", "file_digest", "file_stats", "fn_files", "fn_modules",
-    "identity", "packages_used", "with_local_imports",
+    "identity", "installed_package", "packages_used", "with_local_imports",
 ]  # fmt: skip
 
 
@@ -41,7 +41,7 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
         ident["data"] = {p: file_digest(p) for p in sorted(set(data))}
     if reward_models:
         ident["reward_models"] = dict(reward_models)
-    if packages := {**packages_used(ident), **provided}:  # an installed package counts by its version
+    if packages := {**packages_used(ident), **provided}:  # an installed package: its version and code
         ident["packages"] = dict(sorted(packages.items()))
     return ident
 
@@ -130,7 +130,7 @@ def fn_modules(specs: Any) -> tuple[list[str], dict[str, str]]:
     for module in modules:
         provided = distributions.get(module.split(".")[0], [])
         for name in provided:
-            packages[name] = importlib.metadata.version(name)
+            packages[name] = installed_package(name)
         if not provided:
             try:
                 found = importlib.util.find_spec(module)
@@ -182,9 +182,69 @@ def file_stats(path: Path) -> dict[str, list[int]]:
     return {p.relative_to(path).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
+def installed_package(name: str) -> str:
+    """How an installed distribution counts in a run's identity: its version and a digest of its files,
+    ``"0.1.0 (code 3fa2c1d09b7e5a44)"``. The files of a regular install are read from the hashes its
+    ``RECORD`` lists (a reinstall of edited code under the same version changes them); those of an editable
+    install (``pip install -e``), whose ``RECORD`` lists only an import hook, are the files of its top-level
+    packages where they are imported from, read each time (also a distribution whose ``RECORD`` has no
+    hashes). Only the version where neither can be found."""
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution(name)
+    # (a source tree's .egg-info, found on sys.path, has no hashes either: its SOURCES.txt lists names only)
+    lines = ([] if _is_editable(dist) else _recorded_files(dist)) or _imported_files(dist)
+    if not lines:
+        return dist.version
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    return f"{dist.version} (code {digest})"
+
+
+def _is_editable(dist: Any) -> bool:
+    try:
+        return bool(json.loads(dist.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable"))
+    except ValueError:
+        return False
+
+
+def _recorded_files(dist: Any) -> list[str]:
+    """The files a regular install put in site-packages, with the hashes its ``RECORD`` gives them: not its
+    ``.dist-info`` (which names where it was installed from) nor its scripts (``../bin``, whose first line
+    names the interpreter)."""
+    return sorted(
+        f"{f.as_posix()}:{f.hash.value}"
+        for f in dist.files or []
+        if f.hash and not f.as_posix().startswith("..") and not f.parts[0].endswith(".dist-info")
+    )
+
+
+def _imported_files(dist: Any) -> list[str]:
+    """The files of a distribution's top-level packages and modules (``top_level.txt``, and the modules
+    its entry points name), found where Python imports them from, with their digests."""
+    import importlib.util
+
+    tops = set((dist.read_text("top_level.txt") or "").split())
+    tops |= {ep.module.split(".")[0] for ep in dist.entry_points}
+    lines = []
+    for top in sorted(tops):
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:  # a package: every file under it but compiled bytecode
+            for root in map(Path, spec.submodule_search_locations):
+                files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+                lines += [f"{top}/{p.relative_to(root).as_posix()}:{file_digest(p)}" for p in files]
+        elif spec.origin and Path(spec.origin).is_file():
+            lines.append(f"{top}:{file_digest(spec.origin)}")
+    return lines
+
+
 def packages_used(config: Any) -> dict[str, str]:
     """The installed plugin packages (entry points) that registered a name ``config`` uses, with their
-    versions: ``{"textgym-example": "0.1.0"}``. A name is any string in it (a spec string's first word) that
+    versions and code (:func:`installed_package`): ``{"textgym-example": "0.1.0 (code 3fa2c1d09b7e5a44)"}``. A name is any string in it (a spec string's first word) that
     is registered as a reward, env, agent, responder, prompt source or model."""
     from textgym.plugin_manager import KINDS, distribution_of, load_plugins, registry
 
@@ -206,8 +266,7 @@ def packages_used(config: Any) -> dict[str, str]:
     for hook_name in KINDS:
         for word in sorted(words & set(registry(hook_name).names())):
             if found := distribution_of(registry(hook_name).get(word).plugin):
-                name, version = found
-                used[name] = version
+                used[found[0]] = installed_package(found[0])
     return dict(sorted(used.items()))
 
 

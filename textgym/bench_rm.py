@@ -99,7 +99,7 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         if packages := {
             **packages_used(gold),
             **provided,
-        }:  # gold code from an installed package: its version
+        }:  # gold code from an installed package: its version and code
             digested = {**digested, "packages": dict(sorted(packages.items()))}
         digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
         out.append({"output": output, **settings, "digest": digest})
