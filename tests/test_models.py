@@ -135,6 +135,35 @@ def test_a_build_that_another_process_finished_first_returns_the_finished_one(tm
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left
 
 
+@pytest.mark.parametrize("theirs", ["moves-first", "lands-between"])
+def test_two_builds_replacing_one_incomplete_leftover_both_return_a_complete_build(
+    tmp_path, monkeypatch, theirs
+):
+    """Both processes found the same incomplete leftover and replace it (two renames each). Ours failed when
+    the other's first rename came first (FileNotFoundError: the leftover was gone), or when its build was
+    renamed into place between our two ("Directory not empty"); now ours is placed, or theirs used."""
+    target, rename, raced = tmp_path / "model", os.rename, []
+    target.mkdir()
+    (target / "w.bin").write_text("half")  # an older, killed build: no completion marker
+    built = tmp_path / "their-build"  # the other process's finished temporary directory
+    built.mkdir()
+    (built / "w.bin").write_text("theirs")
+    (built / "textgym-complete").write_text("ok\n")
+
+    def the_other_process_renames_first(src, dst):
+        if not raced and theirs == "moves-first" and src == target:
+            raced.append(rename(target, tmp_path / "their-old"))
+        if not raced and theirs == "lands-between" and dst == target:
+            raced.append(rename(built, target))
+        rename(src, dst)
+
+    monkeypatch.setattr(models.os, "rename", the_other_process_renames_first)
+    assert atomic_build_dir(target, lambda d: (d / "w.bin").write_text("ours")) == target
+    assert raced and models.is_complete(target)
+    assert (target / "w.bin").read_text() == ("ours" if theirs == "moves-first" else "theirs")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]  # no temporary directories
+
+
 def test_embedded_cache_is_complete(tokenizer):
     assert (models.smollm2_dir() / "textgym-complete").is_file()
     assert (models.smollm2_dir() / "model.safetensors").is_file()
