@@ -3,6 +3,7 @@ headless browser (Chromium from the OS packages; .ci/run installs it and makes a
 
 import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -143,6 +144,15 @@ def test_flags_rankings_and_clipped_intervals(report):
     eos = results.cell("lmppo", "proxy", "eos_rate")  # 0, 0.09, 0.36: the t interval reaches below 0
     assert eos["ci_low"] == 0.0 and eos["mean"] == pytest.approx(0.15) and eos["ci_high"] <= 1
     assert {c["better"] for c in results.comparisons if c["metric"] == "exact_copy"} == {"gold"}
+    # every paired comparison but `reward`'s between designs is in comparisons.csv: `length` too (it is not
+    # ranked, so it has no "better"), as between agents
+    designs = {
+        c["metric"] for c in csv.DictReader((out / "comparisons.csv").open()) if c["scope"] == "designs"
+    }
+    assert designs == set(results.metrics) - {"reward"} and "length" in designs
+    for c in results.comparisons:  # each difference's interval within what two values in the range differ by
+        low, high = results.ranges.get(c["metric"], (-math.inf, math.inf))
+        assert not c["ci_low"] < low - high and not c["ci_high"] > high - low, c
     for name in ("training_curves.png", "eval_curves.png", "overoptimization.png", "metric_bars.png",
                  "curves/proxy.png", "curves/gold.png"):  # fmt: skip
         assert (out / name).stat().st_size > 10_000

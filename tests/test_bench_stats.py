@@ -46,9 +46,7 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     assert paired({0: 1.0}, {0: 0.0}).n == 1 and math.isnan(paired({0: 1.0}, {0: 0.0}).p)
     assert paired({0: 1.0}, {1: 0.0}).n == 0
     same = paired({0: 1.0, 1: 2.0}, {0: 0.5, 1: 1.5})  # every seed shows the same difference
-    assert same.p == 0.5 and same.d_z == math.inf  # the exact sign test: 2 / 2^2
-    six = paired({s: 1.0 for s in range(6)}, {s: 0.0 for s in range(6)})
-    assert six.p == pytest.approx(2 / 64)
+    assert same.p == 0.0 and same.d_z == math.inf and same.ci_low == same.ci_high == 0.5  # the t-test's limit
     equal = paired({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0})
     assert equal.p == 1.0 and equal.diff == 0.0
     # two metrics that are 0 up to float rounding, in either direction, are not different
@@ -58,20 +56,37 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     assert compare({"a": rounding, "b": {s: 0.0 for s in range(6)}}, "higher")[1] == {"a": 1, "b": 1}
 
 
-def test_a_difference_every_seed_shows_says_how_many_seeds_the_sign_test_needs():
-    """A zero-width interval and an infinite d_z with "not significant" read as a contradiction: the verdict
-    says why (the exact sign test), and how many seeds it needs, where it said nothing."""
+def test_a_difference_every_seed_shows_is_never_less_significant_than_nearly_the_same_differences():
+    """The same difference on every seed went to the exact sign test (p = 2 / 2^n), nearly the same ones to
+    the t-test: an EOS rate of 1.0 against 0.0 on 5 seeds was "not significant" (p = 0.0625), and made
+    weaker on one seed (15/16) it was significant (p ~ 1e-7). A chain then ranked a pair its test did not."""
     from textgym.bench_report import verdict
     from textgym.bench_results import _comparison_row
 
-    comparisons, _ = compare({"a": {s: 1.0 for s in range(3)}, "b": {s: 0.0 for s in range(3)}}, "higher")
-    assert comparisons[0].better is None and comparisons[0].seeds_needed == 6  # 2 / 2^6 < 0.05 <= 2 / 2^5
-    row = _comparison_row("designs", "lmppo", "eos_rate", comparisons[0])
-    assert verdict(row) == (
-        "not significant (every seed shows the same difference: the exact sign test needs 6 such seeds)"
+    one, zero = {s: 1.0 for s in range(5)}, {s: 0.0 for s in range(5)}
+    (constant,), ranks = compare({"a": one, "b": zero}, "higher", bounds=(0.0, 1.0))
+    (weaker,), _ = compare({"a": {**one, 4: 15 / 16}, "b": zero}, "higher", bounds=(0.0, 1.0))
+    assert weaker.better == "a" and weaker.p_holm < 0.05
+    assert constant.better == "a" and constant.p_holm <= weaker.p_holm and ranks == {"a": 1, "b": 2}
+    assert verdict(_comparison_row("designs", "lmppo", "eos_rate", constant)) == "**a** better"
+
+    near = {s: 1.0 - 0.01 * (s % 2) for s in range(4)}  # a - b: 0.99 +- 0.01 on every seed
+    three = {"a": {s: 2.0 for s in range(4)}, "b": near, "c": {s: 0.0 for s in range(4)}}
+    comparisons, ranks = compare(three, "higher")
+    assert {(c.a, c.b): c.better for c in comparisons} == {("a", "b"): "a", ("a", "c"): "a", ("b", "c"): "b"}
+    assert ranks == {"a": 1, "b": 2, "c": 3}
+
+
+def test_a_differences_interval_stays_within_what_two_values_in_the_range_can_differ_by():
+    # two EOS rates differ by at most 1: the t interval of 0.9, 0.95, 1.0 reaches past 1 unclipped
+    r = paired({0: 0.95, 1: 1.0, 2: 1.0}, {0: 0.05, 1: 0.05, 2: 0.0}, bounds=(0.0, 1.0))
+    assert r.ci_high == 1.0 and -1.0 <= r.ci_low < r.diff
+    unclipped = paired({0: 0.95, 1: 1.0, 2: 1.0}, {0: 0.05, 1: 0.05, 2: 0.0})
+    assert unclipped.ci_high > 1.0 and unclipped.ci_low == r.ci_low and unclipped.p == r.p
+    (c,), _ = compare(
+        {"a": {0: 0.0, 1: 0.1, 2: 0.0}, "b": {0: 1.0, 1: 0.95, 2: 1.0}}, "higher", bounds=(0, 1)
     )
-    three = compare({k: {s: v for s in range(3)} for k, v in (("a", 1.0), ("b", 0.5), ("c", 0.0))}, "higher")
-    assert {c.seeds_needed for c in three[0]} == {7}  # Holm's first step over 3 pairs: 0.05 / 3
+    assert c.test.ci_low == -1.0  # and on the other side
 
 
 def test_an_infinite_value_on_a_shared_seed_leaves_the_pair_untested():

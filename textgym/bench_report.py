@@ -151,8 +151,6 @@ def needed_text(c: Mapping[str, Any]) -> str:
     n = c.get("seeds_needed")
     if n is None or n <= c["n"]:
         return ""
-    if math.isinf(c["d_z"]):  # a CI of zero width and an infinite d_z: say why this is not significant
-        return f" (every seed shows the same difference: the exact sign test needs {n} such seeds)"
     return f" (~{n} seeds for 80% power at this effect)"
 
 

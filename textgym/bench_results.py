@@ -156,20 +156,19 @@ def _summarize(results: BenchResults) -> None:
         for design in results.designs:
             for metric in results.metrics:
                 groups = {a: results.values(a, design, metric) for a in results.agents}
-                comparisons, ranks = compare(groups, results.direction(metric, "agents"))
+                bounds = results.ranges.get(metric, (-math.inf, math.inf))
+                comparisons, ranks = compare(groups, results.direction(metric, "agents"), bounds=bounds)
                 results.comparisons += [_comparison_row("agents", design, metric, c) for c in comparisons]
                 agent_ranks.update({(a, design, metric): r for a, r in ranks.items()})
     for agent in results.agents:
         for metric in results.metrics:
             groups = {d: results.values(agent, d, metric) for d in results.designs}
-            direction = results.direction(metric, "designs")
-            comparisons, ranks = compare(groups, direction)
-            if direction is not None:  # each design's own proxy: its differences between designs mean nothing
+            bounds = results.ranges.get(metric, (-math.inf, math.inf))
+            comparisons, ranks = compare(groups, results.direction(metric, "designs"), bounds=bounds)
+            if metric != REWARD:  # each design's own proxy: its differences between designs mean nothing
                 results.comparisons += [_comparison_row("designs", agent, metric, c) for c in comparisons]
             for design, seeds in groups.items():
-                mean, low, high = mean_ci(
-                    list(seeds.values()), bounds=results.ranges.get(metric, (-math.inf, math.inf))
-                )
+                mean, low, high = mean_ci(list(seeds.values()), bounds=bounds)
                 results.summary.append(
                     {
                         "agent": agent,

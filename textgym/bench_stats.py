@@ -68,13 +68,21 @@ class Paired:
     unmeasured: int = 0  # shared seeds where one has a value and the other none: nothing is tested either
 
 
-def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95) -> Paired:
-    """The paired comparison of ``a`` and ``b`` (seed -> value) over the seeds both have a value for.
+def paired(
+    a: Mapping[int, float],
+    b: Mapping[int, float],
+    confidence: float = 0.95,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
+) -> Paired:
+    """The paired comparison of ``a`` and ``b`` (seed -> value) over the seeds both have a value for. The
+    interval is clipped to what a difference of two values in ``bounds`` (the metric's range) can be:
+    ``[low - high, high - low]``, [-1, 1] for two rates.
 
-    When every shared seed shows exactly the same difference the t statistic is undefined: the p-value is
-    then the exact sign test's (2 / 2^n) for a non-zero difference, and 1 for none. Differences within
-    float rounding of the values (1e-12 of their size, at least 1e-12) are none: two metrics that are both
-    0 up to rounding never differ significantly.
+    When every shared seed shows exactly the same difference the t statistic is infinite: p is then 0, the
+    t-test's limit as the differences' spread shrinks, and the interval has width 0, so a difference on
+    every seed is never less significant than nearly the same differences. Differences within float
+    rounding of the values (1e-12 of their size, at least 1e-12) are none: two metrics that are both 0 up
+    to rounding never differ significantly.
 
     An infinite value on a shared seed (a KL that blew up) leaves the pair untested: its difference is
     infinite or undefined, and leaving that seed out would compare the designs on their good runs only. So
@@ -103,17 +111,15 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0
     if n < 2:
         return Paired(1, diff, math.nan, math.nan, math.nan, math.nan)
     sd = float(d.std(ddof=1))
-    if sd <= 1e-12 * max(1.0, float(np.abs(d).max())):
-        # Every seed shows the same difference: the t statistic is undefined. The exact sign test of n
-        # differences of one sign is what is left (p = 2 / 2^n: 0.5 for two seeds, < 0.05 from six).
-        p = 1.0 if diff == 0 else sign_test_p(n)
-        d_z = 0.0 if diff == 0 else math.copysign(math.inf, diff)
-        return Paired(n, diff, diff, diff, d_z, p)
+    if sd <= 1e-12 * max(1.0, float(np.abs(d).max())):  # the same difference on every seed
+        if diff == 0:
+            return Paired(n, 0.0, 0.0, 0.0, 0.0, 1.0)
+        return Paired(n, diff, diff, diff, math.copysign(math.inf, diff), 0.0)
     se = sd / math.sqrt(n)
-    t = diff / se
     half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * se
-    p = float(2 * stats.t.sf(abs(t), n - 1))
-    return Paired(n, diff, diff - half, diff + half, diff / sd, p)
+    p = float(2 * stats.t.sf(abs(diff / se), n - 1))
+    widest = bounds[1] - bounds[0]
+    return Paired(n, diff, max(diff - half, -widest), min(diff + half, widest), diff / sd, p)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -150,20 +156,6 @@ def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int
     return None
 
 
-def sign_test_p(n: int) -> float:
-    """The exact two-sided sign test's p-value for ``n`` differences of one sign: 2 / 2^n (at most 1)."""
-    return min(1.0, 2 * 0.5**n)
-
-
-def sign_test_seeds(alpha: float = ALPHA) -> int:
-    """Seeds that all show the same difference for the exact sign test to reach ``alpha``: the smallest n
-    with :func:`sign_test_p` below it (6 at 0.05)."""
-    n = 1
-    while sign_test_p(n) >= alpha:
-        n += 1
-    return n
-
-
 @dataclass(frozen=True)
 class Comparison:
     """One pair of groups on one metric: ``a`` against ``b``, and which is better if significant."""
@@ -173,18 +165,20 @@ class Comparison:
     test: Paired
     p_holm: float
     better: str | None  # the significantly better group, None when the difference is not significant
-    seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z, or
-    # where every seed shows the same difference, the seeds that the exact sign test needs
+    seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z
 
 
 def compare(
-    groups: Mapping[str, Mapping[int, float]], direction: str | None, alpha: float = ALPHA
+    groups: Mapping[str, Mapping[int, float]],
+    direction: str | None,
+    alpha: float = ALPHA,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
 ) -> tuple[list[Comparison], dict[str, int | None]]:
     """Every pair of ``groups`` (name -> seed -> value) compared, p-values Holm-corrected over the pairs,
     and each group's rank: 1 + the number of groups significantly better, directly or through a chain
-    (None when ``direction`` is None or the group has no value)."""
+    (None when ``direction`` is None or the group has no value). ``bounds``: the metric's range."""
     names = list(groups)
-    tests = [(a, b, paired(groups[a], groups[b])) for a, b in itertools.combinations(names, 2)]
+    tests = [(a, b, paired(groups[a], groups[b], bounds=bounds)) for a, b in itertools.combinations(names, 2)]
     tests = [t for t in tests if t[2].n > 0 or t[2].unmeasured]  # none shared: e.g. KL of an SB3 agent
     adjusted = holm([t.p for _, _, t in tests])
     comparisons = []
@@ -196,7 +190,7 @@ def compare(
         needed = None
         if not p < alpha and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
             level = alpha / max(len(tests), 1)
-            needed = sign_test_seeds(level) if math.isinf(test.d_z) else seeds_needed(test.d_z, level)
+            needed = seeds_needed(test.d_z, level)
         comparisons.append(Comparison(a, b, test, p, better, needed))
     ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
