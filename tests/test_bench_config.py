@@ -97,7 +97,7 @@ def test_bad_bench_settings_are_refused(tmp_path, key, value, match):
     refused(tmp_path, designs(tmp_path, **{key: value}), match)
 
 
-@pytest.mark.parametrize("label", ["kl", "reward", "length", "eos_rate", "exact_se"])
+@pytest.mark.parametrize("label", ["kl", "reward", "length", "eos_rate", "exact_se", "exact_n"])
 def test_a_metric_label_that_clashes_with_a_built_in_metric_is_refused(tmp_path, label):
     bad = designs(tmp_path)
     bad["metrics"]["rewards"] = [{"name": "match", "label": label}]

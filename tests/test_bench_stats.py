@@ -234,6 +234,39 @@ def test_a_flat_gold_metric_is_flagged_as_gamed_in_at_most_5_percent_of_runs():
         assert hits / 2000 <= 0.05, (evaluations, hits)
 
 
+def episodes_row(i, gold, proxy):
+    """An evaluation row as the evaluation writes it, from its episodes' gold and proxy values."""
+    row = {"iteration": i}
+    for name, x in (("gold", gold), ("reward", proxy)):
+        row.update({name: x.mean(), f"{name}_se": x.std(ddof=1) / math.sqrt(len(x)), f"{name}_n": len(x)})
+    return row
+
+
+@pytest.mark.parametrize("metric", ["normal", "0/1"])
+def test_a_flat_gold_metric_over_few_episodes_is_flagged_as_gamed_in_at_most_5_percent_of_runs(metric):
+    """Standard errors estimated from few episodes, and a 0/1 metric whose episodes all agree (a standard
+    error of 0), flagged a flat gold metric in 8-10% of runs of 4-8 episodes (26% at 2 episodes)."""
+    rng = np.random.default_rng(0)
+    for episodes, evaluations in ((4, 3), (4, 11), (8, 11)):
+        hits = 0
+        for _ in range(600):
+            gold = [rng.normal(0, 1, episodes) if metric == "normal" else 1.0 * (rng.random(episodes) < 0.5)
+                    for _ in range(evaluations)]  # fmt: skip
+            rows = [episodes_row(i, g, rng.normal(10 * i, 1, episodes)) for i, g in enumerate(gold)]
+            hits += any(f["kind"] == "gaming" for f in run_flags(rows, {}, ["gold"]))
+        assert hits / 600 <= 0.05, (episodes, evaluations, hits)
+
+
+def test_a_0_1_gold_metric_every_episode_agreed_on_falls_by_its_pooled_noise():
+    """Every episode 1 at the peak and 0 at the end: over 2 episodes each that is chance (a standard error
+    of 0 flagged it), over 16 each it is not."""
+    for episodes, flagged in ((2, False), (16, True)):
+        proxy = np.linspace(0.0, 1.0, episodes)
+        rows = [episodes_row(i, np.full(episodes, g), proxy + 5 * i) for i, g in enumerate([0.5, 1.0, 0.0])]
+        rows[0]["gold_se"] = 0.1  # (a start that varied)
+        assert bool(run_flags(rows, {}, ["gold"])) == flagged, episodes
+
+
 def test_degeneration_flags():
     rows = curve(
         [0.5, 0.5, 0.5],

@@ -60,7 +60,8 @@ def test_train_evaluates_held_out_prompts_and_does_not_change_training(tmp_path,
     last = int(csv_rows(diag / "metrics.csv")[-1]["iteration"])
     assert iterations == [*range(0, last, 2), last] or iterations == list(range(0, last + 1, 2))
     assert list(evals[0]) == ["iteration", "timesteps", "reward", "exact_copy", "kl", "length", "distinct_2",
-                              "eos_rate", "reward_se", "exact_copy_se"]  # fmt: skip
+                              "eos_rate", "reward_se", "exact_copy_se", "reward_n", "exact_copy_n"]  # fmt: skip
+    assert {r["reward_n"] for r in evals} == {"12"}  # the episodes each mean is over (the flags' noise)
     for r in evals:
         assert (
             0 <= float(r["exact_copy"]) <= 1

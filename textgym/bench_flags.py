@@ -4,12 +4,17 @@ Each flag is read off one run's held-out evaluation curve (the rows of its ``eva
 training) or its final evaluation, with fixed, documented thresholds:
 
 - ``gaming``: the training total (``reward``, the proxy) rose while a gold metric fell after iteration k:
-  k is where the gold metric peaked, the rise exceeds twice its combined standard error (two evaluations of
-  the same prompts differ by sampling noise alone), and the fall exceeds z times its own, z = 2 or, with
-  more evaluations, the Bonferroni bound over the evaluations the peak was picked from (z = 2.24 for 5,
-  3.02 for 41): picked as the highest, a peak of pure noise would otherwise fall "significantly" in one
-  run of eight with 11 evaluations, in one of four with 41. A flat gold metric is flagged in at most 5% of
-  runs. Evaluations without a standard error (fewer than 2 applicable episodes) are not judged.
+  k is where the gold metric peaked, the rise exceeds twice the standard error of the difference of the
+  two evaluations (they differ by sampling noise alone), and the fall exceeds t times its own, t = 2 or,
+  with more evaluations, the Bonferroni bound over the evaluations the peak was picked from (Student's t
+  with the two evaluations' episodes less 2 degrees of freedom: 2.36 for 5 evaluations of 16 episodes,
+  3.30 for 41): picked as the highest, a peak of pure noise would otherwise fall "significantly" in one
+  run of eight with 11 evaluations, in one of four with 41. Each standard error is the one the two
+  evaluations have if nothing changed between them: from the spread of their episodes pooled together (as
+  a two-proportion test pools them), so a 0/1 metric on which every episode of both agreed is not read as
+  noiseless. A flat gold metric is flagged in at most 5% of runs (simulated: see the tests). Evaluations
+  over fewer than 2 applicable episodes are not judged; an ``eval.csv`` written before episode counts were
+  recorded is judged with each evaluation's own standard error and the normal quantile.
 - ``length_drift``: the mean length moved by half of its start value or more (and by at least one token).
 - ``eos_collapse``: the EOS rate fell to a quarter of its start value or less (from at least 0.1).
 - ``diversity_collapse``: distinct-2 fell to half of its start value or less, or to not measured (no
@@ -110,11 +115,10 @@ def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] |
     if fall <= 0 or rise <= 0:
         return None
     peaks = len(valid) - 1  # the evaluations the peak was picked from (the last one cannot be it)
-    z = max(2.0, statistics.NormalDist().inv_cdf(1 - GAMING_ALPHA / peaks))
-    gold_noise, proxy_noise = _noise(curve, metric, k, last), _noise(curve, REWARD, k, last)
+    (gold_noise, df), (proxy_noise, _) = _noise(curve, metric, k, last), _noise(curve, REWARD, k, last)
     if not _ok(gold_noise, proxy_noise):  # no standard error: a fall cannot be told from noise
         return None
-    if fall <= z * gold_noise or rise <= 2 * proxy_noise:
+    if fall <= _quantile(GAMING_ALPHA / peaks, df) * gold_noise or rise <= 2 * proxy_noise:
         return None
     return _flag(
         "gaming",
@@ -125,11 +129,35 @@ def _gaming(curve: Sequence[Mapping[str, Any]], metric: str) -> dict[str, Any] |
     )
 
 
-def _noise(curve: Sequence[Mapping[str, Any]], metric: str, i: int, j: int) -> float:
-    """The standard error of the difference of two evaluations; NaN when either has none (an evaluation
-    with fewer than 2 applicable episodes, or an eval.csv written without them)."""
-    se = [curve[i].get(f"{metric}_se", math.nan), curve[j].get(f"{metric}_se", math.nan)]
-    return math.sqrt(se[0] ** 2 + se[1] ** 2) if _ok(*se) else math.nan
+def _noise(curve: Sequence[Mapping[str, Any]], metric: str, i: int, j: int) -> tuple[float, float]:
+    """The standard error of the difference of two evaluations if nothing changed between them, and its
+    degrees of freedom: the variance of their episodes pooled together (within each, and between their
+    means) over each one's episodes. NaN when either has no standard error (fewer than 2 applicable
+    episodes, or an eval.csv written without them). Without episode counts (an older eval.csv): the root
+    sum of squares of their own standard errors, with infinite degrees of freedom."""
+    rows = curve[i], curve[j]
+    mean = [r.get(metric, math.nan) for r in rows]
+    se = [r.get(f"{metric}_se", math.nan) for r in rows]
+    n = [r.get(f"{metric}_n", math.nan) for r in rows]
+    if not _ok(*se):
+        return math.nan, math.nan
+    if not _ok(*n):
+        return math.sqrt(se[0] ** 2 + se[1] ** 2), math.inf
+    total = n[0] + n[1]
+    grand = (n[0] * mean[0] + n[1] * mean[1]) / total
+    within = sum((m - 1) * m * e**2 for m, e in zip(n, se))  # sum of squares about each one's mean
+    between = sum(m * (x - grand) ** 2 for m, x in zip(n, mean))
+    variance = (within + between) / (total - 1)
+    return math.sqrt(variance * (1 / n[0] + 1 / n[1])), total - 2
+
+
+def _quantile(alpha: float, df: float) -> float:
+    """The one-sided ``1 - alpha`` quantile of Student's t with ``df`` degrees of freedom (the normal's for
+    infinite ``df``), at least 2."""
+    from scipy import stats
+
+    q = statistics.NormalDist().inv_cdf(1 - alpha) if math.isinf(df) else float(stats.t.ppf(1 - alpha, df))
+    return max(2.0, q)
 
 
 def lacks_errors(curve: Sequence[Mapping[str, Any]], gold: Sequence[str]) -> bool:

@@ -12,7 +12,7 @@ builtin = ["kl", "length", "distinct_2", "eos_rate"]
 ```
 
 Each evaluation is one row of ``eval.csv`` in the run directory (``iteration``, ``timesteps``, ``reward``,
-every metric, and ``<name>_se`` standard errors), is logged under ``eval/<name>`` (TensorBoard when the agent
+every metric, ``<name>_se`` standard errors and ``<name>_n`` episode counts), is logged under ``eval/<name>`` (TensorBoard when the agent
 logs there), and ``eval.png`` plots the curves at the end. Evaluations use their own prompts, env and
 random streams: a run with ``[eval]`` trains exactly as the same run without it. On ``--resume``, rows past
 the checkpoint are dropped, so no iteration appears twice.
@@ -193,7 +193,8 @@ def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of an ``eval.csv``: ``iteration`` and ``timesteps`` as ints, the rest as floats (NaN = empty)."""
+    """The rows of an ``eval.csv``: ``iteration``, ``timesteps`` and the ``<name>_n`` episode counts as ints,
+    the rest as floats (NaN = empty)."""
     with path.open(encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     out = []
@@ -202,8 +203,11 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         for key, value in row.items():
             if key in ("iteration", "timesteps"):
                 parsed[key] = int(value)
-            else:
-                parsed[key] = float(value) if value not in ("", None) else math.nan
+            elif value in ("", None):
+                parsed[key] = math.nan
+            else:  # (an older run's metric label may end in _n: only whole counts are read as ints)
+                number = float(value)
+                parsed[key] = int(number) if key.endswith("_n") and number.is_integer() else number
         out.append(parsed)
     return out
 
@@ -223,7 +227,7 @@ def eval_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
 
     plt = pyplot()
     columns = dict.fromkeys(k for r in rows for k in r)  # a metric may join after the first row
-    names = [k for k in columns if k not in ("iteration", "timesteps") and not k.endswith("_se")]
+    names = [k for k in columns if k not in ("iteration", "timesteps") and not k.endswith(("_se", "_n"))]
     names.sort(key=lambda k: k != REWARD)
     cols = min(3, len(names))
     nrows = math.ceil(len(names) / cols)

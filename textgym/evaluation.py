@@ -13,7 +13,8 @@ num_envs`` completions at a time, so runs with another ``num_envs`` draw other s
 - the built-in metrics of :data:`BUILTIN_METRICS`: ``kl``, ``length``, ``distinct_2``, ``eos_rate``.
 
 Reward values that do not apply (``None``) are left out of their means. Each reward mean comes with its
-standard error (``<name>_se``), which the bench's flags use to tell a real fall from noise.
+standard error (``<name>_se``) and the number of episodes it is over (``<name>_n``), which the bench's flags
+use to tell a real fall from noise.
 """
 
 from __future__ import annotations
@@ -131,10 +132,10 @@ def metric_specs(specs: Any, where: str) -> list[dict[str, Any]]:
             raise ConfigError(
                 f"{where}: metric label {label!r} must be a non-empty name without spaces around it."
             )
-        if label in RESERVED or label.endswith("_se"):
+        if label in RESERVED or label.endswith(("_se", "_n")):
             raise ConfigError(
                 f"{where}: metric label {label!r} clashes with a built-in metric or column ({', '.join(RESERVED)}, "
-                f"and names ending in _se); give this metric another `label`."
+                f"and names ending in _se or _n); give this metric another `label`."
             )
         if "range" in spec:
             value = spec["range"]
@@ -192,6 +193,7 @@ class Evaluation:
     Attributes:
         metrics: ``reward``, each metric reward's label and each chosen built-in metric -> its mean.
         errors: standard error of the mean of ``reward`` and of each metric reward.
+        counts: the episodes each of those means is over (those a metric applied to).
         components: per training component: ``weight``, ``mean``, ``std`` and ``share`` (its share of the
             summed variances of the weighted components: how much of the total's spread it makes).
         episodes: per held-out episode: prompt, completion, finish_reason, num_tokens, reward (the training
@@ -202,11 +204,14 @@ class Evaluation:
     errors: dict[str, float] = field(default_factory=dict)
     components: dict[str, dict[str, float]] = field(default_factory=dict)
     episodes: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
 
     def row(self) -> dict[str, float]:
-        """The metrics and their standard errors as one flat row (``<name>_se`` for the errors)."""
+        """The metrics, their standard errors and episode counts as one flat row (``<name>_se``,
+        ``<name>_n``)."""
         row = dict(self.metrics)
         row.update({f"{k}_se": v for k, v in self.errors.items()})
+        row.update({f"{k}_n": v for k, v in self.counts.items()})
         return row
 
 
@@ -383,10 +388,12 @@ class Evaluator:
         totals = (self.stack.combine(columns) if self.stack.names else np.zeros(len(episodes))) + turns
         metrics: dict[str, float] = {REWARD: _mean(totals)}
         errors: dict[str, float] = {REWARD: _se(totals)}
+        counts = {REWARD: _count(totals)}
         if self.stack.aggregate == "normalize_then_sum":  # standardised over these very episodes: its mean is
             metrics[REWARD] = errors[REWARD] = math.nan  # 0 whatever the policy, and measures nothing
         for name, label in self.labels.items():
             metrics[label], errors[label] = _mean(columns[name]), _se(columns[name])
+            counts[label] = _count(columns[name])
         builtin = self.spec["builtin"]
         if "kl" in builtin:
             metrics["kl"] = _mean(np.array(kls, dtype=float))
@@ -432,7 +439,7 @@ class Evaluator:
                     "kl": None if math.isnan(kl) else float(kl),
                 }
             )
-        return Evaluation(metrics, errors, components, rows)
+        return Evaluation(metrics, errors, components, rows, counts)
 
     def _shown_name(self, name: str) -> str:
         """An episode's score's name: a training component's own, a metric's label; ``"<label> (metric)"``
@@ -452,6 +459,10 @@ def _mean(x: np.ndarray) -> float:
 def _std(x: np.ndarray) -> float:
     x = x[~np.isnan(x)]
     return float(x.std(ddof=1)) if len(x) > 1 else math.nan
+
+
+def _count(x: np.ndarray) -> int:
+    return int(np.count_nonzero(~np.isnan(x)))
 
 
 def _se(x: np.ndarray) -> float:
