@@ -25,6 +25,9 @@ class LMAgentConfig:
     """Sampling temperature; it divides the logits wherever log-probs are computed."""
     max_grad_norm: float = 1.0
     """Gradient clipping."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (torch's default; TRL's trainers use 0.0). It pulls the weights toward 0,
+    not toward the reference policy."""
     micro_batch_size: int | None = None
     """Sequences per forward pass; gradients accumulate over the minibatch (None: the whole minibatch)."""
     missing_eos_penalty: float | None = None
@@ -77,6 +80,7 @@ class LMAgentConfig:
         # a negative max_grad_norm flips the gradients' sign (torch scales them by max_norm / norm), a
         # negative score_clip clamps every score to -score_clip: both were accepted, and trained backwards
         check_number("max_grad_norm", self.max_grad_norm, above=0)
+        check_number("weight_decay", self.weight_decay, at_least=0)
         check_number("score_scale", self.score_scale, above=0)
         check_number("score_clip", self.score_clip, above=0, none_ok=True)
         check_number("missing_eos_penalty", self.missing_eos_penalty, none_ok=True)

@@ -376,7 +376,8 @@ def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as
      ("device", "gpu"), ("kl_coef", float("nan")), ("kl_coef", float("inf")), ("kl_coef", "0.1"),
      ("clip_range", "0.2"), ("clip_range", float("nan")), ("max_abs_score", "1e6"),
      # --set agent.score_norm=False gives the string "False": it switched score_norm on
-     ("score_norm", "False"), ("bf16", "false"), ("whiten_rewards", 0), ("score_norm", None)],
+     ("score_norm", "False"), ("bf16", "false"), ("whiten_rewards", 0), ("score_norm", None),
+     ("weight_decay", -0.01), ("weight_decay", float("nan"))],
 )  # fmt: skip
 def test_hyperparameters_that_would_train_backwards_or_not_at_all_are_refused(name, value):
     """A negative max_grad_norm flips the gradients (torch scales them by max_norm / norm); a negative
@@ -384,6 +385,16 @@ def test_hyperparameters_that_would_train_backwards_or_not_at_all_are_refused(na
     makes every reward NaN; a string was a TypeError traceback ..."""
     with pytest.raises(ConfigError, match=f"^{name} must be"):
         LMPPOConfig(**{name: value})
+
+
+def test_weight_decay_reaches_every_agents_optimizer():
+    """AdamW's weight decay was torch's 0.01, fixed and unsaid (TRL's trainers use 0.0)."""
+    from textgym.agents.grpo import GRPO
+
+    assert LMPPO(char_llama(), None, verbose=0).optimizer.param_groups[0]["weight_decay"] == 0.01
+    for cls in (LMPPO, GRPO):
+        agent = cls(char_llama(), None, weight_decay=0.0, verbose=0)
+        assert {g["weight_decay"] for g in agent.optimizer.param_groups} == {0.0}
 
 
 def test_an_infinite_clip_range_or_score_limit_is_accepted_as_none():
