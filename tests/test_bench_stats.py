@@ -89,6 +89,20 @@ def test_a_differences_interval_stays_within_what_two_values_in_the_range_can_di
     assert c.test.ci_low == -1.0  # and on the other side
 
 
+def test_seeds_needed_corrects_for_the_pairs_tested_only():
+    """Holm's first step is at alpha / (pairs with a p-value): pairs left untested (an infinite value) made
+    the seeds needed for the one tested pair those of alpha / 3."""
+    from textgym.bench_stats import seeds_needed
+
+    a, b = {0: 1.0, 1: 2.0, 2: 1.5}, {0: 0.9, 1: 1.6, 2: 1.5}
+    blown = {0: math.inf, 1: 1.0, 2: 1.0}
+    comparisons, _ = compare({"a": a, "b": b, "c": blown}, "higher")
+    (tested,) = [c for c in comparisons if not math.isnan(c.p_holm)]
+    assert (
+        tested.seeds_needed == seeds_needed(tested.test.d_z, 0.05) < seeds_needed(tested.test.d_z, 0.05 / 3)
+    )
+
+
 def test_an_infinite_value_on_a_shared_seed_leaves_the_pair_untested():
     # a KL that blew up on seed 0: the pair is not tested (it compared as 0 difference, p = 1), and leaving
     # the seed out would compare the designs on their good runs only

@@ -181,6 +181,7 @@ def compare(
     tests = [(a, b, paired(groups[a], groups[b], bounds=bounds)) for a, b in itertools.combinations(names, 2)]
     tests = [t for t in tests if t[2].n > 0 or t[2].unmeasured]  # none shared: e.g. KL of an SB3 agent
     adjusted = holm([t.p for _, _, t in tests])
+    m = sum(1 for p in adjusted if not math.isnan(p))  # Holm's m: the pairs that have a p-value
     comparisons = []
     for (a, b, test), p in zip(tests, adjusted):
         better = None
@@ -188,9 +189,8 @@ def compare(
             a_higher = test.diff > 0
             better = a if a_higher == (direction == "higher") else b
         needed = None
-        if not p < alpha and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs)
-            level = alpha / max(len(tests), 1)
-            needed = seeds_needed(test.d_z, level)
+        if not p < alpha and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs tested)
+            needed = seeds_needed(test.d_z, alpha / max(m, 1))
         comparisons.append(Comparison(a, b, test, p, better, needed))
     ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
