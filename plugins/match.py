@@ -37,7 +37,9 @@ class Match:
             raise ValueError(f"mode must be 'exact', 'contains' or 'regex', not {mode!r}.")
         if partial and mode != "exact":
             raise ValueError("partial=True needs mode='exact'.")
-        if reference is not None and not str(reference).strip():  # "contains" found it in every completion
+        # a number from TOML or --set (`reference=5`) is its text, as a prompt's metadata reference is
+        reference = None if reference is None else str(reference)
+        if reference is not None and not reference.strip():  # "contains" found it in every completion
             raise ValueError(
                 f"reference {reference!r} is blank: give a text to match, or no reference (each prompt's own)."
             )

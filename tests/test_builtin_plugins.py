@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from textgym import Sample, make_reward
+from textgym import Sample, build_reward_stack, make_reward
 from textgym.errors import PluginArgumentError, RewardError
 
 
@@ -78,6 +78,9 @@ def test_match_modes_and_references():
         make_reward("match", mode="contains", partial=True)
     with pytest.raises(PluginArgumentError, match="reference ' ' is blank"):  # "contains" matched everything
         make_reward("match", mode="contains", reference=" ")
+    # a number given as the fixed reference (TOML's `reference = 5`) is its text: "5" == 5 scored 0
+    for kind in ("match reference=5 normalize=false", "match reference=5", "match mode=contains reference=5"):
+        assert build_reward_stack([kind]).score([Sample("What is 2+3?", "5")])[0].tolist() == [1.0], kind
 
 
 def test_math_verifies_answers_against_references_and_skips_prompts_without_one():
