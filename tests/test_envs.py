@@ -144,6 +144,26 @@ def test_a_stop_string_that_is_a_special_token_is_not_counted_as_completion_text
     assert seen[-1].stop_tokens == 1 and seen[-1].text_tokens() == len(seen[-1].completion_ids) - 1
 
 
+def test_a_pad_or_other_special_token_the_policy_writes_stays_in_the_completions_text():
+    """The text was decoded without special tokens: a pad token written by a policy without action masks
+    (stock SB3 PPO) vanished, and "a<pad>bc" passed as an exact copy of "abc"."""
+    env = TextGenEnv(model="chars", prompts=["abc"], max_new_tokens=6,
+                     rewards=[{"name": "match", "reference": "abc"}])  # fmt: skip
+    for written, completion, reward in [("a_bc", "a<pad>bc", 0.0), ("abc", "abc", 1.0)]:
+        env.reset(seed=0)
+        ids = [CHARS.pad_token_id if c == "_" else CHARS.encode(c)[0] for c in written]
+        for token in [*ids, CHARS.eos_token_id]:
+            _, r, terminated, _, info = env.step(token)
+        assert terminated and info["completion"] == completion and r == reward
+    llama = TextGenEnv(model="tiny-random-llama", prompts=["Hi"], max_new_tokens=8, chat_template=False,
+                       rewards=[{"name": "length_penalty", "target": 2}])  # fmt: skip
+    llama.reset(seed=0)
+    tokens = llama.tokenizer.encode("Paris<|im_start|>x", add_special_tokens=False)
+    for token in [*tokens, llama.tokenizer.eos_token_id]:
+        *_, info = llama.step(token)
+    assert info["completion"] == "Paris<|im_start|>x"  # not a stop string here: as written
+
+
 def test_a_stop_strings_tokens_are_not_counted_as_the_completions():
     seen = []
 

@@ -116,6 +116,13 @@ class Episodes(Turns):
             )
         self.vocab_size = len(self.tokenizer)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        # the special tokens a completion's text leaves out: EOS, and stop strings that are special tokens
+        # (<|im_end|>). Any other the policy wrote (a pad, <|im_start|>) stays in it: a reward reads what was
+        # written ("a<pad>bc" is no copy of "abc"), where skipping them all hid it
+        specials = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        convert = getattr(self.tokenizer, "convert_tokens_to_ids", None)
+        stop_ids = {convert(s) for s in self.stop} if convert is not None else set()
+        self._hidden_ids = {self.eos_id} | (stop_ids & specials)
         L = self.P + self.T
         self.input_ids = np.full((n, L), self.pad_id, dtype=np.int64)  # (N, L)
         self.attention_mask = np.zeros((n, L), dtype=np.int8)  # (N, L)
@@ -384,6 +391,10 @@ class Episodes(Turns):
         tail = self.tokenizer.decode(ids[-self._stop_window :])
         return next((s for s in self.stop if s in tail), None)
 
+    def agent_text(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text of an agent's tokens: every token as written but EOS and special-token stop strings."""
+        return self.tokenizer.decode([int(t) for t in ids if int(t) not in self._hidden_ids])
+
     def sample(self, i: int, finish_reason: str) -> Sample:
         turns: tuple[Turn, ...] = ()
         if self.responder is None:
@@ -400,7 +411,7 @@ class Episodes(Turns):
             if len(completion_ids) and completion_ids[-1] == self.eos_id and finish_reason != "length"
             else completion_ids
         )
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        text = self.agent_text(body)
         whole = len(text)
         for s in self.stop:
             cut = text.find(s)
@@ -408,7 +419,7 @@ class Episodes(Turns):
                 text = text[:cut]
         kept = len(body)
         if len(text) < whole:  # a stop string ended it: its tokens are the ones past the text
-            while kept and len(self.tokenizer.decode(body[:kept], skip_special_tokens=True)) > len(text):
+            while kept and len(self.agent_text(body[:kept])) > len(text):
                 kept -= 1
         elif self.stop and finish_reason == "stop":  # a stop string that is a special token (<|im_end|>)
             full = self.tokenizer.decode(body)
@@ -416,7 +427,7 @@ class Episodes(Turns):
             if cut >= 0:
                 while kept and len(self.tokenizer.decode(body[:kept])) > cut:
                     kept -= 1
-                text = self.tokenizer.decode(body[:kept], skip_special_tokens=True)
+                text = self.agent_text(body[:kept])
         prompt = self.prompts[self.prompt_index[i]]
         prompt_ids = self.input_ids[i, : self.P][self.attention_mask[i, : self.P] == 1]
         return Sample(

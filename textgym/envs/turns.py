@@ -134,5 +134,4 @@ class Turns:
         """The agent's turn in response positions ``[start, end)``: its text without EOS (stop strings kept)."""
         ids = self.input_ids[i, self.P + start : self.P + end]
         body = ids[:-1] if len(ids) and ids[-1] == self.eos_id else ids
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
-        return Turn(AGENT_ROLE, text, tuple(int(t) for t in ids))
+        return Turn(AGENT_ROLE, self.agent_text(body), tuple(int(t) for t in ids))
