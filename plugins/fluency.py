@@ -108,7 +108,10 @@ class Fluency:
             prompt = tok.encode(chat_prompt(tok, s.prompt), add_special_tokens=False)
         else:
             prompt = tok.encode(s.prompt)
-        completion = tok.encode(s.completion, add_special_tokens=False)
+        text = s.completion
+        if s.finish_reason not in ENDED_ON_A_TOKEN:  # cut at the token limit, maybe inside a character: its
+            text = text.rstrip("\ufffd")  # first bytes decode to U+FFFD, a token the policy never wrote
+        completion = tok.encode(text, add_special_tokens=False)
         if s.finish_reason in ENDED_ON_A_TOKEN or not completion:
             completion.append(tok.eos_token_id)  # p(EOS) is part of a fluent, finished reply
         completion = completion[: self.max_length - 1]

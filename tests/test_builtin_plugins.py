@@ -187,6 +187,10 @@ def test_fluency_on_the_tiny_model_is_a_mean_log_prob_and_batch_independent(tiny
         [s("Fine.", finish_reason="max_turns"), s("Fine.", finish_reason="overflow")]
     ) == pytest.approx(stopped * 2, rel=1e-5)
     assert fluency([s("Fine.", finish_reason="length")])[0] != pytest.approx(stopped[0], rel=1e-3)
+    # cut inside a character ("案" is 3 bytes, 3 tokens of a byte-level BPE): its first bytes decode to U+FFFD,
+    # which was scored as a token the policy never wrote
+    cut, whole = s("好的答\ufffd", finish_reason="length"), s("好的答", finish_reason="length")
+    assert fluency([cut]) == pytest.approx(fluency([whole]), rel=1e-6)
 
 
 @pytest.fixture(scope="module")
