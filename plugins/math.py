@@ -55,6 +55,9 @@ class MathVerify:
         answer = self._mv.parse(completion, parsing_timeout=timeout)
         if not _read(answer) and _bare(completion):  # "+29", "(29)": math that math-verify's search of
             answer = self._mv.parse(f"${completion}$", parsing_timeout=timeout)  # prose skips
+        if (last := _undelimited_latex(completion)) is not None:  # "2^{10}" read as prose was 2, as the
+            latex = self._mv.parse(f"${last}$", parsing_timeout=timeout)  # reference's was
+            answer = latex if _read(latex) else answer
         return float(self._mv.verify(gold, answer, timeout_seconds=timeout))
 
     def __call__(self, samples: Sequence[Sample]) -> list[float | None]:
@@ -80,6 +83,18 @@ def _bare(text: str) -> bool:
     """Undelimited text without words ("+29", "(-8)"): math to read as if between ``$``. Words stay prose:
     between ``$``, "Paris" would be the product P*a*r*i*s, equal to "Sirap"."""
     return not _delimited(text) and not WORD.search(COMMAND.sub("", text))
+
+
+def _undelimited_latex(text: str) -> str | None:
+    """The LaTeX a completion ends with, written without delimiters: the whole text where it has no words
+    (``2^{10}``), else its last word-free stretch (``The answer is \\frac{1}{2}.`` -> ``\\frac{1}{2}``).
+    None where the text marks its math itself, or does not end on LaTeX."""
+    if _delimited(text) or not LATEX.search(text):
+        return None
+    if _bare(text):
+        return text
+    last = text.split()[-1].rstrip(".,;:!?") if text.split() else ""
+    return last if LATEX.search(last) and not WORD.search(COMMAND.sub("", last)) else None
 
 
 def _read(parsed: Sequence[Any]) -> bool:

@@ -100,6 +100,10 @@ def test_math_verifies_answers_against_references_and_skips_prompts_without_one(
               ("(29)", "29", 1.0), ("−8", "-8", 1.0), ("29", "+29", 1.0), ("-8", "(-8)", 1.0),
               (r"\sqrt{2}", r"\sqrt{2}", 1.0), ("12 dollars", "12 dollars", 1.0), ("1 000", "1000", 1.0)]  # fmt: skip
     assert make_reward("math")([s(c, reference=r) for c, r, _ in checks]) == [want for *_, want in checks]
+    # so are answers written the same way: the completion "2^{10}" was read as 2, where its reference was 1024
+    latex = [("2^{10}", "1024", 1.0), ("The answer is 2^{10}.", "1024", 1.0), ("The answer is 2^{10}.", "2", 0.0),
+             (r"The answer is \frac{1}{2}.", "0.5", 1.0), ("x=2^{3}", "8", 1.0)]  # fmt: skip
+    assert make_reward("math")([s(c, reference=r) for c, r, _ in latex]) == [want for *_, want in latex]
     with pytest.warns(UserWarning, match=r"the reference '\?\?' does not parse, so its prompts score None"):
         assert make_reward("math")([s("1", reference="??")]) == [None]
     # prose is not math: read as if between $, "Paris" was the product P*a*r*i*s, equal to "Sirap"
