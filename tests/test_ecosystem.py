@@ -157,9 +157,16 @@ def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_a
                         ({"name": "grpo", "num_generations": "4"}, r"^\[agent\] grpo: num_generations must be"),
                         ({"grpo": {"beta": -1}, "name": "grpo"}, r"^\[agent.grpo\]: beta must be a number >= 0"),
                         ({"name": "ppo", "ppo": {"n_steps": 8}, "sb3-ppo": {"n_steps": 32}},
-                         r"\[agent.ppo\] and \[agent.sb3-ppo\] both hold ppo's hyperparameters")]:  # fmt: skip
+                         r"\[agent.ppo\] and \[agent.sb3-ppo\] both hold ppo's hyperparameters"),
+                        # a bad value in another agent's table too, not only a misspelt name: it trained, and
+                        # the value waited in config.toml for the run that reads it (`--agent grpo`)
+                        ({"grpo": {"loss_type": "foo"}}, r"^\[agent.grpo\]: loss_type must be one of"),
+                        ({"GRPO": {"num_generations": 1}}, r"^\[agent.GRPO\]: num_generations must be"),
+                        ({"a2c": {"n_steps": 2.5}}, r"^\[agent.a2c\]: n_steps must be an integer")]:  # fmt: skip
         with pytest.raises(ConfigError, match=says):
             resolve_agent({**base, **table})
+    # with the shared values it takes, as `--agent grpo` would: epsilon_high = 0.25 is fine beside 0.2
+    assert resolve_agent({**base, "temperature": 0.7, "grpo": {"epsilon_high": 0.25}})[0].__name__ == "LMPPO"
     args = [
         "train",
         str(EXAMPLES / "copy.toml"),

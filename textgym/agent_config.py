@@ -167,6 +167,39 @@ def _check_annotations(
             )
 
 
+def _check_values(
+    name: str,
+    agent_class: Any,
+    hyperparameters: dict[str, Any],
+    own: Mapping[str, Any],
+    entry: str | None = None,
+    table: str | None = None,
+    complete: bool = True,
+) -> None:
+    """Every value of ``hyperparameters`` is one the agent takes: an LM agent's config dataclass checks them
+    all, an SB3 algorithm's annotations its plainly typed ones; ``own``: the keys from the agent's own table.
+    Not ``complete`` (an agent this run does not train): a field without a default may be left out."""
+    if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
+        try:
+            agent_class.config_class(**hyperparameters)
+        except (ConfigError, TypeError) as exc:  # (TypeError: a plugin config's field without a default)
+            if isinstance(exc, TypeError) and not complete:  # one that a run of that agent would give
+                return
+            # the table that set the value a message starts with ("clip_range must be ..."), else the agent
+            key = re.match(r"[A-Za-z_]\w*", f"{exc}")
+            key = key[0] if key and key[0] in hyperparameters else None
+            if key is not None:
+                raise ConfigError(f"{_place(name, key in own, entry, table)}: {exc}") from None
+            raise ConfigError(f"{exc}" if entry is not None else f"[agent] {name}: {exc}") from None
+    else:
+        _check_annotations(agent_class, name, hyperparameters, dict(own), entry, table)
+    if "learning_rate" in hyperparameters:
+        lr = hyperparameters["learning_rate"]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            where = _place(name, "learning_rate" in own, entry, table)
+            raise ConfigError(f"{where}: learning_rate must be a positive number, not {lr!r}.")
+
+
 # other libraries' names for a hyperparameter (TRL's GRPO calls the KL coefficient beta, its PPO kl_coef)
 ALSO_CALLED = {"kl_coef": "beta", "beta": "kl_coef", "init_kl_coef": "kl_coef", "num_train_epochs": "n_epochs",
                "num_ppo_epochs": "n_epochs", "cliprange": "clip_range", "epsilon": "clip_range"}  # fmt: skip
@@ -237,10 +270,15 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
         )
     own = dict(tables[mine[0]]) if mine else {}
     table = mine[0] if mine else None  # as the config spells it: [agent.A2C] for a2c
-    for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo in it would wait,
-        # unseen, for the run that reads it (`--agent <it>`), and be copied into this run's config.toml
-        _check_names(key, find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}, own=True)
     shared = {k: v for k, v in agent.items() if k not in RESERVED and k not in tables}
+    for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo or a bad value in
+        # it would wait, unseen, for the run that reads it (`--agent <it>`), and be copied into this run's
+        # config.toml. Its values are checked with the shared ones it takes, as that run would take them.
+        other, theirs = find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}
+        _check_names(key, other, theirs, own=True)
+        takes = hyperparameter_names(other)
+        common = {k: v for k, v in shared.items() if takes is not None and k in takes and k != "seed"}
+        _check_values(key, other, {**common, **theirs}, own=theirs, table=key, complete=False)
     own_policy = "policy" in own
     policy = own.pop("policy", agent.get("policy"))
     hyperparameters = {**shared, **own}
@@ -251,23 +289,7 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
             f"run.seed (in a bench: bench.seeds) instead."
         )
     _check_names(name, agent_class, hyperparameters, own=own, entry=entry, table=table)
-    if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
-        try:
-            agent_class.config_class(**hyperparameters)
-        except (ConfigError, TypeError) as exc:  # (TypeError: a plugin config's field without a default)
-            # the table that set the value a message starts with ("clip_range must be ..."), else the agent
-            key = re.match(r"[A-Za-z_]\w*", f"{exc}")
-            key = key[0] if key and key[0] in hyperparameters else None
-            if key is not None:
-                raise ConfigError(f"{_place(name, key in own, entry, table)}: {exc}") from None
-            raise ConfigError(f"{exc}" if entry is not None else f"[agent] {name}: {exc}") from None
-    else:
-        _check_annotations(agent_class, name, hyperparameters, own, entry, table)
-    if "learning_rate" in hyperparameters:
-        lr = hyperparameters["learning_rate"]
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            where = _place(name, "learning_rate" in own, entry, table)
-            raise ConfigError(f"{where}: learning_rate must be a positive number, not {lr!r}.")
+    _check_values(name, agent_class, hyperparameters, own, entry, table)
     if not is_lm_agent(agent_class):
         aliases = getattr(agent_class, "policy_aliases", {})
         if own_policy and policy not in aliases:

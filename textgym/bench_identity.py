@@ -244,8 +244,9 @@ def _imported_files(dist: Any) -> list[str]:
 
 def packages_used(config: Any) -> dict[str, str]:
     """The installed plugin packages (entry points) that registered a name ``config`` uses, with their
-    versions and code (:func:`installed_package`): ``{"textgym-example": "0.1.0 (code 3fa2c1d09b7e5a44)"}``. A name is any string in it (a spec string's first word) that
-    is registered as a reward, env, agent, responder, prompt source or model."""
+    versions and code (:func:`installed_package`): ``{"textgym-example-plugin": "0.1.0 (code 3fa2c1...)"}``.
+    A name is any string in it (a spec string's first word) that is registered as a reward, env, agent,
+    responder, prompt source or model."""
     from textgym.plugin_manager import KINDS, distribution_of, load_plugins, registry
 
     load_plugins()
