@@ -96,6 +96,14 @@ class RMScore:
         # The classifier reads each row at its last token that is not config.pad_token_id: the texts must be
         # padded with that id, or a short text in a batch with a longer one is read on its padding.
         config_pad = self.model.config.pad_token_id
+        # A model that names no pad token reads a text alone at its last token. Batched, it needs one: where the
+        # tokenizer's is EOS too (or it has none), a text ending on EOS was read a token early, at the one
+        # before it. Each batch then pads with an id none of its texts holds (_free_id), and reads each row at
+        # its last token.
+        self.reads_last = config_pad is None and self.tokenizer.pad_token_id in (
+            None,
+            self.tokenizer.eos_token_id,
+        )
         if config_pad is not None and config_pad != self.tokenizer.pad_token_id:
             token = self.tokenizer.convert_ids_to_tokens(config_pad)
             if not isinstance(token, str):
@@ -182,9 +190,18 @@ class RMScore:
         return self.group and len(set(prompts)) < len(prompts)
 
     def _read_at(self, ids: list[list[int]]) -> list[int]:
-        """Where the model reads each row's score: its last token that is not the pad token."""
+        """Where the model reads each row's score: its last token that is not the pad token (its last token,
+        for a model that names no pad token)."""
+        if self.reads_last:
+            return [max(len(row) - 1, 0) for row in ids]
         pad = self.model.config.pad_token_id
         return [max((i for i, t in enumerate(row) if t != pad), default=0) for row in ids]
+
+    def _free_id(self, ids: list[list[int]]) -> int:
+        """A token id that none of ``ids`` holds, from the top of the vocabulary: padding the model reads as
+        none of the texts' tokens."""
+        used = {t for row in ids for t in row}
+        return next(i for i in range(self.model.config.vocab_size - 1, -1, -1) if i not in used)
 
     def _grouped(self, ids: list[list[int]], prompts: list[str]) -> list[float] | None:
         """Scores of rows of which some share a prompt: the tokens that a prompt's rows start with run once,
@@ -216,7 +233,7 @@ class RMScore:
         at = torch.tensor([i - len(starts[g]) for i, g in zip(read_at, of_row)], device=self.device)
         trunk, score = self.split  # type: ignore[misc]
         with torch.inference_mode(), autocast(self.device, self.bf16):
-            pad = self.model.config.pad_token_id
+            pad = self.tokenizer.pad_token_id if self.reads_last else self.model.config.pad_token_id
             _, hidden = grouped_forward(trunk, starts, rests, of_row, pad)  # (B, C, H)
             logits = score(hidden[torch.arange(len(ids), device=self.device), at]).float()  # (B, labels)
         return self._outputs(logits)
@@ -228,6 +245,10 @@ class RMScore:
         L = len(prefix)
         batch = self.tokenizer.pad([{k: v[L:] for k, v in row.items()} for row in rows], return_tensors="pt")
         batch = batch.to(self.device)  # right-padded
+        if self.reads_last:  # padded with an id no text holds: the model reads each row at its last token
+            free = self._free_id([row["input_ids"] for row in rows])
+            batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, free)
+            self.model.config.pad_token_id = free
         with torch.inference_mode(), autocast(self.device, self.bf16):
             if L:
                 key, cache = prefix_cache(self.model, torch.tensor([prefix], device=self.device), len(rows))

@@ -544,6 +544,36 @@ def test_rm_score_pads_with_the_id_the_classifier_reads_past(reward_model_dir, t
         make_reward("rm_score", model=str(tmp_path / "padded"))
 
 
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_rm_score_of_a_model_that_names_no_pad_token_reads_each_text_at_its_last_token(
+    reward_model_dir, tmp_path, share_prefix
+):
+    """No pad token in the config nor the tokenizer: rm_score padded with EOS, so a text that ends on EOS
+    (a template that closes the reply with it) was read at the token before, unlike the model alone."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    shutil.copytree(reward_model_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "pad_token_id": None}))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    template = "{prompt} {completion}" + tokenizer.eos_token
+    reward = make_reward("rm_score", model=str(tmp_path), chat_template=False, template=template,
+                         share_prefix=share_prefix, batch_size=4)  # fmt: skip
+    alone = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()  # no pad: its last token
+    assert alone.config.pad_token_id is None
+    expected = []
+    for x in SAMPLES:
+        ids = tokenizer(reward.format(x), return_tensors="pt")
+        assert ids["input_ids"][0, -1] == tokenizer.eos_token_id
+        with torch.inference_mode():
+            expected.append(alone(**ids).logits[0, 0].item())
+    np.testing.assert_allclose(reward(SAMPLES), expected, rtol=0, atol=1e-5)
+
+
 def test_fluency_scores_without_a_pad_token_and_after_an_empty_prompt(tmp_path):
     """Most base models' tokenizers name no pad token: fluency padded with None and crashed. An empty prompt
     (tiny-char-llama adds no BOS) left nothing to predict the first completion token: NaN, or a mean without

@@ -44,7 +44,7 @@ class MetricInfo:
 BUILTIN_METRICS: dict[str, MetricInfo] = {
     "kl": MetricInfo(
         "lower", 0.0, math.inf, "KL(policy || reference) per completion in nats: the sum over its tokens of "
-        "log pi - log pi_ref of the sampled tokens (LM agents only)"
+        "log pi - log pi_ref of the sampled tokens, both at the sampling temperature (LM agents only)"
     ),
     "length": MetricInfo(None, 0.0, math.inf, "generated tokens per completion, EOS included"),
     "distinct_2": MetricInfo(
