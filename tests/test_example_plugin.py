@@ -124,9 +124,9 @@ def test_importing_textgym_with_a_broken_installed_plugin_names_it(tmp_path):
 
 
 def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(tmp_path):
-    """An installed plugin package's code is not read by the bench: a new version of one was reused
-    silently. A run's identity (and a metric's, and a proxy model's gold stack's) now names the versions of
-    the packages that registered a name it uses, and only those."""
+    """A new version of an installed plugin package was reused silently. A run's identity (and a metric's,
+    and a proxy model's gold stack's) names the versions, and the code, of the packages that registered a
+    name it uses, and only those."""
     fixed = WRONG_PLUGIN + "\n\nplugin = WrongPlugin()\n"
     env = a_distribution(tmp_path, "textgym", "wrongplug:plugin", fixed)
     script = (
@@ -141,11 +141,13 @@ def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(
     )
     result = read()
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == [{"wrongplug": "0.1"}, None]
+    first, plain = json.loads(result.stdout)
+    assert list(first) == ["wrongplug"] and first["wrongplug"].startswith("0.1 (code ") and plain is None
+    code = first["wrongplug"].split()[1:]  # (no RECORD hashes here: the module's file, as imported)
     metadata = tmp_path / "wrongplug-0.1.dist-info" / "METADATA"
     metadata.write_text(metadata.read_text().replace("Version: 0.1", "Version: 0.2"))
-    assert json.loads(read().stdout)[0] == {"wrongplug": "0.2"}
+    assert json.loads(read().stdout)[0] == {"wrongplug": " ".join(["0.2", *code])}
     # a package whose module registers the reward with @textgym.reward (a plugin of its own, "FILE::fn")
     decorated = "import textgym\n\n@textgym.reward('wrongreward')\ndef wrongreward(samples):\n    return [1.0] * len(samples)\n"
     env.update(a_distribution(tmp_path / "d", "textgym", "wrongplug", decorated))
-    assert json.loads(read().stdout)[0] == {"wrongplug": "0.1"}
+    assert json.loads(read().stdout)[0]["wrongplug"].startswith("0.1 (code ")
