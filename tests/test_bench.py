@@ -234,9 +234,10 @@ def test_a_bench_refused_before_writing_leaves_no_directory_and_its_lock_file_is
 
 
 def test_changed_evaluation_settings_evaluate_again_without_training(
-    finished, counted, tmp_path, monkeypatch
+    finished, counted, tmp_path, monkeypatch, capsys
 ):
-    """And a kill while the new outputs are written leaves the old ones, which agree with each other."""
+    """And a kill while the new outputs are written leaves the old ones, which agree with each other. The
+    bench says what changed, as its refusals do (it said "4 to evaluate again" alone)."""
     import textgym.bench_plots
 
     out = tmp_path / "copy"
@@ -249,7 +250,9 @@ def test_changed_evaluation_settings_evaluate_again_without_training(
     with monkeypatch.context() as m:
         m.setattr(textgym.bench_plots, "plot_all", killed)
         with pytest.raises(KeyboardInterrupt):
-            bench.run(designs(out, eval_episodes=8), progress=False)
+            bench.run(designs(out, eval_episodes=8))
+    assert "4 runs in" in (said := capsys.readouterr().out)
+    assert "4 to evaluate again (evaluation.episodes: 16 -> 8)" in said
     assert {name: (out / name).read_bytes() for name in before} == before
     bench.run(designs(out, eval_episodes=8), progress=False)  # (evaluated by the killed bench: reused)
     assert (out / "summary.csv").read_bytes() != before["summary.csv"]

@@ -66,6 +66,7 @@ class Job:
     eval_hash: str  # the final evaluation's settings
     curves_hash: str  # the settings of the held-out curves measured during training ([eval])
     eval_files: dict[str, Any]  # the digests of the evaluation's files (evaluation_files) it was planned with
+    evaluation: dict[str, Any]  # what eval_hash digests: settings and files (eval.json keeps it, to diff)
 
 
 # -- the plan ------------------------------------------------------------------------------------------
@@ -108,7 +109,9 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                 ident = identity(config, reward_models)
                 curves = {**config["eval"], **files} if "eval" in config else None
                 hashes = _digest(ident), _digest(evaluation), _digest(curves)
-                jobs.append(Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files))
+                jobs.append(
+                    Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files, evaluation)
+                )
     return jobs
 
 
@@ -163,6 +166,18 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
     return todo
 
 
+def _evaluation_changes(jobs: Sequence[Job], todo: Mapping[str, str]) -> str:
+    """What changed in the evaluation of the runs evaluated again, as refusals name a changed config:
+    ``evaluation.episodes: 16 -> 8``. An eval.json written before it kept its settings says less."""
+    changes: list[str] = []
+    for job in jobs:
+        if todo[job.run_id] == "evaluate":
+            before = (_read_json(job.run_dir / EVAL_FILE) or {}).get("evaluation")
+            found = _changes(before, job.evaluation, "evaluation.") if before is not None else []
+            changes += [c for c in found or ["the evaluation settings or files changed"] if c not in changes]
+    return "; ".join(changes[:4]) + (f" and {len(changes) - 4} more" if len(changes) > 4 else "")
+
+
 def _edited(job: Job, record: Mapping[str, Any]) -> str | None:
     """What changed in a run directory since the bench recorded it, or None. Its ``config.toml`` is what a
     resume trains with (held-out curves included) and what an SB3 run is loaded with; its checkpoint, what
@@ -208,7 +223,7 @@ def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -
                 elif jsonable(x) != jsonable(y):
                     out.append(f"{prefix}{key}[{i}]: {_short(x)} -> {_short(y)}")
         elif jsonable(a) != jsonable(b):
-            digests = prefix in ("code.", "data.", "reward_models.")
+            digests = prefix.endswith(("code.", "data.", "reward_models."))  # (evaluation.code. too)
             digest = "added" if key not in old else "removed" if key not in new else "changed"
             out.append(f"{prefix}{key}: {digest if digests else f'{_short(a)} -> {_short(b)}'}")
     return out
@@ -301,6 +316,7 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
         "seed": job.seed,
         "config_hash": job.config_hash,
         "eval_hash": job.eval_hash,
+        "evaluation": job.evaluation,
         "metrics": result.metrics,
         "errors": result.errors,
         "components": result.components,
@@ -349,7 +365,11 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
     todo = actions(jobs, out)
     if progress and any(action != "train" for action in todo.values()):  # a rerun says what it redoes
         counts = collections.Counter(todo.values())
-        said = [f"{counts[a]} {what}" for a, what in ACTION_WORDS.items() if counts[a]]
+        said = []
+        for action, what in ACTION_WORDS.items():
+            if counts[action]:  # and why the evaluated ones are evaluated again
+                why = f" ({_evaluation_changes(jobs, todo)})" if action == "evaluate" else ""
+                said.append(f"{counts[action]} {what}{why}")
         print(f"textgym: {len(todo)} runs in {out}: {', '.join(said)}")
     bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
     with _threads(spec["bench"]["threads"]):
