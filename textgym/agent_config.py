@@ -144,29 +144,6 @@ def _place(name: str, own: bool, entry: str | None, table: str | None = None) ->
     return f"[agent.{table or name}]" if own else f"[agent] {name}"
 
 
-def _check_annotations(
-    agent_class: Any,
-    name: str,
-    hyperparameters: dict[str, Any],
-    own: dict[str, Any],
-    entry: str | None = None,
-    table: str | None = None,
-) -> None:
-    """Each hyperparameter of a plain annotated type (``n_steps: int``, ``normalize_advantage: bool``) is one:
-    SB3 reads ``batch_size = 32.0`` only in its first update (a TypeError after the first rollout)."""
-    from textgym.config import annotation_mismatch
-
-    try:
-        params = inspect.signature(agent_class.__init__).parameters
-    except (TypeError, ValueError):
-        return
-    for key, value in hyperparameters.items():
-        if key in params and (what := annotation_mismatch(params[key].annotation, value)):
-            raise ConfigError(
-                f"{_place(name, key in own, entry, table)}: {key} must be {what}, not {value!r}."
-            )
-
-
 def _check_values(
     name: str,
     agent_class: Any,
@@ -177,8 +154,12 @@ def _check_values(
     complete: bool = True,
 ) -> None:
     """Every value of ``hyperparameters`` is one the agent takes: an LM agent's config dataclass checks them
-    all, an SB3 algorithm's annotations its plainly typed ones; ``own``: the keys from the agent's own table.
-    Not ``complete`` (an agent this run does not train): a field without a default may be left out."""
+    all; an SB3 algorithm's annotations its plainly typed ones (``n_steps: int``: SB3 reads ``batch_size =
+    32.0`` only in its first update, a TypeError after the first rollout). ``own``: the keys from the agent's
+    own table. Not ``complete`` (an agent this run does not train): a field without a default may be left
+    out."""
+    from textgym.config import annotation_mismatch
+
     if is_lm_agent(agent_class):  # its config dataclass checks every value now, before anything loads
         try:
             agent_class.config_class(**hyperparameters)
@@ -192,7 +173,15 @@ def _check_values(
                 raise ConfigError(f"{_place(name, key in own, entry, table)}: {exc}") from None
             raise ConfigError(f"{exc}" if entry is not None else f"[agent] {name}: {exc}") from None
     else:
-        _check_annotations(agent_class, name, hyperparameters, dict(own), entry, table)
+        try:
+            params = inspect.signature(agent_class.__init__).parameters
+        except (TypeError, ValueError):
+            params = {}
+        for key, value in hyperparameters.items():
+            if key in params and (what := annotation_mismatch(params[key].annotation, value)):
+                raise ConfigError(
+                    f"{_place(name, key in own, entry, table)}: {key} must be {what}, not {value!r}."
+                )
     if "learning_rate" in hyperparameters:
         lr = hyperparameters["learning_rate"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
