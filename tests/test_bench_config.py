@@ -556,6 +556,30 @@ def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_pa
     assert (tmp_path / "v1.5-seed0.log").read_text() == "failed v1.5-seed0\n"
 
 
+def test_a_runs_log_holds_its_progress_bars_as_they_ended_without_terminal_codes(tmp_path):
+    """Under the bench's own bar, a run's bar is nested: its train.log held tqdm's cursor moves (lines that
+    began with \\x1b[A) and every redraw of the bar."""
+    import sys
+
+    from tqdm import tqdm
+
+    (tmp_path / "run").mkdir()
+    # (nested as one statement: each bar is made once the output is redirected, as in a bench)
+    with (
+        bench._logged(tmp_path / "run" / "train.log"),
+        tqdm(total=2, desc="bench", file=sys.stderr, position=0, mininterval=0) as outer,
+    ):
+        with tqdm(total=3, desc="train", file=sys.stderr, position=1, mininterval=0) as inner:
+            for _ in range(3):
+                inner.update()
+        outer.update()
+        print("after training: done")
+    log = (tmp_path / "run.log").read_text()  # (no run directory was made: a failed start's log)
+    assert "\x1b[" not in log and "\r" not in log
+    assert "train: 100%" in log and "3/3" in log and "after training: done" in log
+    assert log.count("train:") == 1  # the bar as it ended, not each redraw
+
+
 def test_a_proxy_reward_models_output_appearing_does_not_change_the_runs(tmp_path, monkeypatch):
     """The output exists from the bench's second call on: its path turned absolute and its files became a
     data digest, so every run was refused as trained with another config."""

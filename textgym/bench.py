@@ -20,6 +20,7 @@ import copy
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -272,7 +273,29 @@ def _logged(path: Path) -> Iterator[None]:
         run_dir = path.parent
         where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
         with where.open("a", encoding="utf-8") as f:
-            f.write(log.getvalue())
+            f.write(_readable(log.getvalue()))
+
+
+TERMINAL = re.compile(r"(\x1b\[[0-9;?]*[A-Za-z]|\r|\n)")  # what moves the cursor (and colours)
+
+
+def _readable(text: str) -> str:
+    """Terminal output as the terminal showed it in the end, for a log file: nested progress bars redraw
+    their lines in place, moving the cursor up (``\\x1b[A``) and back (``\\r``), which a file holds as one
+    line per redraw and raw codes. A line written from its start replaces what was there."""
+    lines, row, start = [""], 0, True
+    for token in TERMINAL.split(text):
+        if token == "\n":
+            row, start = row + 1, True
+            lines += [""] * (row + 1 - len(lines))
+        elif token == "\r":
+            start = True
+        elif token == "\x1b[A":
+            row = max(row - 1, 0)
+        elif token and not token.startswith("\x1b"):
+            lines[row] = token if start else lines[row] + token
+            start = False
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _train(job: Job) -> None:
