@@ -61,33 +61,28 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
         synced(tmp)
         (tmp / _COMPLETE).write_text("ok\n")
         synced(tmp / _COMPLETE)
-        while target.exists():  # an old version, an incomplete leftover, or a concurrent build's result
-            if not replace and is_complete(target):
+        while True:
+            if not replace and is_complete(target):  # a concurrent build's result
                 return target
-            old = tmp.with_name(tmp.name + ".old")
-            try:
-                os.rename(target, old)
-            except FileNotFoundError:  # a concurrent build moved the leftover away first: look again
-                continue
-            crash_point("checkpoint-swap")  # the state RunDir.recover_checkpoint repairs
+            old = None
+            if target.exists():  # an old version, or an incomplete leftover: moved away, then replaced
+                old = tmp.with_name(tmp.name + ".old")
+                try:
+                    os.rename(target, old)
+                except FileNotFoundError:  # a concurrent build moved the leftover away first: look again
+                    continue
+                crash_point("checkpoint-swap")  # the state RunDir.recover_checkpoint repairs
             try:
                 os.rename(tmp, target)
-            except OSError:  # a concurrent build's result was renamed into place between the two renames
+            except OSError:  # another process's build was renamed into place since the check above
                 if replace or not is_complete(target):
                     raise
             synced(target.parent, recursive=False)  # the renames too, before the old version goes
-            shutil.rmtree(old, ignore_errors=True)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             return target
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process's build was renamed into place since the check above
-            if replace or not is_complete(target):
-                raise
-            return target
-        synced(target.parent, recursive=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def synced(path: Path, recursive: bool = True) -> None:
