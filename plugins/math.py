@@ -93,7 +93,8 @@ def _undelimited_latex(text: str) -> str | None:
         return None
     if _bare(text):
         return text
-    last = text.split()[-1].rstrip(".,;:!?") if text.split() else ""
+    words = text.split()
+    last = words[-1].rstrip(".,;:!?") if words else ""
     return last if LATEX.search(last) and not WORD.search(COMMAND.sub("", last)) else None
 
 
