@@ -10,7 +10,8 @@ from lm_helpers import csv_rows
 
 from textgym.config import load_config
 from textgym.errors import ConfigError, UnknownNameError
-from textgym.evaluation import Evaluator, check_eval_section, jsonable
+from textgym.eval_settings import check_eval_section
+from textgym.evaluation import Evaluator, jsonable
 from textgym.train import run
 
 COPY = """
@@ -330,7 +331,7 @@ def test_distinct_2_of_an_sb3_policy_reads_the_tokens_it_chose_as_for_an_lm_agen
     """Both paths give distinct-2 the policy's own tokens, EOS included; the SB3 path re-encoded the
     completion text (no EOS, a stop string cut off, a multi-turn episode's last turn only)."""
     import textgym.scoring
-    from textgym.evaluation import EVAL_DEFAULTS
+    from textgym.eval_settings import EVAL_DEFAULTS
 
     read = []
     distinct = textgym.scoring.corpus_distinct_n
@@ -370,7 +371,7 @@ def test_a_multi_turn_evaluation_counts_the_turn_rewards_and_only_the_policys_to
     is the episodes' returns, as in training; distinct-2 reads the policy's tokens, not the replies."""
     import textgym.scoring
     from textgym.agents.ppo import LMPPO
-    from textgym.evaluation import EVAL_DEFAULTS
+    from textgym.eval_settings import EVAL_DEFAULTS
 
     read = []
     distinct = textgym.scoring.corpus_distinct_n

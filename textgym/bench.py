@@ -39,7 +39,8 @@ from textgym.bench_identity import (
 )
 from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError
-from textgym.evaluation import BUILTIN_METRICS, jsonable
+from textgym.eval_settings import BUILTIN_METRICS
+from textgym.evaluation import jsonable
 
 __all__ = [
     "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "Stopped", "evaluate", "load_designs", "mean_ci", "plan", "run"

@@ -28,7 +28,7 @@ from textgym.bench_rm import check_reward_models
 from textgym.composition import stack_table
 from textgym.config import MAX_SEED, apply_override, read_toml, resolve_paths, resolve_value, validate
 from textgym.errors import ConfigError, TextgymError, UnknownNameError, did_you_mean
-from textgym.evaluation import check_builtin, check_metric_specs, metric_specs
+from textgym.eval_settings import check_builtin, check_metric_specs, metric_specs
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import check_reward_specs
 

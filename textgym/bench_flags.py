@@ -30,7 +30,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from textgym.evaluation import REWARD
+from textgym.eval_settings import REWARD
 
 LENGTH_DRIFT = 0.5
 EOS_COLLAPSE = 0.25

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from textgym.bench_results import BenchResults
-from textgym.evaluation import REWARD
+from textgym.eval_settings import REWARD
 from textgym.plotting import fit, pyplot
 
 LINESTYLES = ["-", "--", ":", "-."]

@@ -12,7 +12,7 @@ from textgym.bench_flags import has_curve, lacks_errors
 from textgym.bench_results import BenchResults
 from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
-from textgym.evaluation import BUILTIN_METRICS, REWARD
+from textgym.eval_settings import BUILTIN_METRICS, REWARD
 from textgym.formatting import one_line
 
 

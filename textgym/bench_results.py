@@ -16,7 +16,8 @@ from typing import Any
 
 from textgym.bench_flags import group_flags, has_curve, run_flags
 from textgym.bench_stats import compare, mean_ci
-from textgym.evaluation import BUILTIN_METRICS, REWARD, jsonable, metric_ranges
+from textgym.eval_settings import BUILTIN_METRICS, REWARD, metric_ranges
+from textgym.evaluation import jsonable
 
 STAGING = ".outputs.tmp"  # where write_outputs writes before it moves the files in
 SUMMARY_COLUMNS = [

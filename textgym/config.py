@@ -315,7 +315,7 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
     if not isinstance(resolved["agent"]["name"], str):
         raise ConfigError(f"{source}: agent.name must be an agent name, not {resolved['agent']['name']!r}.")
     if "eval" in config:
-        from textgym.evaluation import check_eval_section
+        from textgym.eval_settings import check_eval_section
 
         resolved["eval"] = check_eval_section(config["eval"], source)
     else:

@@ -31,7 +31,8 @@ from typing import Any
 from stable_baselines3.common.callbacks import BaseCallback
 from tqdm.auto import tqdm
 
-from textgym.evaluation import REWARD, Evaluator, check_metric_specs
+from textgym.eval_settings import REWARD, check_metric_specs
+from textgym.evaluation import Evaluator
 
 EVAL_CSV = "eval.csv"
 EVAL_PLOT = "eval.png"
