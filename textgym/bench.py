@@ -65,10 +65,14 @@ class Job:
     config: dict[str, Any]
     identity: dict[str, Any]  # what its training depends on (see identity())
     config_hash: str  # the training: config and code files, without the held-out evaluation settings
-    eval_hash: str  # the final evaluation's settings
     curves_hash: str  # the settings of the held-out curves measured during training ([eval])
     eval_files: dict[str, Any]  # the digests of the evaluation's files (evaluation_files) it was planned with
-    evaluation: dict[str, Any]  # what eval_hash digests: settings and files (eval.json keeps it, to diff)
+    evaluation: dict[str, Any]  # the final evaluation's settings and files (eval.json keeps them, to diff)
+
+    @property
+    def eval_hash(self) -> str:
+        """A digest of :attr:`evaluation`: equal digests mean the same evaluation."""
+        return _digest(self.evaluation)
 
 
 # -- the plan ------------------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                 config = validate(config, f"run {run_id}")
                 ident = identity(config, reward_models)
                 curves = {**config["eval"], **files} if "eval" in config else None
-                hashes = _digest(ident), _digest(evaluation), _digest(curves)
+                hashes = _digest(ident), _digest(curves)
                 jobs.append(
                     Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files, evaluation)
                 )
