@@ -271,6 +271,47 @@ def test_a_step_that_raised_must_be_followed_by_a_reset():
     assert truncated.all()
 
 
+def test_a_reset_whose_opening_raised_must_be_followed_by_a_reset():
+    """A responder's start() raised after the slot held the new prompt but the observation the old one: a
+    caller that caught the error and stepped on wrote into the old episode and scored it as the new prompt."""
+
+    class Opener:
+        name, role, fail = "opener", "user", False
+
+        def start(self, conversations):
+            if self.fail:
+                raise RuntimeError("server down")
+            return ["c" for _ in conversations]
+
+        def __call__(self, conversations):
+            return ["d" for _ in conversations]
+
+    opener = Opener()
+    env = char_env(opener, prompts=["ab", "hh"])
+    env.reset(seed=0, options={"prompt": 0})
+    env.step(ids("e")[0])  # mid-episode
+    opener.fail = True
+    with pytest.raises(ResponderError, match="raised RuntimeError in start"):
+        env.reset(seed=1, options={"prompt": 1})
+    with pytest.raises(gymnasium.error.ResetNeeded):
+        env.step(ids("e")[0])
+    opener.fail = False
+    env.reset(seed=1, options={"prompt": 1})
+    env.step(ids("e")[0])
+
+    vec = TextGenVectorEnv(num_envs=2, responder=opener, model=CHARS, prompts=["ab", "hh"], rewards=[],
+                           max_new_tokens=12, max_prompt_tokens=2)  # fmt: skip
+    vec.reset(seed=0)
+    opener.fail = True
+    with pytest.raises(ResponderError):
+        vec.reset(options={"reset_mask": np.array([True, False])})
+    with pytest.raises(gymnasium.error.ResetNeeded, match="a step or reset raised"):
+        vec.step(np.array([EOS, EOS]))
+    opener.fail = False
+    vec.reset(seed=1)
+    vec.step(np.array([EOS, EOS]))
+
+
 def test_a_responder_object_without_a_name_is_refused_not_stripped_of_its_methods():
     """It was wrapped as a plain function: its role, opening (start) and end were dropped without a word."""
     from textgym.responders import make_responder

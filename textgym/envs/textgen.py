@@ -247,6 +247,7 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         limits = [n for n in (self._max_episode_steps, _enclosing_time_limit()) if n is not None]
         self.episodes.limit = min([self.episodes.T, *limits])
         prompt = _checked_options(options, SINGLE_OPTIONS).get("prompt")
+        self._needs_reset = True  # until the new episode has started: a responder's start() may raise
         self.episodes.start([0], self.np_random, None if prompt is None else [prompt])
         self._needs_reset = False
         return self.episodes.obs(0), {"prompt": self.episodes.prompt_text(0)}
@@ -385,9 +386,11 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
                 )
             slots = np.flatnonzero(mask)
         prompts = self._prompts_option(options, len(slots))
+        # Half-done until the episodes have started: a responder's start() may raise.
+        failed, self._failed = self._failed, True
         self.episodes.start(slots, self.np_random, prompts, group=int(options.get("group_size", 1)))
         self._started = True
-        self._failed = self._failed and len(slots) < self.num_envs
+        self._failed = failed and len(slots) < self.num_envs
         infos: dict[str, Any] = {}
         for i in slots:
             infos = self._add_info(infos, {"prompt": self.episodes.prompt_text(i)}, i)
@@ -424,7 +427,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
             raise ResetNeeded("call reset() before step().")
         if self._failed:
             raise ResetNeeded(
-                "a step raised and left the sub-envs' episodes half-done: call reset() (of every sub-env) before "
+                "a step or reset raised and left the sub-envs' episodes half-done: call reset() (of every sub-env) before "
                 "step()."
             )
         actions = np.asarray(actions)
