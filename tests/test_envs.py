@@ -88,8 +88,9 @@ def test_truncation_at_the_token_limit():
     for _ in range(2):
         assert env.step(2)[2:4] == (False, False)
     _, reward, terminated, truncated, info = env.step(2)
+    # terminated too: the whole return was paid on this step, nothing follows it to bootstrap
     assert (terminated, truncated, info["finish_reason"], info["completion"], reward) == (
-        False,
+        True,
         True,
         "length",
         "aaa",
@@ -471,7 +472,7 @@ def test_an_episode_cut_by_a_time_limit_is_still_scored(how):
     for _ in range(2):
         assert env.step(2)[1:4] == (0.0, False, False)
     _, reward, terminated, truncated, info = env.step(2)
-    assert (reward, terminated, truncated) == (3.0, False, True)
+    assert (reward, terminated, truncated) == (3.0, True, True)
     assert info["reward_components"] == {"len": 3.0} and info["finish_reason"] == "length"
 
 
@@ -479,8 +480,8 @@ def test_make_vec_passes_max_episode_steps_to_the_vector_env():
     env = gymnasium.make_vec("textgym/Copy-v0", num_envs=2, max_episode_steps=2, autoreset_mode="Disabled")
     env.reset(seed=0)
     env.step(np.array([2, 2]))
-    _, _, _, truncated, infos = env.step(np.array([2, 2]))
-    assert truncated.all() and "reward_components" in infos
+    _, _, terminated, truncated, infos = env.step(np.array([2, 2]))
+    assert terminated.all() and truncated.all() and "reward_components" in infos
 
 
 def test_the_vector_env_renders_text_and_declares_render_fps():
@@ -491,6 +492,9 @@ def test_the_vector_env_renders_text_and_declares_render_fps():
     assert env.metadata["render_fps"] and TextGenEnv.metadata["render_fps"]
     with pytest.raises(ConfigError, match="render_mode must be None or 'ansi'"):
         vector_char_env(2, render_mode="human")
+    # a TypeError as well: SB3's make_vec_env tries render_mode="rgb_array" and goes on without it on one
+    with pytest.raises(TypeError, match="not 'rgb_array'"):
+        char_env(render_mode="rgb_array")
 
 
 @pytest.mark.parametrize(

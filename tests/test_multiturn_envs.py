@@ -124,7 +124,7 @@ def test_max_turns_bounds_every_episode_and_the_responder_knows_the_last_turn():
     env = char_env(named(chatty), max_turns=2, max_new_tokens=20)
     env.reset(seed=0)
     (obs, reward, terminated, truncated, info), _ = run(env, [EOS] * 10)
-    assert (terminated, truncated, info["finish_reason"]) == (False, True, "max_turns")
+    assert (terminated, truncated, info["finish_reason"]) == (True, True, "max_turns")
     assert seen == [(1, False), (2, True)] and reward == 1.0 and info["turn_rewards"] == [1.0, 1.0]
     assert obs["attention_mask"].sum() == 2 + 3  # the last reply is not shown
 
@@ -133,7 +133,7 @@ def test_a_reply_that_overflows_the_token_budget_is_cut_and_ends_the_episode():
     env = char_env(say("abcdefgh"), max_new_tokens=6)
     obs, _ = env.reset(seed=0)
     (obs, _, terminated, truncated, info), _ = run(env, [*ids("h"), EOS])
-    assert (terminated, truncated, info["finish_reason"]) == (False, True, "overflow")
+    assert (terminated, truncated, info["finish_reason"]) == (True, True, "overflow")
     assert obs["input_ids"][2:].tolist() == [*ids("h"), EOS, *ids("abcd")]  # cut at the budget
     assert info["turns"][-1] == {
         "role": "user",
@@ -151,7 +151,7 @@ def test_the_agent_turn_cut_at_the_budget_is_a_length_end_and_the_completion():
     env.reset(seed=0)
     (_, _, terminated, truncated, info), _ = run(env, [EOS, *ids("eeee")])
     assert (terminated, truncated, info["finish_reason"], info["completion"]) == (
-        False,
+        True,
         True,
         "length",
         "eee",
@@ -704,7 +704,7 @@ def test_a_turn_ended_on_a_time_limits_last_step_is_the_last_turn():
     env.reset(seed=0)
     for token in (*tok.encode("aa", add_special_tokens=False), tok.eos_token_id):
         obs, reward, terminated, truncated, info = env.step(token)
-    assert (terminated, truncated, info["finish_reason"], reward) == (False, True, "max_turns", 1.0)
+    assert (terminated, truncated, info["finish_reason"], reward) == (True, True, "max_turns", 1.0)
     assert told == [True] and tok.decode(obs["input_ids"][obs["attention_mask"] == 1]).endswith("aa<eos>")
 
 

@@ -34,6 +34,7 @@ def test_vec_env_follows_sb3_conventions():
 
 
 def test_sb3_ppo_adds_nothing_to_the_reward_of_an_episode_cut_at_max_new_tokens():
+    """With the adapter and with SB3's own vectorisation."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     class Rewards(BaseCallback):  # the env's rewards of each step, as SB3 got them from step_wait
@@ -44,11 +45,19 @@ def test_sb3_ppo_adds_nothing_to_the_reward_of_an_episode_cut_at_max_new_tokens(
             self.seen.append(self.locals["rewards"].copy())
             return True
 
-    env = make_vec_env("textgym/Copy-v0", n_envs=4, seed=0)  # every episode is cut at max_new_tokens = 4
-    model = PPO("MultiInputPolicy", env, seed=0, n_steps=16, batch_size=64, n_epochs=1)
-    model.learn(64, callback=(seen := Rewards()))
-    assert model.rollout_buffer.episode_starts[1:].any()  # episodes ended within the rollout
-    np.testing.assert_array_equal(model.rollout_buffer.rewards, np.stack(seen.seen))
+    from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+
+    # every episode is cut at max_new_tokens = 4. SB3's own make_vec_env (a DummyVecEnv of Monitor-wrapped
+    # envs, made with render_mode="rgb_array" first) bootstraps where `truncated and not terminated`: the
+    # env reports a cut episode as terminated too, since its whole return was paid on that step.
+    for env in (
+        make_vec_env("textgym/Copy-v0", n_envs=4, seed=0),
+        sb3_make_vec_env("textgym/Copy-v0", 4, seed=0),
+    ):
+        model = PPO("MultiInputPolicy", env, seed=0, n_steps=16, batch_size=64, n_epochs=1)
+        model.learn(64, callback=(seen := Rewards()))
+        assert model.rollout_buffer.episode_starts[1:].any()  # episodes ended within the rollout
+        np.testing.assert_array_equal(model.rollout_buffer.rewards, np.stack(seen.seen))
 
 
 def test_the_vec_env_passes_on_turn_infos_and_refuses_per_index_attributes():

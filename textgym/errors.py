@@ -62,6 +62,11 @@ class ConfigError(TextgymError, ValueError):
     """A configuration value is invalid."""
 
 
+class RenderModeError(ConfigError, TypeError):
+    """An env was asked for a render mode it lacks. A TypeError too, as for a keyword an env does not take:
+    callers that try ``render_mode="rgb_array"`` first (SB3's ``make_vec_env``) catch it and go on without."""
+
+
 class PairsError(TextgymError, ValueError):
     """A preference-pairs file is missing or unreadable, or one of its rows is unusable."""
 

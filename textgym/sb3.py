@@ -70,10 +70,11 @@ class TextGymVecEnv(VecEnv):
         self._actions = array.reshape(self.num_envs).astype(np.int64)
 
     def step_wait(self) -> VecEnvStepReturn:
-        """SB3's step. ``TimeLimit.truncated`` stays False even where the env truncates (``max_new_tokens``,
-        a ``TimeLimit``): a textgym episode is scored whole on its last step, a cut one included, so there is
-        no return after it. With the flag SB3 would add ``gamma * V(terminal_observation)`` to that reward: an
-        estimate for a state that has no future, which nothing trains towards zero."""
+        """SB3's step. ``TimeLimit.truncated`` is False even where the env truncates (``max_new_tokens``, a
+        ``TimeLimit``): a textgym episode is scored whole on its last step, a cut one included, so the env
+        reports it terminated as well and there is no return after it. With the flag SB3 would add
+        ``gamma * V(terminal_observation)`` to that reward: an estimate for a state that has no future, which
+        nothing trains towards zero."""
         obs, rewards, terminated, truncated, vinfo = self.env.step(self._actions)
         dones = terminated | truncated
         self._returns += rewards

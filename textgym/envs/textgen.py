@@ -12,7 +12,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from textgym.envs.episodes import Episodes
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, RenderModeError
 from textgym.prompts import PromptsLike
 from textgym.responders import ResponderSpec
 from textgym.rewards import RewardSpec, RewardStack
@@ -31,6 +31,11 @@ def _checked_options(options: Any, valid: Sequence[str]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"unknown reset option {unknown[0]!r}; valid options: {', '.join(valid)}.")
     return {k: v for k, v in options.items() if v is not None}
+
+
+def _check_render_mode(render_mode: Any) -> None:
+    if render_mode not in (None, "ansi"):
+        raise RenderModeError(f"render_mode must be None or 'ansi' (text), not {render_mode!r}.")
 
 
 def _check_steps(value: Any) -> int | None:
@@ -172,10 +177,15 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     last step. ``info["turns"]`` and ``info["turn_rewards"]`` come with the last step.
 
     ## Episode End
-    ``terminated`` when the agent emits EOS or a stop string appears (multi-turn: when the responder ends the
-    episode); ``truncated`` after ``max_new_tokens`` tokens (``finish_reason`` ``"length"``), and in multi-turn
-    episodes after the agent's ``max_turns``-th turn (``"max_turns"``) or when a reply does not fit the token
-    budget (cut, ``"overflow"``).
+    An episode ends when the agent emits EOS or a stop string appears (multi-turn: when the responder ends
+    the episode), ``finish_reason`` ``"stop"``; after ``max_new_tokens`` tokens (``"length"``); and in
+    multi-turn episodes after the agent's ``max_turns``-th turn (``"max_turns"``) or when a reply does not
+    fit the token budget (cut, ``"overflow"``). ``terminated`` is True at every end: the whole return is paid
+    on the last step, and the observation shows how much of the budget is left, so no return follows for a
+    learner to bootstrap (SB3, RLlib and Tianshou add ``gamma * V(final_obs)`` where ``truncated and not
+    terminated``). ``truncated`` is True as well where the episode was cut rather than finished (every
+    reason but ``"stop"``), as Gymnasium's ``TimeLimit`` reports an episode that terminates on its last
+    step.
 
     ## Arguments
     - ``model``: zoo name, model directory or tokenizer object (default: the embedded SmolLM2 tokenizer).
@@ -227,8 +237,7 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         responder: ResponderSpec = None,
         max_turns: int | None = None,
     ):
-        if render_mode not in (None, "ansi"):
-            raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
+        _check_render_mode(render_mode)
         self.render_mode = render_mode
         self._max_episode_steps = _check_steps(max_episode_steps)
         self.episodes = Episodes(
@@ -278,9 +287,9 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
             self._needs_reset = False
             return self.episodes.obs(0), turn_reward, False, False, turn_info
         total, infos = self.episodes.finish(step.ended, step.reasons)
-        terminated = step.reasons[0] == "stop"
         reward = float(total[0]) + turn_reward
-        return self.episodes.obs(0), reward, terminated, not terminated, {**infos[0], **turn_info}
+        cut = step.reasons[0] != "stop"
+        return self.episodes.obs(0), reward, True, cut, {**infos[0], **turn_info}
 
     def action_masks(self) -> np.ndarray:
         """(vocab,) bool: the tokens the agent may choose (``allowed_tokens``, never pad)."""
@@ -347,8 +356,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         responder: ResponderSpec = None,
         max_turns: int | None = None,
     ):
-        if render_mode not in (None, "ansi"):
-            raise ConfigError(f"render_mode must be None or 'ansi', not {render_mode!r}.")
+        _check_render_mode(render_mode)
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ConfigError(f"num_envs must be a positive integer, not {num_envs!r}.")
         try:
@@ -464,9 +472,8 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
                 if i in turn_ended:
                     info["turn_reward"] = float(turn_rewards[i])
             rewards[ended] += total
-            stopped = np.array([r == "stop" for r in reasons])
-            terminated[ended[stopped]] = True
-            truncated[ended[~stopped]] = True
+            terminated[ended] = True  # every end is terminal: the return was paid whole (see TextGenEnv)
+            truncated[ended[np.array([r != "stop" for r in reasons])]] = True
             if self.autoreset_mode is AutoresetMode.SAME_STEP:
                 for i, info in zip(ended, episode_infos):
                     infos = self._add_info(infos, {"final_obs": self.episodes.obs(i), "final_info": info}, i)
