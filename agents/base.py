@@ -37,6 +37,7 @@ from textgym.agents.update_guards import UpdateGuards
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import Rollout, allowed_actions, rollout
+from textgym.scoring import cuda_has_native_bf16
 
 __all__ = [
     "COMMON_STATS",
@@ -70,7 +71,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         if c.device == "cuda" and not torch.cuda.is_available():  # accelerate would fall back to the CPU
             raise ConfigError('device = "cuda", but torch sees no CUDA GPU: use device = "auto" or "cpu".')
         on_gpu = torch.cuda.is_available() if c.device == "auto" else c.device.startswith("cuda")
-        bf16 = on_gpu if c.bf16 is None else c.bf16
+        bf16 = (on_gpu and cuda_has_native_bf16()) if c.bf16 is None else c.bf16
         if bf16 and not on_gpu and not cpu_has_native_bf16():
             raise ConfigError(
                 "bf16 = true on a CPU without native bf16 instructions (no avx512_bf16 or amx_bf16): torch would "
@@ -179,6 +180,10 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             prepared = [model, *modules.values(), self.accelerator.prepare(optimizer)]
         else:
             prepared = self.accelerator.prepare(model, *modules.values(), optimizer)
+            if self.ref_policy is not None and self.dist.world > 1:
+                # DDP hands the main process's weights to the policy only: a policy object whose weights
+                # differ per process (from_config under per-process seeds) kept a reference of its own
+                sharding.broadcast_from_main(self.ref_policy, self.device)
         # the policy is DDP-wrapped under torchrun
         return prepared[0], prepared[-1], dict(zip(modules, prepared[1:-1])), params
 

@@ -141,6 +141,8 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
         if not agent.dist.is_main:
             return
     else:
+        if not agent.dist.is_main:  # data parallel: every process holds the same weights; one writes them
+            return
         full = {"policy": None, "reference": None, "optimizer": None, "modules": {}}
         try:
             agent.check_health(collective=False)  # saving runs on the main process only

@@ -262,7 +262,7 @@ class SB3Contract:
             infos = [{**e, "episode": {"r": e["reward"], "l": e["num_tokens"]}} for e in self.last_episodes]
             callback.update_locals({**locals(), "dones": np.ones(len(infos), dtype=bool), "infos": infos,
                                     "rewards": np.array([e["reward"] for e in infos], dtype=np.float32)})  # fmt: skip
-            if not callback.on_step():
+            if self.dist.any(not callback.on_step()):  # one process stopping alone left the others waiting
                 break
         bar.close()
         callback.on_training_end()

@@ -13,7 +13,12 @@
   the policy is;
 - a checkpoint saved before any optimizer step: the optimizer has no state yet, and the save has none;
 - under ZeRO-3, NaN in the padding of a shard (DeepSpeed leaves it uninitialized) is no weight: the save's
-  health check passes.
+  health check passes;
+- a policy object whose weights differ per process: the KL reference holds the main process's weights, as
+  the policy does, so an unchanged policy's KL is 0 on every process;
+- a callback that stops training on one process only stops every process's ``learn`` (the others waited in
+  the next rollout's collectives forever);
+- data parallel: ``save`` on a process other than the main one writes nothing.
 
     ACCELERATE_USE_FSDP=true python -m torch.distributed.run --nproc_per_node 2 tests/distributed_sharding.py
 """
@@ -132,8 +137,37 @@ def main() -> None:
         print(f"rank {rank}: not healthy", flush=True)
 
 
+def reference_and_callbacks() -> None:
+    model = char_llama()
+    with torch.no_grad():  # another random policy on each process
+        generator = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    agent = LMPPO(model, make_env(4), seed=0, verbose=0, n_epochs=1)
+    rank = agent.dist.rank
+    batch, _ = agent.generate()
+    kl = (batch.logprobs - batch.ref_logprobs) * batch.action_mask
+    torch.testing.assert_close(kl, torch.zeros_like(kl), atol=1e-5, rtol=0)
+    print(f"rank {rank}: the reference holds the main process's policy", flush=True)
+
+    def stop_on_main(locals_, globals_):  # e.g. a deadline or a file only the main process reads
+        return not (agent.dist.is_main and agent.iteration >= 1)
+
+    agent.learn(10_000, callback=stop_on_main)
+    print(
+        f"rank {rank}: a callback on one process stopped learn after {agent.iteration} iteration", flush=True
+    )
+    if agent.sharded:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        agent.save(Path(tmp) / "checkpoint")
+        if (Path(tmp) / "checkpoint").exists() == agent.dist.is_main:
+            print(f"rank {rank}: data parallel, saved by the main process only", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    reference_and_callbacks()
     torch.distributed.barrier()
     end_process_group()  # as textgym train ends: the agent is freed, then the group (else exit can abort)
     exit_process(0)  # and without the interpreter's teardown, as the textgym command does

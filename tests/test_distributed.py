@@ -343,6 +343,11 @@ def test_sharded_rollouts_run_in_lockstep_and_bad_values_on_one_process_stop_eve
     assert "rank 1: 4 episodes of up to 6 tokens, as unsharded" in result.stdout
     for rank in (0, 1):
         assert f"rank {rank}: step skipped" in result.stdout and f"rank {rank}: not healthy" in result.stdout
+        assert f"rank {rank}: the reference holds the main process's policy" in result.stdout
+        assert f"rank {rank}: a callback on one process stopped learn after 1 iteration" in result.stdout
+        assert (f"rank {rank}: data parallel, saved by the main process only" in result.stdout) == (
+            shard is None
+        )
 
 
 @pytest.fixture

@@ -303,9 +303,13 @@ def test_token_logprobs_in_chunks_equal_a_log_softmax():
     torch.testing.assert_close(token_logprobs(logits.bfloat16(), tokens), expected, rtol=0, atol=0.1)
 
 
-def test_bf16_default_and_bad_values():
+def test_bf16_default_and_bad_values(monkeypatch):
     assert resolve_bf16(None, "cpu") is False
-    assert resolve_bf16(None, "cuda") is True and resolve_bf16(None, "cuda:1") is True
+    # on GPUs that compute bf16 natively (Ampere or newer); torch emulates it on older ones, slower than fp32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert resolve_bf16(None, "cuda") is native and resolve_bf16(None, "cuda:1") is native
     assert resolve_bf16(True, "cpu") is True and resolve_bf16(False, "cuda") is False
     with pytest.raises(ValueError, match="bf16 must be true, false or left unset"):
         resolve_bf16("yes", "cpu")

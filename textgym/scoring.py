@@ -27,11 +27,19 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 
+def cuda_has_native_bf16() -> bool:
+    """Whether the GPU computes in bf16 natively (Ampere or newer). torch emulates it on older ones (V100,
+    T4), slower than fp32, so bf16 is no default there."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve_bf16(bf16: bool | None, device: str) -> bool:
-    """bf16 autocast: ``bf16`` when given, else on for GPUs and off on the CPU, where fp32 keeps the scores
-    of earlier runs (bf16 moves a mean log-prob by about 0.01)."""
+    """bf16 autocast: ``bf16`` when given, else on for GPUs with native bf16 and off on the CPU, where fp32
+    keeps the scores of earlier runs (bf16 moves a mean log-prob by about 0.01)."""
     if bf16 is None:
-        return device.startswith("cuda")
+        return device.startswith("cuda") and cuda_has_native_bf16()
     if bf16 not in (True, False):
         raise ValueError(f"bf16 must be true, false or left unset (auto), not {bf16!r}.")
     return bool(bf16)
