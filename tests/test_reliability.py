@@ -239,6 +239,31 @@ def test_a_ctrl_c_during_an_iterations_writes_stops_after_that_iteration(config,
     assert json.loads((out / "checkpoint" / "state.json").read_text())["iteration"] == 1
 
 
+@pytest.mark.parametrize("agent", ["lmppo", "sb3-ppo"])
+def test_a_signal_during_the_last_checkpoint_lets_it_finish(tmp_path, agent):
+    """The run's last checkpoint was written after the signal handlers were given back: a Ctrl-C or SIGTERM
+    during it (a job's time limit) aborted the write, and a run whose only checkpoint it was lost it all."""
+    config = tmp_path / "copy.toml"
+    config.write_text(COPY if agent == "lmppo" else SB3_COPY)
+    for sent in ("", ":SIGTERM"):
+        out = tmp_path / f"run{sent}"
+        result = textgym("train", config, "--agent", agent, "--set", f"run.output_dir='{out}'",
+                         "--set", "run.checkpoint_every=1000", env={INTERRUPT_VAR: f"checkpoint-build{sent}"})  # fmt: skip
+        assert "aborted" not in result.stderr, result.stdout + result.stderr
+        state = json.loads((out / "checkpoint" / "state.json").read_text())
+        assert state["iteration"] == len(csv_rows(out / "metrics.csv")) > 1
+
+
+def test_a_stop_writes_one_checkpoint(config, tmp_path):
+    """A stop saved its iteration in the run's callback, and again, the same, after learn() returned: a
+    second minute of a job's grace period spent on a copy. The second write is killed here."""
+    out = tmp_path / "run"
+    env = {INTERRUPT_VAR: "after-metrics", "TEXTGYM_CRASH_AT": "checkpoint-build:2"}
+    result = textgym("train", config, "--set", f"run.output_dir='{out}'", env=env)
+    assert result.returncode == 130 and "interrupted; checkpoint saved" in result.stdout, result.stderr
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["iteration"] == 1
+
+
 def test_a_kill_before_the_first_checkpoint_restarts_cleanly(config, tmp_path, capsys):
     out = tmp_path / "run"
     killed = textgym(

@@ -313,6 +313,9 @@ def _run_native(
         before = samples(0.0)
         dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))
 
+    # the iteration of the checkpoint on disk: the final save skips an iteration the Recorder just saved
+    saved = [agent.iteration if resuming else None]
+
     class Recorder(BaseCallback):
         def _on_step(self) -> bool:
             model = self.model
@@ -320,6 +323,7 @@ def _run_native(
             checkpoint = model.iteration % run["checkpoint_every"] == 0 or stop
             if checkpoint:
                 gather_checkpoint(model)  # sharded: every process gathers the weights (else nothing)
+                saved[0] = model.iteration
 
             def record() -> None:
                 rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
@@ -331,7 +335,7 @@ def _run_native(
 
             dist.on_main(record)
             # a signal during the writes above (a checkpoint can take a minute) stops here too, not after
-            # one more iteration; the checkpoint after learn() then saves this one
+            # one more iteration; the checkpoint after learn() then saves this one if it was not saved
             return not (stop or dist.any(flag.stop))
 
     aggregate = stack_table(config["env"].get("rewards", []), "env.rewards")["aggregate"]
@@ -347,9 +351,11 @@ def _run_native(
             )
         else:
             finish_evaluations(diagnostics, agent)
+        # within the flag: a first Ctrl-C or SIGTERM during this save (a job's time limit) lets it finish
+        if saved[0] != agent.iteration:
+            gather_checkpoint(agent)
+            dist.on_main(lambda: rd.write_checkpoint(agent.save))
     stopped = dist.any(flag.stop)
-    gather_checkpoint(agent)
-    dist.on_main(lambda: rd.write_checkpoint(agent.save))
     after = samples(1.0) if not stopped else None
 
     def finish() -> Path:

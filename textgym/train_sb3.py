@@ -129,8 +129,8 @@ def run_sb3(
                 saved = True
         else:
             finish_evaluations(diagnostics, agent)
-    if not saved:
-        rd.write_checkpoint(save)
+        if not saved:  # within the flag: a first Ctrl-C or SIGTERM during this save lets it finish
+            rd.write_checkpoint(save)
     return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config, 1.0), has_kl=False)
 
 
