@@ -105,15 +105,17 @@ def masked_actions(allowed: torch.Tensor | None) -> list[int] | None:
     return None if allowed is None else (~allowed).nonzero().squeeze(1).tolist()
 
 
-def _check_source_unchanged(source: str | None, saved: str | None) -> None:
+def _check_source_unchanged(
+    source: str | None, saved: str | None, reads: str = "the KL reference or the LoRA base weights"
+) -> None:
     """Before a load reads ``source`` again. A directory that is gone fails in the loader, naming it."""
     if source is None or not Path(source).expanduser().is_dir():
         return
     if saved is not None and source_fingerprint(source) != saved:
         raise ConfigError(
             f"the policy directory {source!r} changed since this checkpoint was trained from it, and this load "
-            f"reads the KL reference or the LoRA base weights from it: put the original weights back, or train a "
-            f"new run from this checkpoint's policy/ (its weights, with a new reference)."
+            f"reads {reads} from it: put the original files back, or train a new run from this checkpoint's "
+            f"policy/ (its weights, with a new reference)."
         )
 
 
@@ -267,6 +269,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             with lora.restoring():
                 agent = cls(policy, env, **config)
         else:
+            if env is not None:  # no weights come from the source, but a resumed run's env has its tokenizer
+                _check_source_unchanged(source, fingerprint, "the tokenizer of the env")
             agent = cls(AutoModelForCausalLM.from_pretrained(path / "policy"), env, **config)
         agent.policy_source, agent.source_fingerprint = source, fingerprint
         if env is not None and source is not None and not from_main:  # from an object: set_env compared sizes

@@ -601,27 +601,30 @@ def test_predict_of_an_agent_loaded_without_an_env_picks_only_the_envs_tokens(tm
     assert actions.max() < env.single_action_space.n == len(CHARS)
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 4}])
-def test_load_refuses_a_policy_directory_that_changed_since_it_was_trained_from(tmp_path, lora):
+@pytest.mark.parametrize(
+    ("agent", "settings"), [(LMPPO, {}), (LMPPO, {"lora": {"r": 4}}), (GRPO, {"num_generations": 4})]
+)
+def test_load_refuses_a_policy_directory_that_changed_since_it_was_trained_from(tmp_path, agent, settings):
     """A load reads the KL reference (LoRA: the base weights) from the source directory again: its new
-    weights were taken without a word, and the loaded agent was another one."""
+    weights were taken without a word, and the loaded agent was another one. Without either (GRPO at
+    beta = 0) a resumed run's env still takes the source's tokenizer: a new one remapped every token."""
     from textgym.models import load_model
 
     source = tmp_path / "policy"
     model, tokenizer = load_model("tiny-char-llama")
     model.save_pretrained(source)
     tokenizer.save_pretrained(source)
-    LMPPO(str(source), char_llama_env(), lora=lora, verbose=0).save(tmp_path / "ckpt")
-    LMPPO.load(tmp_path / "ckpt", char_llama_env())  # unchanged: loads
+    agent(str(source), char_llama_env(), verbose=0, **settings).save(tmp_path / "ckpt")
+    agent.load(tmp_path / "ckpt", char_llama_env())  # unchanged: loads
     (source / ".git").mkdir()
     (source / ".git" / "index").write_text("git status rewrote me")
-    LMPPO.load(tmp_path / "ckpt", char_llama_env())  # hidden files are not the model
+    agent.load(tmp_path / "ckpt", char_llama_env())  # hidden files are not the model
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1)
     model.save_pretrained(source)
     with pytest.raises(ConfigError, match=f"the policy directory '{source}' changed since this checkpoint"):
-        LMPPO.load(tmp_path / "ckpt", char_llama_env())
+        agent.load(tmp_path / "ckpt", char_llama_env())
 
 
 def test_a_resume_keeps_the_adapted_kl_coefficient_when_its_settings_are_passed_as_saved(tmp_path):
