@@ -350,11 +350,12 @@ def test_the_after_training_samples_are_scored_with_the_weights_training_ended_w
 
 
 def test_the_command_suggested_for_another_agent_on_resume_starts_a_run(config, tmp_path, capsys):
-    """It suggested the run's own config.toml, whose output_dir is the run: "already holds a run"."""
+    """It suggested the run's own config.toml, whose output_dir is the run: "already holds a run". A path
+    with a space or a quote is quoted for the shell and for TOML."""
     import shlex
 
-    out = tmp_path / "out"
-    run(config, [f"run.output_dir='{out}'", "run.total_timesteps=32"])
+    out = tmp_path / "my out's"
+    run(config, [f"run.output_dir={json.dumps(str(out))}", "run.total_timesteps=32"])
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--agent", "rloo"]) == 2
     suggested = re.search(r"\(textgym (train .*)\)\.$", capsys.readouterr().err.strip()).group(1)
@@ -366,7 +367,7 @@ def test_the_command_suggested_for_another_agent_on_resume_starts_a_run(config, 
         "agent.rloo.num_generations=2",
     ]
     assert main(args) == 0, capsys.readouterr().err
-    assert (tmp_path / "out-rloo" / "checkpoint").is_dir()
+    assert (tmp_path / "my out's-rloo" / "checkpoint").is_dir()
 
 
 def test_textgym_version(capsys):

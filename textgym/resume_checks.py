@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,9 @@ def check_resume_changes(
     ):
         raise ConfigError(
             f"--agent {agent_name}: {run_dir} trains {saved['agent']['name']!r}, and a resume continues it; start "
-            f"a new run for another agent, in a directory of its own (textgym train {run_dir / 'config.toml'} "
-            f"--agent {agent_name} --set run.output_dir='{run_dir}-{agent_name}')."
+            f"a new run for another agent, in a directory of its own (textgym train "
+            f"{shlex.quote(str(run_dir / 'config.toml'))} --agent {agent_name} "
+            f"--set {shlex.quote('run.output_dir=' + json.dumps(f'{run_dir}-{agent_name}'))})."
         )
     changed = [key for key in _differences(saved, config) if not _may_change(key)]
     if changed:

@@ -16,6 +16,7 @@ import csv
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
 from collections.abc import Callable, Iterable, Sequence
@@ -120,7 +121,7 @@ class RunDir:
         if existing:
             if self.is_run():
                 raise ConfigError(
-                    f"{self.path} already holds a run; continue it with `textgym train --resume {self.path}`, "
+                    f"{self.path} already holds a run; continue it with `textgym train --resume {shlex.quote(str(self.path))}`, "
                     f"or choose another run.output_dir."
                 )
             shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -395,7 +396,7 @@ def _finish(
     if stopped:
         again = f" (sharded with {sharding}: {SHARDING_HOW})" if sharding else ""
         print(
-            f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {rd.path}{again}"
+            f"textgym: interrupted; checkpoint saved. Continue with: textgym train --resume {shlex.quote(str(rd.path))}{again}"
         )
         return rd.path
     _report(rd, SAMPLES_AFTER, samples(), "after training")
