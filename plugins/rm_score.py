@@ -27,6 +27,21 @@ from textgym.scoring import (
     uses_chat_template,
 )
 
+DEFAULT_TEMPLATE = "{prompt}{completion}"
+
+
+def trained_max_length(model: str) -> int | None:
+    """The ``max_length`` that ``textgym train-rm`` trained the model in ``model`` with (its train_rm.json)."""
+    import json
+
+    from textgym.reward_model import REPORT
+
+    try:
+        value = json.loads((Path(model).expanduser() / REPORT).read_text())["settings"]["max_length"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
 
 class RMScore:
     """One label's logit (or probability) from a sequence-classification model on prompt + completion
@@ -40,7 +55,8 @@ class RMScore:
             the reward model's chat template. Otherwise ``template`` is used.
         template: format string with ``{prompt}`` and ``{completion}`` (default: the two concatenated).
         batch_size, max_length: batching; texts longer than ``max_length`` tokens are cut from the left:
-            the prompt goes first, and a completion longer than ``max_length`` loses its start too.
+            the prompt goes first, and a completion longer than ``max_length`` loses its start too. Unset:
+            the ``max_length`` the model was trained with where its ``train_rm.json`` says, else 512.
         device: ``"auto"`` (the GPU when there is one) or a torch device.
         bf16: bf16 autocast; unset: on for GPUs, off on the CPU.
         share_prefix: for a causal reward model, run the token prefix that a batch's texts share, and
@@ -61,14 +77,14 @@ class RMScore:
         label: int | str | None = None,
         output: str = "logit",
         chat_template: bool | str = "auto",
-        template: str = "{prompt}{completion}",
+        template: str = DEFAULT_TEMPLATE,
         batch_size: int = 16,
-        max_length: int = 512,
+        max_length: int | None = None,
         device: str = "auto",
         bf16: bool | None = None,
         share_prefix: bool = True,
     ):
-        check_positive(batch_size=batch_size, max_length=max_length)
+        check_positive(batch_size=batch_size, **({} if max_length is None else {"max_length": max_length}))
         if output not in ("logit", "probability"):
             raise ValueError(f"output must be 'logit' or 'probability', not {output!r}.")
         if "{completion}" not in template:
@@ -91,8 +107,23 @@ class RMScore:
         self.tokenizer.padding_side = "right"
         # fp32 whatever dtype the checkpoint was saved in (bf16 is the bf16 option's, below): a bf16-saved
         # reward model would otherwise run in bf16 with bf16 off, norms included
-        loaded = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32)
+        loaded, loading = AutoModelForSequenceClassification.from_pretrained(
+            model, dtype=torch.float32, output_loading_info=True
+        )
+        if loading["missing_keys"]:  # transformers starts them at random: the scores would be noise
+            missing = sorted(loading["missing_keys"])
+            raise ValueError(
+                f"{model!r} is not a trained sequence-classification model: its weights lack "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, which would start at random (a "
+                f"causal LM's directory?): {how}."
+            )
         self.model = loaded.to(self.device).eval()
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > vocabulary:
+            raise ValueError(
+                f"{model!r}: its tokenizer has {len(self.tokenizer)} tokens, its model embeds {vocabulary}: the "
+                f"tokenizer is not the model's. Save the tokenizer the model was trained with into the directory."
+            )
         # The classifier reads each row at its last token that is not config.pad_token_id: the texts must be
         # padded with that id, or a short text in a batch with a longer one is read on its padding.
         config_pad = self.model.config.pad_token_id
@@ -128,7 +159,12 @@ class RMScore:
         self.label = self._label_index(label)
         self.output, self.template = output, template
         self.chat = uses_chat_template(self.tokenizer, chat_template)
-        self.batch_size, self.max_length = batch_size, max_length
+        if self.chat and template != DEFAULT_TEMPLATE:
+            raise ValueError(
+                f"template {template!r} is not used: {model!r} formats texts with its chat template. Give "
+                f"chat_template=false to score with the template (as the model was trained, only)."
+            )
+        self.batch_size, self.max_length = batch_size, max_length or trained_max_length(model) or 512
 
     def _label_index(self, label: int | str | None) -> int:
         config = self.model.config
@@ -137,13 +173,18 @@ class RMScore:
             if config.num_labels == 1:
                 return 0
             raise ValueError(f"the model has {config.num_labels} labels {labels}; choose one with `label`.")
+        if isinstance(label, bool) or not isinstance(label, (int, str)):
+            raise ValueError(f"label must be a label index or name, not {label!r}.")
         if isinstance(label, str):
             by_name = {name: i for i, name in labels.items()}
             if label not in by_name:
                 raise ValueError(f"label {label!r} is not one of the model's labels {sorted(by_name)}.")
             return by_name[label]
         if not 0 <= label < config.num_labels:
-            raise ValueError(f"label {label} is out of range: the model has {config.num_labels} labels.")
+            count = f"{config.num_labels} label{'s' if config.num_labels != 1 else ''}"
+            raise ValueError(
+                f"label {label} is out of range: the model has {count} (0 to {config.num_labels - 1})."
+            )
         return label
 
     def format(self, s: Sample) -> str:

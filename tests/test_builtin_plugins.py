@@ -252,6 +252,56 @@ def test_rm_score_bad_arguments(reward_model_dir, tmp_path):
         make_reward("rm_score", model=reward_model_dir, label="HAPPY")
     with pytest.raises(PluginArgumentError, match="is not a local directory"):
         make_reward("rm_score", model=str(tmp_path / "nothing"))
+    with pytest.raises(PluginArgumentError, match=r"label must be a label index or name, not True"):
+        make_reward("rm_score", model=reward_model_dir, label=True)
+    with pytest.raises(
+        PluginArgumentError, match=r"label 2 is out of range: the model has 2 labels \(0 to 1\)"
+    ):
+        make_reward("rm_score", model=reward_model_dir, label=2)
+    # the model's chat template formats its texts: a template given without chat_template=false went unused
+    with pytest.raises(PluginArgumentError, match=r"template 'Q: \{prompt\} A: \{completion\}' is not used"):
+        make_reward("rm_score", model=reward_model_dir, label=1, template="Q: {prompt} A: {completion}")
+
+
+def test_rm_score_refuses_a_model_that_would_score_noise_or_crash(reward_model_dir, tokenizer, tmp_path):
+    """A causal LM's directory loaded with a new random score head, and scored noise that changed with every
+    load; a tokenizer with more tokens than the model embeds raised IndexError at the first score."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    small = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **small)).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    with pytest.raises(
+        PluginArgumentError,
+        match=r"not a trained sequence-classification model: its weights lack score.weight",
+    ):
+        make_reward("rm_score", model=str(tmp_path / "lm"), label=0)
+    config = LlamaConfig(vocab_size=64, num_labels=1, pad_token_id=0, **small)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "other")
+    tokenizer.save_pretrained(tmp_path / "other")
+    with pytest.raises(
+        PluginArgumentError, match=rf"its tokenizer has {len(tokenizer)} tokens, its model embeds 64"
+    ):
+        make_reward("rm_score", model=str(tmp_path / "other"))
+
+
+def test_rm_score_scores_at_the_max_length_the_model_was_trained_with(reward_model_dir, tmp_path):
+    """train_rm.json records --max-length; rm_score cut texts at its own 512 unless told the same again."""
+    import json
+    import shutil
+
+    trained = tmp_path / "rm"
+    shutil.copytree(reward_model_dir, trained)
+    (trained / "train_rm.json").write_text(json.dumps({"settings": {"max_length": 8}}))
+    assert make_reward("rm_score", model=str(trained), label=1).max_length == 8
+    assert make_reward("rm_score", model=str(trained), label=1, max_length=16).max_length == 16
+    assert make_reward("rm_score", model=reward_model_dir, label=1).max_length == 512
 
 
 @pytest.mark.slow

@@ -163,7 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--seed", type=int, default=0, help="the split, the order of the pairs and the head's init"
     )
-    p.add_argument("--max-length", type=int, default=512, help="tokens per text (rm_score's default is 512)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=512,
+        help="tokens per text, cut from the left (default 512; rm_score scores with the same)",
+    )
 
     p = add_parser(
         "label-pairs",

@@ -65,9 +65,6 @@ class RMReport:
 
     def summary(self) -> str:
         b, a = self.before, self.after
-        rm_args = (
-            "" if self.settings.get("max_length") == 512 else f" max_length={self.settings['max_length']}"
-        )
         return "\n".join(
             [
                 f"held-out pairs: {self.eval_pairs} (trained on {self.train_pairs}) in {self.seconds:.0f} s"
@@ -82,7 +79,7 @@ class RMReport:
                 f"  loss         {b.loss:.3f} -> {a.loss:.3f}",
                 f"  scores       mean {self.score_mean:+.3f}, std {self.score_std:.3f} (held-out, trained)"
                 + (", in bf16 as rm_score scores on a GPU" if self.settings.get("bf16") else ""),
-                f"wrote {self.output}; score with: --reward \"rm_score model='{self.output}'{rm_args}\"",
+                f"wrote {self.output}; score with: --reward \"rm_score model='{self.output}'\"",
             ]
         )
 
@@ -167,8 +164,8 @@ def train_reward_model(
         batch_size: pairs per step (each step is one forward over 2 x batch_size texts).
         eval_fraction: the share of pairs held out (seeded) to measure accuracy before and after training.
         seed: seeds the split, the new head's initialisation and the order of the pairs.
-        max_length: tokens per text, cut from the left (give rm_score the same ``max_length``; 512 is its
-            default).
+        max_length: tokens per text, cut from the left (written to train_rm.json, where ``rm_score`` takes
+            it from when it is not given one).
         device: ``"auto"`` (a GPU when there is one, with bf16 autocast in training), ``"cpu"``, ``"cuda"``.
         progress: show a progress bar (default: when writing to a terminal).
 
