@@ -324,6 +324,26 @@ def test_too_few_pairs_for_the_held_out_split(tmp_path):
         train_reward_model(marker_pairs(2), tmp_path / "rm", eval_fraction=0.9)
 
 
+def test_copies_of_a_pair_are_never_on_both_sides_of_the_split():
+    """The split was by position: a pairs file holding each pair twice measured held-out accuracy partly on
+    training pairs (6 of 10 in one such file)."""
+    from textgym.pairs import Pair, split_pairs
+
+    distinct = [Pair(f"p{i}", f"good {i}", f"bad {i}", i) for i in range(20)]
+    import numpy as np
+
+    _, unique_held_out = split_pairs(distinct, 0.25, seed=0)
+    assert len(unique_held_out) == 5  # without copies: the split as it was, by the same permutation
+    assert [p.line for p in unique_held_out] == sorted(np.random.default_rng(0).permutation(20)[:5])
+    twice = [*distinct, *(Pair(p.prompt, p.chosen, p.rejected, p.line + 20) for p in distinct)]
+    train, held_out = split_pairs(twice, 0.25, seed=0)
+    key = lambda p: (p.prompt, p.chosen, p.rejected)  # noqa: E731
+    assert held_out and not {key(p) for p in train} & {key(p) for p in held_out}
+    assert len(held_out) == 10 and len(train) + len(held_out) == 40
+    with pytest.raises(PairsError, match="the 6 pairs are copies of 1 distinct pair"):
+        split_pairs([distinct[0]] * 6, 0.25, seed=0)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

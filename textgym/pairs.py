@@ -136,6 +136,8 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
     """A seeded split into (train, held-out); the held-out part is ``eval_fraction * n`` pairs, rounded half up.
+    Copies of one pair (the same prompt, chosen and rejected texts) go to the same part, so the held-out
+    accuracy is never partly measured on training pairs; the held-out part may then hold a few more.
 
     Raises:
         PairsError: either part would be empty.
@@ -167,10 +169,22 @@ def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple
             f"{n} pair(s) at eval_fraction {eval_fraction} leave {n_eval} held-out and {n - n_eval} training "
             f"pair(s); both need at least one. Give at least {need} pairs, or change --eval-fraction."
         )
-    order = np.random.default_rng(seed).permutation(n)
-    held_out = sorted(order[:n_eval].tolist())
+    copies: dict[tuple[str, str, str], list[int]] = {}  # each distinct pair's rows
+    for i, p in enumerate(pairs):
+        copies.setdefault((p.prompt, p.chosen, p.rejected), []).append(i)
+    rows = list(copies.values())
+    held_out: list[int] = []
+    for k in np.random.default_rng(seed).permutation(len(rows)):  # without copies: the first n_eval pairs
+        if len(held_out) >= n_eval:
+            break
+        held_out.extend(rows[k])
+    if len(held_out) == n:
+        raise PairsError(
+            f"the {n} pairs are copies of {len(rows)} distinct pair(s), too few to hold some out at "
+            f"eval_fraction {eval_fraction}: copies of a pair stay on one side. Give more distinct pairs."
+        )
     chosen = set(held_out)
-    return [p for i, p in enumerate(pairs) if i not in chosen], [pairs[i] for i in held_out]
+    return [p for i, p in enumerate(pairs) if i not in chosen], [pairs[i] for i in sorted(held_out)]
 
 
 def check_label_settings(
