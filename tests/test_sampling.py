@@ -211,3 +211,22 @@ def test_a_tiny_char_llama_checkpoints_policy_samples_from_the_command_line(tmp_
         main(["sample", "--model", policy, "--prompts", "copy", "--num", "2", "--max-new-tokens", "3"]) == 0
     )
     assert "completion" in capsys.readouterr().out
+
+
+def test_sampled_normalize_then_sum_totals_are_standardised_over_all_the_episodes():
+    """The env standardises a normalize_then_sum stack over the episodes that end on the same step: `textgym
+    sample` and label-pairs reported (and ranked by) those totals, where training recombines over the batch."""
+    import numpy as np
+    from lm_helpers import CHARS, char_llama
+
+    def length(samples):
+        return [float(len(s.completion_ids)) for s in samples]
+
+    env = TextGenVectorEnv(
+        num_envs=8, model=CHARS, prompts="copy", max_new_tokens=6, max_prompt_tokens=3, autoreset_mode="Disabled",
+        rewards={"aggregate": "normalize_then_sum", "components": [length]}, allowed_tokens=[CHARS.encode("a")[0], CHARS.eos_token_id],
+    )  # fmt: skip
+    episodes = sample_episodes(char_llama(), env, seed=0)
+    lengths = np.array([e["reward_components"]["length"] for e in episodes])
+    assert len(set(lengths)) > 2  # episodes ended on several steps
+    np.testing.assert_allclose([e["reward"] for e in episodes], env.reward_stack.combine({"length": lengths}))

@@ -316,8 +316,14 @@ def sample_episodes(
     seed: int | None = None,
     options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """One episode per sub-env: its prompt, completion, finish reason, reward and reward components."""
+    """One episode per sub-env: its prompt, completion, finish reason, reward and reward components. A
+    ``normalize_then_sum`` stack's totals are standardised over all of them, as a training batch's are (the
+    env's own are over the episodes that ended on the same step)."""
     result = rollout(model, env, temperature=temperature, top_k=top_k, seed=seed, options=options)
+    if getattr(env.reward_stack, "aggregate", "sum") != "sum":
+        from textgym.agents.batch_checks import recombine_totals
+
+        recombine_totals(env.reward_stack, result)
     return result.infos
 
 
