@@ -201,6 +201,15 @@ def test_the_chat_template_formats_replies_with_the_responders_role(tokenizer):
     P = env.max_prompt_tokens
     env_ids = obs["input_ids"][P:][info["env_token_mask"][P:] == 1]
     assert tokenizer.decode(env_ids) == "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    # a stop string that is the end marker's first characters, not its token: the marker was taken as written,
+    # and its rest ("|im_end|>") written as text tokens, never closing the message
+    env = TextGenEnv(model="smollm2-135m-instruct", prompts=["Hi"], rewards=[], responder=say("ok"), stop=["<"],
+                     max_new_tokens=48)  # fmt: skip
+    env.reset(seed=0)
+    (obs, _, _, _, info), _ = run(env, tokenizer.encode("x <", add_special_tokens=False))
+    env_ids = obs["input_ids"][P:][info["env_token_mask"][P:] == 1]
+    assert env_ids[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.decode(env_ids).startswith("<|im_end|>\n<|im_start|>user\nok")
 
 
 def test_a_responder_that_raises_or_returns_a_non_string_names_itself():

@@ -40,9 +40,15 @@ class ReplyFormatter:
         end of its message (the EOS, or a stop string such as ``<|im_end|>`` where EOS is another token), that
         end is not written again."""
         close, head, _ = self.parts(role)
-        if ending and close.startswith(ending):
+        if ending and close.startswith(ending) and self._leads(ending, close):
             close = close[len(ending) :]
         return close + head
+
+    def _leads(self, ending: str, close: str) -> bool:
+        """Whether ``close`` starts with the tokens of ``ending``: a stop string that is only the first
+        characters of the end marker's special token (``<`` of ``<|im_end|>``) does not end the message."""
+        ids = list(self.tokenizer.encode(ending, add_special_tokens=False))
+        return list(self.tokenizer.encode(close, add_special_tokens=False))[: len(ids)] == ids
 
     def written(self, role: str, ids: list[int], text: str, ending: str | None = None) -> str:
         """The part of a reply ``text`` that ``ids`` (its encoding cut at the token budget) hold."""
