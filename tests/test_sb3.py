@@ -158,3 +158,22 @@ def test_actions_that_are_not_one_token_id_per_sub_env_are_refused():
         with pytest.raises(InvalidAction, match="actions must be 3 integer token ids, one per sub-env"):
             env.step(bad)
     env.step(np.array([2, 3, 4]))
+
+
+def test_per_sub_env_reset_options_reach_each_sub_env():
+    """SB3's set_options takes one dict per sub-env: every sub-env was reset with the first one's."""
+    import pytest
+
+    from textgym.errors import ConfigError
+
+    env = make_vec_env("textgym/Copy-v0", n_envs=3, seed=0)
+    prompts = [p.text for p in env.env.episodes.prompts]
+    env.set_options([{"prompt": 2}, {"prompt": 0}, {"prompt": 1}])
+    env.reset()
+    assert [info["prompt"] for info in env.reset_infos] == [prompts[2], prompts[0], prompts[1]]
+    env.set_options({"prompts": [1, 1, 0]})  # one dict for all: the vector env's own options
+    env.reset()
+    assert [info["prompt"] for info in env.reset_infos] == [prompts[1], prompts[1], prompts[0]]
+    env.set_options([{"prompt": 0}, {}, {}])
+    with pytest.raises(ConfigError, match="set_options gave the sub-envs different options"):
+        env.reset()

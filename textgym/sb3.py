@@ -50,12 +50,26 @@ class TextGymVecEnv(VecEnv):
 
     def reset(self) -> dict[str, np.ndarray]:
         seed = self._seeds[0] if self._seeds else None
-        obs, info = self.env.reset(seed=seed, options=self._options[0] or None)
+        obs, info = self.env.reset(seed=seed, options=self._vector_options())
         self.reset_infos = [_row(info, i) for i in range(self.num_envs)]
         self._returns[:] = 0.0
         self._reset_seeds()
         self._reset_options()
         return obs
+
+    def _vector_options(self) -> dict[str, Any] | None:
+        """The vector env's reset options from SB3's per-sub-env ones (``set_options``): one dict given to
+        every sub-env as it is; a ``prompt`` for each, as the vector env's ``prompts``."""
+        options = self._options
+        if all(o == options[0] for o in options):
+            return options[0] or None
+        if all(o and set(o) == {"prompt"} for o in options):
+            return {"prompts": [o["prompt"] for o in options]}
+        raise ConfigError(
+            f"set_options gave the sub-envs different options ({str(options)[:120]}): the vector env resets "
+            f"them with one options dict. Give each sub-env a {{'prompt': ...}} alone, or the same dict to all "
+            f"(such as {{'prompts': [...]}} with one prompt per sub-env)."
+        )
 
     def step_async(self, actions: np.ndarray) -> None:
         array = np.asarray(actions)
