@@ -283,7 +283,9 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             raise ConfigError(f"policy must be a zoo name, a model directory or a causal LM, not {policy!r}.")
         return policy
 
-    def set_env(self, env: TextGenVectorEnv) -> None:
+    def set_env(self, env: TextGenVectorEnv, force_reset: bool = True) -> None:
+        """Train on ``env`` from the next ``learn``. ``force_reset`` is SB3's argument: every iteration of
+        an LM agent starts new episodes anyway."""
         if not isinstance(env, TextGenVectorEnv):
             raise ConfigError(
                 f"{self.name} needs a textgym TextGenVectorEnv, not {type(env).__name__}; e.g. "

@@ -328,9 +328,25 @@ class SB3Contract:
         save_checkpoint(self, checkpoint_path(path))
 
     @classmethod
-    def load(cls, path: str | os.PathLike, env: TextGenVectorEnv | None = None, **overrides: Any) -> LMAgent:
+    def load(
+        cls,
+        path: str | os.PathLike,
+        env: TextGenVectorEnv | None = None,
+        device: str | None = None,
+        custom_objects: dict[str, Any] | None = None,
+        print_system_info: bool = False,
+        force_reset: bool = True,
+        **overrides: Any,
+    ) -> LMAgent:
         """An agent restored from :meth:`save`, with optimizer and counters; ``overrides`` replace config
-        fields (e.g. ``learning_rate``)."""
+        fields (e.g. ``learning_rate``), as SB3's ``custom_objects`` do, and ``device`` the saved one.
+        ``print_system_info`` prints this machine's (a checkpoint keeps none); ``force_reset`` is SB3's
+        argument: every iteration of an LM agent starts new episodes anyway."""
         from textgym.agents.checkpoint import checkpoint_path, load_checkpoint
 
+        if print_system_info:
+            from stable_baselines3.common.utils import get_system_info
+
+            get_system_info(print_info=True)
+        overrides = {**(custom_objects or {}), **overrides, **({} if device is None else {"device": device})}
         return load_checkpoint(cls, checkpoint_path(path), env, overrides)

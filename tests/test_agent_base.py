@@ -563,6 +563,12 @@ def test_load_applies_a_learning_rate_and_kl_coef_given_over_the_saved_state(tmp
     kept = LMPPO.load(tmp_path / "ckpt", char_llama_env())
     assert {group["lr"] for group in kept.optimizer.param_groups} == {1e-3}
     assert kept.kl_ctl.kl_coef == agent.kl_ctl.kl_coef
+    # SB3's load signature: custom_objects replace saved values, device comes third; its other arguments
+    # were refused as unknown hyperparameters
+    sb3 = LMPPO.load(tmp_path / "ckpt", char_llama_env(), "cpu", custom_objects={"learning_rate": 5e-2},
+                     print_system_info=False, force_reset=True)  # fmt: skip
+    assert {group["lr"] for group in sb3.optimizer.param_groups} == {5e-2} and sb3.device.type == "cpu"
+    sb3.set_env(char_llama_env(), force_reset=False)
 
 
 def test_load_checks_the_envs_tokenizer_as_a_new_agent_does(tmp_path):
