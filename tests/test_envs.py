@@ -284,6 +284,12 @@ def test_seeded_resets_are_reproducible_and_sequential_order_cycles():
     assert first == again and len(set(first)) > 1
     env = char_env(prompts=["ab", "cd"], prompt_order="sequential")
     assert [env.reset()[1]["prompt"] for _ in range(3)] == ["ab", "cd", "ab"]
+    # a vector env also takes one seed per sub-env, as Gymnasium's SyncVectorEnv does
+    vec = vector_char_env(3, prompts=[c * 2 for c in "abcdefgh"])
+    prompts = [list(vec.reset(seed=s)[1]["prompt"]) for s in ([1, 2, 3], [1, 2, 3], [1, 2, 4])]
+    assert prompts[0] == prompts[1] != prompts[2]
+    with pytest.raises(ConfigError, match=r"a list of 3 of them, not \[1, 2\]"):
+        vec.reset(seed=[1, 2])
 
 
 def test_vector_env_scores_all_episodes_ending_on_a_step_in_one_call():

@@ -382,7 +382,17 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self._started = self._failed = False
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Obs, dict]:
+    def reset(
+        self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Obs, dict]:
+        if isinstance(seed, (list, tuple)):  # one per sub-env, as SyncVectorEnv takes: one generator here
+            if len(seed) != self.num_envs or not all(
+                isinstance(s, (int, np.integer)) and s >= 0 for s in seed
+            ):
+                raise ConfigError(
+                    f"seed must be a non-negative integer or a list of {self.num_envs} of them, not {seed!r}."
+                )
+            seed = int(np.random.SeedSequence([int(s) for s in seed]).generate_state(1)[0])
         super().reset(seed=seed)
         options = _checked_options(options, VECTOR_OPTIONS)
         slots = np.arange(self.num_envs)
