@@ -125,6 +125,7 @@ n_epochs = 1
         ("seed = 4294967296", r"eval.seed must be an integer in \[0, 2\*\*32\), not 4294967296"),
         ('rewards = [{ name = "match", label = "kl" }]', "label 'kl' clashes with a built-in metric"),
         ('rewards = [{ name = "match" }, { name = "match" }]', "metric name 'match' repeats"),
+        ('rewards = [{ name = "match", args = 3 }]', "metric 'match': args = 3 must be a table"),
         ("rewards = [{ partial = true }]", "is not a reward spec"),
         ('builtin = ["perplexity"]', "unknown metric 'perplexity'"),
         ("prompts = 3", "eval.prompts must be a prompt source"),
@@ -134,6 +135,20 @@ def test_bad_eval_sections_are_refused_when_the_config_loads(tmp_path, section, 
     path = config_file(tmp_path, COPY + "\n[eval]\n" + section + "\n")
     with pytest.raises((ConfigError, UnknownNameError), match=match):
         load_config(path)
+
+
+def test_a_metric_passes_its_args_to_the_reward_under_names_the_metric_spec_uses():
+    """rm_score's own `label` (the class to read) could not reach it: `label` names the metric."""
+    from textgym.eval_settings import metric_reward_args, metric_specs
+
+    [spec] = metric_specs(
+        [{"name": "rm_score", "model": "rm", "label": "gold", "args": {"label": 1}}], "[eval]"
+    )
+    assert spec["label"] == "gold" and metric_reward_args(spec) == {
+        "name": "rm_score",
+        "model": "rm",
+        "label": 1,
+    }
 
 
 def test_an_unknown_metric_reward_fails_before_the_agent_loads(tmp_path, monkeypatch):

@@ -46,7 +46,8 @@ EVAL_DEFAULTS: dict[str, Any] = {
     "builtin": list(BUILTIN_METRICS),
     "seed": 1234,
 }
-METRIC_SPEC_KEYS = ("label", "range")  # keys of a metric reward spec that are not the reward's own
+# keys of a metric reward spec that are not the reward's own; `args` holds reward arguments of those names
+METRIC_SPEC_KEYS = ("label", "range", "args")
 
 
 # -- the section and its metric specs --------------------------------------------------------------
@@ -119,6 +120,11 @@ def metric_specs(specs: Any, where: str) -> list[dict[str, Any]]:
                 f"{where}: metric label {label!r} clashes with a built-in metric or column ({', '.join(RESERVED)}, "
                 f"and names ending in _se or _n); give this metric another `label`."
             )
+        if not isinstance(spec.get("args", {}), Mapping):
+            raise ConfigError(
+                f"{where}: metric {label!r}: args = {spec['args']!r} must be a table of the reward's arguments, "
+                f"e.g. args = {{ label = 1 }} for an argument named as a metric's own key."
+            )
         if "range" in spec:
             value = spec["range"]
             ok = isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value)
@@ -162,8 +168,10 @@ def metric_ranges(
 
 
 def metric_reward_args(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A metric spec as a reward spec: without its label, range and weight."""
-    return {k: v for k, v in spec.items() if k not in (*METRIC_SPEC_KEYS, "weight")}
+    """A metric spec as a reward spec: without its label, range and weight, with its ``args`` (arguments of
+    the reward named as a metric key: ``rm_score``'s ``label``)."""
+    own = {k: v for k, v in spec.items() if k not in (*METRIC_SPEC_KEYS, "weight")}
+    return {**own, **spec.get("args", {})}
 
 
 def _is_number(value: Any) -> bool:
