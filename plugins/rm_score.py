@@ -8,6 +8,7 @@ from typing import Any
 
 from textgym import Sample, hookimpl
 from textgym.errors import RewardError
+from textgym.rm_scoring import vocabulary_mismatch
 from textgym.scoring import (
     autocast,
     bf16_linears,
@@ -118,12 +119,8 @@ class RMScore:
                 f"causal LM's directory?): {how}."
             )
         self.model = loaded.to(self.device).eval()
-        vocabulary = self.model.get_input_embeddings().num_embeddings
-        if len(self.tokenizer) > vocabulary:
-            raise ValueError(
-                f"{model!r}: its tokenizer has {len(self.tokenizer)} tokens, its model embeds {vocabulary}: the "
-                f"tokenizer is not the model's. Save the tokenizer the model was trained with into the directory."
-            )
+        if mismatch := vocabulary_mismatch(self.tokenizer, self.model):
+            raise ValueError(f"{model!r}: {mismatch}")
         # The classifier reads each row at its last token that is not config.pad_token_id: the texts must be
         # padded with that id, or a short text in a batch with a longer one is read on its padding.
         config_pad = self.model.config.pad_token_id

@@ -372,6 +372,13 @@ RM = {
         ({"train": {"learning_rat": 1.0}}, "unknown argument.*'learning_rat'"),
         ({"train": {"max_length": 0}}, "max_length .* must be an integer >= 1"),
         ({"train": {"head_learning_rate": -1.0}}, "head_learning_rate"),
+        # refused before any pair is labelled (each failed after labelling, some naming a flag never typed)
+        ({"train": {"lora": "r=8"}}, r"reward model .*: train.lora 'r=8' is not a TOML inline table"),
+        ({"train": {"lora": {"rr": 8}}}, r"train.lora \{rr = 8\}: .*rr"),
+        ({"train": {"model": "nosuch"}}, r"reward model .*: unknown model 'nosuch'"),
+        ({"train": {"device": "tpu"}}, r"reward model .*: device must be 'auto', 'cpu' or a GPU"),
+        ({"pairs": {**RM["pairs"], "policy": "nosuch"}}, r"reward model .*: unknown model 'nosuch'"),
+        ({"pairs": {**RM["pairs"], "prompts": "nosuch"}}, r"reward model .*: unknown prompt source 'nosuch'"),
     ],
 )
 def test_bad_reward_models_are_refused(tmp_path, change, match):

@@ -252,6 +252,8 @@ def test_rm_score_bad_arguments(reward_model_dir, tmp_path):
         make_reward("rm_score", model=reward_model_dir, label="HAPPY")
     with pytest.raises(PluginArgumentError, match="is not a local directory"):
         make_reward("rm_score", model=str(tmp_path / "nothing"))
+    with pytest.raises(PluginArgumentError, match=r"device must be 'auto', 'cpu' or a GPU .*not 'tpu'"):
+        make_reward("rm_score", model=reward_model_dir, label=1, device="tpu")
     with pytest.raises(PluginArgumentError, match=r"label must be a label index or name, not True"):
         make_reward("rm_score", model=reward_model_dir, label=True)
     with pytest.raises(

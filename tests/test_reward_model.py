@@ -378,7 +378,7 @@ def test_unknown_or_unusable_models(tmp_path):
         train_reward_model(pairs, tmp_path / "rm", model="./no/such/dir")
     with pytest.raises(ModelError, match="'tiny-char-llama' has no Hugging Face model and tokenizer to save"):
         train_reward_model(pairs, tmp_path / "rm", model="tiny-char-llama")
-    with pytest.raises(ConfigError, match="--lora .*'rank'"):
+    with pytest.raises(ConfigError, match=r"--lora \{rank = 8\}: .*'rank'"):  # as TOML, not peft's repr
         train_reward_model(pairs, tmp_path / "rm", model="tiny-random-llama", lora={"rank": 8})
 
 
@@ -401,6 +401,12 @@ def test_a_model_directory_without_a_tokenizer_or_with_a_two_label_head_is_named
     tokenizer.save_pretrained(tmp_path / "two-labels")
     with pytest.raises(ModelError, match=r"two-labels is a classifier whose head does not have one output"):
         train_reward_model(marker_pairs(20), tmp_path / "rm", model=tmp_path / "two-labels")
+    # a tokenizer with ids the model does not embed: "IndexError: index out of range in self", a traceback
+    model.resize_token_embeddings(64)
+    model.save_pretrained(tmp_path / "other-tokenizer")
+    tokenizer.save_pretrained(tmp_path / "other-tokenizer")
+    with pytest.raises(ModelError, match=rf"its tokenizer has {len(tokenizer)} tokens, its model embeds 64"):
+        train_reward_model(marker_pairs(20), tmp_path / "rm", model=tmp_path / "other-tokenizer")
 
 
 def test_pairs_that_format_to_the_same_tokens_or_to_none_are_refused_with_their_cause(tmp_path):

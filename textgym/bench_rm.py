@@ -45,9 +45,13 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         packages_used,
         with_local_imports,
     )
+    from textgym.errors import TextgymError
+    from textgym.models import EMBEDDED, check_model_source
     from textgym.pairs import check_label_settings, gold_specs, label_pairs
-    from textgym.reward_model import check_train_settings, train_reward_model
+    from textgym.prompts import load_prompts
+    from textgym.reward_model import check_lora, check_train_settings, train_reward_model
     from textgym.rewards import parse_reward_spec
+    from textgym.scoring import resolve_device
 
     if entries is None:
         return []
@@ -83,7 +87,13 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
             train_defaults = _defaults(train_reward_model)
             check_train_settings(**{k: train.get(k, train_defaults[k]) for k in
                                     inspect.signature(check_train_settings).parameters})  # fmt: skip
-        except ConfigError as exc:
+            # what would otherwise fail after the pairs are labelled (minutes, for many prompts)
+            check_lora(train.get("lora"), "train.lora")
+            resolve_device(train.get("device", "auto"))
+            check_model_source(train.get("model", EMBEDDED))
+            check_model_source(pairs["policy"])
+            load_prompts(pairs["prompts"])
+        except TextgymError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         check_reward_specs(gold_specs(pairs["rewards"]), where=f"{where}: pairs.rewards")
         settings = {"pairs": dict(pairs), "train": dict(train)}

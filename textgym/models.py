@@ -404,6 +404,22 @@ def _load_model(name_or_path: str | os.PathLike, **kwargs: Any) -> tuple[Any, An
     raise UnknownNameError("model", name, models.names())
 
 
+def check_model_source(name_or_path: Any) -> None:
+    """Raise :class:`UnknownNameError` for what :func:`load_model` would not find: neither a zoo name, a
+    model directory nor a hub id. Nothing is loaded."""
+    from textgym import plugin_manager
+
+    models = plugin_manager.registry("register_models")
+    if isinstance(name_or_path, str) and name_or_path in models:
+        return
+    if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).expanduser().is_dir():
+        return
+    name = str(name_or_path)
+    if isinstance(name_or_path, str) and name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return  # a hub id: it loads or fails when the model is needed
+    raise UnknownNameError("model", name, models.names())
+
+
 def load_tokenizer(model: Any = EMBEDDED) -> Any:
     """The tokenizer for ``model``: a tokenizer object, a zoo name, a model directory or a hub id.
 

@@ -84,20 +84,17 @@ class RMReport:
         )
 
 
-def parse_lora(lora: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
-    """peft ``LoraConfig`` arguments from a dict or a TOML inline table such as ``'{r = 8}'``."""
+def parse_lora(lora: Mapping[str, Any] | str | None, key: str = "--lora") -> dict[str, Any] | None:
+    """peft ``LoraConfig`` arguments from a dict or a TOML inline table such as ``'{r = 8}'`` (``key``: how
+    messages name the setting)."""
     if lora is None or isinstance(lora, Mapping):
         return None if lora is None else dict(lora)
     try:
         value = tomllib.loads(f"v = {lora}")["v"]
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(
-            f"--lora {lora!r} is not a TOML inline table such as '{{r = 8}}' ({exc})."
-        ) from None
+        raise ConfigError(f"{key} {lora!r} is not a TOML inline table such as '{{r = 8}}' ({exc}).") from None
     if not isinstance(value, dict):
-        raise ConfigError(
-            f"--lora {lora!r} must be a TOML inline table such as '{{r = 8, lora_alpha = 16}}'."
-        )
+        raise ConfigError(f"{key} {lora!r} must be a TOML inline table such as '{{r = 8, lora_alpha = 16}}'.")
     return value
 
 
@@ -203,7 +200,7 @@ def train_reward_model(
     with model_dir(model) as path:
         rm, tokenizer = load_for_training(path, seed)
     if lora_config is not None:
-        rm = _with_lora(rm, lora_config)
+        rm = _with_lora(rm, lora_config, lora)
     scorer = PairScorer(rm.to(device), tokenizer, max_length, device)
     scorer.check(all_pairs)
     before, _ = scorer.evaluate(held_out, batch_size, bf16)
@@ -310,20 +307,33 @@ def _fit(
     return epoch_losses
 
 
-def _lora_config(lora: dict[str, Any]) -> Any:
+def check_lora(lora: Mapping[str, Any] | str | None, key: str = "--lora") -> None:
+    """Raise :class:`ConfigError` for LoRA settings ``train_reward_model`` could not use (``key``: how the
+    message names them)."""
+    settings = parse_lora(lora, key)
+    if settings is not None:
+        _lora_config(settings, key)
+
+
+def _lora_config(lora: dict[str, Any], key: str = "--lora") -> Any:
     from peft import LoraConfig
 
     try:
         # task_type SEQ_CLS also trains (and saves) the new score head in full
         return LoraConfig(task_type="SEQ_CLS", **lora)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"--lora {lora!r}: {exc}. See peft's LoraConfig for its arguments.") from None
+        raise ConfigError(f"{key} {_toml(lora)}: {exc}. See peft's LoraConfig for its arguments.") from None
 
 
-def _with_lora(model: Any, config: Any) -> Any:
+def _toml(table: Mapping[str, Any]) -> str:
+    """A dict as a TOML inline table, as the user wrote it (``{r = 8}``), not as Python prints it."""
+    return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + "}"
+
+
+def _with_lora(model: Any, config: Any, lora: Mapping[str, Any]) -> Any:
     from peft import get_peft_model
 
     try:
         return get_peft_model(model, config)
     except ValueError as exc:
-        raise ConfigError(f"--lora {config!r}: {exc}") from None
+        raise ConfigError(f"--lora {_toml(lora)}: {exc}") from None

@@ -111,9 +111,23 @@ def load_for_training(path: Path, seed: int) -> tuple[Any, Any]:
             f"{path} is a classifier whose head does not have one output ({one_line(exc, 160)}): train-rm puts a "
             f"one-output head on a causal LM; start from the LM it was made from."
         ) from None
+    if mismatch := vocabulary_mismatch(tokenizer, model):
+        raise ModelError(f"{path}: {mismatch}")
     set_distinct_pad(tokenizer, model)
     tokenizer.padding_side, tokenizer.truncation_side = "right", "left"  # as rm_score sets them
     return model, tokenizer
+
+
+def vocabulary_mismatch(tokenizer: Any, model: Any) -> str | None:
+    """What is wrong where ``tokenizer`` has ids ``model`` does not embed (the first such text failed in
+    the forward with "IndexError: index out of range in self"), else None."""
+    embedded = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= embedded:
+        return None
+    return (
+        f"its tokenizer has {len(tokenizer)} tokens, its model embeds {embedded}: the tokenizer is not the "
+        f"model's. Save the tokenizer the model was trained with into the directory."
+    )
 
 
 def set_distinct_pad(tokenizer: Any, model: Any) -> None:

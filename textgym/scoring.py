@@ -20,10 +20,22 @@ def length_sorted_batches(lengths: Sequence[int], size: int) -> Iterator[list[in
 
 
 def resolve_device(device: str = "auto") -> str:
+    """``device``, or for ``"auto"`` the GPU when torch sees one, else the CPU. Raises :class:`ConfigError`
+    for a name torch does not know, and for a GPU torch does not see."""
     import torch
+
+    from textgym.errors import ConfigError
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"device must be 'auto', 'cpu' or a GPU such as 'cuda' or 'cuda:1', not {device!r}."
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}, but torch sees no CUDA GPU: use device = 'auto' or 'cpu'.")
     return device
 
 
