@@ -162,7 +162,9 @@ def test_every_agent_table_and_every_lm_hyperparameter_value_is_checked_before_a
                         # the value waited in config.toml for the run that reads it (`--agent grpo`)
                         ({"grpo": {"loss_type": "foo"}}, r"^\[agent.grpo\]: loss_type must be one of"),
                         ({"GRPO": {"num_generations": 1}}, r"^\[agent.GRPO\]: num_generations must be"),
-                        ({"a2c": {"n_steps": 2.5}}, r"^\[agent.a2c\]: n_steps must be an integer")]:  # fmt: skip
+                        ({"a2c": {"n_steps": 2.5}}, r"^\[agent.a2c\]: n_steps must be an integer"),
+                        # a shared value bad for every agent: named for the run's agent, not another table's
+                        ({"learning_rate": True, "grpo": {"beta": 0.0}}, r"^\[agent\] lmppo: learning_rate")]:  # fmt: skip
         with pytest.raises(ConfigError, match=says):
             resolve_agent({**base, **table})
     # with the shared values it takes, as `--agent grpo` would: epsilon_high = 0.25 is fine beside 0.2

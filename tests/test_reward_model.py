@@ -313,6 +313,8 @@ def test_a_missing_pairs_file_is_one_line_on_the_cli(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "textgym: error: pairs file" in err and "nope.jsonl" in err and "does not exist" in err
+    assert main(["train-rm", str(tmp_path), "--output", str(tmp_path / "rm")]) == 2
+    assert f"pairs file {str(tmp_path)!r} is a directory" in capsys.readouterr().err
 
 
 def test_too_few_pairs_for_the_held_out_split(tmp_path):

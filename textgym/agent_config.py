@@ -260,14 +260,6 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
     own = dict(tables[mine[0]]) if mine else {}
     table = mine[0] if mine else None  # as the config spells it: [agent.A2C] for a2c
     shared = {k: v for k, v in agent.items() if k not in RESERVED and k not in tables}
-    for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo or a bad value in
-        # it would wait, unseen, for the run that reads it (`--agent <it>`), and be copied into this run's
-        # config.toml. Its values are checked with the shared ones it takes, as that run would take them.
-        other, theirs = find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}
-        _check_names(key, other, theirs, own=True)
-        takes = hyperparameter_names(other)
-        common = {k: v for k, v in shared.items() if takes is not None and k in takes and k != "seed"}
-        _check_values(key, other, {**common, **theirs}, own=theirs, table=key, complete=False)
     own_policy = "policy" in own
     policy = own.pop("policy", agent.get("policy"))
     hyperparameters = {**shared, **own}
@@ -278,7 +270,17 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
             f"run.seed (in a bench: bench.seeds) instead."
         )
     _check_names(name, agent_class, hyperparameters, own=own, entry=entry, table=table)
-    _check_values(name, agent_class, hyperparameters, own, entry, table)
+    _check_values(
+        name, agent_class, hyperparameters, own, entry, table
+    )  # first: a shared value is this run's
+    for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo or a bad value in
+        # it would wait, unseen, for the run that reads it (`--agent <it>`), and be copied into this run's
+        # config.toml. Its values are checked with the shared ones it takes, as that run would take them.
+        other, theirs = find_agent(key), {k: v for k, v in tables[key].items() if k != "policy"}
+        _check_names(key, other, theirs, own=True)
+        takes = hyperparameter_names(other)
+        common = {k: v for k, v in shared.items() if takes is not None and k in takes and k != "seed"}
+        _check_values(key, other, {**common, **theirs}, own=theirs, table=key, complete=False)
     if not is_lm_agent(agent_class):
         aliases = getattr(agent_class, "policy_aliases", {})
         if own_policy and policy not in aliases:

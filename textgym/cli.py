@@ -240,7 +240,11 @@ def _command(args: argparse.Namespace) -> int:
         from textgym.launch import speaks_for_the_run
 
         if speaks_for_the_run():  # said once
-            print("\ntextgym: aborted (the last checkpoint, if any, is kept)", file=sys.stderr)
+            kept = {
+                "train": " (the last checkpoint, if any, is kept)",
+                "bench": " (each run's last checkpoint, if any, is kept)",
+            }
+            print(f"\ntextgym: aborted{kept.get(args.command, '')}", file=sys.stderr)
         return 130
 
 

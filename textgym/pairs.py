@@ -49,8 +49,8 @@ def read_pairs(source: PairsLike) -> list[Pair]:
         path = Path(source).expanduser()
         if not path.is_file():
             raise PairsError(
-                f"pairs file {str(source)!r} does not exist. Write JSONL rows with prompt, chosen and "
-                f"rejected, or make them with `textgym label-pairs`."
+                f"pairs file {str(source)!r} {'is a directory' if path.is_dir() else 'does not exist'}. Write "
+                f"JSONL rows with prompt, chosen and rejected, or make them with `textgym label-pairs`."
             )
         where = str(source)
         records: list[tuple[int, Any]] = []
