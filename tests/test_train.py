@@ -427,3 +427,26 @@ def test_a_set_inline_table_replaces_the_table(tmp_path):
     assert load_config(config, ["agent.lora.r=8"])["agent"]["lora"] == {
         "r": 8, "lora_alpha": 32, "init_lora_weights": "pissa"
     }  # fmt: skip
+
+
+def test_a_plot_is_written_whole_or_not_at_all(tmp_path):
+    """reward_kl.png, eval.png and the bench's figures were written in place: a kill mid-write left a cut
+    PNG where every other file of a run directory is replaced atomically."""
+    from textgym.plotting import pyplot, save_figure
+
+    path = tmp_path / "reward_kl.png"
+    path.write_bytes(b"the last plot")
+    fig = pyplot().figure()
+
+    def cut(target, **kwargs):
+        target.write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    fig.savefig = cut
+    with pytest.raises(KeyboardInterrupt):
+        save_figure(fig, path, dpi=50)
+    assert path.read_bytes() == b"the last plot" and [p.name for p in tmp_path.iterdir()] == ["reward_kl.png"]
+    save_figure(pyplot().figure(), path, dpi=50)
+    assert path.read_bytes().startswith(b"\x89PNG") and [p.name for p in tmp_path.iterdir()] == [
+        "reward_kl.png"
+    ]

@@ -12,7 +12,7 @@ import numpy as np
 
 from textgym.bench_results import BenchResults
 from textgym.eval_settings import REWARD
-from textgym.plotting import fit, pyplot
+from textgym.plotting import fit, pyplot, save_figure
 
 LINESTYLES = ["-", "--", ":", "-."]
 
@@ -36,9 +36,7 @@ def plot_all(out: Path, results: BenchResults) -> dict[str, Any]:
 
 
 def _save(path: Path, fig: Any) -> Path:
-    fig.savefig(path, dpi=90)
-    pyplot().close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def _style(results: BenchResults) -> tuple[dict[str, str], dict[str, str]]:

@@ -215,11 +215,9 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 def plot_eval(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """:func:`eval_figure` of ``rows``, saved to ``path``."""
-    from textgym.plotting import pyplot
+    from textgym.plotting import save_figure
 
-    fig = eval_figure(rows)
-    fig.savefig(path, dpi=90)
-    pyplot().close(fig)
+    save_figure(eval_figure(rows), Path(path), dpi=90)
 
 
 def eval_figure(rows: Sequence[Mapping[str, Any]]) -> Any:

@@ -19,6 +19,20 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path, dpi: int) -> Path:
+    """Write ``fig`` to ``path`` whole or not at all (a kill mid-write left a cut PNG), and close it."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        pyplot().close(fig)
+    return path
+
+
 def fit(fig: Any, bottom: float = 0.6, top: float = 0.4, left: float = 0.65) -> None:
     """Margins and gaps in inches, for a grid of equal axes: ``tight_layout`` gives the same picture at twice
     the drawing time (it draws the figure once to measure it)."""
@@ -64,5 +78,4 @@ def training_curves(
         ax.set_xlabel("generated tokens")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, Path(path), dpi=100)
