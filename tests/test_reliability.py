@@ -934,6 +934,20 @@ def test_undecodable_prompt_files_are_named(config, tmp_path, capsys):
     assert not out.exists()  # the failed start leaves no run directory
 
 
+def test_a_start_that_cannot_write_its_config_leaves_no_run_directory(config, tmp_path, monkeypatch):
+    """The directory was created before the config was written, outside the start's clean-up: a full disk
+    left an empty run directory that the same command then refused as "holds files"."""
+
+    def full(self, config):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RunDir, "write_config", full)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="No space left"):
+        main(["train", str(config), "--set", f"run.output_dir='{out}'"])
+    assert not out.exists()
+
+
 def test_a_bad_plugin_file_in_textgym_plugins_is_one_line(tmp_path):
     (tmp_path / "broken.py").write_text("import no_such_module\n")
     result = textgym("plugins", env={"TEXTGYM_PLUGINS": str(tmp_path / "broken.py")})

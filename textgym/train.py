@@ -161,7 +161,11 @@ def run(
             return True
         created = rd.create()
         rd.lock()
-        rd.write_config(config)
+        try:
+            rd.write_config(config)
+        except BaseException:  # a full disk: a start that fails leaves nothing behind
+            rd.discard_failed_start(created)
+            raise
         return False
 
     resuming = on_main(prepare) if world > 1 else prepare()
