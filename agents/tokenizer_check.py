@@ -38,6 +38,18 @@ def check_tokenizer(config: Any, policy_source: str | None, env: TextGenVectorEn
         eos = eos if isinstance(eos, (list, tuple)) else [eos]
         if env.eos_token_id is not None and None not in eos and env.eos_token_id not in eos:
             mismatch = f"the env's EOS id is {env.eos_token_id}, the policy's {eos}"
+    if mismatch is None:  # an end-of-turn id the policy generates that would not end the env's episodes
+        from textgym.models import declared_eos_ids
+
+        declared = {i for i in eos if isinstance(i, int)} | declared_eos_ids(policy_source)
+        missing = sorted(
+            i for i in declared - env.eos_token_ids - {env.pad_token_id} if i < len(env.tokenizer)
+        )
+        if missing:
+            names = [env.tokenizer.convert_ids_to_tokens(i) for i in missing]
+            mismatch = (
+                f"the policy also ends replies on {names} (ids {missing}), which would not end an episode"
+            )
     if mismatch:
         raise ConfigError(
             f"the env's tokenizer does not match the policy ({mismatch}): make the env with the policy's "

@@ -163,6 +163,47 @@ def test_a_pad_or_other_special_token_the_policy_writes_stays_in_the_completions
     for token in [*tokens, llama.tokenizer.eos_token_id]:
         *_, info = llama.step(token)
     assert info["completion"] == "Paris<|im_start|>x"  # not a stop string here: as written
+    # a stop string that is no token of the vocabulary: convert_tokens_to_ids gave the unknown token's id
+    # (here pad's too), which was then hidden from the text as if it were a stop token
+    llama = TextGenEnv(model="tiny-random-llama", prompts=["Hi"], max_new_tokens=8, chat_template=False,
+                       rewards=[{"name": "length_penalty", "target": 2}], stop=["Answer:"])  # fmt: skip
+    llama.reset(seed=0)
+    tok = llama.tokenizer
+    for token in [*tok.encode("a", add_special_tokens=False), tok.pad_token_id, tok.eos_token_id]:
+        *_, info = llama.step(token)
+    assert info["completion"] == f"a{tok.pad_token}"
+
+
+def test_every_end_id_a_model_directory_declares_ends_an_episode(tmp_path, tokenizer):
+    """Llama 3 and Gemma instruct models end a reply on an end-of-turn token their generation config lists
+    beside the tokenizer's EOS: the env ran past it to the token limit, scoring the rambling after it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from textgym.agents.ppo import LMPPO
+
+    eot = tokenizer.convert_tokens_to_ids("<|im_start|>")  # standing in for <|eot_id|>
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=[tokenizer.eos_token_id, eot])  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    kwargs = dict(prompts=["Hi"], rewards=[{"name": "length_penalty", "target": 1}], max_new_tokens=8)
+    env = TextGenEnv(model=str(tmp_path / "model"), chat_template=False, **kwargs)
+    assert env.eos_token_ids == {tokenizer.eos_token_id, eot} and env.action_masks()[eot]
+    env.reset(seed=0)
+    for token in [*tokenizer.encode(" Paris", add_special_tokens=False), eot]:
+        _, reward, terminated, truncated, info = env.step(token)
+    assert (terminated, truncated, info["finish_reason"], info["completion"], reward) == (
+        True,
+        False,
+        "stop",
+        " Paris",
+        0.0,
+    )
+    # an env made from the tokenizer alone does not know the id: the agent says so, not trains past it
+    vector = TextGenVectorEnv(num_envs=2, model=tokenizer, autoreset_mode="Disabled", **kwargs)
+    with pytest.raises(ConfigError, match=r"also ends replies on \['<\|im_start\|>'\]"):
+        LMPPO(str(tmp_path / "model"), vector, verbose=0)
 
 
 def test_a_stop_strings_tokens_are_not_counted_as_the_completions():

@@ -836,3 +836,22 @@ def test_a_text_env_file_in_a_config_resolves_against_the_configs_directory(tmp_
     monkeypatch.chdir(tmp_path)
     responder = load_config(tmp_path / "cfg" / "run.toml")["env"]["responder"]
     assert responder == {"text_env": f"{tmp_path / 'cfg' / 'games.py'}:Game", "x": "games.py"}
+
+
+def test_a_special_token_stop_string_is_no_text_at_the_last_turn(tokenizer):
+    """At max_turns (or overflow) the turn's special-token stop string was counted as a token of text:
+    length_penalty in tokens charged it."""
+    seen = []
+
+    def tokens(samples):
+        seen.extend(samples)
+        return [float(s.text_tokens()) for s in samples]
+
+    stack = textgym.RewardStack([(textgym.FunctionReward("tokens", tokens), 1.0)])
+    env = TextGenEnv(model="tiny-random-llama", prompts=["Hi"], rewards=stack, responder=say("ok"),
+                     max_turns=1, stop=["<|im_start|>"], chat_template=False, max_new_tokens=16)  # fmt: skip
+    env.reset(seed=0)
+    paris = tokenizer.encode("Paris", add_special_tokens=False)
+    (_, _, _, _, info), _ = run(env, [*paris, tokenizer.convert_tokens_to_ids("<|im_start|>")])
+    assert info["finish_reason"] == "max_turns" and info["completion"] == "Paris"
+    assert seen[0].stop_tokens == 1 and seen[0].text_tokens() == len(paris)

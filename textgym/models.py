@@ -404,6 +404,26 @@ def _load_model(name_or_path: str | os.PathLike, **kwargs: Any) -> tuple[Any, An
     raise UnknownNameError("model", name, models.names())
 
 
+def declared_eos_ids(model: Any) -> set[int]:
+    """The end ids a model directory declares in its ``generation_config.json`` and ``config.json``: Llama 3
+    and Gemma instruct models list their end-of-turn token there beside the tokenizer's EOS, and generate
+    it to end a reply. Empty for anything but a directory."""
+    import json
+
+    if not isinstance(model, (str, os.PathLike)) or not Path(model).expanduser().is_dir():
+        return set()
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((Path(model).expanduser() / name).read_text(encoding="utf-8")).get(
+                "eos_token_id"
+            )
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids.update(v for v in (value if isinstance(value, list) else [value]) if type(v) is int and v >= 0)
+    return ids
+
+
 def check_model_source(name_or_path: Any) -> None:
     """Raise :class:`UnknownNameError` for what :func:`load_model` would not find: neither a zoo name, a
     model directory nor a hub id. Nothing is loaded."""

@@ -16,10 +16,10 @@ from textgym.envs.conversation import ReplyFormatter
 from textgym.envs.responder_calls import validated_openings
 from textgym.envs.turns import Turns
 from textgym.errors import ConfigError, PromptError
-from textgym.models import check_pad_token, load_tokenizer, with_pad_token
+from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.responders import AGENT_ROLE, ResponderSpec, make_responder
-from textgym.rewards import RewardSpec, RewardStack, Sample, Turn, build_reward_stack
+from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
 DEFAULT_REWARDS: list[dict[str, Any]] = [
@@ -116,13 +116,18 @@ class Episodes(Turns):
             )
         self.vocab_size = len(self.tokenizer)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        # Every id that ends an episode as EOS does: the tokenizer's, and those a model directory declares
+        # (Llama 3's and Gemma's end-of-turn token), which the env ran past to the token limit. Never pad.
+        declared = declared_eos_ids(model) if model is not None else set()
+        self.eos_ids = frozenset(
+            i for i in {self.eos_id, *declared} if i is not None and i != self.pad_id and i < self.vocab_size
+        )
+        self._eos_array = np.array(sorted(self.eos_ids), dtype=np.int64)
         # the special tokens a completion's text leaves out: EOS, and stop strings that are special tokens
         # (<|im_end|>). Any other the policy wrote (a pad, <|im_start|>) stays in it: a reward reads what was
         # written ("a<pad>bc" is no copy of "abc"), where skipping them all hid it
         specials = set(getattr(self.tokenizer, "all_special_ids", None) or ())
-        convert = getattr(self.tokenizer, "convert_tokens_to_ids", None)
-        stop_ids = {convert(s) for s in self.stop} if convert is not None else set()
-        self._hidden_ids = {self.eos_id} | (stop_ids & specials)
+        self._hidden_ids = set(self.eos_ids) | (self._token_ids(self.stop) & specials)
         L = self.P + self.T
         self.input_ids = np.full((n, L), self.pad_id, dtype=np.int64)  # (N, L)
         self.attention_mask = np.zeros((n, L), dtype=np.int8)  # (N, L)
@@ -167,6 +172,15 @@ class Episodes(Turns):
                     stacklevel=3,
                 )
 
+    def _token_ids(self, texts: Sequence[str]) -> set[int]:
+        """The ids of those ``texts`` that are one token of the vocabulary (``convert_tokens_to_ids`` gives
+        the unknown token's id for any other, which then passed for a stop token)."""
+        convert = getattr(self.tokenizer, "convert_tokens_to_ids", None)
+        back = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        if convert is None or back is None:
+            return set()
+        return {i for t in texts if isinstance(i := convert(t), int) and back(i) == t}
+
     def _allowed_mask(self, allowed: Sequence[str | int] | str | None) -> np.ndarray:
         """(V,) bool: every token but pad, or only ``allowed`` (token ids, token strings, or a string of
         characters each encoded alone) and EOS."""
@@ -195,8 +209,7 @@ class Episodes(Turns):
                         f"e.g. ' yes' with its leading space, not as the vocabulary writes it, e.g. 'Ġyes')."
                     )
                 mask[ids[0]] = True
-            if self.eos_id is not None:
-                mask[self.eos_id] = True
+            mask[list(self.eos_ids)] = True
         if self.pad_id != self.eos_id:
             mask[self.pad_id] = False  # padding is never an action
         return mask
@@ -363,7 +376,7 @@ class Episodes(Turns):
         self.attention_mask[rows, cols] = 1
         self.length[rows] += 1
         self.agent_tokens[rows] += 1
-        stopped = tokens == self.eos_id
+        stopped = np.isin(tokens, self._eos_array)
         if self.stop:
             stopped |= np.array([self._hit_stop(i) for i in rows], dtype=bool)
         # the token budget counts every token after the prompt; a TimeLimit (``limit``) counts actions
@@ -408,7 +421,7 @@ class Episodes(Turns):
             completion_ids = np.asarray(last.token_ids, dtype=np.int64)
         body = (
             completion_ids[:-1]
-            if len(completion_ids) and completion_ids[-1] == self.eos_id and finish_reason != "length"
+            if len(completion_ids) and completion_ids[-1] in self.eos_ids and finish_reason != "length"
             else completion_ids
         )
         text = self.agent_text(body)
@@ -421,7 +434,7 @@ class Episodes(Turns):
         if len(text) < whole:  # a stop string ended it: its tokens are the ones past the text
             while kept and len(self.agent_text(body[:kept])) > len(text):
                 kept -= 1
-        elif self.stop and finish_reason == "stop":  # a stop string that is a special token (<|im_end|>)
+        elif self.stop and finish_reason in ENDED_ON_A_TOKEN:  # a stop string that is a special token
             full = self.tokenizer.decode(body)
             cut = min((full.find(s) for s in self.stop if s in full), default=-1)
             if cut >= 0:

@@ -105,6 +105,11 @@ class _Accessors:
         return self.episodes.eos_id
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends an episode as EOS: the tokenizer's, and those the model directory declares."""
+        return self.episodes.eos_ids
+
+    @property
     def num_prompts(self) -> int:
         """Prompts in the source (reset options index into them)."""
         return self.episodes.n_source
@@ -177,7 +182,9 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
     last step. ``info["turns"]`` and ``info["turn_rewards"]`` come with the last step.
 
     ## Episode End
-    An episode ends when the agent emits EOS or a stop string appears (multi-turn: when the responder ends
+    An episode ends when the agent emits EOS (the tokenizer's, or an end id the model directory's
+    ``generation_config.json`` or ``config.json`` lists, as Llama 3 lists its end-of-turn token) or a stop
+    string appears (multi-turn: when the responder ends
     the episode), ``finish_reason`` ``"stop"``; after ``max_new_tokens`` tokens (``"length"``); and in
     multi-turn episodes after the agent's ``max_turns``-th turn (``"max_turns"``) or when a reply does not
     fit the token budget (cut, ``"overflow"``). ``terminated`` is True at every end: the whole return is paid

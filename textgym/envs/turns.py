@@ -41,6 +41,7 @@ class Turns:
     P: int
     T: int
     eos_id: int
+    eos_ids: frozenset[int]
 
     def _separator(self) -> str:
         """What goes between a prompt and a responder's opening: a blank line, or where the tokenizer cannot
@@ -128,10 +129,12 @@ class Turns:
         ids = self.turns[i][-1].token_ids
         if ids and ids[-1] == self.eos_id:
             return getattr(self.tokenizer, "eos_token", None)
+        if ids and ids[-1] in self.eos_ids:  # another end id the model declares (<|eot_id|>)
+            return self.tokenizer.decode([ids[-1]])
         return self._stop_string(list(ids))
 
     def _agent_turn(self, i: int, start: int, end: int) -> Turn:
         """The agent's turn in response positions ``[start, end)``: its text without EOS (stop strings kept)."""
         ids = self.input_ids[i, self.P + start : self.P + end]
-        body = ids[:-1] if len(ids) and ids[-1] == self.eos_id else ids
+        body = ids[:-1] if len(ids) and ids[-1] in self.eos_ids else ids
         return Turn(AGENT_ROLE, self.agent_text(body), tuple(int(t) for t in ids))
