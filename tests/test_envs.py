@@ -559,3 +559,25 @@ def test_settings_of_the_wrong_kind_are_named_not_taken_or_tracebacks(kwargs, me
         TextGenVectorEnv(
             num_envs=True, model=CHARS, prompts=["ab"], rewards=[{"name": "length_penalty", "target": 2}]
         )
+
+
+def test_a_non_ascii_stop_string_is_found_with_a_byte_fallback_tokenizer():
+    """Llama 2, Mistral and Gemma write characters outside their vocabulary as byte tokens, and their decoder
+    makes a run of byte tokens that starts inside a character U+FFFD, the stop string's own bytes too: a
+    window of the last tokens that began inside "案" missed "：", and the episode ran on to the limit."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)}}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")  # fmt: skip
+    env = TextGenEnv(model=tok, prompts=["a"], rewards=[{"name": "length_penalty", "target": 6}], stop=["："],
+                     max_new_tokens=24, max_prompt_tokens=4)  # fmt: skip
+    env.reset(seed=0)
+    written = tok.encode("答案：", add_special_tokens=False)
+    assert len(written) == 9  # a byte token each
+    for token in written:
+        _, _, terminated, _, info = env.step(token)
+    assert terminated and info["finish_reason"] == "stop" and info["completion"] == "答案"

@@ -400,8 +400,15 @@ class Episodes(Turns):
         return self._stop_string(turn) is not None
 
     def _stop_string(self, ids: Sequence[int] | np.ndarray) -> str | None:
-        """The stop string in the text of the last tokens of an agent turn's ``ids``, if one is there."""
-        tail = self.tokenizer.decode(ids[-self._stop_window :])
+        """The stop string in the text of the last tokens of an agent turn's ``ids``, if one is there. A
+        window that starts inside a character decodes to U+FFFD there, and a byte-fallback decoder (Llama 2,
+        Mistral, Gemma) makes the whole run of byte tokens after it U+FFFD, the stop string's own bytes too:
+        the window then reaches back to the character's start, at most 3 more tokens."""
+        window = self._stop_window
+        tail = self.tokenizer.decode(ids[-window:])
+        while tail.startswith("\ufffd") and window < min(len(ids), self._stop_window + 3):
+            window += 1
+            tail = self.tokenizer.decode(ids[-window:])
         return next((s for s in self.stop if s in tail), None)
 
     def agent_text(self, ids: Sequence[int] | np.ndarray) -> str:
