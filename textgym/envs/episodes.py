@@ -241,11 +241,13 @@ class Episodes(Turns):
                     f"the prompt, or pass prompt_overflow='truncate' to keep the end of its text."
                 )
             head, tail = self._framing(text, ids)
-            room = self.P - len(head) - len(tail)
+            rerender = self.chat_template and not len(head) and not len(tail)  # the template changed the text
+            framing = self._rendered(text, 0) if rerender else np.concatenate([head, tail])
+            room = self.P - len(framing)
             if room < 1:
                 raise PromptError(
                     f"{where}, and its framing alone ({'the chat template' if self.chat_template else 'special tokens'}"
-                    f": {len(head) + len(tail)} tokens) leaves no room for its text in max_prompt_tokens={self.P}: "
+                    f": {len(framing)} tokens) leaves no room for its text in max_prompt_tokens={self.P}: "
                     f"raise max_prompt_tokens."
                 )
             if warn:
@@ -259,9 +261,33 @@ class Episodes(Turns):
             # the text is cut from the left (its end is what the completion continues); the chat template's
             # opening and its assistant header, or a BOS token, are kept: cut with them, a policy met a prompt
             # without its user turn's start, or without BOS
-            body = ids[len(head) : len(ids) - len(tail)]
-            ids = np.concatenate([head, body[len(body) - room :], tail])
+            if rerender:
+                ids = self._rendered_end(text)
+            else:
+                body = ids[len(head) : len(ids) - len(tail)]
+                ids = np.concatenate([head, body[len(body) - room :], tail])
         return ids
+
+    def _rendered(self, text: str, m: int) -> np.ndarray:
+        """The ids of the chat template around the text of the last ``m`` tokens of ``text``."""
+        text_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        end = self.tokenizer.decode(text_ids[len(text_ids) - m :]).lstrip("\ufffd") if m else ""
+        templated = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": end}], tokenize=False, add_generation_prompt=True
+        )
+        return np.asarray(self.tokenizer.encode(templated, add_special_tokens=False), dtype=np.int64)
+
+    def _rendered_end(self, text: str) -> np.ndarray:
+        """The template rendered around the longest end of ``text`` that fits in ``P`` tokens, for a template
+        that changes the text it frames (Llama 3's trims it; a leading blank line merges with the header's
+        newline), whose ids the text's cannot be found among: cutting those from the left lost the
+        template's opening and user header."""
+        m = self.P - len(self._rendered(text, 0))  # at least 1: the caller checked the room
+        ids = self._rendered(text, m)
+        while len(ids) > self.P and m > 1:  # the end's tokens re-encoded, or merged, to more
+            m -= 1
+            ids = self._rendered(text, m)
+        return ids[len(ids) - self.P :] if len(ids) > self.P else ids
 
     def _framing(self, text: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ids before and after a prompt's text in its ``ids``: the chat template's opening and closing
