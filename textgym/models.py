@@ -141,8 +141,11 @@ def _convert_smollm2(out: Path) -> None:
 
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory, converting it on first use."""
+    target = cache_dir() / "models" / EMBEDDED
+    if is_complete(target):  # converted before: the GGUF package is not needed (a shared, prefilled cache)
+        return target
     gguf_path()  # fail early with the install hint
-    return atomic_build_dir(cache_dir() / "models" / EMBEDDED, _convert_smollm2)
+    return atomic_build_dir(target, _convert_smollm2)
 
 
 def _load_dir(path: Path | str, **kwargs: Any) -> tuple[Any, Any]:
@@ -462,7 +465,24 @@ def load_tokenizer(model: Any = EMBEDDED) -> Any:
     path = Path(str(model)).expanduser()
     if path.is_dir():
         return _tokenizer_from_dir(str(path))
-    return load_model(model)[1]
+    name = str(model)
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # a hub id: its tokenizer alone
+        return _hub_tokenizer(name)
+    return load_model(model)[1]  # the error that names the zoo models
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_tokenizer(name: str) -> Any:
+    """A hub model's tokenizer, without its weights (an env or a reward needs only the tokenizer)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as exc:
+        raise ModelError(
+            f"could not load the tokenizer of {name!r} from the Hugging Face hub ({exc}). Use a local model "
+            f"directory or a zoo model (`textgym plugins` lists them)."
+        ) from exc
 
 
 def with_pad_token(tokenizer: Any, pad_token: str) -> Any:
