@@ -30,6 +30,19 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    # DeepSpeed on CPUs compiles its communication op with the C++ compiler at first use: `make test` needs
+    # nothing but Python and make, so without one its ZeRO-3 tests are skipped, saying why. CI installs g++
+    # and sets TEXTGYM_REQUIRE_COMPILER: there a missing compiler fails them.
+    import shutil
+
+    if shutil.which(os.environ.get("CXX", "c++")) or os.environ.get("TEXTGYM_REQUIRE_COMPILER"):
+        return
+    skip = pytest.mark.skip(
+        reason="DeepSpeed ZeRO-3 on CPUs compiles an op, and there is no C++ compiler (g++)"
+    )
+    for item in items:
+        if "zero3" in item.nodeid:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
