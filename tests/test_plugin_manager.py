@@ -185,9 +185,48 @@ def test_misspelled_hook_is_caught_by_check_pending():
         def register_reward(register):  # missing "s"
             pass
 
-    with pytest.raises(PluginError, match="unknown hook 'register_reward'.*hooks are: register_rewards"):
+    with pytest.raises(
+        PluginError,
+        match=r"registered in code defines a hook textgym does not have, 'register_reward'. Did you mean "
+        r"'register_rewards'\? textgym's hooks are: register_rewards",
+    ):
         plugin_manager.register_plugin(Typo(), name="typo")
     assert not plugin_manager.pm.has_plugin("typo")
+
+
+def test_plugin_file_mistakes_name_the_fix(tmp_path):
+    """A plugin file with postponed annotations and a dataclass failed to import ('NoneType' object has no
+    attribute '__dict__': its module was not in sys.modules); a bare @textgym.reward registered nothing,
+    silently; on a class it said "is a built-in class"; a hook taking self printed pluggy's words alone."""
+    cases = {
+        "future.py": "from __future__ import annotations\nimport dataclasses\nimport textgym\n\n"
+        "@dataclasses.dataclass\nclass Bonus:\n    name: str = 'bonus'\n\n"
+        "    def __call__(self, samples):\n        return [1.0 for _ in samples]\n\n"
+        "@textgym.hookimpl\ndef register_rewards(register):\n    register('bonus', Bonus)\n",
+        "bare.py": "import textgym\n\n@textgym.reward\ndef bad(samples):\n    return [0.0 for _ in samples]\n",
+        "cls.py": "import textgym\n\n@textgym.reward('bad')\nclass Bad:\n    pass\n",
+        "self.py": "import textgym\n\n@textgym.hookimpl\ndef register_rewards(self, register):\n    pass\n",
+    }
+    for file, text in cases.items():
+        (tmp_path / file).write_text(text)
+    name = plugin_manager.load_plugin_file(tmp_path / "future.py")
+    try:
+        assert textgym.make_reward("bonus")([]) == []
+    finally:
+        plugin_manager.unregister_plugin(name)
+    for file, says in [
+        (
+            "bare.py",
+            r"@textgym.reward takes the plugin's name: write @textgym.reward\('bad'\) above `def bad`",
+        ),
+        (
+            "cls.py",
+            r"@textgym.reward decorates a batched function, not the class Bad: register a class from a",
+        ),
+        ("self.py", r"takes one parameter, named `register` \(and no `self`"),
+    ]:
+        with pytest.raises(PluginError, match=says):
+            plugin_manager.load_plugin_file(tmp_path / file)
 
 
 def test_a_hook_with_another_parameter_name_is_a_plugin_error():

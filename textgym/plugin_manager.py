@@ -8,11 +8,13 @@ registries are rebuilt from the hooks whenever the set of plugins changes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ from typing import Any
 import pluggy
 
 from textgym import hookspecs
-from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
+from textgym.errors import DuplicateNameError, PluginError, UnknownNameError, did_you_mean
 from textgym.plugin_files import forget_edited, local_imports, read_bytes, track_imported
 
 DEFAULT_PLUGINS = (
@@ -155,20 +157,55 @@ def register_plugin(plugin: object, name: str, source: str = "registered in code
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:  # e.g. a hook whose parameter is not named `register`
-        raise PluginError(f"plugin {name!r} ({source}): {exc}.") from None
-    _check_pending(name)
+        hint = (
+            " Every textgym hook takes one parameter, named `register` (and no `self` in a function at a "
+            "file's top level)."
+            if "Argument(s)" in str(exc)
+            else ""
+        )
+        raise PluginError(f"plugin {name!r} ({source}): {exc}.{hint}") from None
+    _check_pending(name, source)
     _sources[name] = source
     _changed()
 
 
-def _check_pending(name: str | None = None) -> None:
-    """``check_pending`` with a message that names the plugin and the valid hook names."""
+def _check_pending(name: str | None = None, source: str | None = None) -> None:
+    """``check_pending`` with a message that names the plugin (as its ``source``: a file, an entry point),
+    the closest hook name and the valid ones."""
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         if name is not None:
             pm.unregister(name=name)
-        raise PluginError(f"{exc}. textgym's hooks are: {', '.join(KINDS)}.") from exc
+        match = re.match(r"unknown hook '(\w+)'", str(exc))
+        if match is None:
+            raise PluginError(f"{exc}. textgym's hooks are: {', '.join(KINDS)}.") from exc
+        where = source or f"plugin {name or getattr(exc, 'plugin', '?')!r}"
+        raise PluginError(
+            f"{where} defines a hook textgym does not have, {match[1]!r}.{did_you_mean(match[1], KINDS)} "
+            f"textgym's hooks are: {', '.join(KINDS)}."
+        ) from exc
+
+
+def check_decorator_name(name: Any, decorator: str) -> None:
+    """Raise TypeError where ``@textgym.reward`` (``decorator``) was used without its name: the bare decorator
+    took the function for the name, registered nothing and replaced the function."""
+    if callable(name):
+        fn = getattr(name, "__name__", "f")
+        raise TypeError(
+            f"{decorator} takes the plugin's name: write {decorator}({fn!r}) above `def {fn}`, not {decorator} alone."
+        )
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{decorator}(name): the name must be a non-empty string, not {name!r}.")
+
+
+def check_decorated(fn: Any, decorator: str, hook: str) -> None:
+    """Raise TypeError where ``decorator`` is put on a class: it decorates a batched function."""
+    if inspect.isclass(fn):
+        raise TypeError(
+            f"{decorator} decorates a batched function, not the class {fn.__name__}: register a class from a "
+            f"{hook} hook (docs/plugins.md)."
+        )
 
 
 def register_function_plugin(hook: str, name: str, factory: Callable[..., Any], fn: Callable[..., Any],
@@ -220,7 +257,9 @@ def load_plugin_file(path: str | os.PathLike) -> str:
             return name
         unregister_plugin(name)
     forget_edited(helpers)
-    module_name = f"textgym_plugin_{abs(hash(name)):x}"
+    # one name per file in every process (hash() differs per process), and in sys.modules while it runs:
+    # dataclasses (with postponed annotations) and pickle look a class's module up there
+    module_name = f"textgym_plugin_{hashlib.sha256(name.encode()).hexdigest()[:16]}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
         raise PluginError(f"plugin file {name!r} cannot be imported as a Python module.")
@@ -230,9 +269,11 @@ def load_plugin_file(path: str | os.PathLike) -> str:
     if file.parent not in _plugin_dirs:
         _plugin_dirs.append(file.parent)
     before = set(sys.modules)
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        sys.modules.pop(module_name, None)
         raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
     finally:
         track_imported(before, helpers)
@@ -308,6 +349,11 @@ def _load_all() -> None:
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}): {exc}. Fix or uninstall it, or set "
                     f"{DISABLE_AUTOLOAD_VAR}=1."
                 ) from None
+            _check_pending(
+                ep.name,
+                f"plugin {ep.name!r} (entry point {ep.value} in {dist}; fix or uninstall it, or set "
+                f"{DISABLE_AUTOLOAD_VAR}=1)",
+            )
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
             if ep.dist:  # (and the @textgym.reward functions its import registered, plugins of their own)
                 for name in {ep.name} | {name for name, _ in pm.list_name_plugin()} - before:

@@ -424,9 +424,12 @@ def responder(name: str, role: str = "user") -> Callable[[Callable[..., Any]], C
 
     Extra keyword arguments of the function become the responder's arguments in a spec.
     """
+    from textgym import plugin_manager
+
+    plugin_manager.check_decorator_name(name, "@textgym.responder")
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        from textgym import plugin_manager
+        plugin_manager.check_decorated(fn, "@textgym.responder", "register_responders")
 
         def factory(**kwargs: Any) -> FunctionResponder:
             return FunctionResponder(name, fn, role=role, **kwargs)

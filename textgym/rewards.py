@@ -411,9 +411,12 @@ def reward(name: str) -> Callable[[Callable[..., Sequence[float]]], Callable[...
     Extra keyword arguments of the function become the reward's arguments in a spec. A function with TRL's
     signature (``prompts, completions, **kwargs``) works too.
     """
+    from textgym import plugin_manager
+
+    plugin_manager.check_decorator_name(name, "@textgym.reward")
 
     def decorator(fn: Callable[..., Sequence[float]]) -> Callable[..., Sequence[float]]:
-        from textgym import plugin_manager
+        plugin_manager.check_decorated(fn, "@textgym.reward", "register_rewards")
 
         def factory(**kwargs: Any) -> FunctionReward:
             return FunctionReward(name, fn, **kwargs)
