@@ -11,7 +11,7 @@ import textgym
 from tests.conftest import reward_plugin
 from textgym import plugin_files, plugin_manager
 from textgym.cli import main
-from textgym.errors import DuplicateNameError, PluginError, UnknownNameError
+from textgym.errors import DuplicateNameError, PluginArgumentError, PluginError, UnknownNameError
 
 BUILTIN_REWARDS = {
     "rm_score",
@@ -212,6 +212,19 @@ def test_plugin_file_mistakes_name_the_fix(tmp_path):
     name = plugin_manager.load_plugin_file(tmp_path / "future.py")
     try:
         assert textgym.make_reward("bonus")([]) == []
+    finally:
+        plugin_manager.unregister_plugin(name)
+    # a scoring function registered where its factory belongs: "missing 1 required positional argument"
+    (tmp_path / "scorer.py").write_text(
+        "import textgym\n\ndef score(samples):\n    return [1.0 for _ in samples]\n\n"
+        "@textgym.hookimpl\ndef register_rewards(register):\n    register('scorer', score)\n"
+    )
+    name = plugin_manager.load_plugin_file(tmp_path / "scorer.py")
+    try:
+        with pytest.raises(
+            PluginArgumentError, match=r"registered the function score\(samples, ...\), which scores"
+        ):
+            textgym.make_reward("scorer")
     finally:
         plugin_manager.unregister_plugin(name)
     for file, says in [

@@ -59,6 +59,36 @@ def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs:
             raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")
 
 
+SCORED = (
+    "samples",
+    "prompts",
+    "completions",
+    "conversations",
+)  # what a scoring function's first parameter is
+
+
+def _check_not_a_scorer(kind: str, name: str, hook: str, factory: Any) -> None:
+    """Raise :class:`PluginArgumentError` for a scoring function registered where its factory belongs (it
+    then failed as "missing 1 required positional argument: 'samples'")."""
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return
+    first = next((p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+    if (
+        inspect.isfunction(factory)
+        and first is not None
+        and first.default is first.empty
+        and first.name in SCORED
+    ):
+        decorator = "@textgym.responder" if hook == "register_responders" else "@textgym.reward"
+        raise PluginArgumentError(
+            f"{kind} {name!r}: the plugin registered the function {factory.__name__}({first.name}, ...), which scores "
+            f"a batch, where a factory belongs (a class, or a function returning the {kind}): register its class, "
+            f"or put {decorator}({name!r}) on the function instead."
+        )
+
+
 def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], error: type[Exception]) -> Any:
     """Call the factory registered as ``name`` under ``hook`` (rewards, responders) with ``kwargs``: unknown
     arguments and a factory's TypeError/ValueError are :class:`PluginArgumentError`; what it returns must be
@@ -66,6 +96,7 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
     from textgym import plugin_manager
 
     factory = plugin_manager.get(hook, name).value
+    _check_not_a_scorer(kind, name, hook, factory)
     check_arguments(kind, name, factory, kwargs)
     try:
         built = factory(**kwargs)
