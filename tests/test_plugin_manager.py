@@ -288,6 +288,28 @@ def test_plugin_envs_are_registered_with_gymnasium(register):
     assert "myproject/Short-v0" not in gymnasium.registry
 
 
+def test_a_bad_key_in_an_envs_registration_is_blamed_on_it_not_on_the_env_table(register, tmp_path, capsys):
+    """The registration's `prompt` was reported as "[env]: unexpected keyword argument 'prompt'. Did you mean
+    'prompt'?": the user's table had no such key, and the suggestion was the key itself."""
+
+    class Envs:
+        @staticmethod
+        @textgym.hookimpl
+        def register_envs(register):
+            register("myproject/BadKey-v0", "textgym.envs:TextGenEnv",
+                     vector_entry_point="textgym.envs:TextGenVectorEnv", model="chars", prompt="copy")  # fmt: skip
+
+    register(Envs(), "bad-key")
+    config = tmp_path / "env.toml"
+    config.write_text(
+        '[env]\nid = "myproject/BadKey-v0"\nnum_envs = 8\n[agent]\nname = "lmppo"\npolicy = "tiny-char-llama"\n'
+    )
+    assert main(["train", str(config), "--set", f"run.output_dir='{tmp_path / 'run'}'"]) == 2
+    assert "argument 'prompt' (the env's registration passes it, not [env]). Did you mean 'prompts'?" in (
+        capsys.readouterr().err
+    )
+
+
 PLUGIN_FILE = """
 import textgym
 

@@ -99,9 +99,9 @@ def check_env_keys(env_id: str, env: dict[str, Any]) -> None:
             raise ConfigError(f"[env] {env_id}: {key} must be {what}, not {value!r}.")
 
 
-def _entry_parameters(env_id: str) -> dict[str, Any] | None:
-    """The keyword arguments the env's (vector) entry point takes, with its registered ones, and their
-    annotations; None where it takes any, or cannot be read."""
+def _entry_parameters(env_id: str, registered: bool = True) -> dict[str, Any] | None:
+    """The keyword arguments the env's (vector) entry point takes, with its registered ones (unless not
+    ``registered``), and their annotations; None where it takes any, or cannot be read."""
     import importlib
     import inspect
 
@@ -119,18 +119,25 @@ def _entry_parameters(env_id: str) -> dict[str, Any] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return None
     return {
-        **dict.fromkeys(spec.kwargs, inspect.Parameter.empty),
+        **dict.fromkeys(spec.kwargs if registered else (), inspect.Parameter.empty),
         **{n: p.annotation for n, p in params.items()},
     }
 
 
 def _closest_env_key(env_id: str, message: str) -> str:
-    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks."""
+    """ " Did you mean 'max_new_tokens'?" for an unexpected keyword argument the env's entry point lacks; a
+    key the env's registration gave it (a plugin's register_envs) is said to come from there."""
     import re
 
+    import gymnasium
+
     bad = re.search(r"unexpected keyword argument '(\w+)'", message)
-    known = _entry_parameters(env_id)
-    if known is None:
+    known = _entry_parameters(env_id, registered=False)
+    if known is None or bad is None:
         return ""
-    hint = did_you_mean(bad.group(1), list(known)) if bad else ""
+    hint = did_you_mean(bad.group(1), list(known))
+    if bad.group(1) in gymnasium.spec(env_id).kwargs:
+        return (
+            f" (the env's registration passes it, not [env]).{hint} Fix the plugin that registers {env_id}."
+        )
     return f".{hint}" if hint else ""
