@@ -26,8 +26,16 @@ from typing import Any
 from textgym import plugin_manager
 from textgym.bench_rm import check_reward_models
 from textgym.composition import stack_table
-from textgym.config import MAX_SEED, apply_override, read_toml, resolve_paths, resolve_value, validate
-from textgym.errors import ConfigError, TextgymError, UnknownNameError, did_you_mean
+from textgym.config import (
+    MAX_SEED,
+    apply_override,
+    read_toml,
+    resolve_paths,
+    resolve_value,
+    settings_table,
+    validate,
+)
+from textgym.errors import ConfigError, TextgymError, UnknownNameError
 from textgym.eval_settings import check_builtin, check_metric_specs, metric_specs
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import check_reward_specs
@@ -166,15 +174,7 @@ def _resolve(path: Any, base_dir: Path) -> Path:
 
 
 def _bench_settings(given: Any, source: str) -> dict[str, Any]:
-    if not isinstance(given, Mapping):
-        raise ConfigError(f"{source}: [bench] must be a table, not {given!r}.")
-    unknown = sorted(set(given) - set(BENCH_DEFAULTS))
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown key bench.{unknown[0]}.{did_you_mean(unknown[0], BENCH_DEFAULTS)} Keys: "
-            f"{', '.join(BENCH_DEFAULTS)}."
-        )
-    bench = {**copy.deepcopy(BENCH_DEFAULTS), **given}
+    bench = settings_table(given, "bench", BENCH_DEFAULTS, source)
     seeds = bench["seeds"]
     if (
         not isinstance(seeds, list)

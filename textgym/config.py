@@ -229,6 +229,25 @@ def apply_override(
     _merge(config, parsed, depth=len(key.split(".")))
 
 
+def check_keys(given: Mapping[str, Any], section: str, known: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`ConfigError` for the first key of a ``[section]`` table that is not one of ``known``."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key {section}.{unknown[0]}.{did_you_mean(unknown[0], known)} Keys: "
+            f"{', '.join(known)}."
+        )
+
+
+def settings_table(given: Any, section: str, defaults: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A ``[section]`` settings table with ``defaults`` filled in (a copy), checked to be a table of known
+    keys."""
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{where}: [{section}] must be a table, not {given!r}.")
+    check_keys(given, section, defaults, where)
+    return {**copy.deepcopy(dict(defaults)), **given}
+
+
 def _check_bare_word(override: str, key: str, word: str) -> None:
     quote = f"""(for the text, quote it in TOML: --set "{key}='{word}'")"""
     if word.lower() in ("true", "false"):
@@ -274,11 +293,7 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
             raise ConfigError(f"{source}: [{section}] must be a table, not {values!r}.")
         resolved[section].update(values)
     run = resolved["run"]
-    unknown = set(run) - set(DEFAULTS["run"])
-    if unknown:
-        bad = sorted(unknown)[0]
-        hint = did_you_mean(bad, DEFAULTS["run"])
-        raise ConfigError(f"{source}: unknown key run.{bad}.{hint} Keys: {', '.join(DEFAULTS['run'])}.")
+    check_keys(run, "run", DEFAULTS["run"], source)
     for key in POSITIVE_INTS:
         if not _is_int(run[key]) or run[key] < 1:
             raise ConfigError(f"{source}: run.{key} must be a positive integer, not {run[key]!r}.")

@@ -3,14 +3,13 @@ reward specs with their labels and ranges, and the built-in metrics. :mod:`textg
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from textgym.config import MAX_SEED
-from textgym.errors import ConfigError, did_you_mean
+from textgym.config import MAX_SEED, settings_table
+from textgym.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -54,15 +53,7 @@ METRIC_SPEC_KEYS = ("label", "range", "args")
 def check_eval_section(section: Any, where: str) -> dict[str, Any]:
     """The ``[eval]`` settings with defaults filled in, checked for types and names. The metric rewards'
     plugin names and arguments are checked by :func:`check_metric_specs` once plugin files are loaded."""
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"{where}: [eval] must be a table, not {section!r}.")
-    unknown = sorted(set(section) - set(EVAL_DEFAULTS))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key eval.{unknown[0]}.{did_you_mean(unknown[0], EVAL_DEFAULTS)} Keys: "
-            f"{', '.join(EVAL_DEFAULTS)}."
-        )
-    resolved = {**copy.deepcopy(EVAL_DEFAULTS), **section}
+    resolved = settings_table(section, "eval", EVAL_DEFAULTS, where)
     for key in ("every", "episodes"):
         check_positive_int(f"eval.{key}", resolved[key], where)
     seed = resolved["seed"]
