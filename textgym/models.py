@@ -396,7 +396,7 @@ def _load_model(name_or_path: str | os.PathLike, **kwargs: Any) -> tuple[Any, An
     if path.is_dir():
         return _load_dir(path, **kwargs)
     name = str(name_or_path)
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+    if _is_hub_id(name):
         try:
             return _load_dir(name, **kwargs)
         except OSError as exc:
@@ -405,6 +405,11 @@ def _load_model(name_or_path: str | os.PathLike, **kwargs: Any) -> tuple[Any, An
                 f"or a zoo model: {', '.join(models.names())}."
             ) from exc
     raise UnknownNameError("model", name, models.names())
+
+
+def _is_hub_id(name: str) -> bool:
+    """``org/name``, as the Hugging Face hub names a model (a name that is not a local directory)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
 def declared_eos_ids(model: Any) -> set[int]:
@@ -438,8 +443,8 @@ def check_model_source(name_or_path: Any) -> None:
     if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).expanduser().is_dir():
         return
     name = str(name_or_path)
-    if isinstance(name_or_path, str) and name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        return  # a hub id: it loads or fails when the model is needed
+    if isinstance(name_or_path, str) and _is_hub_id(name):
+        return  # it loads or fails when the model is needed
     raise UnknownNameError("model", name, models.names())
 
 
@@ -465,9 +470,8 @@ def load_tokenizer(model: Any = EMBEDDED) -> Any:
     path = Path(str(model)).expanduser()
     if path.is_dir():
         return _tokenizer_from_dir(str(path))
-    name = str(model)
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # a hub id: its tokenizer alone
-        return _hub_tokenizer(name)
+    if _is_hub_id(str(model)):  # its tokenizer alone
+        return _hub_tokenizer(str(model))
     return load_model(model)[1]  # the error that names the zoo models
 
 

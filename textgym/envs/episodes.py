@@ -242,7 +242,7 @@ class Episodes(Turns):
                 )
             head, tail = self._framing(text, ids)
             rerender = self.chat_template and not len(head) and not len(tail)  # the template changed the text
-            framing = self._rendered(text, 0) if rerender else np.concatenate([head, tail])
+            framing = self._rendered([], 0) if rerender else np.concatenate([head, tail])
             room = self.P - len(framing)
             if room < 1:
                 raise PromptError(
@@ -268,9 +268,8 @@ class Episodes(Turns):
                 ids = np.concatenate([head, body[len(body) - room :], tail])
         return ids
 
-    def _rendered(self, text: str, m: int) -> np.ndarray:
-        """The ids of the chat template around the text of the last ``m`` tokens of ``text``."""
-        text_ids = self.tokenizer.encode(text, add_special_tokens=False)
+    def _rendered(self, text_ids: Sequence[int], m: int) -> np.ndarray:
+        """The ids of the chat template around the text of the last ``m`` of ``text_ids``."""
         end = self.tokenizer.decode(text_ids[len(text_ids) - m :]).lstrip("\ufffd") if m else ""
         templated = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": end}], tokenize=False, add_generation_prompt=True
@@ -282,11 +281,12 @@ class Episodes(Turns):
         that changes the text it frames (Llama 3's trims it; a leading blank line merges with the header's
         newline), whose ids the text's cannot be found among: cutting those from the left lost the
         template's opening and user header."""
-        m = self.P - len(self._rendered(text, 0))  # at least 1: the caller checked the room
-        ids = self._rendered(text, m)
+        text_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        m = self.P - len(self._rendered(text_ids, 0))  # at least 1: the caller checked the room
+        ids = self._rendered(text_ids, m)
         while len(ids) > self.P and m > 1:  # the end's tokens re-encoded, or merged, to more
             m -= 1
-            ids = self._rendered(text, m)
+            ids = self._rendered(text_ids, m)
         return ids[len(ids) - self.P :] if len(ids) > self.P else ids
 
     def _framing(self, text: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
