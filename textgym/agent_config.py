@@ -270,9 +270,8 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
             f"run.seed (in a bench: bench.seeds) instead."
         )
     _check_names(name, agent_class, hyperparameters, own=own, entry=entry, table=table)
-    _check_values(
-        name, agent_class, hyperparameters, own, entry, table
-    )  # first: a shared value is this run's
+    # this run's agent first: a shared value bad for every agent is named for it
+    _check_values(name, agent_class, hyperparameters, own, entry, table)
     for key in [k for k in tables if k not in mine]:  # another agent's table too: a typo or a bad value in
         # it would wait, unseen, for the run that reads it (`--agent <it>`), and be copied into this run's
         # config.toml. Its values are checked with the shared ones it takes, as that run would take them.
