@@ -251,6 +251,11 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         # what a load changes: a resume passes every [agent] setting, most as they were saved
         saved = state["config"]
         changed = {k for k, v in overrides.items() if json.loads(json.dumps(v, default=str)) != saved.get(k)}
+        if "lora" in changed:  # the saved weights are an adapter, or whole: another setting cannot read them
+            raise ConfigError(
+                f"{str(path)!r} was trained with lora = {saved.get('lora')!r}; it cannot be loaded with lora = "
+                f"{overrides['lora']!r}. Load it with its own (leave lora out), or start a new run."
+            )
         source, fingerprint = state["policy_source"], state.get("source_fingerprint")
         from_main = source is not None and config.get("lora") is None and _sharded_over_processes()
         if from_main:  # sharded: only the main process reads the models (sharding.load_on_main)
@@ -291,22 +296,26 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             else:
                 agent.ref_policy = reference.to(agent.device)
         for name, module in agent.modules.items():
-            weights = torch.load(path / f"{name}.pt", weights_only=True)
+            # (saved on a GPU: its tensors are read onto the CPU, and loading them moves them to the agent's)
+            weights = torch.load(path / f"{name}.pt", weights_only=True, map_location="cpu")
             if agent.zero3 is not None:
                 zero3.load_from_main(module, weights, str(path / f"{name}.pt"))
             elif agent.fsdp is not None:
                 sharding.load_full_state_dict(module, weights)
             else:
                 agent.unwrap(module).load_state_dict(weights)
-        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
         if agent.zero3 is not None:  # a full state dict: each process takes its shard
             zero3.load_full_optimizer_state(agent.optimizer, agent.params, optimizer_state)
         elif agent.fsdp is not None:
             sharding.load_full_optimizer_state(agent.optimizer, optimizer_state)
         else:
             agent.optimizer.load_state_dict(optimizer_state)
-        if "learning_rate" in changed:  # the optimizer's state holds the saved rate: the override's instead
-            for group in agent.optimizer.param_groups:
+        # the optimizer's state holds the saved settings: the agent's config's instead (an override's; a constant
+        # schedule's rate, where a linear one had annealed it; a linear schedule sets it at every iteration)
+        for group in agent.optimizer.param_groups:
+            group["weight_decay"] = agent.config.weight_decay
+            if "learning_rate" in changed or agent.config.lr_schedule == "constant":
                 group["lr"] = agent.config.learning_rate
         agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
         agent.skipped_steps = state.get("skipped_steps", 0)

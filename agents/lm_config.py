@@ -146,6 +146,10 @@ def check_lora(lora: dict[str, Any]) -> None:
             f"with its adapter off) shares, so the reference would move with the policy: leave bias = 'none', "
             f"or give the adapter its own bias with lora_bias = true."
         )
+    if lora.get("inference_mode"):
+        raise ConfigError(
+            "lora.inference_mode = true freezes the adapter, so training would change nothing: leave it out."
+        )
     init = lora.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() in ("corda", "loftq"):
         raise ConfigError(

@@ -663,3 +663,73 @@ def test_verbose_logging_takes_a_long_reward_name(tmp_path, capsys, tensorboard)
     out = capsys.readouterr().out
     assert "rewards/" in out and "completion_contains_the_capital_city/mean" in out  # SB3 groups by prefix
     assert "completion_contains_the_capital_city/std" in out
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_on_a_cpu(tmp_path):
+    """Its value head and AdamW state were read back onto the device they were saved from: on a machine
+    without CUDA, loading failed and called the checkpoint corrupt."""
+    import torch.serialization
+
+    agent = iterations(LMPPO("tiny-char-llama", char_llama_env(), verbose=0), 1)
+    agent.save(tmp_path / "ckpt")
+    tag = (0, lambda obj: "cuda:0", lambda obj, location: None)  # the location torch.save gives CUDA tensors
+    torch.serialization._package_registry.insert(0, tag)
+    try:
+        for name in ("value_head.pt", "optimizer.pt"):
+            torch.save(torch.load(tmp_path / "ckpt" / name, weights_only=True), tmp_path / "ckpt" / name)
+    finally:
+        torch.serialization._package_registry.remove(tag)
+    with pytest.raises(RuntimeError, match="CUDA"):  # as written on a GPU
+        torch.load(tmp_path / "ckpt" / "value_head.pt", weights_only=True)
+    loaded = LMPPO.load(tmp_path / "ckpt", char_llama_env(), device="cpu")
+    weight = loaded.modules["value_head"].linear.weight
+    assert weight.device.type == "cpu"
+    assert torch.equal(weight, agent.modules["value_head"].linear.weight)
+
+
+def test_load_applies_every_optimizer_setting_of_the_config(tmp_path):
+    """The optimizer's saved state brought its saved weight decay back over an override, and kept a linear
+    schedule's annealed rate when the load asked for a constant one."""
+    agent = LMPPO("tiny-char-llama", char_llama_env(), learning_rate=1e-3, lr_schedule="linear", verbose=0)
+    iterations(agent, 2)
+    assert {group["lr"] for group in agent.optimizer.param_groups} != {1e-3}  # annealed
+    agent.save(tmp_path / "ckpt")
+    loaded = LMPPO.load(tmp_path / "ckpt", char_llama_env(), weight_decay=0.0, lr_schedule="constant")
+    assert {(group["lr"], group["weight_decay"]) for group in loaded.optimizer.param_groups} == {(1e-3, 0.0)}
+
+
+def test_load_refuses_other_lora_settings_than_the_checkpoints(tmp_path):
+    """The saved adapter was loaded as it was while the agent reported the new settings (and saved them
+    with it); without lora, the adapter directory was read as a whole model and called corrupt."""
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    LMPPO("tiny-char-llama", char_llama_env(), lora=lora, verbose=0).save(tmp_path / "adapter")
+    for other in ({**lora, "r": 8}, None):
+        with pytest.raises(ConfigError, match=r"trained with lora = \{'r': 4.*cannot be loaded with lora ="):
+            LMPPO.load(tmp_path / "adapter", char_llama_env(), lora=other)
+    LMPPO("tiny-char-llama", char_llama_env(), verbose=0).save(tmp_path / "whole")
+    with pytest.raises(ConfigError, match="trained with lora = None"):
+        LMPPO.load(tmp_path / "whole", char_llama_env(), lora=lora)
+    assert LMPPO.load(tmp_path / "adapter", char_llama_env(), lora=lora).config.lora == lora  # as saved
+
+
+def test_a_policy_object_in_16_bits_is_refused_or_warned_of():
+    """A policy loaded with from_pretrained keeps its saved dtype: bf16 weights trained with most updates
+    rounded away, silently, and fp16 ones failed with an overflow in the sampler."""
+    from textgym.models import load_model
+
+    with pytest.warns(UserWarning, match="trained parameters are bfloat16: an optimizer step rounds"):
+        LMPPO(load_model("tiny-char-llama", dtype=torch.bfloat16)[0], char_llama_env(), verbose=0)
+    with pytest.raises(ConfigError, match=r"are float16.*Load it in fp32.*bf16 = true"):
+        LMPPO(load_model("tiny-char-llama", dtype=torch.float16)[0], char_llama_env(), verbose=0)
+
+
+def test_lora_settings_that_would_train_less_than_asked_are_refused():
+    """A misspelt target module next to a valid one was dropped without a word (peft refuses only a list
+    that matches nothing), and inference_mode froze the adapter: LMPPO then trained its value head alone."""
+    with pytest.raises(ConfigError, match=r"target_modules \['v_prj'\] matched no layer.*v_proj"):
+        LMPPO("tiny-char-llama", char_llama_env(), lora={"r": 4, "target_modules": ["q_proj", "v_prj"]})
+    with pytest.raises(ConfigError, match="inference_mode = true freezes the adapter"):
+        GRPO("tiny-char-llama", char_llama_env(), lora={"r": 4, "inference_mode": True}, num_generations=4)
+    frozen = char_llama().requires_grad_(False)
+    with pytest.raises(ConfigError, match="the policy has no trainable parameter"):
+        LMPPO(frozen, make_env(8), verbose=0)
