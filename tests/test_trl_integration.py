@@ -10,6 +10,7 @@ import pytest
 from textgym import FunctionReward, RewardStack, Sample, build_reward_stack
 from textgym.errors import ConfigError, RewardError
 from textgym.integrations.trl import reward_funcs, reward_weights, samples_from_trl, total_reward_func
+from textgym.reward_checks import TimeoutReward
 from textgym.reward_functions import trl_columns
 
 SAMPLES = [
@@ -199,3 +200,31 @@ def test_several_eos_ids_as_a_models_generation_config_gives_them_mark_completio
     for bad in ("2", [], [2.0], True):
         with pytest.raises(ConfigError, match="eos_token_id must be a token id or a list of them"):
             reward_funcs(stack, eos_token_id=bad)
+
+
+def test_trl_functions_in_an_exported_stack_get_trls_own_arguments():
+    """Exported back to TRL, a TRL-style function of the stack got trainer_state=None and the completions as
+    text, so one that shapes by step or reads conversational messages (as TRL's own rewards do:
+    ``completion[0]["content"]``) failed; a reward with a timeout runs in a thread, which gets them too."""
+    seen = {}
+
+    def shaped(prompts, completions, completion_ids=None, trainer_state=None, log_metric=None, **kwargs):
+        seen["state"], seen["log_metric"], seen["prompt"] = trainer_state, log_metric, prompts[0]
+        return [float(len(c[0]["content"])) * (1 + trainer_state.global_step) for c in completions]
+
+    state, log = SimpleNamespace(global_step=2, max_steps=10), print
+    prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]] * 2
+    completions = [[{"role": "assistant", "content": "Hey"}], [{"role": "assistant", "content": "Hello!"}]]
+    timed = TimeoutReward(FunctionReward("shaped", shaped), 10)
+    for stack in (
+        build_reward_stack([shaped, {"name": "length_penalty", "weight": 0.0, "target": 4}]),
+        RewardStack([(timed, 1)]),
+    ):
+        given = dict(prompts=prompts, completions=completions, completion_ids=[[5, 2], [6, 7, 2]])
+        assert reward_funcs(stack)[0](**given, trainer_state=state, log_metric=log) == [9.0, 18.0]
+        assert seen == {"state": state, "log_metric": log, "prompt": prompts[0]}  # the system turn kept
+        assert total_reward_func(stack)(**given, trainer_state=state, log_metric=log) == [9.0, 18.0]
+    # in textgym's own training (no TRL call): text, and no trainer state
+    with pytest.raises(RewardError, match="shaped.*raised TypeError"):
+        build_reward_stack([shaped]).score(SAMPLES)
+    assert seen["state"] is None and seen["prompt"] == SAMPLES[0].prompt

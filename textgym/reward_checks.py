@@ -30,6 +30,7 @@ class TimeoutReward:
         self.name = reward.name
 
     def __call__(self, samples: Sequence[Sample]) -> Any:
+        import contextvars
         import threading
 
         result: dict[str, Any] = {}
@@ -40,7 +41,9 @@ class TimeoutReward:
             except BaseException as exc:  # handed to the caller's thread
                 result["error"] = exc
 
-        thread = threading.Thread(target=call, name=f"reward-{self.name}", daemon=True)
+        # (in the caller's context: a TRL call's arguments, textgym.reward_functions.trl_call)
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=context.run, args=(call,), name=f"reward-{self.name}", daemon=True)
         thread.start()
         thread.join(self.seconds)
         if thread.is_alive():

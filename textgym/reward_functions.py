@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,11 +22,45 @@ if TYPE_CHECKING:
 TRL_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
+class TRLCall:
+    """The arguments TRL gave an exported reward function (:mod:`textgym.integrations.trl`), by row: a TRL-style
+    function in the stack gets them as TRL gave them (conversational messages, ``trainer_state``,
+    ``log_metric``), not rebuilt from the samples made of them."""
+
+    def __init__(
+        self, samples: Sequence[Sample], rows: Mapping[str, Sequence[Any]], other: Mapping[str, Any]
+    ):
+        self.row_of = {id(sample): i for i, sample in enumerate(samples)}
+        self.samples = samples  # (kept alive: their ids are the keys)
+        self.rows, self.other = rows, other
+
+    def arguments(self, samples: Sequence[Sample]) -> dict[str, Any] | None:
+        """TRL's arguments for ``samples`` (the rows they were made from), or None for other samples."""
+        rows = [self.row_of.get(id(sample)) for sample in samples]
+        if None in rows:
+            return None
+        return {**{key: [values[r] for r in rows] for key, values in self.rows.items()}, **self.other}
+
+
+_trl_call: contextvars.ContextVar[TRLCall | None] = contextvars.ContextVar("textgym_trl_call", default=None)
+
+
+@contextlib.contextmanager
+def trl_call(call: TRLCall) -> Iterator[None]:
+    """While scoring the samples of one TRL call: TRL-style functions get TRL's own arguments."""
+    token = _trl_call.set(call)
+    try:
+        yield
+    finally:
+        _trl_call.reset(token)
+
+
 class FunctionReward:
     """A reward made from a plain function: textgym's ``fn(samples, **kwargs)``, or TRL's reward-function
     signature ``fn(prompts, completions, completion_ids=None, **kwargs)`` (recognised by :func:`is_trl_style`),
     which receives lists and each metadata key as a keyword column (see :func:`trl_columns`), and
-    ``trainer_state=None``. ``kwargs`` are fixed arguments passed on every call.
+    ``trainer_state=None``; called through a stack exported to TRL, it gets TRL's own arguments instead.
+    ``kwargs`` are fixed arguments passed on every call.
     """
 
     source: str | None = None  # where the function came from, for error messages ("file.py:func")
@@ -46,8 +82,13 @@ class FunctionReward:
     def __call__(self, samples: Sequence[Sample]) -> Sequence[float | None]:
         if not self.trl_style:
             return self.fn(samples, **self.kwargs)
-        # trainer_state: TRL's training state, which textgym has no equivalent of
-        arguments = {**trl_columns(samples), "trainer_state": None, **self.kwargs}
+        call = _trl_call.get()
+        given = call.arguments(samples) if call is not None else None
+        # trainer_state: TRL's training state, which textgym's own training has no equivalent of
+        arguments = {
+            **(given if given is not None else {**trl_columns(samples), "trainer_state": None}),
+            **self.kwargs,
+        }
         for name in self._required:
             arguments.setdefault(name, [None] * len(samples))
         if not self._accepts_any:

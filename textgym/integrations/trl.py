@@ -25,6 +25,7 @@ from typing import Any
 
 from textgym.errors import ConfigError
 from textgym.responders import AGENT_ROLE
+from textgym.reward_functions import TRLCall, trl_call
 from textgym.rewards import BaseDir, RewardStack, Sample, Turn, build_reward_stack
 
 TRLRewardFunc = Callable[..., list[float | None]]
@@ -100,7 +101,9 @@ def total_reward_func(
         state = kwargs.get("trainer_state")
         if getattr(state, "max_steps", 0):
             stack.set_progress(min(1.0, state.global_step / state.max_steps))
-        total, _ = stack.score(samples_from_trl(prompts, completions, completion_ids, kwargs, eos))
+        samples = samples_from_trl(prompts, completions, completion_ids, kwargs, eos)
+        with trl_call(_call(samples, prompts, completions, completion_ids, kwargs)):
+            total, _ = stack.score(samples)
         # textgym's total for every completion, gates included, never None: TRL (1.12) takes a completion
         # every function returned None for as unscorable (out of its group's baseline, advantage 0), which
         # would drop a gate's penalty on a completion none of the weighted components applies to
@@ -114,12 +117,28 @@ def _component_func(stack: RewardStack, name: str, eos_token_id: EosIds) -> TRLR
         prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
     ) -> list[float | None]:
         samples = samples_from_trl(prompts, completions, completion_ids, kwargs, eos_token_id)
-        scores = stack.score_component(name, samples)
+        with trl_call(_call(samples, prompts, completions, completion_ids, kwargs)):
+            scores = stack.score_component(name, samples)
         return [None if math.isnan(v) else float(v) for v in scores]
 
     func.__name__ = func.__qualname__ = name
     func.__doc__ = f"textgym reward component {name!r} with TRL's reward-function signature."
     return func
+
+
+def _call(
+    samples: Sequence[Sample],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Any,
+    kwargs: Mapping[str, Any],
+) -> TRLCall:
+    """TRL's arguments, to pass on as they are to the TRL-style functions of the stack."""
+    n = len(samples)
+    per_row = {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
+    ids = completion_ids if completion_ids is not None else [list(s.completion_ids) for s in samples]
+    rows = {"prompts": prompts, "completions": completions, "completion_ids": ids, **per_row}
+    return TRLCall(samples, rows, {k: v for k, v in kwargs.items() if k not in per_row})
 
 
 def samples_from_trl(
