@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,25 @@ class GroupAgent(LMAgent):
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(RolloutBatch)}
         b = GroupBatch(**fields, advantages=advantages, loss_mask=loss_mask)
         b.stats.update(stats)
+        self._warn_if_flat(stats.get("frac_reward_zero_std"))
         return b
+
+    FLAT_ITERATIONS = 3  # iterations in a row without a reward difference in any group before a warning
+
+    def _warn_if_flat(self, zero_std_share: float | None) -> None:
+        """Warn once when no group's completions have told apart for FLAT_ITERATIONS iterations in a row:
+        every advantage is 0, so the reward teaches nothing (a logged 1.0 is easy to miss)."""
+        flat = getattr(self, "_flat_iterations", 0)
+        self._flat_iterations = flat + 1 if zero_std_share == 1.0 else 0
+        if self._flat_iterations == self.FLAT_ITERATIONS and self.dist.is_main:
+            warnings.warn(
+                f"{self.name}: in each of the last {self.FLAT_ITERATIONS} iterations, every group of "
+                f"{self.group_size} completions of a prompt got equal rewards (frac_reward_zero_std = 1), so "
+                f"every advantage was 0 and the reward taught nothing. Give a reward that tells completions "
+                f"apart (partial credit rather than all-or-nothing), or raise num_generations or the "
+                f"temperature.",
+                stacklevel=2,
+            )
 
     def train(self, batch: GroupBatch) -> dict[str, float]:
         c = self.config

@@ -192,7 +192,7 @@ def test_windowed_and_cosine_schedules_by_hand():
         ({"start": 1.0}, "needs both start and end"),
         ({"start": 1.0, "end": 0.0, "shape": "step"}, "shape 'step' is not one of 'linear', 'cosine'"),
         ({"start": 1.0, "end": 0.0, "form": 0.1}, "unknown key(s) 'form'"),
-        ("0.5", "weight '0.5' must be a finite number or a schedule table"),
+        ("0.5", "weight is the string '0.5': give a number (no quotes)"),
         (True, "weight True must be a finite number"),
     ],
 )

@@ -324,6 +324,11 @@ def test_bad_constructor_arguments_are_clear_errors():
         char_env(prompts=[])
     with pytest.raises(textgym.errors.UnknownNameError, match="unknown reward 'sentimen'"):
         char_env(rewards=[{"name": "sentimen"}])
+    # a reward defined in a plugin file that was not loaded: how to load it
+    with pytest.raises(
+        textgym.errors.UnknownNameError, match=r"plugin file.*--plugin FILE.py, or run.plugins"
+    ):
+        char_env(rewards=[{"name": "exclaim"}])
 
 
 def test_seeded_resets_are_reproducible_and_sequential_order_cycles():

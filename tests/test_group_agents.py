@@ -1,5 +1,7 @@
 """GRPO and RLOO: the contract every LM agent keeps, their own behaviour, and clear errors."""
 
+import warnings
+
 import gymnasium
 import numpy as np
 import pytest
@@ -260,3 +262,20 @@ def test_an_env_with_another_tokenizer_is_refused():
     env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, autoreset_mode="Disabled")  # characters
     with pytest.raises(ConfigError, match="does not match the policy"):
         GRPO("tiny-random-llama", env, num_generations=2)
+
+
+@pytest.mark.parametrize("cls", [GRPO, RLOO])
+def test_a_reward_that_never_tells_a_groups_completions_apart_is_warned_of_once(cls):
+    """frac_reward_zero_std = 1 on every iteration (an all-or-nothing reward no completion earns): every
+    advantage is 0 and nothing is learnt, which only a logged 1.0 showed."""
+    env = make_env(8, reward=lambda samples: [0.0] * len(samples))
+    agent = cls(char_llama(), env, num_generations=4, beta=0.0, verbose=0)
+    with pytest.warns(
+        UserWarning, match=r"every group of 4 completions of a prompt got equal rewards"
+    ) as seen:
+        iterations(agent, 4)
+    assert len([w for w in seen if "equal rewards" in str(w.message)]) == 1
+    told_apart = cls(char_llama(), make_env(8), num_generations=4, beta=0.0, verbose=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*equal rewards")
+        iterations(told_apart, 3)

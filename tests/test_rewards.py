@@ -141,6 +141,18 @@ def test_text_that_toml_could_not_parse_is_refused_where_the_parameter_is_annota
     textgym.reward("scaled")(scaled)
     assert build_reward_stack(["scaled scale='auto'"]).names == ["scaled"]
 
+    def exclaim(samples, per_mark=1.0, strict=False):  # the README's, unannotated: its defaults say
+        return [per_mark * s.completion.count("!") for s in samples]
+
+    textgym.reward("exclaim")(exclaim)
+    with pytest.raises(
+        PluginArgumentError, match=r"^reward 'exclaim': per_mark must be a number, not 'two'\.$"
+    ):
+        build_reward_stack(["exclaim per_mark=two"])
+    with pytest.raises(PluginArgumentError, match=r"strict must be true or false"):
+        build_reward_stack(["exclaim strict=yes"])
+    assert build_reward_stack(["exclaim per_mark=2 strict=true"]).names == ["exclaim"]
+
 
 def test_reward_spec_strings_parse_values_as_toml():
     assert parse_reward_spec("length_penalty weight=0.2 target=32 unit='words' shape=quadratic") == {

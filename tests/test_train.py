@@ -164,6 +164,8 @@ def test_config_errors_name_the_bad_value(config, tmp_path):
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match=r"\[agent\] lmppo: .*learnin_rate"):
         run(config, [f"run.output_dir='{tmp_path / 'a'}'", "agent.learnin_rate=1e-3"])
+    with pytest.raises(ConfigError, match=r"unknown hyperparameter 'nam'. Did you mean 'name'\?"):
+        run(config, [f"run.output_dir='{tmp_path / 'c'}'", "agent.nam='grpo'"])
     with pytest.raises(ConfigError, match=r"\[env\] textgym/TextGen-v0: .*max_new_token"):
         run(config, [f"run.output_dir='{tmp_path / 'b'}'", "env.max_new_token=3"])
     with pytest.raises(ConfigError, match="not a run directory"):
@@ -211,6 +213,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_code_130(config, tmp_path):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output  # stopped short of its total: a script must not go on as if done
     assert "interrupted; checkpoint saved. Continue with: textgym train --resume" in output
+    assert "tok/s" not in output  # no progress bar in a log: its redraws ran into the iteration lines
     assert is_complete(out / "checkpoint")
     done = len(csv_rows(out / "metrics.csv"))
     state = json.loads((out / "checkpoint" / "state.json").read_text())

@@ -212,7 +212,8 @@ def _check_names(
         if key in valid:
             continue
         mine = own is True or key in own
-        near = difflib.get_close_matches(key, valid, n=1)
+        # the agent table's own keys (name, policy) are candidates too: agent.nam meant agent.name
+        near = difflib.get_close_matches(key, [*valid, *RESERVED], n=1)
         # a table no hyperparameter is close to: [agent.<key>], meant for an agent
         if not mine and isinstance(hyperparameters[key], dict) and not near:
             agents = plugin_manager.registry("register_agents").names()

@@ -118,10 +118,12 @@ def parse_weight(value: Any, where: str) -> Weight:
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     if not is_number(value) or not math.isfinite(value):
-        raise ConfigError(
-            f"{where}: weight {value!r} must be a finite number or a schedule table such as "
-            f"{{ start = 1.0, end = 0.2 }}."
-        )
+        schedule = "a schedule table such as { start = 1.0, end = 0.2 }"
+        if isinstance(value, str):  # weight = "0.5" reads as a number in the message unless called a string
+            raise ConfigError(
+                f"{where}: weight is the string {value!r}: give a number (no quotes) or {schedule}."
+            )
+        raise ConfigError(f"{where}: weight {value!r} must be a finite number or {schedule}.")
     return float(value)
 
 

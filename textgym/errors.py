@@ -27,7 +27,10 @@ class UnknownNameError(TextgymError, LookupError):
             message += f" Did you mean {close[0]!r}?"
         message += f" Known {kind}s: {', '.join(self.known) or '(none)'}."
         if kind in ("reward", "agent", "env", "prompt source", "model", "responder"):
-            message += " Run `textgym plugins` to see what each installed plugin registers."
+            message += (
+                " Run `textgym plugins` to see what each installed plugin registers; one defined in a plugin "
+                "file is known once the file is loaded (--plugin FILE.py, or run.plugins in a config)."
+            )
         super().__init__(message)
 
     def __str__(self) -> str:  # LookupError would quote the message like a KeyError

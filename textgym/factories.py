@@ -50,11 +50,14 @@ def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs:
     except (TypeError, ValueError):
         return
     for key, value in kwargs.items():
+        if not isinstance(value, str) or key not in params:
+            continue
+        annotation, default = params[key].annotation, params[key].default
+        if annotation is inspect.Parameter.empty and type(default) in (bool, int, float):
+            annotation = type(default)  # def exclaim(samples, per_mark=1.0): a number, as if annotated
         if (
-            isinstance(value, str)
-            and key in params
-            and not isinstance(params[key].default, str)  # scale: float = "auto" takes a word of its own
-            and (what := annotation_mismatch(params[key].annotation, value))
+            not isinstance(default, str)  # scale: float = "auto" takes a word of its own
+            and (what := annotation_mismatch(annotation, value))
         ):
             raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")
 

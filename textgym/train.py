@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shlex
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -351,7 +352,8 @@ def _run_native(
                 remaining,
                 callback=[Recorder(), *diagnostics],
                 reset_num_timesteps=False,
-                progress_bar=True,
+                # on a terminal: in a log file, the bar's redraws would run into the iteration lines
+                progress_bar=sys.stderr.isatty(),
                 tb_log_name="run",
             )
         else:
