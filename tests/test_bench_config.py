@@ -3,8 +3,9 @@
 import json
 
 import pytest
+import torch
 
-from textgym import bench
+from textgym import bench, bench_identity
 from textgym.bench import actions, load_designs, plan
 from textgym.cli import main
 from textgym.errors import ConfigError, PluginArgumentError, UnknownNameError
@@ -464,7 +465,7 @@ def test_relative_paths_in_a_designs_file_mean_the_same_from_any_directory(tmp_p
     assert job.identity["data"] == {str(project / "train.jsonl"): bench.file_digest(project / "train.jsonl")}
 
 
-def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_path):
+def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_path, monkeypatch):
     """A prompt file, a held-out prompt file, a metric's fn file and a proxy reward model's gold function
     are part of what a run was trained or evaluated with, by content."""
     prompts, heldout, metric = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl", tmp_path / "metric.py"
@@ -484,6 +485,15 @@ def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_pa
             json.dumps({"config_hash": job.config_hash, "eval_hash": job.eval_hash})
         )
     assert set(actions(jobs, out).values()) == {"reuse"}
+    # made by another textgym (or torch, transformers): refused, not compared with new runs as an equal
+    other = {**bench_identity.software(), "textgym": "0.0.9 (code 0123456789abcdef)"}
+    with monkeypatch.context() as m:
+        m.setattr(bench_identity, "software", lambda: other)
+        with pytest.raises(
+            ConfigError, match=r"trained with another config \(software.textgym: .* -> \"0.0.9"
+        ):
+            actions(plan(load_designs(d), out), out)
+    assert jobs[0].identity["software"]["torch"] == torch.__version__
 
     metric.write_text("def gold(samples):\n    return [0.0 for s in samples]\n")  # evaluated again
     assert set(actions(plan(load_designs(d), out), out).values()) == {"evaluate"}

@@ -417,3 +417,37 @@ def test_the_overoptimization_plot_draws_a_kl_estimate_below_zero_left_of_zero(r
     fig_clean = overoptimization(results)
     assert "below 0" not in fig_clean.axes[0].get_xlabel()
     assert min(x for ax in fig_clean.axes for line in ax.get_lines() for x in line.get_xdata()) >= 0
+
+
+def test_a_run_without_a_current_curve_leaves_its_designs_mean_line_in_the_overoptimization_plot(report):
+    """A run with no curve (stale after an evaluation change, or never measured) made the shortest curve 0
+    points long, and its design lost the thick mean line and its legend entry."""
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from textgym.bench_plots import overoptimization
+
+    _, results = report
+
+    def thick(fig):
+        return sorted(line.get_label() for line in fig.axes[0].get_lines() if line.get_linewidth() > 2)
+
+    every = thick(overoptimization(results))
+    curves = {k: [dict(r) for r in c] for k, c in results.curves.items()}
+    curves[next(iter(curves))] = []
+    assert len(every) > 1 and thick(overoptimization(dataclasses.replace(results, curves=curves))) == every
+
+
+def test_a_p_value_near_the_cut_shows_the_digits_that_put_it_on_its_side():
+    """0.0496 ("better") and 0.05004 (not significant) both showed as "0.050"."""
+    from textgym.bench_report import fmt_p
+
+    assert (fmt_p(0.0496), fmt_p(0.05004), fmt_p(0.05), fmt_p(0.0512)) == (
+        "0.0496",
+        "0.05004",
+        "0.050",
+        "0.051",
+    )
+    assert (fmt_p(0.0004), fmt_p(0.3)) == ("<0.001", "0.300")

@@ -46,7 +46,7 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     assert paired({0: 1.0}, {0: 0.0}).n == 1 and math.isnan(paired({0: 1.0}, {0: 0.0}).p)
     assert paired({0: 1.0}, {1: 0.0}).n == 0
     same = paired({0: 1.0, 1: 2.0}, {0: 0.5, 1: 1.5})  # every seed shows the same difference
-    assert same.p == 0.0 and same.d_z == math.inf and same.ci_low == same.ci_high == 0.5  # the t-test's limit
+    assert same.p == 0.5 and same.d_z == math.inf and same.ci_low == same.ci_high == 0.5  # the sign test's
     equal = paired({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0})
     assert equal.p == 1.0 and equal.diff == 0.0
     # two metrics that are 0 up to float rounding, in either direction, are not different
@@ -56,24 +56,33 @@ def test_paired_uses_shared_seeds_only_and_handles_degenerate_cases():
     assert compare({"a": rounding, "b": {s: 0.0 for s in range(6)}}, "higher")[1] == {"a": 1, "b": 1}
 
 
-def test_a_difference_every_seed_shows_is_never_less_significant_than_nearly_the_same_differences():
-    """The same difference on every seed went to the exact sign test (p = 2 / 2^n), nearly the same ones to
-    the t-test: an EOS rate of 1.0 against 0.0 on 5 seeds was "not significant" (p = 0.0625), and made
-    weaker on one seed (15/16) it was significant (p ~ 1e-7). A chain then ranked a pair its test did not."""
+def test_the_same_difference_on_every_seed_is_judged_by_the_exact_sign_test():
+    """Its p was 0 (the t-test's limit): an EOS rate over 32 episodes one episode apart on both of 2 seeds
+    (its values are multiples of 1/32, so this happens by chance) was "better", and Holm's correction,
+    multiplying 0, did nothing; 3 designs on 2 seeds that did not differ showed a "better" pair in about a
+    quarter of benches. The exact sign-flip test's p is 2 / 2^n: never below 0.5 on 2 seeds."""
     from textgym.bench_report import verdict
     from textgym.bench_results import _comparison_row
 
-    one, zero = {s: 1.0 for s in range(5)}, {s: 0.0 for s in range(5)}
-    (constant,), ranks = compare({"a": one, "b": zero}, "higher", bounds=(0.0, 1.0))
-    (weaker,), _ = compare({"a": {**one, 4: 15 / 16}, "b": zero}, "higher", bounds=(0.0, 1.0))
-    assert weaker.better == "a" and weaker.p_holm < 0.05
-    assert constant.better == "a" and constant.p_holm <= weaker.p_holm and ranks == {"a": 1, "b": 2}
-    assert verdict(_comparison_row("designs", "lmppo", "eos_rate", constant)) == "**a** better"
+    a, b, c = ({0: x / 32, 1: (x - 1) / 32} for x in (32, 31, 30))
+    comparisons, ranks = compare({"a": a, "b": b, "c": c}, "higher", bounds=(0.0, 1.0))
+    assert {(x.a, x.b): x.test.p for x in comparisons} == {("a", "b"): 0.5, ("a", "c"): 0.5, ("b", "c"): 0.5}
+    assert all(x.better is None for x in comparisons) and ranks == {"a": 1, "b": 1, "c": 1}
+    assert verdict(_comparison_row("designs", "lmppo", "eos_rate", comparisons[0])) == (
+        "not significant (the same difference on every seed: the exact sign test needs 7 seeds)"
+    )
+    assert {x.seeds_needed for x in comparisons} == {7}  # 2 / 2^7 < 0.05 / 3, Holm's first step
 
+    one, zero = {s: 1.0 for s in range(7)}, {s: 0.0 for s in range(7)}  # on 7 seeds: p = 1/64
+    (constant,), ranks = compare({"a": one, "b": zero}, "higher", bounds=(0.0, 1.0))
+    assert constant.p_holm == 2.0**-6 and constant.better == "a" and ranks == {"a": 1, "b": 2}
+    assert verdict(_comparison_row("designs", "lmppo", "eos_rate", constant)) == "**a** better"
+    # a chain ranks what its tests separate: a > b and b > c by the t-test put a above c, whose one
+    # difference (2.0 on all 4 seeds) the sign test cannot call on 4 seeds
     near = {s: 1.0 - 0.01 * (s % 2) for s in range(4)}  # a - b: 0.99 +- 0.01 on every seed
     three = {"a": {s: 2.0 for s in range(4)}, "b": near, "c": {s: 0.0 for s in range(4)}}
     comparisons, ranks = compare(three, "higher")
-    assert {(c.a, c.b): c.better for c in comparisons} == {("a", "b"): "a", ("a", "c"): "a", ("b", "c"): "b"}
+    assert {(c.a, c.b): c.better for c in comparisons} == {("a", "b"): "a", ("a", "c"): None, ("b", "c"): "b"}
     assert ranks == {"a": 1, "b": 2, "c": 3}
 
 
@@ -204,7 +213,8 @@ def test_a_group_that_no_test_compared_is_not_ranked():
     c = {s: math.inf for s in range(3)}
     _, ranks = compare({"a": a, "b": b, "c": c}, "lower")
     assert ranks == {"a": 1, "b": 2, "c": None}
-    assert compare({"a": a}, "lower")[1] == {"a": 1}  # alone: nothing to compare with, and nothing better
+    # alone: no test compared it, and a "1" (a green badge in report.html) read as a comparison won
+    assert compare({"a": a}, "lower")[1] == {"a": None}
     assert compare({"a": {0: 1.0}, "b": {0: 2.0}}, "higher")[1] == {"a": None, "b": None}  # one seed
 
 
@@ -349,7 +359,7 @@ def test_seeds_needed_matches_the_textbook_power_of_a_paired_t_test():
 
     # two-sided, alpha 0.05, power 0.8 (as G*Power gives for a one-sample t-test): d_z = 1 -> 10, 0.5 -> 34
     assert seeds_needed(1.0) == 10 and seeds_needed(0.5) == 34 and seeds_needed(-0.5) == 34
-    assert seeds_needed(0.0) is None and seeds_needed(math.inf) is None
+    assert seeds_needed(0.0) is None and seeds_needed(math.inf) == 6  # the sign test: 2 / 2^6 < 0.05
     assert seeds_needed(1.0, alpha=0.05 / 3) > 10  # Holm's first step over three pairs is stricter
     comparisons, _ = compare({"a": {0: 1.0, 1: 2.0, 2: 1.5}, "b": {0: 1.2, 1: 1.1, 2: 1.4}}, "higher")
     assert comparisons[0].better is None and comparisons[0].seeds_needed > 3

@@ -1,11 +1,13 @@
 """What a bench run's results depend on, as digests: its config without what never changes training
 (:func:`identity`), the code it loads (plugin and ``fn`` files with the local modules they import, the
-versions and code of the installed packages it uses), its data files and directories, and the files of the held-out
+versions and code of the installed packages it uses, textgym's own: :func:`software`), its data files and
+directories, and the files of the held-out
 evaluation (:func:`evaluation_files`). :mod:`textgym.bench` records them and compares them on a rerun."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,7 +18,7 @@ from textgym.evaluation import jsonable
 
 __all__ = [
     "config_hash", "data_paths", "evaluation_files", "file_digest", "file_stats", "fn_files", "fn_modules",
-    "identity", "installed_package", "packages_used", "with_local_imports",
+    "identity", "installed_package", "packages_used", "software", "with_local_imports",
 ]  # fmt: skip
 
 
@@ -43,7 +45,28 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
         ident["reward_models"] = dict(reward_models)
     if packages := {**packages_used(ident), **provided}:  # an installed package: its version and code
         ident["packages"] = dict(sorted(packages.items()))
+    ident["software"] = software()
     return ident
+
+
+@functools.cache
+def software() -> dict[str, str]:
+    """What trains and evaluates every run: textgym's version and a digest of its code, and the versions of
+    torch and transformers. Runs made by another textgym (an upgrade that changed sampling or a metric)
+    would be compared with new ones as equals."""
+    import importlib.metadata
+    import importlib.util
+
+    import textgym
+
+    roots = [Path(p) for name in ("textgym", "textgym.agents", "textgym.plugins")
+             if (spec := importlib.util.find_spec(name)) for p in spec.submodule_search_locations or []]  # fmt: skip
+    files = sorted({f for root in roots for f in root.rglob("*.py") if "__pycache__" not in f.parts})
+    digest = hashlib.sha256("\n".join(file_digest(f) for f in files).encode()).hexdigest()[:16]
+    versions = {"textgym": f"{textgym.__version__} (code {digest})"}
+    for name in ("torch", "transformers"):
+        versions[name] = importlib.metadata.version(name)
+    return versions
 
 
 def _settings(config: Mapping[str, Any]) -> dict[str, Any]:

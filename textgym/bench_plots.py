@@ -228,6 +228,8 @@ def overoptimization(results: BenchResults) -> Any:
                 color, style = colors[design], styles[agent]
                 for x, y in runs:
                     ax.plot(x, y, color=color, ls=style, lw=0.8, alpha=0.35, marker=".", markersize=3)
+                # a run without a current curve (stale, or never measured) has no points: the others' mean
+                runs = [(x, y) for x, y in runs if len(x)]
                 n = min((len(x) for x, _ in runs), default=0)
                 if n:
                     mean_x = np.mean([x[:n] for x, _ in runs], axis=0)

@@ -43,8 +43,14 @@ def fmt(value: float | str | None, digits: int | None = None) -> str:
 
 
 def fmt_p(p: float) -> str:
-    """A p-value: 3 decimals, "<0.001" below (never "0.000")."""
-    return "<0.001" if p < 0.001 else fmt(p, 3)
+    """A p-value: 3 decimals, "<0.001" below (never "0.000"); near the 0.05 cut, the digits that put it on
+    its side (0.0496 and 0.0500 both rounded to "0.050", one "better", the other not significant)."""
+    if p < 0.001:
+        return "<0.001"
+    digits = 3
+    while digits < 8 and round(p, digits) == ALPHA and p != ALPHA:
+        digits += 1
+    return fmt(p, digits)
 
 
 def fmt_interval(mean: float, low: float, high: float) -> str:
@@ -151,6 +157,8 @@ def needed_text(c: Mapping[str, Any]) -> str:
     n = c.get("seeds_needed")
     if n is None or n <= c["n"]:
         return ""
+    if math.isinf(c.get("d_z", math.nan)):  # the same difference on every seed: the sign test's count
+        return f" (the same difference on every seed: the exact sign test needs {n} seeds)"
     return f" (~{n} seeds for 80% power at this effect)"
 
 

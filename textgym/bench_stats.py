@@ -78,11 +78,12 @@ def paired(
     interval is clipped to what a difference of two values in ``bounds`` (the metric's range) can be:
     ``[low - high, high - low]``, [-1, 1] for two rates.
 
-    When every shared seed shows exactly the same difference the t statistic is infinite: p is then 0, the
-    t-test's limit as the differences' spread shrinks, and the interval has width 0, so a difference on
-    every seed is never less significant than nearly the same differences. Differences within float
-    rounding of the values (1e-12 of their size, at least 1e-12) are none: two metrics that are both 0 up
-    to rounding never differ significantly.
+    When every shared seed shows exactly the same difference, the t-test has no spread to go by (its p would
+    be 0): p is then the exact sign-flip test's, 2 / 2^n (0.5 on 2 seeds, 0.03 on 6), and the interval has
+    width 0. A metric measured on a few episodes (a rate over 32 takes multiples of 1/32) shows the same
+    difference on a few seeds often by chance; a p of 0 made every such pair "significant". Differences
+    within float rounding of the values (1e-12 of their size, at least 1e-12) are none: two metrics that
+    are both 0 up to rounding never differ significantly.
 
     An infinite value on a shared seed (a KL that blew up) leaves the pair untested: its difference is
     infinite or undefined, and leaving that seed out would compare the designs on their good runs only. So
@@ -111,10 +112,11 @@ def paired(
     if n < 2:
         return Paired(1, diff, math.nan, math.nan, math.nan, math.nan)
     sd = float(d.std(ddof=1))
-    if sd <= 1e-12 * max(1.0, float(np.abs(d).max())):  # the same difference on every seed
+    if sd <= 1e-12 * float(np.abs(d).max()):  # the same difference on every seed
         if diff == 0:
             return Paired(n, 0.0, 0.0, 0.0, 0.0, 1.0)
-        return Paired(n, diff, diff, diff, math.copysign(math.inf, diff), 0.0)
+        # the exact sign-flip test: all n differences of one sign, as likely as 2 of the 2^n sign patterns
+        return Paired(n, diff, diff, diff, math.copysign(math.inf, diff), 2.0 ** (1 - n))
     se = sd / math.sqrt(n)
     half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * se
     p = float(2 * stats.t.sf(abs(diff / se), n - 1))
@@ -138,10 +140,13 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 def seeds_needed(d_z: float, alpha: float = ALPHA, power: float = 0.8, most: int = 10_000) -> int | None:
     """Seeds a two-sided paired t-test at level ``alpha`` needs to detect an effect of size ``d_z`` with
     probability ``power`` (the noncentral t distribution). None for no effect, or beyond ``most``. The d_z
-    observed on a few seeds is a rough estimate: read the answer as an order of magnitude."""
+    observed on a few seeds is a rough estimate: read the answer as an order of magnitude. For the same
+    difference on every seed (``d_z`` infinite), the seeds the exact sign test needs: 2 / 2^n below ``alpha``."""
     from scipy import stats
 
-    if not math.isfinite(d_z) or d_z == 0:
+    if math.isinf(d_z):
+        return math.floor(1 + math.log2(1 / alpha)) + 1
+    if math.isnan(d_z) or d_z == 0:
         return None
     n = 2
     while n <= most:
@@ -199,7 +204,7 @@ def compare(
     for name in names:
         # a group that no test compared with another is not ranked: "1" would read as "none is better" (the
         # one group with a value, where the others have none: an SB3 agent's KL)
-        if not direction or name not in valued or (len(names) > 1 and name not in tested):
+        if not direction or name not in valued or name not in tested:
             ranks[name] = None
             continue
         ranks[name] = 1 + len(above[name] - {name})
