@@ -326,6 +326,14 @@ def test_the_plots_draw_no_flat_standardised_reward_no_interval_of_one_seed_and_
     bench_plots._seed_lines(ax, [([100], [0.5]), ([100], [0.9]), ([100], [0.7])], "C0", "-", "three")
     (mean,) = [line for line in ax.lines if line.get_label() == "three"]
     assert list(mean.get_ydata()) == pytest.approx([0.7])
+    # runs ending at different token counts: the mean ends at their final values (the tables' numbers), not
+    # at the values interpolated where the shortest run ends
+    _, ax = bench_plots.pyplot().subplots()
+    bench_plots._seed_lines(
+        ax, [([0, 100, 200], [0.0, 0.5, 0.6]), ([0, 100, 150], [0.0, 0.9, 1.0])], "C0", "-", "m"
+    )
+    (mean,) = [line for line in ax.lines if line.get_label() == "m"]
+    assert (mean.get_xdata()[-1], mean.get_ydata()[-1]) == pytest.approx((175, 0.8))
 
 
 def test_one_seed_is_reported_as_not_tested(tmp_path):

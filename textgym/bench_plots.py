@@ -52,7 +52,9 @@ def _label(results: BenchResults, agent: str, design: str) -> str:
 def _seed_lines(
     ax: Any, runs: Sequence[tuple[Sequence[float], Sequence[float]]], color: str, style: str, label: str
 ) -> None:
-    """Each run thin, and their mean thick on a common x grid (up to the shortest run's end)."""
+    """Each run thin, and their mean thick on a common x grid (up to the shortest run's end), then to the
+    mean of the runs' last points: the runs end at different token counts (a batch overshoots the budget),
+    and their final values, which the report's tables average, are the line's end."""
     runs = [(np.asarray(x, float), np.asarray(y, float)) for x, y in runs if len(x)]
     for x, y in runs:  # a run of one iteration is one point: a line alone would draw nothing
         ax.plot(x, y, color=color, ls=style, lw=0.8, alpha=0.35, marker="o" if len(x) == 1 else None)
@@ -66,6 +68,9 @@ def _seed_lines(
     elif end > start:
         grid = np.linspace(start, end, 60)
         mean = np.mean([np.interp(grid, x, y) for x, y in runs], axis=0)
+        last_x, last_y = np.mean([x[-1] for x, _ in runs]), np.mean([y[-1] for _, y in runs])
+        if last_x > grid[-1]:
+            grid, mean = np.append(grid, last_x), np.append(mean, last_y)
         ax.plot(grid, mean, color=color, ls=style, lw=2.2, label=label)
     elif end == start:  # the runs meet at one point only (runs of one iteration): their mean there
         mean = np.mean([np.interp(start, x, y) for x, y in runs])
