@@ -45,6 +45,9 @@ def test_unknown_reward_or_metric_names_fail_before_any_training(tmp_path, capsy
     bad = designs(tmp_path)
     bad["metrics"]["rewards"] = [{"name": "fluency", "modle": "x"}]
     refused(tmp_path, bad, "'modle'", PluginArgumentError)
+    bad = designs(tmp_path)  # meant as "lower is better", and dropped: rankings and checks went upside down
+    bad["metrics"]["rewards"] = [{"name": "length_penalty", "target": 3, "weight": -1, "label": "short"}]
+    refused(tmp_path, bad, r"'short': weight = -1, but metrics are reported as their rewards score them")
     path = tmp_path / "d.toml"
     path.write_text('[[designs]]\nname = "a"\nrewards = [{ name = "sentimnt" }]\n')
     assert main(["bench", str(path)]) == 2

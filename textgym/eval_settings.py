@@ -143,6 +143,13 @@ def check_metric_specs(specs: Sequence[Mapping[str, Any]], where: str) -> None:
     from textgym.rewards import check_reward_specs
 
     for spec in specs:
+        weight = spec.get("weight", 1)
+        if _is_number(weight) and weight < 0:  # what a negative weight means in a design: lower is better
+            raise ConfigError(
+                f"{where} {spec['label']!r}: weight = {weight!r}, but metrics are reported as their rewards score "
+                f"them, higher better, and a weight changes nothing: for a metric where lower is better, "
+                f"score it negated (a function returning -x), and leave the weight out."
+            )
         check_reward_specs(
             [metric_reward_args(spec)], where=f"{where} {spec['label']!r}", allow_all_metrics=True
         )
