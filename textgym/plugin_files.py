@@ -1,17 +1,61 @@
-"""The local modules a plugin file imports: found by reading its imports (:func:`local_imports`, which a
-bench digests too), and imported again when one was edited since (a plugin file loaded twice in one process,
-as in a notebook, would otherwise run the new file on the old modules that ``sys.modules`` keeps)."""
+"""Importing a plugin file (:func:`import_file`), and the local modules it imports: found by reading its
+imports (:func:`local_imports`, which a bench digests too), and imported again when one was edited since (a
+plugin file loaded twice in one process, as in a notebook, would otherwise run the new file on the old modules
+that ``sys.modules`` keeps)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import hashlib
+import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["forget_edited", "local_imports", "read_bytes", "track_imported"]
+from textgym.errors import PluginError
+
+__all__ = ["forget_edited", "import_file", "local_imports", "plugin_dirs", "read_bytes", "track_imported"]
+
+plugin_dirs: list[Path] = []  # the directories plugin files were loaded from: on sys.path, in that order
+
+
+def import_file(file: Path, helpers: Sequence[Path], hooks: Iterable[str]) -> types.ModuleType:
+    """Import the plugin ``file`` (resolved) as a module, first forgetting the local ``helpers`` it imports
+    that were edited since; refuse one that defines a hook function (one of ``hooks``) without
+    ``@textgym.hookimpl``, which pluggy would never call."""
+    name = str(file)
+    forget_edited(helpers)
+    # one name per file in every process (hash() differs per process), and in sys.modules while it runs:
+    # dataclasses (with postponed annotations) and pickle look a class's module up there
+    module_name = f"textgym_plugin_{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise PluginError(f"plugin file {name!r} cannot be imported as a Python module.")
+    module = importlib.util.module_from_spec(spec)
+    if str(file.parent) not in sys.path:  # the file may import modules that sit next to it, as a script can
+        sys.path.append(str(file.parent))
+    if file.parent not in plugin_dirs:
+        plugin_dirs.append(file.parent)
+    before = set(sys.modules)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    finally:
+        track_imported(before, helpers)
+    for hook in hooks:
+        function = getattr(module, hook, None)
+        if callable(function) and not hasattr(function, "textgym_impl"):
+            raise PluginError(
+                f"plugin file {name!r} defines {hook}() without @textgym.hookimpl, so textgym would never call it: "
+                f"put @textgym.hookimpl on the line above `def {hook}`."
+            )
+    return module
 
 
 def forget_edited(helpers: Sequence[Path]) -> None:

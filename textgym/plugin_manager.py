@@ -8,14 +8,11 @@ registries are rebuilt from the hooks whenever the set of plugins changes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import importlib.metadata
-import importlib.util
 import inspect
 import os
 import re
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +23,7 @@ import pluggy
 
 from textgym import hookspecs
 from textgym.errors import DuplicateNameError, PluginError, UnknownNameError, did_you_mean
-from textgym.plugin_files import forget_edited, local_imports, read_bytes, track_imported
+from textgym.plugin_files import import_file, local_imports, plugin_dirs, read_bytes
 
 DEFAULT_PLUGINS = (
     "textgym.plugins.rm_score",
@@ -249,48 +246,20 @@ def load_plugin_file(path: str | os.PathLike) -> str:
         if pm.has_plugin(name):
             return name  # (loaded before, and gone since: what was loaded stays)
         raise PluginError(f"plugin file {str(path)!r} does not exist or is not a .py file.")
-    helpers = local_imports([file], roots=_plugin_dirs)
+    helpers = local_imports([file], roots=plugin_dirs)
     # the file and the local modules it imports, as they are now: an edit to either imports it again
     content = b"\0".join([file.read_bytes(), *(read_bytes(h) for h in helpers)])
     if pm.has_plugin(name):
         if _file_contents.get(name) == content:
             return name
         unregister_plugin(name)
-    forget_edited(helpers)
-    # one name per file in every process (hash() differs per process), and in sys.modules while it runs:
-    # dataclasses (with postponed annotations) and pickle look a class's module up there
-    module_name = f"textgym_plugin_{hashlib.sha256(name.encode()).hexdigest()[:16]}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise PluginError(f"plugin file {name!r} cannot be imported as a Python module.")
-    module = importlib.util.module_from_spec(spec)
-    if str(file.parent) not in sys.path:  # the file may import modules that sit next to it, as a script can
-        sys.path.append(str(file.parent))
-    if file.parent not in _plugin_dirs:
-        _plugin_dirs.append(file.parent)
-    before = set(sys.modules)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise PluginError(f"plugin file {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
-    finally:
-        track_imported(before, helpers)
-    for hook in KINDS:
-        function = getattr(module, hook, None)
-        if callable(function) and not hasattr(function, "textgym_impl"):
-            raise PluginError(
-                f"plugin file {name!r} defines {hook}() without @textgym.hookimpl, so textgym would never call it: "
-                f"put @textgym.hookimpl on the line above `def {hook}`."
-            )
+    module = import_file(file, helpers, hooks=KINDS)
     register_plugin(module, name=name, source=f"file {name}")
     _file_contents[name] = content
     return name
 
 
 _file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its local modules', as imported
-_plugin_dirs: list[Path] = []  # the directories plugin files were loaded from: on sys.path, in that order
 _load_error: Exception | None = None
 _distributions: dict[str, tuple[str, str]] = {}  # an entry-point plugin -> its distribution's name, version
 
