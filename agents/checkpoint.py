@@ -129,7 +129,7 @@ def _saves_itself(tokenizer: Any) -> bool:
 
 
 def save_checkpoint(agent: LMAgent, path: Path) -> None:
-    from textgym.models import atomic_build_dir
+    from textgym.atomic import atomic_build_dir
 
     full, agent._gathered = getattr(agent, "_gathered", None), None
     error = _refused_save_target(path)
@@ -194,7 +194,7 @@ def save_checkpoint(agent: LMAgent, path: Path) -> None:
 def _refused_save_target(path: Path) -> ConfigError | None:
     """The error of a save to ``path``, if it must not write there. A save replaces a checkpoint, or fills an
     empty or new directory; anything else in ``path`` is the user's: a save refuses it rather than delete it."""
-    from textgym.models import is_complete
+    from textgym.atomic import is_complete
 
     empty = path.is_dir() and not any(path.iterdir())
     if path.exists() and not empty and not (is_complete(path) and (path / "state.json").is_file()):
@@ -232,7 +232,7 @@ def _load_trained_policy(agent: LMAgent, policy_dir: Path) -> None:
 def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
     from transformers import AutoModelForCausalLM
 
-    from textgym.models import is_complete
+    from textgym.atomic import is_complete
 
     if not path.exists():
         raise ConfigError(f"{str(path)!r} does not exist: give the directory {cls.__name__}.save wrote.")

@@ -14,9 +14,9 @@ from textgym import FunctionReward, RewardStack, TextGenVectorEnv
 from textgym.agents.base import cpu_has_native_bf16
 from textgym.agents.grpo import GRPO
 from textgym.agents.ppo import LMPPO
+from textgym.atomic import is_complete
 from textgym.composition import WeightSchedule
 from textgym.errors import ConfigError, TrainingError
-from textgym.models import is_complete
 
 
 def env_with(stack, n=16, **kwargs):

@@ -17,10 +17,10 @@ from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 import textgym
 from textgym import FunctionReward, RewardStack
 from textgym.agents.ppo import LMPPO
+from textgym.atomic import is_complete
 from textgym.cli import main
 from textgym.errors import ConfigError, PluginError
 from textgym.evaluate import EvalCallback, evaluate_policy
-from textgym.models import is_complete
 from textgym.rewards import parse_reward_spec
 from textgym.sb3 import make_vec_env
 from textgym.train import run

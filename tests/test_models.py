@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import textgym
-from textgym import models
+from textgym import atomic, models
 from textgym.agents.ppo import LMPPO
+from textgym.atomic import atomic_build_dir
 from textgym.errors import ConfigError, ModelError, UnknownNameError
-from textgym.models import CharTokenizer, atomic_build_dir, check_pad_token
+from textgym.models import CharTokenizer, check_pad_token
 
 
 def test_embedded_tokenizer_has_a_pad_distinct_from_eos(tokenizer):
@@ -148,9 +149,9 @@ def test_a_build_that_another_process_finished_first_returns_the_finished_one(tm
             atomic_build_dir(target, lambda d: (d / "w.bin").write_text("theirs"))
         rename(src, dst)
 
-    monkeypatch.setattr(models.os, "rename", other_process_first)
+    monkeypatch.setattr(atomic.os, "rename", other_process_first)
     assert atomic_build_dir(target, lambda d: (d / "w.bin").write_text("ours")) == target
-    assert (target / "w.bin").read_text() == "theirs" and models.is_complete(target)
+    assert (target / "w.bin").read_text() == "theirs" and atomic.is_complete(target)
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left
 
 
@@ -176,9 +177,9 @@ def test_two_builds_replacing_one_incomplete_leftover_both_return_a_complete_bui
             raced.append(rename(built, target))
         rename(src, dst)
 
-    monkeypatch.setattr(models.os, "rename", the_other_process_renames_first)
+    monkeypatch.setattr(atomic.os, "rename", the_other_process_renames_first)
     assert atomic_build_dir(target, lambda d: (d / "w.bin").write_text("ours")) == target
-    assert raced and models.is_complete(target)
+    assert raced and atomic.is_complete(target)
     assert (target / "w.bin").read_text() == ("ours" if theirs == "moves-first" else "theirs")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.")]  # no temporary directories
 

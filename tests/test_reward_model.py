@@ -13,9 +13,9 @@ import pytest
 
 from tests.conftest import reward_plugin
 from textgym import Sample, make_reward
+from textgym.atomic import is_complete
 from textgym.cli import main
 from textgym.errors import ConfigError, ModelError, PairsError, RewardError, TrainingError, UnknownNameError
-from textgym.models import is_complete
 from textgym.pairs import label_pairs, read_pairs
 from textgym.reward_model import REPORT, train_reward_model
 from textgym.rm_scoring import format_text

@@ -11,10 +11,10 @@ import time
 import pytest
 from lm_helpers import csv_rows
 
+from textgym.atomic import is_complete
 from textgym.cli import main
 from textgym.config import load_config
 from textgym.errors import ConfigError
-from textgym.models import is_complete
 from textgym.train import run
 
 TINY = """

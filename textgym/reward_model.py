@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from textgym.atomic import atomic_build_dir, is_complete
 from textgym.errors import ConfigError, TrainingError
-from textgym.models import EMBEDDED, atomic_build_dir, is_complete
+from textgym.models import EMBEDDED
 from textgym.pairs import Pair, PairsLike, read_pairs, split_pairs
 from textgym.rm_scoring import (
     PairMetrics,

@@ -3,7 +3,7 @@
 - It is textgym's own: a marker file says so, and a directory holding anything else is never used.
 - One process at a time: a lock file (``fcntl.flock``, released by the OS when the process dies).
 - Every file is written atomically (a temporary sibling, then a rename), the checkpoint as a directory by
-  :func:`textgym.models.atomic_build_dir`. A kill between the two renames of a checkpoint swap leaves the
+  :func:`textgym.atomic.atomic_build_dir`. A kill between the two renames of a checkpoint swap leaves the
   new and the previous checkpoint as complete temporaries: :meth:`RunDir.recover_checkpoint` restores the
   newest complete one and removes stale temporaries.
 - On resume, ``samples.jsonl`` is cut back to the checkpoint's iteration (``metrics.csv`` is rewritten from
@@ -180,7 +180,7 @@ class RunDir:
     def recover_checkpoint(self) -> Path | None:
         """The last complete checkpoint, restored from a temporary if a swap was cut by a kill; stale
         temporaries are removed. None when there is no complete checkpoint."""
-        from textgym.models import is_complete
+        from textgym.atomic import is_complete
 
         temporaries = [p for p in self.path.glob(f".{CHECKPOINT}.*") if p.is_dir()]
         if not is_complete(self.checkpoint):
@@ -211,7 +211,7 @@ class RunDir:
             raise self.disk_error("the checkpoint", failed) from None
 
     def disk_error(self, what: str, exc: OSError) -> TrainingError:
-        from textgym.models import is_complete
+        from textgym.atomic import is_complete
 
         reason = exc.strerror or str(exc)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -281,7 +281,7 @@ REPLAY_FIELDS = ("observations", "next_observations", "actions", "rewards", "don
 
 
 def save_sb3_checkpoint(agent: Any, path: Path, state: dict[str, Any]) -> None:
-    from textgym.models import atomic_build_dir
+    from textgym.atomic import atomic_build_dir
 
     def build(out: Path) -> None:
         agent.save(out / SB3_MODEL)
