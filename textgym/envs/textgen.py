@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -11,8 +11,15 @@ from gymnasium.error import InvalidAction, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from textgym.envs.accessors import (
+    EnvAccessors,
+    check_render_mode,
+    check_steps,
+    checked_options,
+    enclosing_time_limit,
+)
 from textgym.envs.episodes import Episodes
-from textgym.errors import ConfigError, RenderModeError
+from textgym.errors import ConfigError
 from textgym.prompts import PromptsLike
 from textgym.responders import ResponderSpec
 from textgym.rewards import RewardSpec, RewardStack
@@ -22,135 +29,7 @@ SINGLE_OPTIONS = ("prompt",)
 VECTOR_OPTIONS = ("reset_mask", "prompt", "prompts", "group_size")
 
 
-def _checked_options(options: Any, valid: Sequence[str]) -> dict[str, Any]:
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"reset options must be a dict, not {type(options).__name__} {options!r}.")
-    unknown = sorted(set(options) - set(valid), key=str)
-    if unknown:
-        raise ConfigError(f"unknown reset option {unknown[0]!r}; valid options: {', '.join(valid)}.")
-    return {k: v for k, v in options.items() if v is not None}
-
-
-def _check_render_mode(render_mode: Any) -> None:
-    if render_mode not in (None, "ansi"):
-        raise RenderModeError(f"render_mode must be None or 'ansi' (text), not {render_mode!r}.")
-
-
-def _check_steps(value: Any) -> int | None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
-    ):
-        raise ConfigError(f"max_episode_steps must be a positive integer or None, not {value!r}.")
-    return None if value is None else int(value)
-
-
-def _enclosing_time_limit(depth: int = 12) -> int | None:
-    """The step limit of a ``gymnasium.wrappers.TimeLimit`` whose ``reset`` is calling this env's, if any.
-    Gymnasium adds that wrapper outside the env and never tells it the limit; looking up the call stack is
-    the one way to truncate (and so score) an episode on the wrapper's last step."""
-    import sys
-
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, gym.wrappers.TimeLimit):
-            return int(owner._max_episode_steps)
-        frame = frame.f_back
-    return None
-
-
-class _Accessors:
-    """What agents and tools may read about an env's episodes (nothing outside textgym/envs reads
-    ``env.episodes``)."""
-
-    episodes: Episodes
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """Prompt positions in an observation (prompts are left-padded into them)."""
-        return self.episodes.P
-
-    @property
-    def max_new_tokens(self) -> int:
-        """The response budget: an episode is truncated after this many tokens (in a multi-turn episode, the
-        agent's and the environment's tokens together)."""
-        return self.episodes.T
-
-    @property
-    def max_turns(self) -> int | None:
-        """The most turns the agent gets in an episode (None: only the token budget bounds them)."""
-        return self.episodes.max_turns
-
-    @property
-    def responder(self) -> Any:
-        """The environment's side of multi-turn episodes (None: one turn per episode)."""
-        return self.episodes.responder
-
-    @property
-    def env_token_mask(self) -> np.ndarray:
-        """(num_envs, L) int8, 1 at the observation positions the environment wrote (its replies): those
-        tokens are observations, not actions. All 0 without a responder."""
-        return self.episodes.env_mask.copy()
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.episodes.pad_id
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.episodes.eos_id
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """Every id that ends an episode as EOS: the tokenizer's, and those the model directory declares."""
-        return self.episodes.eos_ids
-
-    @property
-    def num_prompts(self) -> int:
-        """Prompts in the source (reset options index into them)."""
-        return self.episodes.n_source
-
-    @property
-    def prompt_cursor(self) -> int:
-        """The place in ``prompt_order = "sequential"``: prompts drawn so far, modulo their number (checkpoints
-        keep it). Unsharded, the index of the next prompt."""
-        return self.episodes.cursor
-
-    @prompt_cursor.setter
-    def prompt_cursor(self, value: int) -> None:
-        self.episodes.cursor = int(value) % self.episodes.n_source
-
-    def shard_prompts(self, process: int, processes: int) -> None:
-        """Make this env process ``process``'s of ``processes`` data-parallel ones: its sequential order takes
-        every ``processes``-th prompt from ``process`` on, so the processes' batches hold different prompts
-        (LM agents call it under ``accelerate``; random order needs nothing, each process has its own seed)."""
-        if not 0 <= process < processes:
-            raise ConfigError(f"process must be in 0..{processes - 1}, not {process!r}.")
-        self.episodes.shard = (int(process), int(processes))
-
-    @property
-    def reward_seconds(self) -> float:
-        """Seconds spent in the reward stack since the env was made (for agents' time breakdowns)."""
-        return self.episodes.reward_seconds
-
-    def encode_prompt(self, prompt: int | str) -> np.ndarray:
-        """The token ids an episode on ``prompt`` (an index or a text) starts from, template applied (without
-        a responder's opening)."""
-        return self.episodes.encode_prompt(self.episodes.prompt_option(prompt)).copy()
-
-    def _close(self) -> None:
-        self.reward_stack.close()
-        self.episodes.end(np.arange(self.episodes.n))  # the episodes still going
-        close = getattr(self.episodes.responder, "close", None)
-        if callable(close):
-            close()
-
-
-class TextGenEnv(_Accessors, gym.Env[Obs, int]):
+class TextGenEnv(EnvAccessors, gym.Env[Obs, int]):
     """Prompted text generation, one token per step.
 
     ## Description
@@ -244,9 +123,9 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         responder: ResponderSpec = None,
         max_turns: int | None = None,
     ):
-        _check_render_mode(render_mode)
+        check_render_mode(render_mode)
         self.render_mode = render_mode
-        self._max_episode_steps = _check_steps(max_episode_steps)
+        self._max_episode_steps = check_steps(max_episode_steps)
         self.episodes = Episodes(
             1, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
             prompt_overflow, prompt_order, allowed_tokens, pad_token, responder, max_turns,
@@ -260,9 +139,9 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         super().reset(seed=seed)
         # An episode cut by a TimeLimit wrapper (gymnasium.make(..., max_episode_steps=N)) is still scored:
         # the env truncates, and scores, on the wrapper's last step itself.
-        limits = [n for n in (self._max_episode_steps, _enclosing_time_limit()) if n is not None]
+        limits = [n for n in (self._max_episode_steps, enclosing_time_limit()) if n is not None]
         self.episodes.limit = min([self.episodes.T, *limits])
-        prompt = _checked_options(options, SINGLE_OPTIONS).get("prompt")
+        prompt = checked_options(options, SINGLE_OPTIONS).get("prompt")
         self._needs_reset = True  # until the new episode has started: a responder's start() may raise
         self.episodes.start([0], self.np_random, None if prompt is None else [prompt])
         self._needs_reset = False
@@ -311,7 +190,7 @@ class TextGenEnv(_Accessors, gym.Env[Obs, int]):
         self._close()
 
 
-class TextGenVectorEnv(_Accessors, VectorEnv):
+class TextGenVectorEnv(EnvAccessors, VectorEnv):
     """``num_envs`` :class:`TextGenEnv` episodes stepped together, with their rewards scored in batches.
 
     Every episode that ends on a step is scored in the same call to the reward stack.
@@ -363,7 +242,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
         responder: ResponderSpec = None,
         max_turns: int | None = None,
     ):
-        _check_render_mode(render_mode)
+        check_render_mode(render_mode)
         if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
             raise ConfigError(f"num_envs must be a positive integer, not {num_envs!r}.")
         try:
@@ -380,7 +259,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
             self.num_envs, model, prompts, rewards, max_new_tokens, max_prompt_tokens, chat_template, stop,
             prompt_overflow, prompt_order, allowed_tokens, pad_token, responder, max_turns,
         )  # fmt: skip
-        if _check_steps(max_episode_steps) is not None:  # make_vec passes a registered TimeLimit here
+        if check_steps(max_episode_steps) is not None:  # make_vec passes a registered TimeLimit here
             self.episodes.limit = min(self.episodes.T, max_episode_steps)
         self.tokenizer, self.reward_stack = self.episodes.tokenizer, self.episodes.stack
         self.single_observation_space = self.episodes.observation_space
@@ -401,7 +280,7 @@ class TextGenVectorEnv(_Accessors, VectorEnv):
                 )
             seed = int(np.random.SeedSequence([int(s) for s in seed]).generate_state(1)[0])
         super().reset(seed=seed)
-        options = _checked_options(options, VECTOR_OPTIONS)
+        options = checked_options(options, VECTOR_OPTIONS)
         slots = np.arange(self.num_envs)
         if "reset_mask" in options:
             mask = np.asarray(options["reset_mask"])
