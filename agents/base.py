@@ -19,7 +19,6 @@ import copy
 import functools
 import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -130,7 +129,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             self.ref_policy = (skeleton() if skeleton else copy.deepcopy(model)).requires_grad_(False)
             self.ref_policy = self.ref_policy if self.sharded else self.ref_policy.to(self.device)
         modules = self.build_modules(model)  # e.g. {"value_head": ValueHead(...)}
-        _check_trainable(model)
+        precision.check_trainable(model)
         if self.zero3 is not None:  # one engine trains the policy and the modules (agents/zero3.py)
             zero3.check_one_dtype({"the policy": model, **modules})
             if self.ref_policy is not None:  # a skeleton takes the main process's policy
@@ -194,43 +193,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         and, where the adapter does not start as a no-op (PiSSA, OLoRA, ...), a frozen copy of it as the
         reference (agents/lora.py). ``on_meta``: a meta-device skeleton, whose adapter weights come from the
         main process, so no initialisation may read the base weights."""
-        settings = self.config.lora
-        if lora.is_restoring():  # a checkpoint's peft model, its adapters and reference restored
-            return model
-        if _is_peft_model(model):
-            raise ConfigError(
-                f"the policy is already a peft model ({type(model).__name__}): textgym adds the LoRA adapter "
-                f"itself and keeps the policy as it starts as the KL reference, which a given adapter would "
-                f"miss. Give the base model (by name or path) with lora = {{...}}, or merge the adapter "
-                f"(model.merge_and_unload()) and give the merged model."
-            )
-        if settings is None:
-            return model
-        from peft import LoraConfig, get_peft_model
-
-        init = {"init_lora_weights": False} if on_meta else {}
-        try:  # seeded as a checkpoint remakes it (checkpoint.load_checkpoint)
-            with lora.seeded_init(self.config.seed):
-                adapted = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
-        except (TypeError, ValueError) as exc:  # peft's checks of its arguments, and of the target modules
-            reason = str(exc).rstrip(". ")
-            if "target_modules" in settings or "Target modules" in reason:  # name what the model has
-                reason += f" (this model's linear layers: {', '.join(_linear_names(model)) or 'none'})"
-            raise ConfigError(
-                f"lora {settings!r}: {reason}. See peft's LoraConfig for its arguments."
-            ) from None
-        targets = settings.get("target_modules")
-        if isinstance(targets, (list, tuple)):  # peft refuses only a list that matches nothing
-            found = adapted.targeted_module_names
-            missed = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in found)]
-            if missed:
-                raise ConfigError(
-                    f"lora.target_modules {missed!r} matched no layer of the model, so they would not be "
-                    f"trained (this model's linear layers: {', '.join(_linear_names(model)) or 'none'})."
-                )
-        if not lora.starts_at_base(settings):  # the reference: the policy as it starts
-            lora.add_reference_adapter(adapted, on_meta)
-        return adapted
+        return lora.adapted(model, self.config.lora, self.config.seed, on_meta)
 
     def _adamw(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         """The agent's AdamW, sharded or not (DeepSpeed steps its shards through this one too)."""
@@ -487,41 +450,3 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
         """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""
         return batch_statistics(batch, self.dist, self.group_size)
-
-
-def _is_peft_model(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def _check_trainable(model: nn.Module) -> None:
-    """Refuse a policy with nothing to train, or whose trained weights are fp16 (its first masked logit
-    overflows, and textgym keeps no loss scale); warn of bf16 ones, whose AdamW updates mostly round away (at
-    lr 1e-5, 85% of one iteration's). A model path is loaded in fp32; an object loaded with
-    ``from_pretrained`` keeps the dtype it was saved in."""
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if not trained:
-        raise ConfigError(
-            "the policy has no trainable parameter (all have requires_grad = False; with LoRA, "
-            "lora.inference_mode = true freezes the adapter): unfreeze it, or leave inference_mode out."
-        )
-    dtypes = {p.dtype for _, p in trained if p.is_floating_point()}
-    low = sorted(str(d).removeprefix("torch.") for d in dtypes - {torch.float32, torch.float64})
-    if not low:
-        return
-    message = (
-        f"the policy's trained parameters are {'/'.join(low)}: an optimizer step rounds most updates away in "
-        f"16 bits. Load it in fp32 (from_pretrained(..., dtype=torch.float32), or model.float()), and set "
-        f"bf16 = true for bf16 computation on fp32 weights."
-    )
-    if torch.float16 in dtypes:
-        raise ConfigError(message)
-    warnings.warn(message, stacklevel=4)
-
-
-def _linear_names(model: nn.Module) -> list[str]:
-    """The names that LoRA's ``target_modules`` match: the last part of each linear layer's name."""
-    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})

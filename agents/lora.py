@@ -1,4 +1,5 @@
-"""LoRA policies: the reference within the same weights, and the adapters folded into a weight copy (sampling).
+"""LoRA policies: the adapter a config asks for (:func:`adapted`), the reference within the same weights,
+and the adapters folded into a weight copy (sampling).
 
 With ``lora = {...}`` an agent's policy is a peft ``PeftModel``, and its reference is the same model, so
 there is no second copy of the weights. The reference is the policy as it started: with the LoRA paper's
@@ -18,10 +19,12 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from textgym.errors import ConfigError
 from textgym.models import cpu_seeded
 from textgym.scoring import restore_linears
 
@@ -228,3 +231,57 @@ def fold_lora(layers: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Paramete
         restore_linears(replaced)
         raise
     return replaced
+
+
+def adapted(model: Any, settings: dict[str, Any] | None, seed: int, on_meta: bool = False) -> Any:
+    """``model`` with the LoRA adapter ``settings`` ask for (the model itself without them, or while a
+    checkpoint's peft model is restored), made under ``seed``, and, where the adapter does not start as a
+    no-op (PiSSA, OLoRA, ...), a frozen copy of it as the reference. ``on_meta``: a meta-device skeleton,
+    whose adapter weights come from the main process, so no initialisation may read the base weights."""
+    if is_restoring():  # a checkpoint's peft model, its adapters and reference restored
+        return model
+    if is_peft_model(model):
+        raise ConfigError(
+            f"the policy is already a peft model ({type(model).__name__}): textgym adds the LoRA adapter "
+            f"itself and keeps the policy as it starts as the KL reference, which a given adapter would "
+            f"miss. Give the base model (by name or path) with lora = {{...}}, or merge the adapter "
+            f"(model.merge_and_unload()) and give the merged model."
+        )
+    if settings is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    init = {"init_lora_weights": False} if on_meta else {}
+    try:  # seeded as a checkpoint remakes it (checkpoint.load_checkpoint)
+        with seeded_init(seed):
+            peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **{**settings, **init}))
+    except (TypeError, ValueError) as exc:  # peft's checks of its arguments, and of the target modules
+        reason = str(exc).rstrip(". ")
+        if "target_modules" in settings or "Target modules" in reason:  # name what the model has
+            reason += f" (this model's linear layers: {', '.join(linear_names(model)) or 'none'})"
+        raise ConfigError(f"lora {settings!r}: {reason}. See peft's LoraConfig for its arguments.") from None
+    targets = settings.get("target_modules")
+    if isinstance(targets, (list, tuple)):  # peft refuses only a list that matches nothing
+        found = peft_model.targeted_module_names
+        missed = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in found)]
+        if missed:
+            raise ConfigError(
+                f"lora.target_modules {missed!r} matched no layer of the model, so they would not be "
+                f"trained (this model's linear layers: {', '.join(linear_names(model)) or 'none'})."
+            )
+    if not starts_at_base(settings):  # the reference: the policy as it starts
+        add_reference_adapter(peft_model, on_meta)
+    return peft_model
+
+
+def is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The names that LoRA's ``target_modules`` match: the last part of each linear layer's name."""
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})

@@ -23,11 +23,14 @@ training one: the rollout samples from the model in the precision it is trained 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from textgym.agents.lora import adapters_disabled, fold_lora, foldable_lora_layers
+from textgym.errors import ConfigError
 from textgym.scoring import bf16_linears, restore_linears
 
 
@@ -49,3 +52,28 @@ def bf16_linear_weights(model: nn.Module, enabled: bool = True) -> Iterator[None
             yield
     finally:
         restore_linears(replaced)
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a policy with nothing to train, or whose trained weights are fp16 (its first masked logit
+    overflows, and textgym keeps no loss scale); warn of bf16 ones, whose AdamW updates mostly round away (at
+    lr 1e-5, 85% of one iteration's). A model path is loaded in fp32; an object loaded with
+    ``from_pretrained`` keeps the dtype it was saved in."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trained:
+        raise ConfigError(
+            "the policy has no trainable parameter (all have requires_grad = False; with LoRA, "
+            "lora.inference_mode = true freezes the adapter): unfreeze it, or leave inference_mode out."
+        )
+    dtypes = {p.dtype for _, p in trained if p.is_floating_point()}
+    low = sorted(str(d).removeprefix("torch.") for d in dtypes - {torch.float32, torch.float64})
+    if not low:
+        return
+    message = (
+        f"the policy's trained parameters are {'/'.join(low)}: an optimizer step rounds most updates away in "
+        f"16 bits. Load it in fp32 (from_pretrained(..., dtype=torch.float32), or model.float()), and set "
+        f"bf16 = true for bf16 computation on fp32 weights."
+    )
+    if torch.float16 in dtypes:
+        raise ConfigError(message)
+    warnings.warn(message, stacklevel=4)

@@ -37,7 +37,8 @@ def reward_model() -> Path:
     """A reward model for the benchmarks: SmolLM2 with a (seeded, untrained) sequence-classification head."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from textgym.models import atomic_build_dir, smollm2_dir
+    from textgym.atomic import atomic_build_dir
+    from textgym.models import smollm2_dir
 
     def build(out: Path) -> None:
         import torch

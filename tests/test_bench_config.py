@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from textgym import bench, bench_identity
+from textgym import bench, bench_identity, run_log
 from textgym.bench import actions, load_designs, plan
 from textgym.cli import main
 from textgym.errors import ConfigError, PluginArgumentError, UnknownNameError
@@ -570,7 +570,7 @@ def test_a_proxy_reward_models_digest_follows_its_gold_rewards_file_and_string_s
 def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_path):
     """`v1.5-seed0` and `v1.6-seed0` wrote to one `v1.log`."""
     for name in ("v1.5-seed0", "v1.6-seed0"):
-        with bench._logged(tmp_path / name / "train.log"):
+        with run_log.logged_to(tmp_path / name / "train.log"):
             print(f"failed {name}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.5-seed0.log", "v1.6-seed0.log"]
     assert (tmp_path / "v1.5-seed0.log").read_text() == "failed v1.5-seed0\n"
@@ -586,7 +586,7 @@ def test_a_runs_log_holds_its_progress_bars_as_they_ended_without_terminal_codes
     (tmp_path / "run").mkdir()
     # (nested as one statement: each bar is made once the output is redirected, as in a bench)
     with (
-        bench._logged(tmp_path / "run" / "train.log"),
+        run_log.logged_to(tmp_path / "run" / "train.log"),
         tqdm(total=2, desc="bench", file=sys.stderr, position=0, mininterval=0) as outer,
     ):
         with tqdm(total=3, desc="train", file=sys.stderr, position=1, mininterval=0) as inner:

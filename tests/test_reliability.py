@@ -19,9 +19,9 @@ import pytest
 from conftest import reward_plugin
 from lm_helpers import copy_run_config, csv_rows
 
+from textgym.atomic import is_complete
 from textgym.cli import main
 from textgym.config import load_config
-from textgym.models import is_complete
 from textgym.rundir import INTERRUPT_VAR, RunDir
 from textgym.stopping import dropped_interrupts_raised_again
 from textgym.train import run
@@ -189,7 +189,7 @@ def test_a_checkpoints_files_reach_the_disk_before_it_is_marked_complete_and_swa
 ):
     """Nothing was fsync'ed: after a power cut the marker could say complete over files the disk never got,
     with the previous checkpoint already deleted."""
-    from textgym.models import atomic_build_dir
+    from textgym.atomic import atomic_build_dir
 
     def build(directory):
         (directory / "policy").mkdir()

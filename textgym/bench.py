@@ -17,10 +17,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import io
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError
 from textgym.eval_settings import BUILTIN_METRICS
 from textgym.evaluation import jsonable
+from textgym.run_log import logged_to
 
 __all__ = [
     "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "Stopped", "evaluate", "load_designs", "mean_ci", "plan", "run"
@@ -264,50 +263,11 @@ class Stopped(KeyboardInterrupt):
 
 
 # -- one run -------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _logged(path: Path) -> Iterator[None]:
-    """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
-    start that failed leaves no run directory (``textgym train`` removes it): its log goes next to it."""
-    from textgym.rundir import RunDir
-
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            yield
-    finally:
-        run_dir = path.parent
-        where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
-        with where.open("a", encoding="utf-8") as f:
-            f.write(_readable(log.getvalue()))
-
-
-TERMINAL = re.compile(r"(\x1b\[[0-9;?]*[A-Za-z]|\r|\n)")  # what moves the cursor (and colours)
-
-
-def _readable(text: str) -> str:
-    """Terminal output as the terminal showed it in the end, for a log file: nested progress bars redraw
-    their lines in place, moving the cursor up (``\\x1b[A``) and back (``\\r``), which a file holds as one
-    line per redraw and raw codes. A line written from its start replaces what was there."""
-    lines, row, start = [""], 0, True
-    for token in TERMINAL.split(text):
-        if token == "\n":
-            row, start = row + 1, True
-            lines += [""] * (row + 1 - len(lines))
-        elif token == "\r":
-            start = True
-        elif token == "\x1b[A":
-            row = max(row - 1, 0)
-        elif token and not token.startswith("\x1b"):
-            lines[row] = token if start else lines[row] + token
-            start = False
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def _train(job: Job) -> None:
     from textgym import train as training
     from textgym.rundir import RunDir
 
-    with _logged(job.run_dir / "train.log"):
+    with logged_to(job.run_dir / "train.log"):
         if RunDir(job.run_dir).is_run():  # interrupted: resumed (from the start if it has no checkpoint)
             training.run(resume=job.run_dir)
         else:
@@ -423,7 +383,7 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                         "checkpoint": file_digest(evaluated),
                         "checkpoint_files": file_stats(evaluated),
                     }
-                    with _logged(job.run_dir / "train.log"):
+                    with logged_to(job.run_dir / "train.log"):
                         result = {**evaluate(job, spec), **checkpoint}
                     _write_json(
                         job.run_dir / EVAL_FILE, result

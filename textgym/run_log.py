@@ -1,0 +1,50 @@
+"""A bench run's output, kept in its log file as the terminal would have shown it in the end."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["logged_to", "readable"]
+
+
+@contextlib.contextmanager
+def logged_to(path: Path) -> Iterator[None]:
+    """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
+    start that failed leaves no run directory (``textgym train`` removes it): its log goes next to it."""
+    from textgym.rundir import RunDir
+
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        run_dir = path.parent
+        where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
+        with where.open("a", encoding="utf-8") as f:
+            f.write(readable(log.getvalue()))
+
+
+TERMINAL = re.compile(r"(\x1b\[[0-9;?]*[A-Za-z]|\r|\n)")  # what moves the cursor (and colours)
+
+
+def readable(text: str) -> str:
+    """Terminal output as the terminal showed it in the end, for a log file: nested progress bars redraw
+    their lines in place, moving the cursor up (``\\x1b[A``) and back (``\\r``), which a file holds as one
+    line per redraw and raw codes. A line written from its start replaces what was there."""
+    lines, row, start = [""], 0, True
+    for token in TERMINAL.split(text):
+        if token == "\n":
+            row, start = row + 1, True
+            lines += [""] * (row + 1 - len(lines))
+        elif token == "\r":
+            start = True
+        elif token == "\x1b[A":
+            row = max(row - 1, 0)
+        elif token and not token.startswith("\x1b"):
+            lines[row] = token if start else lines[row] + token
+            start = False
+    return "\n".join(line.rstrip() for line in lines)
