@@ -86,10 +86,10 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
                 "the environment asks for both FSDP (ACCELERATE_USE_FSDP) and DeepSpeed "
                 "(ACCELERATE_USE_DEEPSPEED): set one."
             )
-        precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-        if precision not in ("no", ""):  # the Accelerator would wrap the training forward in its autocast
+        mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+        if mixed not in ("no", ""):  # the Accelerator would wrap the training forward in its autocast
             raise ConfigError(
-                f"accelerate's mixed_precision is {precision!r} (ACCELERATE_MIXED_PRECISION, which `accelerate "
+                f"accelerate's mixed_precision is {mixed!r} (ACCELERATE_MIXED_PRECISION, which `accelerate "
                 f"launch` sets from its config or --mixed_precision): textgym's LM agents set their precision "
                 f"themselves. Use the agent's bf16 = true, and mixed_precision: no."
             )
