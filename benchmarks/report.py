@@ -14,7 +14,9 @@ from benchmarks.report_rewards import reward_section
 PROFILE_NOTES = """\
 ## Profile and fix
 
-`time/*` in every LMPPO iteration is the first profile. It splits an iteration into rollout (generation
+Historical: the before and after figures of this section were measured once each, on the code before and
+after each fix (2026-11), and are not stored in `benchmarks/results`; the current costs are the tables
+above. `time/*` in every LMPPO iteration is the first profile. It splits an iteration into rollout (generation
 through the env), reward (the stack), reference (the reference forward) and update (the PPO epochs). The
 fixes below do not change the computation, only its cost. The tests (PPO ratio 1 before the first update,
 bit-for-bit resume) pass unchanged. Over the first three iterations of `examples/demo.toml` the scores
@@ -238,9 +240,11 @@ def write_report(quick: bool = False) -> Path:
             "every ratio compares two sides measured in the same benchmark run.",
             "",
             *_platforms(),
-            "Reproduce everything with `make bench` (the first run also installs TRL into "
-            "`.bench/trl-venv`). Each section names the command for its own figures; the raw numbers are in "
-            "`benchmarks/results/*.json`.",
+            "`make bench` reproduces the CPU sections (the first run also installs TRL into `.bench/trl-venv`); "
+            "`sharded_load_memory` has its own command (`python -m benchmarks.sharded_load_memory`, figures in "
+            "docs/distributed.md), and so does each GPU section. Each section names the command for its own "
+            "figures; the raw numbers are in `benchmarks/results/*.json`, except the profile's before and after "
+            "figures at the end, measured on code that has changed since and kept as they were measured.",
             "",
         ]
     r = load("rollout_vs_generate")
