@@ -251,7 +251,9 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         # what a load changes: a resume passes every [agent] setting, most as they were saved
         saved = state["config"]
         changed = {k for k, v in overrides.items() if json.loads(json.dumps(v, default=str)) != saved.get(k)}
-        if "lora" in changed:  # the saved weights are an adapter, or whole: another setting cannot read them
+        # the saved weights are an adapter, or whole: other settings cannot read them (the same ones in another
+        # spelling can: target_modules as a set, or in another order)
+        if "lora" in changed and _lora_settings(overrides["lora"]) != _lora_settings(saved.get("lora")):
             raise ConfigError(
                 f"{str(path)!r} was trained with lora = {saved.get('lora')!r}; it cannot be loaded with lora = "
                 f"{overrides['lora']!r}. Load it with its own (leave lora out), or start a new run."
@@ -338,3 +340,12 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
         ) from exc
     return agent
+
+
+def _lora_settings(lora: Any) -> Any:
+    """LoRA settings as peft reads them, to compare: ``target_modules`` in any order or as a set."""
+    if not isinstance(lora, dict):
+        return lora
+    same = {k: sorted(v) if isinstance(v, (set, frozenset)) or (k == "target_modules" and isinstance(v, (list, tuple)))
+            else v for k, v in lora.items()}  # fmt: skip
+    return json.loads(json.dumps(same, default=str))

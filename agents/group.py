@@ -19,7 +19,7 @@ import torch
 from textgym.agents.base import LMAgent
 from textgym.agents.lm_config import LMAgentConfig, check_number, check_positive_int
 from textgym.agents.rollout_batch import RolloutBatch
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, user_stacklevel
 
 
 @dataclass
@@ -143,7 +143,7 @@ class GroupAgent(LMAgent):
                 f"every advantage was 0 and the reward taught nothing. Give a reward that tells completions "
                 f"apart (partial credit rather than all-or-nothing), or raise num_generations or the "
                 f"temperature.",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
 
     def train(self, batch: GroupBatch) -> dict[str, float]:

@@ -28,8 +28,21 @@ from textgym.errors import ConfigError
 from textgym.models import cpu_seeded
 from textgym.scoring import restore_linears
 
-__all__ = ["REFERENCE", "adapters_disabled", "add_reference_adapter", "fold_lora", "foldable_lora_layers",
-           "load_reference_adapter", "reference_weights", "restoring", "seeded_init", "starts_at_base"]  # fmt: skip
+__all__ = [
+    "REFERENCE",
+    "adapted",
+    "adapters_disabled",
+    "add_reference_adapter",
+    "fold_lora",
+    "foldable_lora_layers",
+    "is_peft_model",
+    "linear_names",
+    "load_reference_adapter",
+    "reference_weights",
+    "restoring",
+    "seeded_init",
+    "starts_at_base",
+]  # fmt: skip
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE = "reference"  # the frozen initial adapter of a policy that does not start at its base model

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from textgym.agents.lora import adapters_disabled, fold_lora, foldable_lora_layers
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, user_stacklevel
 from textgym.scoring import bf16_linears, restore_linears
 
 
@@ -59,21 +59,24 @@ def check_trainable(model: nn.Module) -> None:
     overflows, and textgym keeps no loss scale); warn of bf16 ones, whose AdamW updates mostly round away (at
     lr 1e-5, 85% of one iteration's). A model path is loaded in fp32; an object loaded with
     ``from_pretrained`` keeps the dtype it was saved in."""
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    parameters = list(model.named_parameters())
+    trained = [(name, p) for name, p in parameters if p.requires_grad]
     if not trained:
         raise ConfigError(
             "the policy has no trainable parameter (all have requires_grad = False; with LoRA, "
             "lora.inference_mode = true freezes the adapter): unfreeze it, or leave inference_mode out."
         )
     dtypes = {p.dtype for _, p in trained if p.is_floating_point()}
+    # fp16 anywhere, a frozen base under fp32 LoRA adapters too: its forwards overflow all the same
+    dtypes |= {p.dtype for _, p in parameters if p.dtype == torch.float16}
     low = sorted(str(d).removeprefix("torch.") for d in dtypes - {torch.float32, torch.float64})
     if not low:
         return
     message = (
-        f"the policy's trained parameters are {'/'.join(low)}: an optimizer step rounds most updates away in "
+        f"the policy's parameters are {'/'.join(low)}: an optimizer step rounds most updates away in "
         f"16 bits. Load it in fp32 (from_pretrained(..., dtype=torch.float32), or model.float()), and set "
         f"bf16 = true for bf16 computation on fp32 weights."
     )
     if torch.float16 in dtypes:
         raise ConfigError(message)
-    warnings.warn(message, stacklevel=4)
+    warnings.warn(message, stacklevel=user_stacklevel())

@@ -710,6 +710,13 @@ def test_load_refuses_other_lora_settings_than_the_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="trained with lora = None"):
         LMPPO.load(tmp_path / "whole", char_llama_env(), lora=lora)
     assert LMPPO.load(tmp_path / "adapter", char_llama_env(), lora=lora).config.lora == lora  # as saved
+    for same in (
+        {"r": 4, "target_modules": {"v_proj", "q_proj"}},
+        {"r": 4, "target_modules": ["v_proj", "q_proj"]},
+    ):
+        LMPPO.load(
+            tmp_path / "adapter", char_llama_env(), lora=same
+        )  # the same modules, as a set or reordered
 
 
 def test_a_policy_object_in_16_bits_is_refused_or_warned_of():
@@ -717,10 +724,16 @@ def test_a_policy_object_in_16_bits_is_refused_or_warned_of():
     rounded away, silently, and fp16 ones failed with an overflow in the sampler."""
     from textgym.models import load_model
 
-    with pytest.warns(UserWarning, match="trained parameters are bfloat16: an optimizer step rounds"):
-        LMPPO(load_model("tiny-char-llama", dtype=torch.bfloat16)[0], char_llama_env(), verbose=0)
+    for cls in (LMPPO, GRPO):  # the warning points at the line that made the agent, whatever the class
+        with pytest.warns(UserWarning, match="parameters are bfloat16: an optimizer step rounds") as seen:
+            cls(load_model("tiny-char-llama", dtype=torch.bfloat16)[0], char_llama_env(), verbose=0)
+        assert [w.filename for w in seen if "bfloat16" in str(w.message)] == [__file__]
     with pytest.raises(ConfigError, match=r"are float16.*Load it in fp32.*bf16 = true"):
         LMPPO(load_model("tiny-char-llama", dtype=torch.float16)[0], char_llama_env(), verbose=0)
+    # a frozen fp16 base under fp32 adapters: its forwards overflow all the same
+    with pytest.raises(ConfigError, match=r"are float16"):
+        fp16 = load_model("tiny-char-llama", dtype=torch.float16)[0]
+        LMPPO(fp16, char_llama_env(), lora={"r": 4, "target_modules": ["q_proj"]}, verbose=0)
 
 
 def test_lora_settings_that_would_train_less_than_asked_are_refused():

@@ -59,10 +59,17 @@ def software() -> dict[str, str]:
 
     import textgym
 
-    roots = [Path(p) for name in ("textgym", "textgym.agents", "textgym.plugins")
-             if (spec := importlib.util.find_spec(name)) for p in spec.submodule_search_locations or []]  # fmt: skip
-    files = sorted({f for root in roots for f in root.rglob("*.py") if "__pycache__" not in f.parts})
-    digest = hashlib.sha256("\n".join(file_digest(f) for f in files).encode()).hexdigest()[:16]
+    # each module by its name in the package, textgym/agents/base.py: an editable install maps agents/ and
+    # plugins/ from the source tree's top level, a regular one nests them, and the same code digests the same
+    files: dict[str, Path] = {}
+    for package in ("textgym", "textgym.agents", "textgym.plugins"):
+        spec = importlib.util.find_spec(package)
+        for root in map(Path, spec.submodule_search_locations or []) if spec else []:
+            for f in root.rglob("*.py"):
+                if "__pycache__" not in f.parts:
+                    files[f"{package.replace('.', '/')}/{f.relative_to(root).as_posix()}"] = f
+    lines = [f"{name}:{file_digest(files[name])}" for name in sorted(files)]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
     versions = {"textgym": f"{textgym.__version__} (code {digest})"}
     for name in ("torch", "transformers"):
         versions[name] = importlib.metadata.version(name)

@@ -112,7 +112,7 @@ def paired(
     if n < 2:
         return Paired(1, diff, math.nan, math.nan, math.nan, math.nan)
     sd = float(d.std(ddof=1))
-    if sd <= 1e-12 * float(np.abs(d).max()):  # the same difference on every seed
+    if sd <= 1e-12 * scale:  # the same difference on every seed, up to the values' float rounding
         if diff == 0:
             return Paired(n, 0.0, 0.0, 0.0, 0.0, 1.0)
         # the exact sign-flip test: all n differences of one sign, as likely as 2 of the 2^n sign patterns

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 
 
@@ -76,3 +77,12 @@ class PairsError(TextgymError, ValueError):
 
 class TrainingError(TextgymError):
     """Training cannot go on safely: an absurd reward, non-finite weights, a diverged update."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised in textgym that points at the first caller outside textgym:
+    the line of user code that made an agent, whatever the depth of the calls within textgym between."""
+    frame, level = sys._getframe(1), 1  # the function that warns
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("textgym."):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -352,8 +352,8 @@ def _run_native(
                 remaining,
                 callback=[Recorder(), *diagnostics],
                 reset_num_timesteps=False,
-                # on a terminal: in a log file, the bar's redraws would run into the iteration lines
-                progress_bar=sys.stderr.isatty(),
+                # on a terminal or in a notebook: in a log file, its redraws would run into the iteration lines
+                progress_bar=sys.stderr.isatty() or "ipykernel" in sys.modules,
                 tb_log_name="run",
             )
         else:
