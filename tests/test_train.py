@@ -257,6 +257,7 @@ def test_a_normalize_then_sum_runs_iteration_lines_and_plot_show_each_components
             '{ name = "length_penalty", weight = 0.5, target = 4 }] }',
         )
     )
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is drawn on a terminal only
     run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
     captured = capsys.readouterr()
     lines = [line for line in captured.out.splitlines() if line.startswith("iter ")]
