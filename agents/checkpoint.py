@@ -283,6 +283,13 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
         if env is not None and source is not None and not from_main:  # from an object: set_env compared sizes
             check_tokenizer(agent.rollout_model.config, source, env)
         if agent.ref_policy is not None and not from_main:
+            if not source and not (path / "reference").is_dir():  # GRPO/RLOO at beta = 0 keep none
+                beta = getattr(agent.config, "beta", None)
+                raise ConfigError(
+                    f"{str(path)!r} holds no KL reference: its agent was made from a policy object and trained "
+                    f"without one (beta = 0), so it cannot be loaded with beta = {beta!r}. Load it with beta = 0, "
+                    f"or start a new run from the policy."
+                )
             _check_source_unchanged(source, fingerprint)
             reference = (
                 cls._load_policy(source)

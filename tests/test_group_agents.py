@@ -279,3 +279,12 @@ def test_a_reward_that_never_tells_a_groups_completions_apart_is_warned_of_once(
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*equal rewards")
         iterations(told_apart, 3)
+
+
+def test_a_checkpoint_trained_without_a_reference_says_so_when_loaded_with_one(tmp_path):
+    """GRPO at beta = 0 from a policy object saves no reference; loading it with beta > 0 read a missing
+    directory and called the checkpoint corrupt."""
+    GRPO(char_llama(), make_env(8), num_generations=4, verbose=0).save(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=r"holds no KL reference.*beta = 0.04.*Load it with beta = 0"):
+        GRPO.load(tmp_path / "ckpt", make_env(8), beta=0.04)
+    assert GRPO.load(tmp_path / "ckpt", make_env(8)).config.beta == 0

@@ -228,3 +228,13 @@ def test_trl_functions_in_an_exported_stack_get_trls_own_arguments():
     with pytest.raises(RewardError, match="shaped.*raised TypeError"):
         build_reward_stack([shaped]).score(SAMPLES)
     assert seen["state"] is None and seen["prompt"] == SAMPLES[0].prompt
+
+
+def test_an_async_reward_function_is_refused_when_the_stack_is_built():
+    """Called, it returned a coroutine (and a never-awaited warning), which failed only at the first batch."""
+
+    async def judged(prompts, completions, **kwargs):
+        return [1.0 for _ in completions]
+
+    with pytest.raises(ConfigError, match=r"reward function 'judged' is async \(async def\).*asyncio.run"):
+        build_reward_stack([judged])

@@ -66,6 +66,13 @@ class FunctionReward:
     source: str | None = None  # where the function came from, for error messages ("file.py:func")
 
     def __init__(self, name: str, fn: Callable[..., Sequence[float | None]], **kwargs: Any):
+        call = None if inspect.isfunction(fn) else type(fn).__dict__.get("__call__")  # a callable object's
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call):
+            # (called, it returns a coroutine, which failed only at the first batch, as "not a list of scores")
+            raise ConfigError(
+                f"reward function {name!r} is async (async def): textgym calls rewards synchronously. Give a "
+                f"plain function that runs it, e.g. def {name}(samples): return asyncio.run(my_async(samples))."
+            )
         self.name, self.fn, self.kwargs = name, fn, kwargs
         self.trl_style = is_trl_style(fn)
         if self.trl_style:
