@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from textgym.agents import lora, sharding, zero3
+from textgym.agents.lm_config import lora_as_saved
 from textgym.agents.rollout_batch import RunningMoments
 from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.errors import ConfigError, TrainingError
@@ -353,6 +354,7 @@ def _lora_settings(lora: Any) -> Any:
     """LoRA settings as peft reads them, to compare: ``target_modules`` in any order or as a set."""
     if not isinstance(lora, dict):
         return lora
-    same = {k: sorted(v) if isinstance(v, (set, frozenset)) or (k == "target_modules" and isinstance(v, (list, tuple)))
-            else v for k, v in lora.items()}  # fmt: skip
+    same = lora_as_saved(lora)
+    if isinstance(same.get("target_modules"), (list, tuple)):
+        same["target_modules"] = sorted(same["target_modules"])
     return json.loads(json.dumps(same, default=str))

@@ -133,10 +133,12 @@ class GroupAgent(LMAgent):
 
     def _warn_if_flat(self, zero_std_share: float | None) -> None:
         """Warn once when no group's completions have told apart for FLAT_ITERATIONS iterations in a row:
-        every advantage is 0, so the reward teaches nothing (a logged 1.0 is easy to miss)."""
-        flat = getattr(self, "_flat_iterations", 0)
-        self._flat_iterations = flat + 1 if zero_std_share == 1.0 else 0
-        if self._flat_iterations == self.FLAT_ITERATIONS and self.dist.is_main:
+        every advantage is 0, so the reward teaches nothing (a logged 1.0 is easy to miss). The iterations
+        before this one are the history's (a loaded agent's too)."""
+        n = self.FLAT_ITERATIONS
+        shares = [h.get("frac_reward_zero_std") for h in self.history[-n:]] + [zero_std_share]
+        # on the iteration that makes n in a row: the one before them told groups apart, or there was none
+        if shares[-n:] == [1.0] * n and (len(shares) == n or shares[-n - 1] != 1.0) and self.dist.is_main:
             warnings.warn(
                 f"{self.name}: in each of the last {self.FLAT_ITERATIONS} iterations, every group of "
                 f"{self.group_size} completions of a prompt got equal rewards (frac_reward_zero_std = 1), so "

@@ -89,7 +89,7 @@ class LMAgentConfig:
                 f"lora must be a table of peft LoraConfig arguments (e.g. {{r = 8}}), not {self.lora!r}."
             )
         if self.lora is not None:  # sets as lists: peft takes both, and a checkpoint's state.json records it
-            self.lora = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in self.lora.items()}
+            self.lora = lora_as_saved(self.lora)
             for key, value in self.lora.items():
                 try:
                     json.dumps(value)
@@ -127,6 +127,11 @@ def check_number(
               f"<= {at_most}" if at_most is not None else ""]  # fmt: skip
     what = " and ".join(b for b in bounds if b) or "finite"
     raise ConfigError(f"{name} must be a number {what}{' (or none)' if none_ok else ''}, not {value!r}.")
+
+
+def lora_as_saved(lora: dict[str, Any]) -> dict[str, Any]:
+    """LoRA settings with sets as sorted lists: peft takes both, and a checkpoint's state.json records them."""
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in lora.items()}
 
 
 def check_lora(lora: dict[str, Any]) -> None:

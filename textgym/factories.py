@@ -41,7 +41,8 @@ def check_arguments(
 
 def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
     """Raise :class:`PluginArgumentError` for a text value whose parameter is annotated as a number, a bool
-    or a list (or, unannotated, has a number or a bool as its default): text that TOML could not parse stays text (``penalty=two``, ``words=maybe``), and a factory
+    or a list (or, unannotated, has a number or a bool as its default): text that TOML could not parse
+    stays text (``penalty=two``, ``words=maybe``), and a factory
     that took it without a word would score with it. Called after the factory, whose own errors say more,
     and when it raised a TypeError, for the text that made it raise ("'<' not supported between 'str' and
     'int'"): a factory's own ValueError says what it takes."""

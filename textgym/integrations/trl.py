@@ -134,11 +134,15 @@ def _call(
     kwargs: Mapping[str, Any],
 ) -> TRLCall:
     """TRL's arguments, to pass on as they are to the TRL-style functions of the stack."""
-    n = len(samples)
-    per_row = {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
+    columns = per_row(kwargs, len(samples))
     ids = completion_ids if completion_ids is not None else [list(s.completion_ids) for s in samples]
-    rows = {"prompts": prompts, "completions": completions, "completion_ids": ids, **per_row}
-    return TRLCall(samples, rows, {k: v for k, v in kwargs.items() if k not in per_row})
+    rows = {"prompts": prompts, "completions": completions, "completion_ids": ids, **columns}
+    return TRLCall(samples, rows, {k: v for k, v in kwargs.items() if k not in columns})
+
+
+def per_row(kwargs: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The keywords TRL passes with one value per completion (dataset columns), of ``n`` completions."""
+    return {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
 
 
 def samples_from_trl(
@@ -165,9 +169,7 @@ def samples_from_trl(
     if completion_ids is not None and len(completion_ids) != n:
         raise ConfigError(f"got {len(completion_ids)} completion_ids for {n} completions.")
     columns = {
-        key: list(values)
-        for key, values in (columns or {}).items()
-        if key not in NOT_COLUMNS and isinstance(values, (list, tuple)) and len(values) == n
+        key: list(values) for key, values in per_row(columns or {}, n).items() if key not in NOT_COLUMNS
     }
     finish = columns.pop("finish_reason", None)
     eos = eos_ids(eos_token_id)
