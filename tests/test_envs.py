@@ -514,7 +514,17 @@ def test_single_env_rejects_unknown_reset_options():
         char_env().reset(options={"prompts": [0]})
 
 
-@pytest.mark.parametrize("how", ["make", "wrapper", "argument"])
+class _Passthrough(gymnasium.Wrapper):
+    pass
+
+
+def _deeply_wrapped(env, depth=12):
+    for _ in range(depth):
+        env = _Passthrough(env)
+    return env
+
+
+@pytest.mark.parametrize("how", ["make", "wrapper", "argument", "nested", "deep", "make_then_wrapper"])
 def test_an_episode_cut_by_a_time_limit_is_still_scored(how):
     kwargs = dict(
         model=CHARS,
@@ -526,14 +536,40 @@ def test_an_episode_cut_by_a_time_limit_is_still_scored(how):
         env = gymnasium.make("textgym/TextGen-v0", max_episode_steps=3, disable_env_checker=True, **kwargs)
     elif how == "wrapper":
         env = gymnasium.wrappers.TimeLimit(TextGenEnv(**kwargs), max_episode_steps=3)
+    elif how == "nested":  # the smallest limit counts, wherever it sits
+        env = gymnasium.wrappers.TimeLimit(gymnasium.wrappers.TimeLimit(TextGenEnv(**kwargs), 5), 3)
+    elif how == "deep":  # any number of wrappers between
+        env = gymnasium.wrappers.TimeLimit(_deeply_wrapped(TextGenEnv(**kwargs)), max_episode_steps=3)
+    elif how == "make_then_wrapper":
+        env = gymnasium.make("textgym/TextGen-v0", max_episode_steps=5, disable_env_checker=True, **kwargs)
+        env = gymnasium.wrappers.TimeLimit(env, max_episode_steps=3)
     else:
         env = TextGenEnv(max_episode_steps=3, **kwargs)
+    for seed in (0, 1):  # the first reset runs through more frames (the env checker) than later ones
+        env.reset(seed=seed)
+        for _ in range(2):
+            assert env.step(2)[1:4] == (0.0, False, False)
+        _, reward, terminated, truncated, info = env.step(2)
+        assert (reward, terminated, truncated) == (3.0, True, True)
+        assert info["reward_components"] == {"len": 3.0} and info["finish_reason"] == "length"
+
+
+def test_a_time_limit_around_another_env_does_not_cut_this_one():
+    kwargs = dict(model=CHARS, prompts=["abc"], max_new_tokens=4)
+
+    class Outer(gymnasium.Wrapper):  # a wrapper whose reset resets an unrelated inner env first
+        def __init__(self, env, inner):
+            super().__init__(env)
+            self.inner = inner
+
+        def reset(self, **kw):
+            self.inner.reset(seed=0)
+            return super().reset(**kw)
+
+    inner = TextGenEnv(**kwargs)
+    env = gymnasium.wrappers.TimeLimit(Outer(TextGenEnv(**kwargs), inner), max_episode_steps=2)
     env.reset(seed=0)
-    for _ in range(2):
-        assert env.step(2)[1:4] == (0.0, False, False)
-    _, reward, terminated, truncated, info = env.step(2)
-    assert (reward, terminated, truncated) == (3.0, True, True)
-    assert info["reward_components"] == {"len": 3.0} and info["finish_reason"] == "length"
+    assert [inner.step(2)[3] for _ in range(4)] == [False, False, False, True]
 
 
 def test_make_vec_passes_max_episode_steps_to_the_vector_env():

@@ -37,21 +37,22 @@ def check_steps(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def enclosing_time_limit(depth: int = 12) -> int | None:
-    """The step limit of a ``gymnasium.wrappers.TimeLimit`` whose ``reset`` is calling this env's, if any.
-    Gymnasium adds that wrapper outside the env and never tells it the limit; looking up the call stack is
-    the one way to truncate (and so score) an episode on the wrapper's last step."""
+def enclosing_time_limit(env: gym.Env) -> int | None:
+    """The smallest step limit of the ``gymnasium.wrappers.TimeLimit`` wrappers around ``env`` whose ``reset``
+    is calling its own, if any. Gymnasium adds that wrapper outside the env and never tells it the limit;
+    looking up the call stack is the one way to truncate (and so score) an episode on the wrapper's last step.
+    The whole stack is searched (any number of wrappers may sit between), and only wrappers of this env count.
+    """
     import sys
 
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
+    limits = []
+    frame = sys._getframe(1)
+    while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, gym.wrappers.TimeLimit):
-            return int(owner._max_episode_steps)
+        if isinstance(owner, gym.wrappers.TimeLimit) and owner.unwrapped is env:
+            limits.append(int(owner._max_episode_steps))
         frame = frame.f_back
-    return None
+    return min(limits, default=None)
 
 
 class EnvAccessors:

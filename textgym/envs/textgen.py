@@ -139,7 +139,7 @@ class TextGenEnv(EnvAccessors, gym.Env[Obs, int]):
         super().reset(seed=seed)
         # An episode cut by a TimeLimit wrapper (gymnasium.make(..., max_episode_steps=N)) is still scored:
         # the env truncates, and scores, on the wrapper's last step itself.
-        limits = [n for n in (self._max_episode_steps, enclosing_time_limit()) if n is not None]
+        limits = [n for n in (self._max_episode_steps, enclosing_time_limit(self)) if n is not None]
         self.episodes.limit = min([self.episodes.T, *limits])
         prompt = checked_options(options, SINGLE_OPTIONS).get("prompt")
         self._needs_reset = True  # until the new episode has started: a responder's start() may raise
