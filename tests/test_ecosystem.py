@@ -515,6 +515,21 @@ def test_evaluate_policy_with_a_seed_is_repeatable_and_leaves_the_global_random_
         evaluate_policy(model)
 
 
+def test_a_dqns_exploring_evaluation_with_a_seed_is_repeatable_and_leaves_its_exploration_stream_alone():
+    """A DQN's random actions come from its action space's own generator, which the seed did not reach."""
+    from stable_baselines3 import DQN
+
+    model = DQN("MultiInputPolicy", make_vec_env("textgym/Copy-v0", n_envs=2, seed=0), seed=0)
+    model.exploration_rate = 0.9  # early in its schedule: most actions are random
+    env = make_vec_env("textgym/Copy-v0", n_envs=2, seed=0)
+    model.action_space.seed(11)
+    first = evaluate_policy(model, env, 8, deterministic=False, return_episode_rewards=True, seed=3)
+    after = model.action_space.sample()
+    model.action_space.seed(11)
+    assert model.action_space.sample() == after  # training's exploration draws go on untouched
+    assert evaluate_policy(model, env, 8, deterministic=False, return_episode_rewards=True, seed=3) == first
+
+
 def test_evaluate_policy_repeats_on_a_single_env_and_in_sequential_order_and_leaves_the_order_alone():
     """A single gymnasium env was wrapped by SB3 unseeded (the same seed gave other episodes); in sequential
     order an evaluation went on from wherever training was, and moved the training env past the prompts it

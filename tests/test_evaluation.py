@@ -239,6 +239,30 @@ def test_an_lm_agents_evaluation_draws_the_same_random_numbers_every_time_and_le
     assert evaluator(agent).metrics == first.metrics
 
 
+def test_a_dqn_is_evaluated_without_exploration_and_keeps_its_exploration_rate():
+    """Two evaluations differ only by the policy: a DQN's epsilon (1.0 early in training, 0.05 at its end)
+    made held-out numbers track the exploration schedule."""
+    from stable_baselines3 import DQN
+
+    from textgym.eval_settings import EVAL_DEFAULTS
+    from textgym.sb3 import make_vec_env
+
+    model = DQN("MultiInputPolicy", make_vec_env("textgym/Copy-v0", n_envs=2, seed=0), seed=0)
+    config = {"env": {"id": "textgym/Copy-v0", "num_envs": 4}, "agent": {"policy": "MultiInputPolicy"}}
+    spec = {**EVAL_DEFAULTS, "episodes": 8, "prompts": "copy-heldout", "rewards": [],
+            "builtin": ["length", "distinct_2", "eos_rate"]}  # fmt: skip
+    evaluator = Evaluator(config, spec, [{"name": "match", "partial": True}], lm_agent=False)
+    results = {}
+    for rate in (0.0, 1.0):
+        model.exploration_rate = rate
+        results[rate] = evaluator(model)
+        assert model.exploration_rate == rate
+    assert results[1.0].metrics == results[0.0].metrics
+    assert [e["completion"] for e in results[1.0].episodes] == [
+        e["completion"] for e in results[0.0].episodes
+    ]
+
+
 def test_a_metric_named_as_a_training_component_does_not_hide_it_in_the_episodes(tmp_path):
     from textgym.agents.ppo import LMPPO
 

@@ -85,8 +85,7 @@ def _evaluate(
     warn: bool,
     seed: int,
 ) -> tuple[float, float] | tuple[list[float], list[int]]:
-    from textgym.models import seeded_sampling
-    from textgym.sb3 import takes_action_masks
+    from textgym.sb3 import seeded_policy, takes_action_masks
 
     if not isinstance(env, TextGenVectorEnv):
         from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
@@ -99,7 +98,7 @@ def _evaluate(
             single = env
             env = DummyVecEnv([lambda: single])
         env.seed(seed)
-        with seeded_sampling(seed):
+        with seeded_policy(model, seed):
             return sb3_evaluate(
                 model, env, n_eval_episodes, deterministic, render, callback, reward_threshold,
                 return_episode_rewards, warn,
@@ -112,7 +111,7 @@ def _evaluate(
     rewards: list[float] = []
     lengths: list[int] = []
     round_ = 0
-    with seeded_sampling(seed):
+    with seeded_policy(model, seed):
         while len(rewards) < n_eval_episodes:
             for episode in _episodes(model, env, deterministic, round_seed(seed, round_)):
                 rewards.append(float(episode["reward"]))

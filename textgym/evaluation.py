@@ -95,16 +95,19 @@ class Evaluator:
 
     def __call__(self, agent: Any) -> Evaluation:
         from textgym.models import seeded_sampling
+        from textgym.sb3 import seeded_policy
 
-        n = self.spec["episodes"]
-        # Every evaluation draws the same random numbers: an SB3 policy's sampling (torch's global stream, a
-        # DQN's numpy's), a metric or responder that draws from torch's, numpy's or Python's. Training's
-        # streams go on after it as if it drew none.
-        with seeded_sampling(self.spec["seed"]):
-            if self.lm_agent:
+        n, seed = self.spec["episodes"], self.spec["seed"]
+        # Every evaluation draws the same random numbers: an SB3 policy's sampling (torch's global stream),
+        # a metric or responder that draws from torch's, numpy's or Python's. Training's streams go on after
+        # it as if it drew none. A DQN is evaluated without exploration: two evaluations differ only by the
+        # policy, not by where its epsilon schedule stands.
+        if self.lm_agent:
+            with seeded_sampling(seed):
                 episodes, tokens, kls = self._rollouts_lm(agent, n)
-            else:
-                episodes, tokens, kls = self._rollouts_sb3(agent, n)
+                return self._summarize(episodes, tokens, kls)
+        with seeded_policy(agent, seed, explore=False):
+            episodes, tokens, kls = self._rollouts_sb3(agent, n)
             return self._summarize(episodes, tokens, kls)
 
     def close(self) -> None:

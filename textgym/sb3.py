@@ -6,10 +6,11 @@ the vector env's batched reward scoring kept (one reward call per step for all e
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,13 +246,39 @@ def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
     return row
 
 
+@contextlib.contextmanager
+def seeded_policy(agent: Any, seed: int, *, explore: bool = True) -> Iterator[None]:
+    """Within the block, an SB3 agent's actions draw from streams that start from ``seed``, and training's
+    go on after it as if it drew none: torch's, numpy's and Python's global streams (see
+    :func:`~textgym.models.seeded_sampling`) and the agent's action space's own generator, which a DQN's
+    random (epsilon-greedy) actions come from. ``explore=False`` also sets an epsilon-greedy agent's
+    ``exploration_rate`` to 0 within the block: its actions are then its Q-network's, not the exploration
+    schedule's, whatever point of training it is at."""
+    space = getattr(agent, "action_space", None)
+    space_state = None if space is None else space.np_random.bit_generator.state
+    rate = getattr(agent, "exploration_rate", None)
+    try:
+        if space is not None:
+            space.seed(seed)
+        if not explore and rate is not None:
+            agent.exploration_rate = 0.0
+        with seeded_sampling(seed):
+            yield
+    finally:
+        if space is not None:
+            space.np_random.bit_generator.state = space_state
+        if rate is not None:
+            agent.exploration_rate = rate
+
+
 def sb3_episodes(agent: Any, env: Any, seed: int) -> list[dict[str, Any]]:
     """One episode per sub-env of a ``TextGenVectorEnv`` (``autoreset_mode="Disabled"``), actions from an
-    SB3-style ``agent.predict`` (sampled, not greedy): the sample tables of SB3 runs."""
+    SB3-style ``agent.predict`` (sampled, not greedy; a DQN's without exploration): the sample tables of SB3
+    runs."""
     rows: list[dict[str, Any]] = [{} for _ in range(env.num_envs)]
     returns = np.zeros(env.num_envs)  # every step's reward: a multi-turn env pays one per turn
     predict = Predictor(agent, env.num_envs)
-    with seeded_sampling(seed):
+    with seeded_policy(agent, seed, explore=False):  # the policy's own actions, not epsilon-greedy's
         obs, _ = env.reset(seed=seed)
         while env.active.any():
             active = env.active.copy()
