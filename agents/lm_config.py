@@ -65,9 +65,11 @@ class LMAgentConfig:
                 continue
             if what := annotation_mismatch(f.type, value):
                 raise ConfigError(f"{f.name} must be {what}, not {value!r}.")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+        if not isinstance(self.temperature, (int, float)) or not 0 < self.temperature < math.inf:
             # log-probs divide by it; greedy rollouts have no importance ratio
-            raise ConfigError(f"temperature must be > 0 for training, not {self.temperature!r}.")
+            raise ConfigError(
+                f"temperature must be a finite number > 0 for training, not {self.temperature!r}."
+            )
         if not isinstance(self.learning_rate, (int, float)) or not 0 < self.learning_rate < math.inf:
             raise ConfigError(f"learning_rate must be a positive number, not {self.learning_rate!r}.")
         if self.lr_schedule not in ("constant", "linear"):

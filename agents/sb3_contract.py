@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, TrainingError
 from textgym.formatting import headline_scores, number
 from textgym.sampling import mask_logits
 
@@ -311,6 +311,10 @@ class SB3Contract:
         if self.action_n is not None:  # the env's actions only (loaded without an env: the saved one's)
             logits = logits[:, : self.action_n]
         logits = mask_logits(logits, self.allowed)  # those the env allows (None without an env: every one)
+        if not bool(torch.isfinite(logits.logsumexp(-1)).all()):  # argmax would pick a token of a NaN row
+            raise TrainingError(
+                "the model's next-token distribution is not finite; its weights have diverged."
+            )
         if deterministic:
             actions = logits.argmax(-1)
         else:

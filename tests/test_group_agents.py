@@ -235,7 +235,8 @@ def test_with_mask_truncated_completions_the_entropy_is_over_the_tokens_in_the_l
         (dict(beta=-0.1), "beta must be a number >= 0"),
         (dict(epsilon=0.2, epsilon_high=0.1), r"epsilon_high must be >= epsilon \(0.2\)"),
         (dict(num_iterations=0), "num_iterations must be a positive integer"),
-        (dict(temperature=0), "temperature must be > 0"),
+        (dict(temperature=0), "temperature must be a finite number > 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number > 0"),
         (dict(learning_rate=-1), "learning_rate must be a positive number"),
     ],
 )

@@ -1,4 +1,5 @@
 import json
+import math
 import re
 
 import numpy as np
@@ -458,9 +459,24 @@ def test_device_cuda_without_a_gpu_is_refused_not_run_on_the_cpu():
         LMPPO(char_llama(), make_env(2), device="cuda")
 
 
+def test_predict_with_diverged_weights_is_a_clear_error_greedy_or_not():
+    from textgym.errors import TrainingError
+
+    env = make_env(2)
+    agent = LMPPO(char_llama(), env, verbose=0)
+    with torch.no_grad():
+        agent.rollout_model.lm_head.weight.fill_(math.nan)
+    obs, _ = env.reset(seed=0)
+    for deterministic in (True, False):  # greedy returned token 1 (EOS) of every NaN row
+        with pytest.raises(TrainingError, match="next-token distribution is not finite"):
+            agent.predict(obs, deterministic=deterministic)
+
+
 def test_bad_hyperparameters_and_envs_are_clear_errors():
-    with pytest.raises(ConfigError, match="temperature must be > 0 for training, not 0"):
+    with pytest.raises(ConfigError, match="temperature must be a finite number > 0 for training, not 0"):
         LMPPOConfig(temperature=0)
+    with pytest.raises(ConfigError, match="temperature must be a finite number > 0 for training, not inf"):
+        LMPPOConfig(temperature=math.inf)  # the rollout and the update masked tokens differently at inf
     with pytest.raises(ConfigError, match="n_minibatches must be a positive integer, not 0"):
         LMPPOConfig(n_minibatches=0)
     with pytest.raises(ConfigError, match="kl_estimator must be 'k1' or 'k3', not 'k2'"):

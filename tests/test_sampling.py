@@ -175,8 +175,40 @@ def test_a_diverged_model_fails_the_rollout_with_its_cause():
         num_envs=2, model="tiny-random-llama", prompts=PROMPTS, rewards=[{"name": "length_penalty", "target": 4}],
         max_new_tokens=3, autoreset_mode="Disabled",
     )  # fmt: skip
-    with pytest.raises(TrainingError, match="next-token distribution is not finite"):
-        sample_episodes(model, env, temperature=1.0, seed=0)
+    for temperature in (1.0, 0.0):  # greedy too: argmax of a NaN row picked a token and went on
+        with pytest.raises(TrainingError, match="next-token distribution is not finite"):
+            sample_episodes(model, env, temperature=temperature, seed=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0 .0: greedy., not nan"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+        (dict(temperature=-1), "temperature must be a finite number >= 0"),
+        (dict(top_k=-2), r"top_k must be an integer in \[0, \d+\] .0: off; \d+ tokens in the env., not -2"),
+        (dict(top_k=10**6), r"top_k must be an integer in \[0, \d+\]"),
+        (dict(top_k=2.5), r"top_k must be an integer"),
+    ],
+)
+def test_bad_rollout_arguments_are_clear_errors(tiny, kwargs, message):
+    from textgym.sampling import rollout
+
+    env = TextGenVectorEnv(num_envs=2, model="tiny-random-llama", prompts=PROMPTS, max_new_tokens=3,
+                           autoreset_mode="Disabled")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        rollout(tiny[0], env, **kwargs)
+
+
+def test_a_rollout_with_no_sub_env_reset_returns_no_episodes(tiny):
+    import numpy as np
+
+    from textgym.sampling import rollout
+
+    env = TextGenVectorEnv(num_envs=2, model="tiny-random-llama", prompts=PROMPTS, max_new_tokens=3,
+                           autoreset_mode="Disabled")  # fmt: skip
+    r = rollout(tiny[0], env, seed=0, options={"reset_mask": np.zeros(2, dtype=bool)})
+    assert r.infos == [{}, {}]
 
 
 def test_rollout_log_probs_are_of_the_sampled_tokens_and_hidden_states_come_back_when_asked(tiny):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,8 +94,17 @@ def rollout(
 
     if env.autoreset_mode.value != "Disabled":
         raise ValueError("rollout needs a TextGenVectorEnv with autoreset_mode='Disabled'.")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, not {temperature}.")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not 0 <= temperature < math.inf
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), not {temperature!r}.")
+    V = env.single_action_space.n
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 0 <= top_k <= V:
+        raise ValueError(
+            f"top_k must be an integer in [0, {V}] (0: off; {V} tokens in the env), not {top_k!r}."
+        )
     device = next(model.parameters()).device
     # Sampling stays on the model's device. Per step one transfer, the N chosen tokens down (the env needs
     # them), and on the steps where an episode or a turn ended a second, the rows' state up (which rows are
@@ -148,8 +159,8 @@ def rollout(
         # (lockstep: until no process has an active episode, however many tokens its episodes may have)
         for _ in range(T) if lockstep is None else itertools.count():
             active_np = env.active
-            if not active_np.any():  # lockstep only: the other processes' episodes go on
-                if not lockstep(False):
+            if not active_np.any():  # with lockstep, the other processes' episodes go on
+                if lockstep is None or not lockstep(False):  # (none active at all: options' reset_mask)
                     break
                 mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
                 out = forward(
@@ -185,6 +196,8 @@ def rollout(
             # log p(token) = logit - logsumexp(logits): no (N, V) log-softmax tensor per step
             chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
             step_logprobs = chosen - torch.logsumexp(logits, -1)
+            if temperature == 0:  # argmax of a NaN row picks a token anyway: the check sampling makes above
+                finite &= torch.where(active, torch.isfinite(step_logprobs), True).all()
             logprobs[every_row, cols] = torch.where(active, step_logprobs, logprobs[every_row, cols])
             if keep_hidden:
                 h = out.hidden_states[-1][:, -1].float()  # (N, H)
