@@ -296,6 +296,15 @@ def test_evaluate_policy_and_eval_callback_work_on_the_native_env_without_warnin
         for bad in (0, -1, 2.5):  # SB3 would return nan with numpy's "mean of empty slice"
             with pytest.raises(ConfigError, match=f"n_eval_episodes must be a positive integer, not {bad}"):
                 evaluate_policy(agent, n_eval_episodes=bad)
+        for bad in (None, -1, 1.5, 2**32, True):  # a bare TypeError or numpy's casting error, mid-evaluation
+            with pytest.raises(
+                ConfigError, match=r"seed must be an integer in \[0, 2\*\*32\), not " + str(bad)
+            ):
+                evaluate_policy(agent, n_eval_episodes=2, seed=bad)
+            with pytest.raises(ConfigError, match=r"seed must be an integer"):  # not after an iteration
+                EvalCallback(make_env(2), seed=bad)
+        with pytest.raises(ConfigError, match="n_eval_episodes must be a positive integer, not 0"):
+            EvalCallback(make_env(2), n_eval_episodes=0)
         evaluation = EvalCallback(make_env(8), n_eval_episodes=8, eval_freq=1, log_path=str(tmp_path),
                                   best_model_save_path=str(tmp_path / "best"), verbose=0)  # fmt: skip
         agent.learn(16 * 6 * 2, callback=evaluation)
@@ -513,6 +522,15 @@ def test_evaluate_policy_with_a_seed_is_repeatable_and_leaves_the_global_random_
         ConfigError, match=r"evaluate_policy\(model\) needs an env for a Stable-Baselines3 model"
     ):
         evaluate_policy(model)
+
+
+def test_evaluate_policy_of_an_lm_agent_loaded_without_an_env_says_to_pass_one(tmp_path):
+    agent = LMPPO(char_llama(), make_env(2), verbose=0, seed=0)
+    agent.save(tmp_path / "agent")
+    loaded = LMPPO.load(tmp_path / "agent")
+    with pytest.raises(ConfigError, match=r"needs an env: this LMPPO has none .*LMPPO.load\(path, env\)"):
+        evaluate_policy(loaded)  # SB3's DummyVecEnv([lambda: None]) spoke of OpenAI Gym
+    assert len(evaluate_policy(loaded, make_env(2), 2, return_episode_rewards=True)[0]) == 2
 
 
 def test_a_dqns_exploring_evaluation_with_a_seed_is_repeatable_and_leaves_its_exploration_stream_alone():

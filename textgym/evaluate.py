@@ -22,6 +22,18 @@ from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError
 
 
+def check_evaluation_arguments(n_eval_episodes: Any, seed: Any) -> None:
+    """Refuse what would fail only inside an evaluation (or, in ``EvalCallback``, after training)."""
+    if (
+        isinstance(n_eval_episodes, bool)
+        or not isinstance(n_eval_episodes, numbers.Integral)
+        or n_eval_episodes < 1
+    ):
+        raise ConfigError(f"n_eval_episodes must be a positive integer, not {n_eval_episodes!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed must be an integer in [0, 2**32), not {seed!r}.")
+
+
 def evaluate_policy(
     model: Any,
     env: Any = None,
@@ -50,12 +62,7 @@ def evaluate_policy(
         ConfigError: for a mean (or a ``reward_threshold``) on an env whose reward stack sums with
             ``normalize_then_sum``: it standardises each batch of rewards, so their mean is about 0 whatever
             the policy. Its episode returns (``return_episode_rewards=True``) are what the env pays."""
-    if (
-        isinstance(n_eval_episodes, bool)
-        or not isinstance(n_eval_episodes, numbers.Integral)
-        or n_eval_episodes < 1
-    ):
-        raise ConfigError(f"n_eval_episodes must be a positive integer, not {n_eval_episodes!r}.")
+    check_evaluation_arguments(n_eval_episodes, seed)
     from textgym.agent_config import is_lm_agent
 
     if env is None and not is_lm_agent(type(model)):  # SB3's own evaluate_policy needs an env too
@@ -65,6 +72,11 @@ def evaluate_policy(
             "n_envs=4, seed=0)."
         )
     env = env if env is not None else model.get_env()
+    if env is None:
+        raise ConfigError(
+            f"evaluate_policy(model) needs an env: this {type(model).__name__} has none (loaded without one). "
+            f"Pass one, evaluate_policy(model, env), or load it with its env, {type(model).__name__}.load(path, env)."
+        )
     sources = textgym_episodes(env)
     if not return_episode_rewards or reward_threshold is not None:
         check_mean_reward(sources, "evaluate_policy")
@@ -235,6 +247,7 @@ class EvalCallback(EventCallback):
         seed: int = 0,
     ):
         super().__init__(callback_after_eval, verbose=verbose)
+        check_evaluation_arguments(n_eval_episodes, seed)
         check_mean_reward(textgym_episodes(eval_env), "EvalCallback")
         self.seed = seed
         self.eval_env, self.callback_on_new_best = eval_env, callback_on_new_best
