@@ -383,6 +383,10 @@ RM = {
         ({"train": {"device": "tpu"}}, r"reward model .*: device must be 'auto', 'cpu' or a GPU"),
         ({"pairs": {**RM["pairs"], "policy": "nosuch"}}, r"reward model .*: unknown model 'nosuch'"),
         ({"pairs": {**RM["pairs"], "prompts": "nosuch"}}, r"reward model .*: unknown prompt source 'nosuch'"),
+        (
+            {"pairs": {**RM["pairs"], "seed": -1}},
+            r"reward model .*: seed must be an integer in \[0, 2\*\*32\)",
+        ),
     ],
 )
 def test_bad_reward_models_are_refused(tmp_path, change, match):
@@ -391,6 +395,16 @@ def test_bad_reward_models_are_refused(tmp_path, change, match):
     with pytest.raises((ConfigError, PluginArgumentError, UnknownNameError), match=match):
         bench.run(bad, progress=False)
     assert not (tmp_path / "bench").exists() and not (tmp_path / "rm").exists()
+
+
+def test_a_reward_model_output_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    """A TOML string never reaches a shell: `~/rm` labelled into ./~/rm.pairs.jsonl, then training looked
+    for ~/rm.pairs.jsonl and failed."""
+    from textgym import bench_rm
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (entry,) = bench_rm.check_reward_models([{**RM, "output": "~/rm"}], "bench.toml")
+    assert entry["output"] == str(tmp_path / "rm")
 
 
 def test_a_gold_stack_that_never_separates_two_completions_is_named_not_the_pairs_file(tmp_path, one_thread):

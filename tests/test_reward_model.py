@@ -190,7 +190,7 @@ def test_label_pairs_ranks_by_the_gold_stack_and_flips_the_asked_share(register,
     cycled = iter(prompts[i % 3] for i in range(20))  # the source starts over; ties leave gaps
     assert all(any(r["prompt"] == p for p in cycled) for r in rows)
     flipped = [r for r in rows if r["flipped"]]
-    assert len(flipped) == round(0.25 * len(rows)) > 0
+    assert len(flipped) == math.floor(0.25 * len(rows) + 0.5) > 0
     for r in rows:
         assert r["chosen"] != r["rejected"]
         assert r["chosen_score"] == 0.5 * len(r["chosen"]) and r["rejected_score"] == 0.5 * len(r["rejected"])
@@ -515,14 +515,28 @@ def test_train_rm_never_replaces_a_directory_it_did_not_write(tmp_path):
         ({"top_k": -1}, r"top_k must be 0 \(off\) or an integer >= 2, not -1"),
         ({"top_k": 10**7}, r"top_k 10000000 is larger than the vocabulary \(\d+ tokens\)"),  # a traceback
         ({"rewards": []}, r"give the gold reward stack"),
+        ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*32\), not -1"),  # numpy's error, after loading
+        ({"seed": 2**64}, r"seed must be an integer in \[0, 2\*\*32\)"),  # an overflow inside torch
+        ({"seed": 1.5}, r"seed must be an integer"),
+        ({"policy": "chars"}, r"policy 'chars' is a tokenizer without weights"),  # an AttributeError
     ],
 )
 def test_bad_label_pairs_settings(tmp_path, settings, message):
-    kwargs = {"rewards": ["length_penalty target=4"], **settings}
-    rewards = kwargs.pop("rewards")
+    kwargs = {"rewards": ["length_penalty target=4"], "policy": "tiny-random-llama", **settings}
+    rewards, policy = kwargs.pop("rewards"), kwargs.pop("policy")
     with pytest.raises(ConfigError, match=message):
-        label_pairs("chat", "tiny-random-llama", rewards, tmp_path / "pairs.jsonl", **kwargs)
+        label_pairs(
+            "echo" if policy == "chars" else "chat", policy, rewards, tmp_path / "pairs.jsonl", **kwargs
+        )
     assert not (tmp_path / "pairs.jsonl").exists()
+
+
+def test_label_pairs_expands_a_home_directory_as_its_readers_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    label_pairs("chat", "tiny-random-llama", ["length_penalty target=4"], "~/pairs.jsonl", num_prompts=2,
+                max_new_tokens=4, progress=False)  # fmt: skip
+    assert (tmp_path / "home" / "pairs.jsonl").exists() and not (tmp_path / "~").exists()
 
 
 def test_label_pairs_refuses_a_directory_as_its_output(tmp_path):

@@ -112,7 +112,8 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         }:  # gold code from an installed package: its version and code
             digested = {**digested, "packages": dict(sorted(packages.items()))}
         digest = hashlib.sha256(json.dumps(digested, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        out.append({"output": output, **settings, "digest": digest})
+        # `~` expanded once, here: a TOML string never reaches a shell, and every step reads this path
+        out.append({"output": str(Path(output).expanduser()), **settings, "digest": digest})
     outputs = [Path(e["output"]).resolve() for e in out]
     if len(set(outputs)) < len(outputs):
         raise ConfigError(f"{source}: two [[reward_models]] tables write the same output directory.")

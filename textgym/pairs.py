@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.composition import is_number
+from textgym.config import MAX_SEED
 from textgym.errors import ConfigError, PairsError
 from textgym.formatting import shortened
 
@@ -194,8 +195,11 @@ def check_label_settings(
     label_noise: float,
     batch_size: int,
     top_k: int = 0,
+    seed: int = 0,
 ) -> None:
     """Raise :class:`ConfigError` for a value ``label_pairs`` cannot work with."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+        raise ConfigError(f"seed must be an integer in [0, 2**32), not {seed!r}.")
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
@@ -289,7 +293,7 @@ def label_pairs(
     The completion with the higher gold total is ``chosen``. Ties (equal totals or equal texts) are skipped
     and counted, and so are prompts whose two completions the gold stack did not score alike: a weighted
     component that applies to one and not to the other (``None``) leaves the totals of different sums.
-    Label noise flips ``round(label_noise * pairs)`` labels, picked at random (seeded) within
+    Label noise flips ``label_noise * pairs`` labels (rounded half up), picked at random (seeded) within
     each batch while the running count is kept at the target, so a prefix of the file (an interrupted run)
     has the same noise rate. Rows are written and flushed after each batch.
 
@@ -320,8 +324,8 @@ def label_pairs(
     from textgym.sampling import sample_episodes
     from textgym.scoring import resolve_device
 
-    check_label_settings(num_prompts, max_new_tokens, temperature, label_noise, batch_size, top_k)
-    output = Path(output)
+    check_label_settings(num_prompts, max_new_tokens, temperature, label_noise, batch_size, top_k, seed)
+    output = Path(output).expanduser()  # as read_pairs and train_reward_model read it
     if output.is_dir():
         raise ConfigError(f"output {str(output)!r} is a directory: give the JSONL file to write.")
     specs = gold_specs(rewards)
@@ -346,6 +350,11 @@ def label_pairs(
             f"top_k {top_k} is larger than the vocabulary ({env.single_action_space.n} tokens)."
         )
     model, _ = load_model(policy)
+    if model is None:
+        env.close()
+        raise ConfigError(
+            f"policy {policy!r} is a tokenizer without weights; label with a model, e.g. a zoo LM."
+        )
     model.to(resolve_device("auto"))
     noise_rng = np.random.default_rng(seed)
     stack = env.reward_stack  # the components a total is made of: the weighted ones, and the gates'
@@ -376,7 +385,7 @@ def label_pairs(
                         ties += 1
                     else:
                         ranked.append((a, b) if a["reward"] > b["reward"] else (b, a))
-                # Keep the running number of flips at round(label_noise * pairs so far).
+                # Keep the running number of flips at label_noise * pairs so far, rounded half up.
                 target = math.floor(label_noise * (written + len(ranked)) + 0.5)
                 flips = set(noise_rng.choice(len(ranked), size=target - flipped, replace=False).tolist())
                 flipped = target
