@@ -340,6 +340,40 @@ def test_a_responder_object_without_a_name_is_refused_not_stripped_of_its_method
     assert make_responder(Game()).role == "tool"
 
 
+def test_a_responder_class_passed_for_an_instance_is_refused_with_what_to_pass():
+    """It was accepted: its start() then failed for want of self, and a text env class's reset was skipped
+    until the first turn's reply came back as an instance of it."""
+    from textgym.responders import make_responder
+
+    class Shout:
+        name = "shout"
+
+        def __call__(self, conversations):
+            return ["!" for _ in conversations]
+
+    class Wordle:
+        def reset(self, seed=None):
+            return "Guess.", {}
+
+        def step(self, action):
+            return "ok", 0.0, True, False, {}
+
+    class Counter:
+        def reset(self, **kwargs):
+            return "Count."
+
+        def add(self, n: int) -> str:
+            return str(n)
+
+    with pytest.raises(ConfigError, match=r"responder Shout is a class, not a responder: pass an instance"):
+        make_responder(Shout)
+    with pytest.raises(ConfigError, match=r"responder Wordle is a class.*TextEnvResponder\(Wordle\)"):
+        make_responder(Wordle)
+    with pytest.raises(ConfigError, match=r"responder Counter is a class.*ToolEnvResponder\(Counter\)"):
+        make_responder(Counter)
+    assert make_responder(Shout()).name == "shout"
+
+
 def test_a_reply_the_tokenizer_cannot_encode_names_the_responder():
     env = char_env(say("Higher!"))
     env.reset(seed=0)

@@ -361,6 +361,15 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
         if key in adapters:
             return adapters[key](load_class(args.pop(key), base_dir, key), **args)
         return build_registered("responder", "register_responders", args.pop("name"), args, ResponderError)
+    if isinstance(spec, type):  # called, it would build an instance, not reply
+        cls = spec.__name__
+        if hasattr(spec, "reset") and hasattr(spec, "step"):
+            hint = f"a text env class is wrapped: TextEnvResponder({cls}), or {{text_env = 'file.py:{cls}'}}"
+        elif hasattr(spec, "reset"):
+            hint = f"a tool env class is wrapped: ToolEnvResponder({cls}), or {{tool_env = 'file.py:{cls}'}}"
+        else:
+            hint = f"pass an instance, {cls}(...)"
+        raise ConfigError(f"responder {cls} is a class, not a responder: {hint}.")
     if callable(spec):
         if hasattr(spec, "name"):
             return spec  # type: ignore[return-value]
