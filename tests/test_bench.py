@@ -264,6 +264,18 @@ def test_changed_evaluation_settings_evaluate_again_without_training(
     assert "eval_curves" not in report and not (out / "eval_curves.png").exists()  # (not the old figure)
 
 
+def test_a_changed_eval_every_alone_keeps_the_finished_runs_evaluations_and_curves(
+    finished, counted, tmp_path
+):
+    """Every curve point is measured alike whatever their spacing: a new eval_every evaluated every run
+    again and hid every curve, so the gaming and drift checks stopped without a change of what they read."""
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    bench.run(designs(out, eval_every=DESIGNS["bench"]["eval_every"] + 1), progress=False)
+    assert counted["trained"] == [] and counted["evaluated"] == []
+    assert "curves of" not in (out / "report.md").read_text()
+
+
 def test_a_run_resumed_after_the_evaluation_settings_changed_keeps_its_curves_out(tmp_path, monkeypatch):
     """An interrupted run resumes with the [eval] of its own config.toml: its held-out curves are measured
     with the settings it started with, not the bench's new ones, so the report must not show them as current."""

@@ -88,6 +88,11 @@ def eval_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _measured(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """What an evaluation measures: its settings without ``every`` (when it runs)."""
+    return {k: v for k, v in settings.items() if k != "every"}
+
+
 def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
     """Every (agent, design, seed) run with its config and hashes, agents outermost."""
     from textgym.config import validate
@@ -95,7 +100,9 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
     jobs = []
     # the metric code and held-out data by content: an edited file gets the runs evaluated again
     files = evaluation_files(spec)
-    evaluation = {**eval_settings(spec), "samples": spec["bench"]["samples_in_report"], **files}
+    # `every` spaces the curve points, each measured alike whatever the spacing: a change of it alone
+    # neither evaluates the finished runs again nor hides the curves they have
+    evaluation = {**_measured(eval_settings(spec)), "samples": spec["bench"]["samples_in_report"], **files}
     reward_models = {e["output"]: e["digest"] for e in spec.get("reward_models", [])}
     for agent in spec["agents"]:
         for design in spec["designs"]:
@@ -112,7 +119,7 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                     config["eval"] = eval_settings(spec)
                 config = validate(config, f"run {run_id}")
                 ident = identity(config, reward_models)
-                curves = {**config["eval"], **files} if "eval" in config else None
+                curves = {**_measured(config["eval"]), **files} if "eval" in config else None
                 hashes = _digest(ident), _digest(curves)
                 jobs.append(
                     Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files, evaluation)
