@@ -80,6 +80,13 @@ def test_the_vec_env_passes_on_turn_infos_and_refuses_per_index_attributes():
     assert len(env.env_method("action_masks", indices=[1])) == 1  # reading a row is fine
     # a sub-env's space is the single one, as SB3's VecEnvs give it
     assert env.get_attr("observation_space", indices=[0])[0] == env.observation_space
+    # per-sub-env values give each sub-env its own row, as a DummyVecEnv's sub-envs do (each got them all)
+    assert env.get_attr("active") == [True, True] and env.get_attr("active", indices=[1]) == [True]
+    texts = make_vec_env("textgym/Copy-v0", n_envs=3, seed=0, render_mode="ansi")
+    texts.reset()
+    rendered = texts.env_method("render")
+    assert len(rendered) == 3 and all(isinstance(t, str) for t in rendered)
+    assert texts.env_method("render", indices=[1]) == [rendered[1]]
 
 
 def test_an_entry_only_some_ended_sub_envs_have_is_not_given_to_the_others():

@@ -114,7 +114,11 @@ class TextGymVecEnv(VecEnv):
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         # a sub-env's spaces are the vector env's single ones, not the batched ones
         name = SINGLE_SPACES.get(attr_name, attr_name)
-        return [getattr(self.env, name)] * len(self._get_indices(indices))
+        value = getattr(self.env, name)
+        rows = list(self._get_indices(indices))
+        if isinstance(value, np.ndarray) and value.shape[:1] == (self.num_envs,):  # per sub-env: its row
+            return [value[i] for i in rows]  # (active, env_token_mask)
+        return [value] * len(rows)
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
         if sorted(self._get_indices(indices)) != list(range(self.num_envs)):
@@ -135,7 +139,8 @@ class TextGymVecEnv(VecEnv):
                 f"TextGenVectorEnv, whose methods act on all of them; call it on all of them (indices=None)."
             )
         result = getattr(self.env, method_name)(*args, **kwargs)
-        if isinstance(result, np.ndarray) and result.shape[:1] == (self.num_envs,):  # one row per sub-env
+        # one row per sub-env (action_masks' array, render's tuple of texts): each sub-env gets its own
+        if isinstance(result, (np.ndarray, tuple, list)) and len(result) == self.num_envs:
             return [result[i] for i in rows]
         return [result] * len(rows)
 
