@@ -184,3 +184,18 @@ def test_per_sub_env_reset_options_reach_each_sub_env():
     env.set_options([{"prompt": 0}, {}, {}])
     with pytest.raises(ConfigError, match="set_options gave the sub-envs different options"):
         env.reset()
+
+
+def test_subproc_vec_env_workers_started_by_spawn_build_textgym_envs_from_the_prefixed_id():
+    """A spawned worker imports nothing of the parent's: Gymnasium's `module:` prefix imports textgym there
+    (docs/agents.md says so; the plain id fails in the workers)."""
+    from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    env = sb3_make_vec_env("textgym:textgym/Copy-v0", 2, seed=0, vec_env_cls=SubprocVecEnv,
+                           vec_env_kwargs={"start_method": "spawn"})  # fmt: skip
+    try:
+        assert env.reset()["input_ids"].shape[0] == 2
+        env.step(np.array([2, 2]))
+    finally:
+        env.close()
