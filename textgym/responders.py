@@ -232,7 +232,8 @@ class ToolEnvResponder:
     calls that method; the results (or error messages: an unknown tool, bad JSON, wrong arguments, an
     exception in the tool) are the reply, role ``"tool"``. A turn without a tool call is the final answer: the
     episode ends, and ``get_reward()``, when the class has it, is that turn's reward (also on the agent's
-    last allowed turn).
+    last allowed turn). An episode that ends on the token budget (its answer cut, or a tool result that does
+    not fit) gets no ``get_reward()`` call: the env's reward stack scores every completion, that one too.
 
     Args:
         factory: the class (or any callable returning an instance).
