@@ -25,20 +25,24 @@ def recombine_totals(stack: Any, rollout: Any, dist: Collective | None = None) -
     each component over a batch: the env saw only the episodes that ended on the same step, so the totals
     are recombined over the whole rollout (the training signal). With ``dist`` (the processes' rollouts are
     shares of one batch) over every process's episodes, as one process would on the whole batch."""
+    # the rows that ran an episode: a partial reset (options' reset_mask) leaves the others idle, info-less
+    ran = [e for e in rollout.infos if "reward_components" in e]
     components = np.array(  # (N, K); NaN: not applicable
         [[np.nan if (v := e["reward_components"][name]) is None else v for name in stack.names]
-         for e in rollout.infos], dtype=np.float64,
-    ).reshape(len(rollout.infos), len(stack.names))  # fmt: skip
+         for e in ran], dtype=np.float64,
+    ).reshape(len(ran), len(stack.names))  # fmt: skip
     # a multi-turn episode's return also holds its turn rewards
-    turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in rollout.infos], dtype=np.float64)
+    turn_rewards = np.array([sum(e.get("turn_rewards", ())) for e in ran], dtype=np.float64)
     rows = slice(None)
     if dist is not None and dist.world > 1:  # the same number of episodes on every process
-        n = len(rollout.infos)
+        n = len(ran)
         components = dist.gather(torch.from_numpy(components)).numpy()
         rows = slice(dist.rank * n, (dist.rank + 1) * n)
     totals = stack.combine({name: components[:, k] for k, name in enumerate(stack.names)})[rows]
-    rollout.scores = totals + turn_rewards
-    for episode, total in zip(rollout.infos, rollout.scores):
+    scores = np.zeros(len(rollout.infos))
+    scores[[i for i, e in enumerate(rollout.infos) if "reward_components" in e]] = totals + turn_rewards
+    rollout.scores = scores
+    for episode, total in zip(ran, totals + turn_rewards):
         episode["reward"] = float(total)
 
 

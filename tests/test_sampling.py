@@ -262,3 +262,47 @@ def test_sampled_normalize_then_sum_totals_are_standardised_over_all_the_episode
     lengths = np.array([e["reward_components"]["length"] for e in episodes])
     assert len(set(lengths)) > 2  # episodes ended on several steps
     np.testing.assert_allclose([e["reward"] for e in episodes], env.reward_stack.combine({"length": lengths}))
+
+
+def test_a_partial_reset_rolls_out_only_the_reset_rows_and_recombines_their_totals():
+    """Rows left idle kept the previous episode's tokens and masks, and a normalize_then_sum stack failed on
+    their empty infos (a KeyError)."""
+    import numpy as np
+    from lm_helpers import char_llama, make_env, share_of_a
+
+    from textgym import FunctionReward, RewardStack
+    from textgym.sampling import rollout
+
+    def count_b(samples):
+        return [s.completion.count("b") for s in samples]
+
+    stack = RewardStack([(FunctionReward("a", share_of_a), 1.0), (FunctionReward("b", count_b), 1.0)],
+                        aggregate="normalize_then_sum")  # fmt: skip
+    env, model = make_env(4, rewards=stack), char_llama()
+    sample_episodes(model, env, seed=0)  # every row holds an episode now
+    episodes = sample_episodes(model, env, seed=1, options={"reset_mask": np.array([1, 1, 0, 0], bool)})
+    assert [bool(e) for e in episodes] == [True, True, False, False]
+    # standardised over the two episodes that ran: each component's values sum to 0 across them
+    assert episodes[0]["reward"] + episodes[1]["reward"] == pytest.approx(0.0)
+    r = rollout(model, env, seed=2, options={"reset_mask": np.array([0, 1, 0, 1], bool)})
+    assert r.response_mask[[0, 2]].sum() == 0 and r.action_mask[[0, 2]].sum() == 0
+    assert (r.response_ids[[0, 2]] == env.pad_token_id).all() and r.response_mask[[1, 3]].sum() > 0
+    assert r.scores[[0, 2]].tolist() == [0.0, 0.0]
+
+
+def test_top_k_samples_among_the_k_likeliest_tokens(tiny):
+    """top_k = 1 keeps the likeliest token alone: sampling at temperature 1 is then greedy decoding, and
+    each chosen token has probability 1 under the truncated distribution the log-probs are taken from."""
+    from textgym.sampling import rollout
+
+    model, _ = tiny
+    env = TextGenVectorEnv(num_envs=3, model="tiny-random-llama", prompts=PROMPTS,
+                           rewards=[{"name": "length_penalty", "target": 4}], max_new_tokens=6,
+                           prompt_order="sequential", autoreset_mode="Disabled")  # fmt: skip
+    greedy = [e["completion"] for e in sample_episodes(model, env, temperature=0)]
+    for seed in (0, 1):
+        assert [e["completion"] for e in sample_episodes(model, env, top_k=1, seed=seed)] == greedy
+    sampled = {tuple(e["completion"] for e in sample_episodes(model, env, seed=s)) for s in range(3)}
+    assert tuple(greedy) not in sampled  # without top_k the random model's samples are not greedy
+    r = rollout(model, env, top_k=1, seed=0)
+    assert (r.logprobs[r.action_mask.bool()] == 0).all()

@@ -121,6 +121,7 @@ def rollout(
         raise
     if lockstep is not None:
         lockstep(True)  # raises if another process's reset failed
+    idle = ~np.asarray(env.active, bool)  # rows a partial reset (reset_mask) left out: no episode of theirs
     P, T, n = env.max_prompt_tokens, env.max_new_tokens, env.num_envs
     query_ids = torch.from_numpy(obs["input_ids"][:, :P].copy())
     query_mask = torch.from_numpy(obs["attention_mask"][:, :P].astype(np.int64))
@@ -251,6 +252,9 @@ def rollout(
     response_ids = torch.from_numpy(obs["input_ids"][:, P:].copy())
     response_mask = torch.from_numpy(obs["attention_mask"][:, P:].astype(np.int64))
     action_mask = response_mask * torch.from_numpy(1 - env.env_token_mask[:, P:].astype(np.int64))
+    if idle.any():  # their observations still hold an earlier episode: none of it is this rollout's
+        rows = torch.from_numpy(idle)
+        response_ids[rows], response_mask[rows], action_mask[rows] = env.pad_token_id, 0, 0
     hidden_states = None
     if keep_hidden:
         hidden_states = hidden if hidden is not None else torch.zeros(n, T, 1)
