@@ -199,3 +199,38 @@ def test_subproc_vec_env_workers_started_by_spawn_build_textgym_envs_from_the_pr
         env.step(np.array([2, 2]))
     finally:
         env.close()
+
+
+def test_a_partial_reset_keeps_the_running_returns_of_the_sub_envs_it_leaves_alone():
+    """A reset with a reset_mask (through set_options) zeroed every sub-env's return so far: an episode that
+    went on had its earlier turn rewards dropped from its Monitor return."""
+    from textgym import Reply, TextGenVectorEnv
+    from textgym.models import CharTokenizer
+
+    def pay(conversations):
+        return [Reply("b", 1.0, False) for _ in conversations]
+
+    tok = CharTokenizer("abcdefgh")
+    env = TextGymVecEnv(TextGenVectorEnv(num_envs=2, model=tok, prompts=["ab"], rewards=[], responder=pay,
+                                         max_new_tokens=8, max_prompt_tokens=2, autoreset_mode="SameStep"))  # fmt: skip
+    env.reset()
+    _, rewards, _, _ = env.step(np.array([tok.eos_token_id, 2]))  # sub-env 0's first turn ends: paid 1.0
+    paid = [float(rewards[0])]
+    env.set_options({"reset_mask": np.array([False, True])})
+    env.reset()  # sub-env 1 starts again, sub-env 0's episode goes on
+    dones = np.zeros(2, dtype=bool)
+    while not dones[0]:
+        _, rewards, dones, infos = env.step(np.array([2, 2]))
+        paid.append(float(rewards[0]))
+    assert paid[0] == 1.0 and infos[0]["episode"]["r"] == sum(paid)
+
+
+def test_make_vec_env_takes_env_kwargs_as_sb3s_does():
+    import pytest
+
+    from textgym.errors import ConfigError
+
+    env = make_vec_env("textgym/Copy-v0", n_envs=2, env_kwargs={"max_new_tokens": 3})
+    assert env.env.max_new_tokens == 3
+    with pytest.raises(ConfigError, match=r"\['max_new_tokens'\] both as keywords and in env_kwargs"):
+        make_vec_env("textgym/Copy-v0", n_envs=2, max_new_tokens=2, env_kwargs={"max_new_tokens": 3})

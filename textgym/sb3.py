@@ -51,9 +51,12 @@ class TextGymVecEnv(VecEnv):
 
     def reset(self) -> dict[str, np.ndarray]:
         seed = self._seeds[0] if self._seeds else None
-        obs, info = self.env.reset(seed=seed, options=self._vector_options())
+        options = self._vector_options()
+        obs, info = self.env.reset(seed=seed, options=options)
         self.reset_infos = [_row(info, i) for i in range(self.num_envs)]
-        self._returns[:] = 0.0
+        # a partial reset (options' reset_mask) starts new episodes in its rows only: the others' go on
+        mask = (options or {}).get("reset_mask")
+        self._returns[slice(None) if mask is None else np.asarray(mask, dtype=bool)] = 0.0
         self._reset_seeds()
         self._reset_options()
         return obs
@@ -184,10 +187,20 @@ def _ended(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def make_vec_env(
-    env_id: str = "textgym/TextGen-v0", n_envs: int = 8, seed: int | None = None, **kwargs: Any
+    env_id: str = "textgym/TextGen-v0",
+    n_envs: int = 8,
+    seed: int | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> TextGymVecEnv:
-    """An SB3 VecEnv of ``n_envs`` episodes of a registered textgym env (``kwargs`` override its defaults)."""
+    """An SB3 VecEnv of ``n_envs`` episodes of a registered textgym env. The env's settings override its
+    defaults, given as keywords or, as SB3's ``make_vec_env`` takes them, in ``env_kwargs``."""
     import textgym  # noqa: F401  (registers the envs)
+
+    both = sorted(set(env_kwargs or {}) & set(kwargs))
+    if both:
+        raise ConfigError(f"make_vec_env got {both} both as keywords and in env_kwargs: give each once.")
+    kwargs = {**(env_kwargs or {}), **kwargs}
 
     env = gym.make_vec(env_id, num_envs=n_envs, vectorization_mode="vector_entry_point", **kwargs)
     env = env.unwrapped if hasattr(env, "unwrapped") else env
