@@ -59,6 +59,8 @@ def zero_std_share(rewards: Tensor, group_size: int) -> float:
 
 def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """RLOO: each reward minus the mean of the other G - 1 rewards of its group (needs G >= 2)."""
+    if group_size < 2:  # no other reward to take the mean of: a division by zero, NaN advantages
+        raise ValueError(f"leave_one_out_advantages needs a group_size of at least 2, not {group_size}.")
     grouped = rewards.double().view(-1, group_size)  # float64, as group_advantages
     baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
     return (grouped - baseline).reshape(-1).to(rewards.dtype)

@@ -63,6 +63,8 @@ def test_leave_one_out_baseline_is_the_mean_of_the_others():
     # [1, 2, 3]: baselines (2+3)/2, (1+3)/2, (1+2)/2; [4, 0]: baselines 0 and 4
     close(leave_one_out_advantages(T([1.0, 2.0, 3.0]), 3), [-1.5, 0.0, 1.5])
     close(leave_one_out_advantages(T([4.0, 0.0, 1.0, 1.0]), 2), [4.0, -4.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="group_size of at least 2, not 1"):
+        leave_one_out_advantages(T([1.0, 2.0]), 1)  # the mean of no other reward: NaN advantages
 
 
 def test_normalize_standardises_over_the_batch():

@@ -128,3 +128,24 @@ def test_temperature_divides_logits_before_log_softmax():
     torch.testing.assert_close(logprobs_from_logits(logits, tokens, 0.7)[0, 0], expected)
     p = torch.softmax(logits / 0.7, -1)
     torch.testing.assert_close(entropy_from_logits(logits, 0.7), -(p * p.log()).sum(-1))
+
+
+def test_the_collective_whitening_of_one_process_is_the_single_process_whitening():
+    """agents.distributed.masked_whiten sums its moments over processes (the two-process update in
+    test_distributed checks the split); with one process it is ppo_core's formula, Bessel's correction and
+    padding included."""
+    import types
+
+    from textgym.agents.distributed import Collective
+    from textgym.agents.distributed import masked_whiten as collective_whiten
+
+    one = Collective(types.SimpleNamespace(num_processes=1, process_index=0, is_main_process=True))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 3:] = mask[3, 1:] = 0
+    for shift_mean in (True, False):
+        torch.testing.assert_close(
+            collective_whiten(x, mask, one, shift_mean), masked_whiten(x, mask, shift_mean=shift_mean)
+        )
+    x1, m1 = torch.tensor([[2.0, 7.0]]), torch.tensor([[1, 0]])  # one entry: no variance to correct
+    torch.testing.assert_close(collective_whiten(x1, m1, one), masked_whiten(x1, m1))
