@@ -889,3 +889,28 @@ def test_a_special_token_stop_string_is_no_text_at_the_last_turn(tokenizer):
     (_, _, _, _, info), _ = run(env, [*paris, tokenizer.convert_tokens_to_ids("<|im_start|>")])
     assert info["finish_reason"] == "max_turns" and info["completion"] == "Paris"
     assert seen[0].stop_tokens == 1 and seen[0].text_tokens() == len(paris)
+
+
+def test_what_a_responder_changes_in_its_conversation_meta_stays_in_the_episode():
+    """Conversation.meta was the prompt source's own dict: a responder that popped the follow-ups it asked
+    left the prompt's next episodes none to ask."""
+    asked = []
+
+    def quiz(conversations):
+        replies = []
+        for c in conversations:
+            questions = c.meta["followups"]
+            asked.append(questions.pop(0))
+            replies.append(Reply(asked[-1], done=not questions))  # the last follow-up ends it
+        return replies
+
+    tok = CharTokenizer("abcdefgh")
+    env = TextGenEnv(model=tok, prompts=[{"prompt": "ab", "followups": ["c", "d"]}], rewards=[],
+                     responder=quiz, max_new_tokens=12, max_prompt_tokens=2)  # fmt: skip
+    for seed in (0, 1):
+        env.reset(seed=seed)
+        for _ in range(2):  # two turns, one per follow-up
+            out, _ = run(env, [2, tok.eos_token_id])
+        assert out[2]
+    assert asked == ["c", "d", "c", "d"]  # the second episode asked both too (an IndexError before)
+    assert env.episodes.prompts[0].meta["followups"] == ["c", "d"]  # the prompt's own metadata is intact

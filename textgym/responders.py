@@ -57,7 +57,8 @@ class Conversation:
 
     Attributes:
         prompt: the prompt text (with the responder's opening, if ``start`` gave one).
-        meta: whatever the prompt source attached to the prompt (a secret number, follow-up questions, ...).
+        meta: whatever the prompt source attached to the prompt (a secret number, follow-up questions, ...):
+            the episode's own copy, so what a responder changes in it stays in the episode.
         turns: every turn so far, the agent's latest last (:class:`~textgym.rewards.Turn`; the agent's role
             is ``"assistant"``). Before the first turn (in ``start``) it is empty.
         state: a dict that belongs to the responder for this episode (fresh at every episode start): where a

@@ -4,6 +4,7 @@ a prompt's text to the ids an episode starts from the :class:`~textgym.envs.prom
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -144,6 +145,9 @@ class Episodes(PromptIds, Turns):
         self.turns: list[list[Turn]] = [[] for _ in range(n)]
         self.turn_rewards: list[list[float]] = [[] for _ in range(n)]
         self.states: list[dict[str, Any]] = [{} for _ in range(n)]
+        # each episode's own copy of its prompt's metadata, for the responder: what it changes there (a list
+        # of follow-up questions it pops) stays in the episode instead of reaching the prompt's next ones
+        self.metas: list[Any] = [{} for _ in range(n)]
         self.seeds = np.zeros(n, dtype=np.int64)  # each episode's seed for its responder (Conversation.seed)
         self.open = np.zeros(n, dtype=bool)  # episodes the responder has not been told the end of (end())
         self.openings: list[str | None] = [None] * n
@@ -253,6 +257,8 @@ class Episodes(PromptIds, Turns):
             self.openings[slot] = None
             self.env_mask[slot] = 0
         if self.responder is not None and slots:
+            for slot in slots:
+                self.metas[slot] = copy.deepcopy(self.prompts[self.prompt_index[slot]].meta)
             seeds = rng.integers(2**32, size=-(-len(slots) // group), dtype=np.int64)
             self.seeds[slots] = np.repeat(seeds, group)[: len(slots)]
             self.open[slots] = True

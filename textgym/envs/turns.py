@@ -34,6 +34,7 @@ class Turns:
     turns: list[list[Turn]]
     turn_rewards: list[list[float]]
     states: list[dict[str, Any]]
+    metas: list[Any]
     seeds: np.ndarray
     open: np.ndarray
     max_turns: int | None
@@ -58,8 +59,7 @@ class Turns:
 
     def conversation(self, i: int, last_turn: bool = False) -> Conversation:
         """What the responder sees of slot ``i``'s episode."""
-        prompt = self.prompts[self.prompt_index[i]]
-        return Conversation(self.prompt_text(i), prompt.meta, tuple(self.turns[i]), self.states[i],
+        return Conversation(self.prompt_text(i), self.metas[i], tuple(self.turns[i]), self.states[i],
                             last_turn=last_turn, seed=int(self.seeds[i]))  # fmt: skip
 
     def end(self, slots: Sequence[int] | np.ndarray) -> None:
