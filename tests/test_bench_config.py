@@ -41,7 +41,7 @@ def test_unknown_reward_or_metric_names_fail_before_any_training(tmp_path, capsy
     refused(tmp_path, bad, "design 'partial': unknown reward 'parital_match'", UnknownNameError)
     bad = designs(tmp_path)
     bad["metrics"]["builtin"] = ["kl", "perplexity"]
-    refused(tmp_path, bad, "unknown metric 'perplexity'", UnknownNameError)
+    refused(tmp_path, bad, r"\[metrics\] builtin: unknown metric 'perplexity'", UnknownNameError)
     bad = designs(tmp_path)
     bad["metrics"]["rewards"] = [{"name": "fluency", "modle": "x"}]
     refused(tmp_path, bad, "'modle'", PluginArgumentError)

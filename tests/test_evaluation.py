@@ -127,7 +127,7 @@ n_epochs = 1
         ('rewards = [{ name = "match" }, { name = "match" }]', "metric name 'match' repeats"),
         ('rewards = [{ name = "match", args = 3 }]', "metric 'match': args = 3 must be a table"),
         ("rewards = [{ partial = true }]", "is not a reward spec"),
-        ('builtin = ["perplexity"]', "unknown metric 'perplexity'"),
+        ('builtin = ["perplexity"]', "eval.builtin: unknown metric 'perplexity'"),
         ("prompts = 3", "eval.prompts must be a prompt source"),
     ],
 )

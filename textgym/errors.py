@@ -20,9 +20,9 @@ class TextgymError(Exception):
 class UnknownNameError(TextgymError, LookupError):
     """A reward, env, agent, model, prompt-source or responder name that no plugin registered."""
 
-    def __init__(self, kind: str, name: str, known: Iterable[str]):
+    def __init__(self, kind: str, name: str, known: Iterable[str], where: str = ""):
         self.kind, self.name, self.known = kind, name, sorted(known)
-        message = f"unknown {kind} {name!r}."
+        message = f"{where + ': ' if where else ''}unknown {kind} {name!r}."
         close = difflib.get_close_matches(str(name), self.known, n=1, cutoff=0.5)
         if close:
             message += f" Did you mean {close[0]!r}?"

@@ -81,7 +81,7 @@ def check_builtin(names: Any, where: str) -> list[str]:
         raise ConfigError(f"{where} must be a list of built-in metric names ({', '.join(BUILTIN_METRICS)}).")
     for name in names:
         if name not in BUILTIN_METRICS:
-            raise UnknownNameError("metric", name, BUILTIN_METRICS)
+            raise UnknownNameError("metric", name, BUILTIN_METRICS, where)
     return list(dict.fromkeys(names))
 
 
