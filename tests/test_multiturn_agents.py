@@ -262,3 +262,66 @@ verbose = 0
     assert len(metrics) == 2 and all(float(row["reward"]) == 3.0 for row in metrics), metrics
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and {row["reward"] for row in samples} == {3.0}
+
+
+CLOSING = """
+import textgym
+
+
+class Closing:
+    name, role = "closing", "user"
+
+    def __init__(self, log):
+        self.log = log
+        with open(log, "a") as f:
+            f.write("made\\n")
+
+    def __call__(self, conversations):
+        return [textgym.Reply("a", reward=1.0, done=c.agent_turns >= 2) for c in conversations]
+
+    def close(self):
+        with open(self.log, "a") as f:
+            f.write("closed\\n")
+
+
+@textgym.hookimpl
+def register_responders(register):
+    register("closing", Closing)
+"""
+
+
+def test_textgym_train_closes_every_env_it_makes(tmp_path, monkeypatch):
+    """A responder's close() (a sandbox, a server: documented as called when the env closes) was never called
+    by `textgym train`: neither its training env nor its sample-table and evaluation envs were closed."""
+    import json
+    import tempfile
+
+    from textgym.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # SB3's default logger makes a folder there
+    (tmp_path / "closing.py").write_text(CLOSING)
+    for agent in ("lmppo", "sb3-ppo"):
+        log = tmp_path / f"{agent}.log"
+        settings = ('policy = "tiny-char-llama"\n' if agent == "lmppo" else
+                    '[agent.sb3-ppo]\nn_steps = 16\nbatch_size = 32\nn_epochs = 1\n')  # fmt: skip
+        (tmp_path / f"{agent}.toml").write_text(f"""
+[run]
+total_timesteps = 64
+sample_prompts = 2
+output_dir = "{tmp_path / agent}"
+plugins = ["closing.py"]
+[env]
+id = "textgym/Echo-v0"
+num_envs = 4
+responder = {{ name = "closing", log = {json.dumps(str(log))} }}
+stop = ["a", "b", "c", " "]
+max_new_tokens = 10
+[eval]
+episodes = 4
+[agent]
+name = "{agent}"
+{settings}""")
+        assert main(["train", str(tmp_path / f"{agent}.toml")]) == 0
+        lines = log.read_text().split()
+        # the training env, the two sample tables' (before and after training) and the evaluations'
+        assert lines.count("made") >= 4 and lines.count("closed") == lines.count("made"), (agent, lines)

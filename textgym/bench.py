@@ -293,6 +293,7 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
     stack = build_reward_stack(job.config["env"]["rewards"])
     stack.set_progress(1.0)  # scheduled weights as they ended training
     evaluator = Evaluator(job.config, eval_settings(spec), stack, lm_agent=job.agent["lm"])
+    load_env = None  # an SB3 agent loads onto an env of its own
     try:
         if job.agent["lm"]:
             agent = agent_class.load(job.run_dir / CHECKPOINT)
@@ -300,11 +301,12 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
             from textgym.sb3 import make_vec_env
 
             env_kwargs = {k: v for k, v in job.config["env"].items() if k not in ("id", "num_envs")}
-            agent = load_sb3_run(job.run_dir, make_vec_env(job.config["env"]["id"], n_envs=1, **env_kwargs))
+            load_env = make_vec_env(job.config["env"]["id"], n_envs=1, **{**env_kwargs, "rewards": stack})
+            agent = load_sb3_run(job.run_dir, load_env)
         result = evaluator(agent)
     finally:
         evaluator.close()
-        stack.close()
+        (stack if load_env is None else load_env).close()  # the env closes its responder, then the stack
     return {
         "agent": job.agent["label"],
         "design": job.design["name"],

@@ -27,6 +27,15 @@ from typing import Any
 import numpy as np
 
 from textgym.eval_settings import REWARD, metric_reward_args
+from textgym.rewards import RewardStack
+
+
+class _BorrowedStack(RewardStack):
+    """An evaluation's stack: the training rewards belong to the training stack and the metric rewards to
+    the :class:`Evaluator`, which close them. Closing an eval env (its responder) leaves them open."""
+
+    def close(self) -> None:
+        pass
 
 
 # -- one evaluation --------------------------------------------------------------------------------
@@ -74,7 +83,7 @@ class Evaluator:
     def __init__(
         self, config: Mapping[str, Any], spec: Mapping[str, Any], training_stack: Any, lm_agent: bool
     ):
-        from textgym.rewards import RewardStack, build_reward, build_reward_stack
+        from textgym.rewards import build_reward, build_reward_stack
 
         self.config, self.spec, self.lm_agent = config, spec, lm_agent
         train = build_reward_stack(training_stack)
@@ -85,7 +94,7 @@ class Evaluator:
         self._gold = [reward for reward, _ in gold]
         # One stack scores both: the training components keep their weights (the total is the training
         # total), the metrics join with weight 0 (logged, never in the total).
-        self.stack = RewardStack([*train.rewards, *gold], aggregate=train.aggregate, gates=train.gates)
+        self.stack = _BorrowedStack([*train.rewards, *gold], aggregate=train.aggregate, gates=train.gates)
         # Scheduled weights as they end training, at every evaluation: two evaluations then differ only by
         # the policy (a ramped penalty would otherwise move the held-out proxy by itself)
         self.stack.set_progress(1.0)
@@ -111,8 +120,11 @@ class Evaluator:
             return self._summarize(episodes, tokens, kls)
 
     def close(self) -> None:
-        """Close the metric rewards. The training components belong to the training stack, so the eval env
-        (whose ``close`` would close every reward of its stack) is left to the garbage collector."""
+        """Close the eval env (its responder) and the metric rewards. The training components belong to the
+        training stack, which closes them."""
+        if self._env is not None:
+            self._env.close()
+            self._env = None
         for reward in self._gold:
             close = getattr(reward, "close", None)
             if callable(close):
@@ -174,11 +186,21 @@ class Evaluator:
     def _rollouts_sb3(
         self, agent: Any, n: int
     ) -> tuple[list[dict[str, Any]], list[list[list[int]]], list[float]]:
-        from textgym.sb3 import Predictor, make_vec_env
+        from textgym.sb3 import make_vec_env
 
         # One sub-env, prompts in order: the same prompts every time (the random streams: see __call__).
         kwargs = {**self._env_kwargs(), "prompt_order": "sequential"}
         env = make_vec_env(self.config["env"]["id"], n_envs=1, seed=self.spec["seed"], **kwargs)
+        try:
+            return self._episodes_sb3(agent, env, n)
+        finally:
+            env.close()  # its responder's close(); the stack's rewards stay open (see _BorrowedStack)
+
+    def _episodes_sb3(
+        self, agent: Any, env: Any, n: int
+    ) -> tuple[list[dict[str, Any]], list[list[list[int]]], list[float]]:
+        from textgym.sb3 import Predictor
+
         episodes: list[dict[str, Any]] = []
         tokens: list[list[list[int]]] = []
         chosen: list[int] = []  # the policy's tokens of the episode under way, EOS included, as the LM path's

@@ -220,9 +220,12 @@ def _sample_table(generate: Any, config: dict[str, Any], progress: float = 0.0) 
     """The first ``run.sample_prompts`` prompts with a fixed seed: the same before and after training, scored
     with the reward weights of training's ``progress`` (0 before, 1 after: where weight schedules were)."""
     env = make_env(config, config["run"]["sample_prompts"], prompt_order="sequential")
-    if hasattr(env.reward_stack, "set_progress"):
-        env.reward_stack.set_progress(progress)
-    return generate(env, config["run"]["seed"])
+    try:
+        if hasattr(env.reward_stack, "set_progress"):
+            env.reward_stack.set_progress(progress)
+        return generate(env, config["run"]["seed"])
+    finally:
+        env.close()
 
 
 def _resumed(rd: RunDir, iteration: int, history: list[dict[str, Any]], tokens: int, total: int) -> None:
@@ -278,105 +281,110 @@ def _run_native(
     run = config["run"]
     diagnostics = training_callbacks(config, rd.path)  # [eval], checked before anything loads
     env = make_env(config, config["env"]["num_envs"] // run["processes"])  # this process's share
-    hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
-    if resuming:
-        check_checkpoint_config(rd, hyperparameters, agent_class)
-        agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
-    else:
-        agent = agent_class(policy, env, **hyperparameters)
-    crash_point("start-up")  # the model and the env are loaded; training has not begun
-    dist = agent.dist  # with one process every collective below is a no-op
-    if agent.sharded:
-        dist.on_main(
-            lambda: print(
-                f"textgym: the policy is sharded over {dist.world} processes ({agent.sharding_engine})"
+    try:  # a responder's and the rewards' close(): sandboxes, servers, files
+        hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
+        if resuming:
+            check_checkpoint_config(rd, hyperparameters, agent_class)
+            agent = agent_class.load(rd.checkpoint, env, **hyperparameters)
+        else:
+            agent = agent_class(policy, env, **hyperparameters)
+        crash_point("start-up")  # the model and the env are loaded; training has not begun
+        dist = agent.dist  # with one process every collective below is a no-op
+        if agent.sharded:
+            dist.on_main(
+                lambda: print(
+                    f"textgym: the policy is sharded over {dist.world} processes ({agent.sharding_engine})"
+                )
             )
-        )
-    trained = getattr(agent, "trained_sharding", None)
-    if resuming and trained != agent.sharding_engine:  # the checkpoint resumes either way: say which
-        dist.on_main(
-            lambda: print(
-                f"textgym: {rd.path} was last trained {f'sharded with {trained}' if trained else 'unsharded'}; this "
-                f"resume is {f'sharded with {agent.sharding_engine}' if agent.sharded else 'not sharded'} "
-                f"({SHARDING_HOW})"
+        trained = getattr(agent, "trained_sharding", None)
+        if resuming and trained != agent.sharding_engine:  # the checkpoint resumes either way: say which
+            dist.on_main(
+                lambda: print(
+                    f"textgym: {rd.path} was last trained {f'sharded with {trained}' if trained else 'unsharded'}; this "
+                    f"resume is {f'sharded with {agent.sharding_engine}' if agent.sharded else 'not sharded'} "
+                    f"({SHARDING_HOW})"
+                )
             )
-        )
 
-    def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        return agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed).infos
+        def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
+            return agent.rollout(sample_env, temperature=agent.config.temperature, seed=seed).infos
 
-    def samples(progress: float) -> Any:
-        """The sample table, for the main process to write. Sharded, every process rolls it out (each
-        forward gathers the weights from all) and the function returns it; else the main process alone."""
-        rows = _sample_table(generate, config, progress) if agent.sharded else None
-        return lambda: rows if rows is not None else _sample_table(generate, config, progress)
+        def samples(progress: float) -> Any:
+            """The sample table, for the main process to write. Sharded, every process rolls it out (each
+            forward gathers the weights from all) and the function returns it; else the main process alone."""
+            rows = _sample_table(generate, config, progress) if agent.sharded else None
+            return lambda: rows if rows is not None else _sample_table(generate, config, progress)
 
-    if resuming:
-        dist.on_main(
-            lambda: _resumed(rd, agent.iteration, agent.history, agent.num_timesteps, run["total_timesteps"])
-        )
-    else:
-        before = samples(0.0)
-        dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))
-
-    # the iteration of the checkpoint on disk: the final save skips an iteration the Recorder just saved
-    saved = [agent.iteration if resuming else None]
-
-    class Recorder(BaseCallback):
-        def _on_step(self) -> bool:
-            model = self.model
-            stop = dist.any(flag.stop)  # every process stops after the same iteration
-            checkpoint = model.iteration % run["checkpoint_every"] == 0 or stop
-            if checkpoint:
-                gather_checkpoint(model)  # sharded: every process gathers the weights (else nothing)
-                saved[0] = model.iteration
-
-            def record() -> None:
-                rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
-                rd.write_metrics(model.history)
-                crash_point("after-metrics")
-                tqdm.write(_iteration_line(model.history[-1], model.num_timesteps, aggregate))
-                if checkpoint:
-                    rd.write_checkpoint(model.save)
-
-            dist.on_main(record)
-            # a signal during the writes above (a checkpoint can take a minute) stops here too, not after
-            # one more iteration; the checkpoint after learn() then saves this one if it was not saved
-            return not (stop or dist.any(flag.stop))
-
-    aggregate = stack_table(config["env"].get("rewards", []), "env.rewards")["aggregate"]
-    remaining = run["total_timesteps"] - agent.num_timesteps
-    with flag:
-        if remaining > 0:
-            agent.learn(
-                remaining,
-                callback=[Recorder(), *diagnostics],
-                reset_num_timesteps=False,
-                # on a terminal or in a notebook: in a log file, its redraws would run into the iteration lines
-                progress_bar=sys.stderr.isatty() or "ipykernel" in sys.modules,
-                tb_log_name="run",
+        if resuming:
+            dist.on_main(
+                lambda: _resumed(
+                    rd, agent.iteration, agent.history, agent.num_timesteps, run["total_timesteps"]
+                )
             )
         else:
-            finish_evaluations(diagnostics, agent)
-        # within the flag: a first Ctrl-C or SIGTERM during this save (a job's time limit) lets it finish
-        if saved[0] != agent.iteration:
-            gather_checkpoint(agent)
-            dist.on_main(lambda: rd.write_checkpoint(agent.save))
-    stopped = dist.any(flag.stop)
-    after = samples(1.0) if not stopped else None
+            before = samples(0.0)
+            dist.on_main(lambda: _report(rd, "samples_before.jsonl", before(), "before training"))
 
-    def finish() -> Path:
-        return _finish(
-            rd,
-            agent.history,
-            stopped,
-            after,
-            has_kl=True,
-            sharding=agent.sharding_engine,
-            aggregate=aggregate,
-        )
+        # the iteration of the checkpoint on disk: the final save skips an iteration the Recorder just saved
+        saved = [agent.iteration if resuming else None]
 
-    return dist.on_main(finish) or rd.path
+        class Recorder(BaseCallback):
+            def _on_step(self) -> bool:
+                model = self.model
+                stop = dist.any(flag.stop)  # every process stops after the same iteration
+                checkpoint = model.iteration % run["checkpoint_every"] == 0 or stop
+                if checkpoint:
+                    gather_checkpoint(model)  # sharded: every process gathers the weights (else nothing)
+                    saved[0] = model.iteration
+
+                def record() -> None:
+                    rd.append_samples({"iteration": model.iteration, **e} for e in model.last_episodes)
+                    rd.write_metrics(model.history)
+                    crash_point("after-metrics")
+                    tqdm.write(_iteration_line(model.history[-1], model.num_timesteps, aggregate))
+                    if checkpoint:
+                        rd.write_checkpoint(model.save)
+
+                dist.on_main(record)
+                # a signal during the writes above (a checkpoint can take a minute) stops here too, not after
+                # one more iteration; the checkpoint after learn() then saves this one if it was not saved
+                return not (stop or dist.any(flag.stop))
+
+        aggregate = stack_table(config["env"].get("rewards", []), "env.rewards")["aggregate"]
+        remaining = run["total_timesteps"] - agent.num_timesteps
+        with flag:
+            if remaining > 0:
+                agent.learn(
+                    remaining,
+                    callback=[Recorder(), *diagnostics],
+                    reset_num_timesteps=False,
+                    # on a terminal or in a notebook: in a log file, its redraws would run into the iteration lines
+                    progress_bar=sys.stderr.isatty() or "ipykernel" in sys.modules,
+                    tb_log_name="run",
+                )
+            else:
+                finish_evaluations(diagnostics, agent)
+            # within the flag: a first Ctrl-C or SIGTERM during this save (a job's time limit) lets it finish
+            if saved[0] != agent.iteration:
+                gather_checkpoint(agent)
+                dist.on_main(lambda: rd.write_checkpoint(agent.save))
+        stopped = dist.any(flag.stop)
+        after = samples(1.0) if not stopped else None
+
+        def finish() -> Path:
+            return _finish(
+                rd,
+                agent.history,
+                stopped,
+                after,
+                has_kl=True,
+                sharding=agent.sharding_engine,
+                aggregate=aggregate,
+            )
+
+        return dist.on_main(finish) or rd.path
+    finally:
+        env.close()
 
 
 SHARDING_HOW = (

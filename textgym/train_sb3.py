@@ -41,97 +41,102 @@ def run_sb3(
         env = make_vec_env(
             config["env"]["id"], n_envs=config["env"]["num_envs"], seed=run["seed"], **env_kwargs
         )
-    hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
-    name = config["agent"]["name"]
-    try:
-        agent = agent_class(policy, env, **hyperparameters)
-    except (AssertionError, ValueError, TypeError) as exc:  # SB3 checks its hyperparameters with asserts
-        raise ConfigError(f"[agent] {name}: {exc or type(exc).__name__}") from exc
-    state = {"iteration": 0, "history": []}
-    if resuming:
-        check_sb3_checkpoint_config(rd, agent, hyperparameters)
-        agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
-        _resumed(rd, state["iteration"], state["history"], agent.num_timesteps, run["total_timesteps"])
-    history = state["history"]
+    try:  # a responder's and the rewards' close(): sandboxes, servers, files
+        hyperparameters = {"seed": run["seed"], "verbose": 0, **hyperparameters}
+        name = config["agent"]["name"]
+        try:
+            agent = agent_class(policy, env, **hyperparameters)
+        except (AssertionError, ValueError, TypeError) as exc:  # SB3 checks its hyperparameters with asserts
+            raise ConfigError(f"[agent] {name}: {exc or type(exc).__name__}") from exc
+        state = {"iteration": 0, "history": []}
+        if resuming:
+            check_sb3_checkpoint_config(rd, agent, hyperparameters)
+            agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
+            _resumed(rd, state["iteration"], state["history"], agent.num_timesteps, run["total_timesteps"])
+        history = state["history"]
 
-    def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
-        return sb3_episodes(agent, sample_env, seed)
+        def generate(sample_env: Any, seed: int) -> list[dict[str, Any]]:
+            return sb3_episodes(agent, sample_env, seed)
 
-    if not resuming:
-        _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
+        if not resuming:
+            _report(rd, "samples_before.jsonl", _sample_table(generate, config), "before training")
 
-    def save(path: Path) -> None:
-        save_sb3_checkpoint(agent, path, {"iteration": state["iteration"], "history": history})
+        def save(path: Path) -> None:
+            save_sb3_checkpoint(agent, path, {"iteration": state["iteration"], "history": history})
 
-    class StopAfterUpdate(Exception):
-        """Raised where SB3's next rollout would begin: the stopped iteration is trained and saved."""
+        class StopAfterUpdate(Exception):
+            """Raised where SB3's next rollout would begin: the stopped iteration is trained and saved."""
 
-    class Recorder(BaseCallback):
-        """Records each rollout when it ends; checkpoints where the next one starts, as SB3 updates the policy
-        between the two (a checkpoint written at the rollout's end would lack its iteration's update), and a
-        stop (Ctrl-C, SIGTERM) takes effect there, so the rollout it lands in is trained, not dropped."""
+        class Recorder(BaseCallback):
+            """Records each rollout when it ends; checkpoints where the next one starts, as SB3 updates the policy
+            between the two (a checkpoint written at the rollout's end would lack its iteration's update), and a
+            stop (Ctrl-C, SIGTERM) takes effect there, so the rollout it lands in is trained, not dropped."""
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.saved = state["iteration"]
-
-        def _on_rollout_start(self) -> None:
-            self.episodes: list[dict[str, Any]] = []
-            stack = env.env.reward_stack  # weight schedules follow the tokens trained, as an LM agent's do
-            if hasattr(stack, "set_progress"):
-                stack.set_progress(min(1.0, self.num_timesteps / run["total_timesteps"]))
-            if flag.stop:
-                rd.write_checkpoint(save)
-                raise StopAfterUpdate
-            if state["iteration"] > self.saved and state["iteration"] % run["checkpoint_every"] == 0:
-                rd.write_checkpoint(save)
+            def __init__(self) -> None:
+                super().__init__()
                 self.saved = state["iteration"]
 
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "completion" in info:  # an episode ended: its return (a multi-turn env pays every turn)
-                    self.episodes.append(sb3_row(info, float(info["episode"]["r"])))
-            return True
+            def _on_rollout_start(self) -> None:
+                self.episodes: list[dict[str, Any]] = []
+                # weight schedules follow the tokens trained, as an LM agent's do
+                stack = env.env.reward_stack
+                if hasattr(stack, "set_progress"):
+                    stack.set_progress(min(1.0, self.num_timesteps / run["total_timesteps"]))
+                if flag.stop:
+                    rd.write_checkpoint(save)
+                    raise StopAfterUpdate
+                if state["iteration"] > self.saved and state["iteration"] % run["checkpoint_every"] == 0:
+                    rd.write_checkpoint(save)
+                    self.saved = state["iteration"]
 
-        def _on_rollout_end(self) -> None:
-            # every rollout is an iteration (SB3 updates after each), also one in which no episode ended: its
-            # row has no reward. Skipped, the count ran behind eval.csv's and checkpoint_every's meaning.
-            state["iteration"] += 1
-            rewards = [e["reward"] for e in self.episodes]
-            spread = float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0  # sample std, as LM agents
-            history.append({"iteration": state["iteration"], "timesteps": self.num_timesteps,
-                            "reward": float(np.mean(rewards)) if rewards else math.nan,
-                            "reward_std": spread if rewards else math.nan, "episodes": len(rewards)})  # fmt: skip
-            rd.append_samples({"iteration": state["iteration"], **e} for e in self.episodes)
-            rd.write_metrics(history)
-            crash_point("after-metrics")
-            if rewards:
-                print(_iteration_line(history[-1], self.num_timesteps), flush=True)
+            def _on_step(self) -> bool:
+                for info in self.locals["infos"]:
+                    # an episode ended: its return (a multi-turn env pays every turn)
+                    if "completion" in info:
+                        self.episodes.append(sb3_row(info, float(info["episode"]["r"])))
+                return True
 
-    remaining = run["total_timesteps"] - agent.num_timesteps
-    if agent.tensorboard_log is None:  # SB3's default logger would leave an empty folder in the temp dir
-        from textgym.agents.sb3_contract import folderless_logger
+            def _on_rollout_end(self) -> None:
+                # every rollout is an iteration (SB3 updates after each), also one in which no episode ended: its
+                # row has no reward. Skipped, the count ran behind eval.csv's and checkpoint_every's meaning.
+                state["iteration"] += 1
+                rewards = [e["reward"] for e in self.episodes]
+                spread = float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0  # sample std
+                history.append({"iteration": state["iteration"], "timesteps": self.num_timesteps,
+                                "reward": float(np.mean(rewards)) if rewards else math.nan,
+                                "reward_std": spread if rewards else math.nan, "episodes": len(rewards)})  # fmt: skip
+                rd.append_samples({"iteration": state["iteration"], **e} for e in self.episodes)
+                rd.write_metrics(history)
+                crash_point("after-metrics")
+                if rewards:
+                    print(_iteration_line(history[-1], self.num_timesteps), flush=True)
 
-        agent.set_logger(folderless_logger(agent.verbose))
-    else:  # SB3's own (run_1, as it names it) would keep a resumed run's events past the checkpoint
-        agent.set_logger(continued_logger(agent, agent.tensorboard_log, state["iteration"]))
-    saved = False
-    with flag:
-        if remaining > 0:
-            try:
-                agent.learn(
-                    remaining,
-                    callback=[Recorder(), *diagnostics],
-                    reset_num_timesteps=False,
-                    tb_log_name="run",
-                )
-            except StopAfterUpdate:
-                saved = True
-        else:
-            finish_evaluations(diagnostics, agent)
-        if not saved:  # within the flag: a first Ctrl-C or SIGTERM during this save lets it finish
-            rd.write_checkpoint(save)
-    return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config, 1.0), has_kl=False)
+        remaining = run["total_timesteps"] - agent.num_timesteps
+        if agent.tensorboard_log is None:  # SB3's default logger would leave an empty folder in the temp dir
+            from textgym.agents.sb3_contract import folderless_logger
+
+            agent.set_logger(folderless_logger(agent.verbose))
+        else:  # SB3's own (run_1, as it names it) would keep a resumed run's events past the checkpoint
+            agent.set_logger(continued_logger(agent, agent.tensorboard_log, state["iteration"]))
+        saved = False
+        with flag:
+            if remaining > 0:
+                try:
+                    agent.learn(
+                        remaining,
+                        callback=[Recorder(), *diagnostics],
+                        reset_num_timesteps=False,
+                        tb_log_name="run",
+                    )
+                except StopAfterUpdate:
+                    saved = True
+            else:
+                finish_evaluations(diagnostics, agent)
+            if not saved:  # within the flag: a first Ctrl-C or SIGTERM during this save lets it finish
+                rd.write_checkpoint(save)
+        return _finish(rd, history, flag.stop, lambda: _sample_table(generate, config, 1.0), has_kl=False)
+    finally:
+        env.close()
 
 
 def continued_logger(agent: Any, tensorboard_log: str, iteration: int) -> Any:
