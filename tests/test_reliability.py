@@ -1205,3 +1205,52 @@ def test_a_finished_run_extended_and_stopped_exits_130_without_its_old_after_tab
     )
     assert stopped.returncode == 130 and "interrupted; checkpoint saved" in stopped.stdout, stopped.stderr
     assert not (out / "samples_after.jsonl").exists()
+
+
+SIGINT_ONCE = """
+import signal
+
+import textgym
+
+calls = []
+
+
+@textgym.reward("sigint_once")
+def sigint_once(samples):
+    calls.append(len(samples))
+    if len(calls) == 12:
+        signal.raise_signal(signal.SIGINT)  # stop after this iteration
+    return [0.0] * len(samples)
+"""
+
+
+def test_an_sb3_run_stopped_by_a_signal_ends_its_evaluations_as_an_lm_agents_does(tmp_path, monkeypatch):
+    """SB3's learn() left by the stop skipped the callbacks' end: no eval.png and the metric rewards left
+    open, where an LM agent's stopped run had both."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # SB3's default logger makes a folder there
+    (tmp_path / "sigint_once.py").write_text(SIGINT_ONCE)
+    (tmp_path / "sb3.toml").write_text(f"""
+[run]
+total_timesteps = 4096
+sample_prompts = 2
+output_dir = "{tmp_path / "run"}"
+plugins = ["sigint_once.py"]
+[env]
+id = "textgym/Copy-v0"
+num_envs = 4
+rewards = ["match", "sigint_once"]
+[eval]
+every = 1
+episodes = 4
+[agent]
+name = "sb3-ppo"
+[agent.sb3-ppo]
+n_steps = 16
+batch_size = 64
+n_epochs = 1
+""")
+    main(["train", str(tmp_path / "sb3.toml")])
+    assert int(csv_rows(tmp_path / "run" / "metrics.csv")[-1]["timesteps"]) < 4096  # stopped early
+    assert csv_rows(tmp_path / "run" / "eval.csv") and (tmp_path / "run" / "eval.png").is_file()

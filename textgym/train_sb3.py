@@ -128,8 +128,10 @@ def run_sb3(
                         reset_num_timesteps=False,
                         tb_log_name="run",
                     )
-                except StopAfterUpdate:
+                except StopAfterUpdate:  # SB3's learn ends its callbacks only when it returns
                     saved = True
+                    for callback in diagnostics:  # the eval curves' plot, the metric rewards' close()
+                        callback.on_training_end()
             else:
                 finish_evaluations(diagnostics, agent)
             if not saved:  # within the flag: a first Ctrl-C or SIGTERM during this save lets it finish
