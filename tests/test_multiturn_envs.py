@@ -393,7 +393,7 @@ def test_bad_multi_turn_arguments_are_clear_errors():
     with pytest.raises(ConfigError, match=r"max_turns=3 needs a responder"):
         TextGenEnv(model=CHARS, prompts=["ab"], max_turns=3)
     with pytest.raises(ConfigError, match=r"exactly one of 'name' .*'text_env' or 'tool_env'"):
-        char_env({"name": "echo", "text_env": "x.py:Game"})
+        char_env({"tool_env": "x.py:Tools", "text_env": "x.py:Game"})
     with pytest.raises(textgym.errors.PluginArgumentError, match=r"responder 'echo' got unknown argument"):
         char_env({"name": "echo", "partail": True})
     with pytest.raises(
@@ -672,6 +672,8 @@ def test_adapter_specs_name_a_class_in_a_file(tmp_path, monkeypatch):
     env.reset(seed=0)
     (obs, _, _, _, _info), _ = run(env, [*ids("a"), EOS])
     assert obs["input_ids"][2:6].tolist() == [*ids("a"), EOS, *ids("aa")]
+    # a name next to the adapter's key names the adapter (it was read as a registered responder's: refused)
+    assert char_env({"text_env": "games.py:Parrot", "name": "parrot"}).episodes.responder.name == "parrot"
 
 
 def test_the_environment_guide_prints_what_it_says(tmp_path):

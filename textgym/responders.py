@@ -353,11 +353,13 @@ def make_responder(spec: ResponderSpec, base_dir: str | os.PathLike | None = Non
     if isinstance(spec, Mapping):
         args = dict(spec)
         adapters = {"text_env": TextEnvResponder, "tool_env": ToolEnvResponder}
-        given = [key for key in ("name", *adapters) if key in args]
+        # next to an adapter's key, `name` is the adapter's name (in messages), not a registered responder
+        given = [key for key in adapters if key in args] or [key for key in ("name",) if key in args]
         if len(given) != 1 or (given[0] == "name" and not isinstance(args["name"], str)):
             raise ConfigError(
                 f"responder spec {dict(spec)!r} needs exactly one of 'name' (a registered responder), "
-                f"'text_env' or 'tool_env' ('path/to/file.py:Class' or 'module:Class')."
+                f"'text_env' or 'tool_env' ('path/to/file.py:Class' or 'module:Class'; a 'name' next to "
+                f"either names it)."
             )
         key = given[0]
         if key in adapters:
