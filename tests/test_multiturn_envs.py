@@ -916,3 +916,19 @@ def test_what_a_responder_changes_in_its_conversation_meta_stays_in_the_episode(
         assert out[2]
     assert asked == ["c", "d", "c", "d"]  # the second episode asked both too (an IndexError before)
     assert env.episodes.prompts[0].meta["followups"] == ["c", "d"]  # the prompt's own metadata is intact
+
+
+def test_an_opening_the_tokenizer_cannot_write_names_the_responder_not_the_prompt():
+    class Greeter:
+        name = "greeter"
+
+        def start(self, conversations):
+            return ["Hello!" for _ in conversations]  # outside the alphabet
+
+        def __call__(self, conversations):
+            return ["a" for _ in conversations]
+
+    with pytest.raises(ResponderError, match=r"responder 'greeter': the opening its start\(\) gave prompt 0 "
+                                             r"\('Hello!'\) cannot go into the episode: prompt 0 .*cannot be "
+                                             r"tokenized"):  # fmt: skip
+        char_env(Greeter()).reset(seed=0)

@@ -18,10 +18,10 @@ from textgym.envs.conversation import ReplyFormatter
 from textgym.envs.prompt_ids import PromptIds
 from textgym.envs.responder_calls import validated_openings
 from textgym.envs.turns import Turns
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
-from textgym.responders import AGENT_ROLE, ResponderSpec, make_responder
+from textgym.responders import AGENT_ROLE, ResponderError, ResponderSpec, make_responder
 from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
@@ -267,15 +267,25 @@ class Episodes(PromptIds, Turns):
                 self.openings[slot] = opening or None
         for slot in slots:
             index = self.prompt_index[slot]
-            ids = (
-                self.encode_prompt(index)
-                if self.openings[slot] is None
-                else self._encode(self.prompt_text(slot), index)
-            )
+            ids = self.encode_prompt(index) if self.openings[slot] is None else self._with_opening(slot)
             self.input_ids[slot] = self.pad_id
             self.attention_mask[slot] = 0
             self.input_ids[slot, self.P - len(ids) : self.P] = ids
             self.attention_mask[slot, self.P - len(ids) : self.P] = 1
+
+    def _with_opening(self, slot: int) -> np.ndarray:
+        """Slot ``slot``'s prompt with its responder's opening, encoded. Where that fails and the prompt alone
+        does not (a text the tokenizer cannot write, a prompt made too long), the opening is named."""
+        index = self.prompt_index[slot]
+        try:
+            return self._encode(self.prompt_text(slot), index)
+        except PromptError as exc:
+            self.encode_prompt(index)  # the prompt alone: its own error, if the prompt is what fails
+            opening = str(self.openings[slot])
+            raise ResponderError(
+                f"responder {self.responder.name!r}: the opening its start() gave prompt {index} "
+                f"({opening[:40]!r}{'...' if len(opening) > 40 else ''}) cannot go into the episode: {exc}"
+            ) from None
 
     def prompt_option(self, prompt: Any) -> int:
         """The prompt index for a ``reset`` option: an index into the source, or a text: the source's first
