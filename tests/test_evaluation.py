@@ -127,6 +127,10 @@ n_epochs = 1
         ('rewards = [{ name = "match" }, { name = "match" }]', "metric name 'match' repeats"),
         ('rewards = [{ name = "match", args = 3 }]', "metric 'match': args = 3 must be a table"),
         ("rewards = [{ partial = true }]", "is not a reward spec"),
+        (
+            'rewards = { components = ["match"] }',
+            r"a stack table .* metrics are measured one by one.*\['match'\]",
+        ),
         ('builtin = ["perplexity"]', "eval.builtin: unknown metric 'perplexity'"),
         ("prompts = 3", "eval.prompts must be a prompt source"),
     ],

@@ -90,6 +90,12 @@ def metric_specs(specs: Any, where: str) -> list[dict[str, Any]]:
     reward name) and optional ``range = [low, high]`` (confidence intervals are clipped to it)."""
     from textgym.rewards import parse_reward_spec
 
+    if isinstance(specs, Mapping) and "components" in specs:
+        raise ConfigError(
+            f"{where}: a stack table (components, aggregate, gates) combines rewards into a training total; "
+            f"metrics are measured one by one. Give them as a list of reward specs, e.g. the components "
+            f"alone: {list(specs['components'])!r}."
+        )
     if isinstance(specs, (str, Mapping)) or not isinstance(specs, list):
         raise ConfigError(f"{where} must be a list of reward specs, not {specs!r}.")
     out = []
