@@ -238,10 +238,9 @@ def test_a_responder_that_raises_or_returns_a_non_string_names_itself():
         env.reset(seed=0)
         with pytest.raises(ResponderError, match=pattern):
             env.step(EOS)
-    env = char_env(named(lambda cs: ["a" for _ in cs], "bad", role="assistant"))
-    env.reset(seed=0)
-    with pytest.raises(ResponderError, match=r"'bad' replied with role 'assistant'"):
-        env.step(EOS)
+    # a responder's own role is checked when the env is made (it was at its first reply, mid-training)
+    with pytest.raises(ConfigError, match=r"responder 'bad' has role 'assistant'; .*never the agent's"):
+        char_env(named(lambda cs: ["a" for _ in cs], "bad", role="assistant"))
 
 
 def test_a_step_that_raised_must_be_followed_by_a_reset():

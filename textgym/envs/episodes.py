@@ -81,6 +81,12 @@ class Episodes(PromptIds, Turns):
         self.n_source = len(self.prompts)  # texts passed in options["prompt"] go after these, never drawn
         self._adhoc: dict[str, int] = {}
         self.responder = make_responder(responder)
+        role = getattr(self.responder, "role", "user")
+        if not isinstance(role, str) or not role or role == AGENT_ROLE:  # else refused at its first reply
+            raise ConfigError(
+                f"responder {getattr(self.responder, 'name', '?')!r} has role {role!r}; its replies' role is the "
+                f'environment\'s ("user", "tool", ...), never the agent\'s {AGENT_ROLE!r}.'
+            )
         if max_turns is not None and (
             not isinstance(max_turns, (int, np.integer)) or isinstance(max_turns, bool) or max_turns < 1
         ):
