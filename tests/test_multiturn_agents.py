@@ -325,3 +325,14 @@ name = "{agent}"
         lines = log.read_text().split()
         # the training env, the two sample tables' (before and after training) and the evaluations'
         assert lines.count("made") >= 4 and lines.count("closed") == lines.count("made"), (agent, lines)
+
+
+def test_textgym_sample_closes_its_env_when_it_refuses_the_model(tmp_path, capsys):
+    from textgym.cli import main
+
+    (tmp_path / "closing.py").write_text(CLOSING)
+    log = tmp_path / "sample.log"
+    code = main(["sample", "--plugin", str(tmp_path / "closing.py"), "--model", "chars", "--prompts", "echo",
+                 "--no-chat-template", "--responder", f"closing log={log}", "--num", "2"])  # fmt: skip
+    assert code != 0 and "is a tokenizer without weights" in capsys.readouterr().err
+    assert log.read_text().split() == ["made", "closed"]

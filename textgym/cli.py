@@ -390,10 +390,10 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    import contextlib
+
     from textgym.envs import TextGenVectorEnv
     from textgym.errors import ConfigError
-    from textgym.models import load_model
-    from textgym.sampling import sample_episodes
 
     if args.num < 1 or args.batch_size < 1:
         raise ConfigError(f"--num and --batch-size must be positive, not {args.num} and {args.batch_size}.")
@@ -418,6 +418,15 @@ def _sample(args: argparse.Namespace) -> int:
         responder=args.responder,
         max_turns=args.max_turns,
     )
+    with contextlib.closing(env):  # its responder's close(), whatever fails below
+        return _sample_on(env, args, batch)
+
+
+def _sample_on(env: Any, args: argparse.Namespace, batch: int) -> int:
+    from textgym.errors import ConfigError
+    from textgym.models import load_model
+    from textgym.sampling import sample_episodes
+
     if args.top_k > env.single_action_space.n:
         raise ConfigError(
             f"--top-k {args.top_k} is larger than the vocabulary ({env.single_action_space.n} tokens)."
@@ -454,7 +463,6 @@ def _sample(args: argparse.Namespace) -> int:
                     output.flush()
                 bar.update(len(episodes))
     finally:
-        env.close()
         if output:
             output.close()
     from textgym.envs.conversation import format_transcript
