@@ -274,6 +274,11 @@ def test_a_changed_eval_every_alone_keeps_the_finished_runs_evaluations_and_curv
     bench.run(designs(out, eval_every=DESIGNS["bench"]["eval_every"] + 1), progress=False)
     assert counted["trained"] == [] and counted["evaluated"] == []
     assert "curves of" not in (out / "report.md").read_text()
+    # eval_every = 0 (no curves measured from here on) neither: the report said they were measured with
+    # other settings and the final evaluations recomputed, neither of which was so
+    bench.run(designs(out, eval_every=0), progress=False)
+    assert counted["trained"] == [] and counted["evaluated"] == []
+    assert "curves of" not in (out / "report.md").read_text()
 
 
 def test_a_run_resumed_after_the_evaluation_settings_changed_keeps_its_curves_out(tmp_path, monkeypatch):

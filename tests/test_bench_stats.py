@@ -96,6 +96,11 @@ def test_a_differences_interval_stays_within_what_two_values_in_the_range_can_di
         {"a": {0: 0.0, 1: 0.1, 2: 0.0}, "b": {0: 1.0, 1: 0.95, 2: 1.0}}, "higher", bounds=(0, 1)
     )
     assert c.test.ci_low == -1.0  # and on the other side
+    # values outside the declared range differ by more than it allows: that side is kept whole (clipped, the
+    # interval [-0.957, -1] ended below its start and left out its own estimate)
+    r = paired({0: -1.5, 1: -1.7, 2: -1.2}, {0: 0.0, 1: 0.05, 2: 0.1}, bounds=(0.0, 1.0))
+    unclipped = paired({0: -1.5, 1: -1.7, 2: -1.2}, {0: 0.0, 1: 0.05, 2: 0.1})
+    assert (r.ci_low, r.ci_high) == (unclipped.ci_low, unclipped.ci_high) and r.ci_low < r.diff < r.ci_high
 
 
 def test_seeds_needed_corrects_for_the_pairs_tested_only():

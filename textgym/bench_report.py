@@ -76,7 +76,7 @@ def fmt_cell(row: Mapping[str, Any] | None) -> str:
 def metric_note(results: BenchResults, metric: str, scope: str) -> str:
     direction = results.direction(metric, scope)
     if metric == REWARD and scope == "designs":
-        return "each design's own training total on the held-out prompts: not comparable between designs"
+        return f"each design's own training total on the {sample_prompts(results)}: not comparable between designs"
     if direction is None:
         return BUILTIN_METRICS[metric].doc + ": not ranked" if metric in BUILTIN_METRICS else "not ranked"
     return f"{direction} is better"
@@ -282,7 +282,7 @@ def setup_text(results: BenchResults) -> str:
 STATS_TEXT = (
     f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range], and (n of N "
     f"seeds) where the metric was not measured on every seed. Comparisons are "
-    f"paired over shared seeds (same seed = same initial weights, first rollouts and held-out prompts): the "
+    f"paired over shared seeds (same seed = same initial weights, first rollouts and evaluation prompts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric. A rank is 1 + the number of "
     f"groups significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c): equal "
@@ -408,9 +408,14 @@ def _md_escape(text: str) -> str:
     return text
 
 
+def sample_prompts(results: BenchResults) -> str:
+    """What the sample tables' prompts are: held out, or (without eval_prompts) the training ones."""
+    return "held-out prompts" if results.spec["bench"]["eval_prompts"] else "training prompts (none held out)"
+
+
 def _samples(results: BenchResults) -> list[str]:
     seed = results.spec["bench"]["seeds"][0]
-    lines = ["", f"## Samples (seed {seed}, the first held-out prompts)", ""]
+    lines = ["", f"## Samples (seed {seed}, the first {sample_prompts(results)})", ""]
     for e in results.evals:
         if e["seed"] != seed or not e["samples"]:
             continue

@@ -121,7 +121,11 @@ def paired(
     half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * se
     p = float(2 * stats.t.sf(abs(diff / se), n - 1))
     widest = bounds[1] - bounds[0]
-    return Paired(n, diff, max(diff - half, -widest), min(diff + half, widest), diff / sd, p)
+    # Clipped to the widest difference the range allows; a difference past it (values outside the declared
+    # range) keeps that side whole, as mean_ci does: clipping there put the interval's end on the wrong side
+    low = diff - half if diff < -widest else max(diff - half, -widest)
+    high = diff + half if diff > widest else min(diff + half, widest)
+    return Paired(n, diff, low, high, diff / sd, p)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:

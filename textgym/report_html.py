@@ -25,6 +25,7 @@ from textgym.bench_report import (
     ranking,
     ranking_text,
     reward_note,
+    sample_prompts,
     setup_text,
     unchecked_lines,
     verdict,
@@ -97,7 +98,7 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         "thick: the mean.",
         "eval_curves": "Held-out metrics during training.",
         "overoptimization": "Gold and proxy against sqrt(KL to the reference) (Gao, Schulman and Hilton, 2022).",
-        "metric_bars": "Final held-out metrics with 95% intervals.",
+        "metric_bars": "Final evaluation metrics with 95% intervals.",
     }
     for name, caption in captions.items():
         if figures.get(name):
@@ -184,7 +185,7 @@ def _samples(results: BenchResults) -> list[str]:
     """For the first seed: one table per agent, one row per held-out prompt, one column per design."""
     e = html.escape
     seed = results.spec["bench"]["seeds"][0]
-    out = [f"<h2>Samples side by side (seed {seed}, the first held-out prompts)</h2>"]
+    out = [f"<h2>Samples side by side (seed {seed}, the first {sample_prompts(results)})</h2>"]
     for agent in results.agents:
         by_design = {
             ev["design"]: ev["samples"] for ev in results.evals if ev["agent"] == agent and ev["seed"] == seed
