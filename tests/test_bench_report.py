@@ -465,3 +465,15 @@ def test_a_p_value_near_the_cut_shows_the_digits_that_put_it_on_its_side():
         "0.051",
     )
     assert (fmt_p(0.0004), fmt_p(0.3)) == ("<0.001", "0.300")
+
+
+def test_values_outside_a_declared_range_are_warned_of(tmp_path, report):
+    """A metric's intervals are clipped to its declared range: a wrong range went unseen."""
+    assert "outside its declared range" not in (report[0] / "report.md").read_text()
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    spec["metric_rewards"][0]["range"] = [0.0, 0.2]  # the gold design's runs end at 0.5 to 0.56
+    write_outputs(out, spec, jobs)
+    warning = "`exact_copy` measured 0.500 to 0.560 on 3 runs, outside its declared range [0, 0.2]"
+    assert warning in (out / "report.md").read_text()
+    assert "<code>exact_copy</code> measured 0.500 to 0.560 on 3 runs" in (out / "report.html").read_text()

@@ -279,6 +279,26 @@ def setup_text(results: BenchResults) -> str:
     )
 
 
+def range_warnings(results: BenchResults) -> list[str]:
+    """A line per metric whose declared ``range`` some run's value falls outside: its intervals are clipped
+    to that range, so a range that is wrong would otherwise go unseen."""
+    lines = []
+    for metric in results.spec["metric_rewards"]:
+        if "range" not in metric:
+            continue
+        low, high = metric["range"]
+        label = metric["label"]
+        outside = [r for r in results.rows if r["metric"] == label and not low <= r["value"] <= high
+                   and not math.isnan(r["value"])]  # fmt: skip
+        if outside:
+            lines.append(
+                f"**Warning**: `{_text(label)}` measured {fmt(min(r['value'] for r in outside))} to "
+                f"{fmt(max(r['value'] for r in outside))} on {_count(len(outside), 'run')}, outside its declared "
+                f"range [{low:g}, {high:g}]: its intervals are clipped to that range; check the range."
+            )
+    return lines
+
+
 STATS_TEXT = (
     f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range], and (n of N "
     f"seeds) where the metric was not measured on every seed. Comparisons are "
@@ -292,7 +312,9 @@ STATS_TEXT = (
 
 # -- report.md -----------------------------------------------------------------------------------------
 def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
-    lines = ["# Reward-design benchmark", "", setup_text(results), "", STATS_TEXT, "", "## Designs", ""]
+    lines = ["# Reward-design benchmark", "", setup_text(results), "", STATS_TEXT, ""]
+    lines += [line for warning in range_warnings(results) for line in (warning, "")]
+    lines += ["## Designs", ""]
     for design in results.spec["designs"]:
         lines.append(f"- **{_text(design['name'])}**: {_text(describe_stack(design['rewards']))}")
     lines += ["", "## Flags", ""]

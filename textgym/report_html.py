@@ -21,6 +21,7 @@ from textgym.bench_report import (
     metric_note,
     no_flags_text,
     quiet_checks_text,
+    range_warnings,
     rankable,
     ranking,
     ranking_text,
@@ -58,6 +59,7 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         "<h1>Reward-design benchmark</h1>",
         f"<p>{_md(setup_text(results))}</p>",
         f'<p class="note">{e(STATS_TEXT)}</p>',
+        *(f"<p>{_md(warning)}</p>" for warning in range_warnings(results)),
         "<h2>Designs</h2><ul>",
         *[
             f"<li><b>{e(d['name'])}</b>: {e(describe_stack(d['rewards']))}</li>"
