@@ -213,12 +213,19 @@ def test_the_chat_template_formats_replies_with_the_responders_role(tokenizer):
 
 
 def test_a_responder_that_raises_or_returns_a_non_string_names_itself():
+    def secret(conversation):
+        return conversation.meta["secret"]
+
     def broken(conversations):
-        raise KeyError("secret")
+        return [secret(c) for c in conversations]
 
     env = char_env(named(broken, "broken"))
     env.reset(seed=0)
-    with pytest.raises(ResponderError, match=r"responder 'broken' raised KeyError: 'secret'"):
+    line = secret.__code__.co_firstlineno + 1  # the helper that raised: the one-line error named no place
+    with pytest.raises(
+        ResponderError,
+        match=rf"responder 'broken' raised KeyError \(at .*test_multiturn_envs.py:{line} in secret\): 'secret'",
+    ):
         env.step(EOS)
     for bad, pattern in [
         (lambda cs: [42 for _ in cs], r"responder 'bad' returned int 42 for conversation 0"),

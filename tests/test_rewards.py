@@ -78,12 +78,25 @@ def test_bad_plugin_output_is_an_error_naming_the_plugin(output, match):
     assert err.match(match)
 
 
-def test_plugin_exception_is_wrapped_with_its_name():
+def test_plugin_exception_is_wrapped_with_its_name_and_where_it_was_raised():
     def boom(samples):
         raise ZeroDivisionError("oops")
 
-    with pytest.raises(RewardError, match="reward plugin 'boom' raised ZeroDivisionError: oops"):
+    line = boom.__code__.co_firstlineno + 1  # the file and line, which the one-line error left out
+    with pytest.raises(
+        RewardError,
+        match=rf"reward plugin 'boom' raised ZeroDivisionError \(at .*test_rewards.py:{line} in boom\): oops",
+    ):
         RewardStack([(FunctionReward("boom", boom), 1.0)]).score(SAMPLES)
+    # where user code raised inside a library, the user's own frame is named, not numpy's
+    import numpy as np
+
+    def reshape(samples):
+        return np.ones(3).reshape(2)
+
+    line = reshape.__code__.co_firstlineno + 1
+    with pytest.raises(RewardError, match=rf"raised ValueError \(at .*test_rewards.py:{line} in reshape\)"):
+        RewardStack([(FunctionReward("reshape", reshape), 1.0)]).score(SAMPLES)
 
 
 def test_unknown_reward_name_lists_known_and_suggests_closest():
@@ -256,3 +269,22 @@ def test_a_reward_spec_giving_a_key_twice_is_refused(spec):
     key = "name" if "name=" in spec else "target"
     with pytest.raises(ConfigError, match=f"{key} is given twice"):
         parse_reward_spec(spec)
+
+
+def test_textgym_traceback_prints_a_failing_plugins_traceback(tmp_path, monkeypatch, capsys):
+    from textgym.cli import main
+
+    (tmp_path / "bad.py").write_text(
+        "import textgym\n\n\n@textgym.reward('bad')\ndef bad(samples):\n    return [len(samples) / 0]\n"
+    )
+    args = ["sample", "--plugin", str(tmp_path / "bad.py"), "--model", "tiny-char-llama", "--prompts", "copy",
+            "--reward", "bad", "--num", "2", "--max-new-tokens", "2"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"raised ZeroDivisionError (at {tmp_path / 'bad.py'}:6 in bad)" in err and "Traceback" not in err
+    monkeypatch.setenv("TEXTGYM_TRACEBACK", "1")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "Traceback (most recent call last)" in err and f'File "{tmp_path / "bad.py"}", line 6, in bad' in err
+    )

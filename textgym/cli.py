@@ -223,6 +223,12 @@ def _command(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # a reader that left fails here, in the handler below, not at the interpreter's exit
         return code
     except TextgymError as exc:
+        import os
+
+        if os.environ.get("TEXTGYM_TRACEBACK"):  # the whole chain: a failing plugin's frames, and textgym's
+            import traceback
+
+            traceback.print_exception(exc)
         print(f"textgym: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `textgym plugins --json | head`: the reader is gone; no traceback for that

@@ -13,6 +13,28 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def raised_in(exc: BaseException) -> str:
+    """``" (at FILE:LINE in FUNCTION)"``: where user code raised ``exc``, for an error that wraps it in one
+    line (a reward or responder that failed): the innermost frame outside textgym and the installed
+    packages, else the innermost frame. ``""`` when ``exc`` carries no traceback."""
+    import os
+    import sysconfig
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    here = os.path.dirname(os.path.abspath(__file__))
+    library = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+
+    def ours(path: str) -> bool:  # textgym's own code, Python's or an installed package's
+        path = os.path.abspath(path)
+        return path.startswith(here + os.sep) or any(path.startswith(p + os.sep) for p in library)
+
+    frame = next((f for f in reversed(frames) if not ours(f.filename)), frames[-1])
+    return f" (at {frame.filename}:{frame.lineno} in {frame.name})"
+
+
 class TextgymError(Exception):
     """Base class of every error textgym raises on purpose."""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from textgym.errors import RewardError
+from textgym.errors import RewardError, raised_in
 
 if TYPE_CHECKING:
     from textgym.rewards import Reward, Sample
@@ -75,7 +75,7 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
     except RewardError:
         raise
     except Exception as exc:
-        raise RewardError(f"{label} raised {type(exc).__name__}: {exc}") from exc
+        raise RewardError(f"{label} raised {type(exc).__name__}{raised_in(exc)}: {exc}") from exc
     if callable(getattr(out, "detach", None)) and callable(getattr(out, "cpu", None)):
         # a torch tensor, which numpy cannot take in bf16, on a GPU, or while it tracks gradients
         try:

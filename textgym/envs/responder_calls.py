@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from textgym.errors import TextgymError
+from textgym.errors import TextgymError, raised_in
 from textgym.responders import AGENT_ROLE, Conversation, Reply, Responder, ResponderError
 
 __all__ = ["notify_end", "validated_openings", "validated_replies"]
@@ -30,7 +30,9 @@ def _call(responder: Responder, method: Callable[..., Any], conversations: Seque
     except TextgymError:
         raise
     except Exception as exc:
-        raise ResponderError(f"{_label(responder)} raised {type(exc).__name__}{where}: {exc}") from exc
+        raise ResponderError(
+            f"{_label(responder)} raised {type(exc).__name__}{where}{raised_in(exc)}: {exc}"
+        ) from exc
 
 
 def validated_replies(responder: Responder, conversations: Sequence[Conversation]) -> list[Reply]:
