@@ -538,3 +538,19 @@ def test_a_reward_that_hangs_is_bounded_by_its_timeout(tmp_path):
     assert fast.score([textgym.Sample("p", "abcd", completion_ids=(1, 2, 3, 4))])[0].shape == (1,)
     with pytest.raises(ConfigError, match="timeout must be a number of seconds > 0, not -1"):
         textgym.build_reward_stack([{"name": "length_penalty", "timeout": -1}])
+
+
+def test_fn_may_be_the_function_itself_in_python():
+    """{"fn": func, "weight": w} (the table form with a function, as (func, w) takes it) was refused: fn had
+    to be a string."""
+    import gymnasium
+
+    def brevity(samples, limit=2):
+        return [float(len(s.completion) <= limit) for s in samples]
+
+    stack = build_reward_stack([{"fn": brevity, "weight": 0.5, "limit": 3}, {"fn": brevity, "name": "short"}])
+    assert stack.names == ["brevity", "short"]
+    np.testing.assert_allclose(stack.score(SAMPLES)[1]["brevity"], brevity(SAMPLES, limit=3))
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=2, vectorization_mode="vector_entry_point",
+                             rewards=[{"fn": brevity, "weight": 2.0}])  # fmt: skip
+    assert env.reward_stack.names == ["brevity"] and env.reward_stack.weights == {"brevity": 2.0}

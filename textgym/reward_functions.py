@@ -144,7 +144,7 @@ def load_function(ref: Any, base_dir: str | os.PathLike | None = None, where: st
     """
     form = "'path/to/file.py:function' or 'module:function'"
     if not isinstance(ref, str):
-        raise ConfigError(f"{where}: fn = {ref!r} must be a string, {form}.")
+        raise ConfigError(f"{where}: fn = {ref!r} must be a function or a string, {form}.")
     target, _, attribute = ref.rpartition(":")
     if not target or not attribute:
         raise ConfigError(f"{where}: fn = {ref!r} must look like {form}.")

@@ -248,11 +248,14 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
         args = dict(spec)
         if "fn" in args:
             ref, display = args.pop("fn"), args.pop("name", None)
-            fn = load_function(ref, base_dir, where)
+            if callable(ref):  # in Python, the function itself, as in the (function, weight) form
+                fn, source = ref, f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', ref)}"
+            else:
+                fn, source = load_function(ref, base_dir, where), str(ref)
             name = display or getattr(fn, "__name__", str(ref))
             weight = composition.parse_weight(args.pop("weight", 1.0), f"{where}: reward {name!r}")
             _check_fixed_arguments(fn, name, args)
-            return _Component(name, weight, lambda: function_reward(fn, name, str(ref), **args))
+            return _Component(name, weight, lambda: function_reward(fn, name, source, **args))
         if "name" not in args:
             raise ConfigError(
                 f"{where}: reward spec {dict(spec)!r} has no 'name' (a registered reward) or 'fn' (a function, "
