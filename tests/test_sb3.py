@@ -234,3 +234,15 @@ def test_make_vec_env_takes_env_kwargs_as_sb3s_does():
     assert env.env.max_new_tokens == 3
     with pytest.raises(ConfigError, match=r"\['max_new_tokens'\] both as keywords and in env_kwargs"):
         make_vec_env("textgym/Copy-v0", n_envs=2, max_new_tokens=2, env_kwargs={"max_new_tokens": 3})
+
+
+def test_make_vec_env_refuses_sb3s_vec_env_arguments_by_name_with_what_to_use():
+    """They went on to the env, which failed with a TypeError about its own __init__."""
+    import pytest
+
+    from textgym.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"does not take SB3's monitor_dir: .*VecMonitor\(make_vec_env"):
+        make_vec_env("textgym/Copy-v0", n_envs=2, monitor_dir="mon")
+    with pytest.raises(ConfigError, match=r"SB3's start_index, vec_env_cls: .*SB3's own make_vec_env"):
+        make_vec_env("textgym/Copy-v0", n_envs=2, vec_env_cls=object, start_index=2)

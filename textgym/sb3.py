@@ -186,6 +186,20 @@ def _ended(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
     return row
 
 
+# SB3's make_vec_env arguments that shape a VecEnv of copies, with what to do here instead
+_MONITOR = (
+    "Its episode infos are Monitor's already; for Monitor's CSV file, wrap it: "
+    "VecMonitor(make_vec_env(...), filename=...)."
+)
+_COPIES = (
+    "For per-copy wrappers or worker processes, use SB3's own make_vec_env with the id that imports textgym: "
+    "make_vec_env('textgym:textgym/Copy-v0', n_envs=..., wrapper_class=..., vec_env_cls=SubprocVecEnv)."
+)
+SB3_VEC_ENV_ARGUMENTS = {"monitor_dir": _MONITOR, "monitor_kwargs": _MONITOR, "wrapper_class": _COPIES,
+                         "wrapper_kwargs": _COPIES, "vec_env_cls": _COPIES, "vec_env_kwargs": _COPIES,
+                         "start_index": _COPIES}  # fmt: skip
+
+
 def make_vec_env(
     env_id: str = "textgym/TextGen-v0",
     n_envs: int = 8,
@@ -197,6 +211,12 @@ def make_vec_env(
     defaults, given as keywords or, as SB3's ``make_vec_env`` takes them, in ``env_kwargs``."""
     import textgym  # noqa: F401  (registers the envs)
 
+    sb3_only = sorted(set(kwargs) & set(SB3_VEC_ENV_ARGUMENTS))
+    if sb3_only:  # they reached the env, which failed on them with a TypeError about itself
+        raise ConfigError(
+            f"textgym.sb3.make_vec_env does not take SB3's {', '.join(sb3_only)}: it makes one batched env, "
+            f"not a VecEnv of wrapped copies. {SB3_VEC_ENV_ARGUMENTS[sb3_only[0]]}"
+        )
     both = sorted(set(env_kwargs or {}) & set(kwargs))
     if both:
         raise ConfigError(f"make_vec_env got {both} both as keywords and in env_kwargs: give each once.")
