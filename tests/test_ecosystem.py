@@ -58,6 +58,34 @@ def test_the_sb3_example_takes_any_sb3_or_sb3_contrib_algorithm_as_it_says(agent
     resolve_agent(textgym.config.load_config(EXAMPLES / "copy-sb3.toml", [f"agent.name='{agent}'"])["agent"])
 
 
+def test_an_sb3_configs_policy_kwargs_name_their_classes(tmp_path):
+    """TOML has no classes: activation_fn = "nn.Tanh" reached SB3 as a string ("'str' object is not callable",
+    naming no key)."""
+    import torch
+
+    from textgym.agent_config import resolve_agent
+    from textgym.sb3 import make_vec_env
+
+    def agent(kwargs):
+        overrides = [f"agent.sb3-ppo.policy_kwargs={kwargs}"]
+        return resolve_agent(textgym.config.load_config(EXAMPLES / "copy-sb3.toml", overrides)["agent"])
+
+    agent_class, policy, hyperparameters = agent('{activation_fn="nn.Tanh", optimizer_class="RMSprop"}')
+    assert hyperparameters["policy_kwargs"] == {
+        "activation_fn": torch.nn.Tanh,
+        "optimizer_class": torch.optim.RMSprop,
+    }
+    model = agent_class(policy, make_vec_env("textgym/Copy-v0", n_envs=2), **hyperparameters)
+    assert model.policy.activation_fn is torch.nn.Tanh and isinstance(
+        model.policy.optimizer, torch.optim.RMSprop
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"\[agent.sb3-ppo\]: policy_kwargs.activation_fn = 'nn.Relu' names no class. Did you mean 'ReLU'\?",
+    ):
+        agent('{activation_fn="nn.Relu"}')
+
+
 def test_an_sb3_algorithm_without_a_policy_for_dict_observations_is_refused_before_it_starts():
     """ARS failed after the env was made: "Policy MultiInputPolicy unknown", naming no cause."""
     from textgym.agent_config import resolve_agent

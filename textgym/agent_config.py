@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from textgym import plugin_manager
-from textgym.errors import ConfigError, UnknownNameError
+from textgym.errors import ConfigError, UnknownNameError, did_you_mean
 
 SB3_MODULES = ("stable_baselines3", "sb3_contrib")
 RESERVED = ("name", "policy")
@@ -300,8 +300,51 @@ def resolve_agent(agent: dict[str, Any], entry: str | None = None) -> tuple[Any,
                     f"and textgym's envs observe a dict (token ids and an attention mask): choose another "
                     f"algorithm, e.g. ppo, a2c, dqn or recurrentppo."
                 )
+        if "policy_kwargs" in hyperparameters:
+            where = _place(name, "policy_kwargs" in own, entry, table)
+            hyperparameters["policy_kwargs"] = policy_kwargs(hyperparameters["policy_kwargs"], where)
     elif policy is None:
         raise ConfigError(
             "agent.policy is required: a zoo name (e.g. smollm2-135m-instruct) or a model directory."
         )
     return agent_class, policy, hyperparameters
+
+
+def policy_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """An SB3 agent's ``policy_kwargs`` from a config, where a class is written by name (TOML has no
+    classes): ``activation_fn = "Tanh"`` (or ``"nn.Tanh"``, ``"torch.nn.Tanh"``), ``optimizer_class =
+    "RMSprop"``, any ``*_fn`` or ``*_class`` key as ``"package.module.Class"``. The config keeps the names."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: policy_kwargs must be a table, not {value!r}.")
+    out = dict(value)
+    for key, name in value.items():
+        if key.endswith(("_fn", "_class")) and isinstance(name, str):
+            out[key] = _named_class(name, f"{where}: policy_kwargs.{key}")
+    return out
+
+
+def _named_class(name: str, where: str) -> Any:
+    """The class ``name`` names: one of torch.nn's or torch.optim's by its own name (``nn.`` and ``torch.``
+    prefixes allowed), or any importable ``package.module.Class``."""
+    bare = name.removeprefix("torch.").removeprefix("nn.").removeprefix("optim.")
+    candidates = [("torch.nn", bare), ("torch.optim", bare)] if "." not in bare else []
+    module, _, attribute = name.rpartition(".")
+    if module:
+        candidates.append((module, attribute))
+        candidates.append((f"torch.{module}", attribute))  # "nn.ReLU"
+    for module_name, attribute in candidates:
+        try:
+            found = getattr(importlib.import_module(module_name), attribute, None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    import torch
+
+    known = [n for module in (torch.nn, torch.optim) for n, v in vars(module).items() if isinstance(v, type)]
+    same = [k for k in known if k.lower() == bare.lower()]  # "Relu" for "ReLU"
+    hint = f" Did you mean {same[0]!r}?" if same else did_you_mean(bare, known)
+    raise ConfigError(
+        f"{where} = {name!r} names no class.{hint} Give a torch.nn or torch.optim class "
+        f'by name ("ReLU", "nn.Tanh", "torch.optim.RMSprop") or an importable "package.module.Class".'
+    )
