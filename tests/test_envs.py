@@ -306,6 +306,11 @@ def test_a_long_prompt_is_cut_inside_its_chat_template_and_after_its_bos_token()
 def test_prompts_the_tokenizer_cannot_encode_are_refused_when_the_env_is_made():
     with pytest.raises(PromptError, match=r"prompt 1 \('abz'\) cannot be tokenized: character 'z' is not in"):
         char_env(prompts=["abc", "abz"])
+    # a text given to reset is no prompt of the source: it was named by an index the user never gave
+    with pytest.raises(
+        PromptError, match=r"^the prompt given in reset's options \('abz'\) cannot be tokenized"
+    ):
+        char_env(prompts=["abc"]).reset(options={"prompt": "abz"})
 
 
 def test_absurd_sizes_are_refused_before_allocating():

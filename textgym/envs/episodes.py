@@ -289,7 +289,7 @@ class Episodes(PromptIds, Turns):
             self.encode_prompt(index)  # the prompt alone: its own error, if the prompt is what fails
             opening = str(self.openings[slot])
             raise ResponderError(
-                f"responder {self.responder.name!r}: the opening its start() gave prompt {index} "
+                f"responder {self.responder.name!r}: the opening its start() gave {self._which(index)} "
                 f"({opening[:40]!r}{'...' if len(opening) > 40 else ''}) cannot go into the episode: {exc}"
             ) from None
 

@@ -21,6 +21,7 @@ class PromptIds:
     chat_template: bool
     prompts: list[Any]
     prompt_overflow: str
+    n_source: int
     P: int
     _encoded: dict[int, np.ndarray]
     _overflowed: int
@@ -29,6 +30,10 @@ class PromptIds:
         if index not in self._encoded:
             self._encoded[index] = self._encode(self.prompts[index].text, index, warn)
         return self._encoded[index]
+
+    def _which(self, index: int) -> str:
+        """How a message names prompt ``index``: its index in the source, or a text given to ``reset``."""
+        return f"prompt {index}" if index < self.n_source else "the prompt given in reset's options"
 
     def _encode(self, text: str, index: int, warn: bool = True) -> np.ndarray:
         """``text`` (prompt ``index``, or it with a responder's opening) as the ids an episode starts from."""
@@ -41,10 +46,12 @@ class PromptIds:
             try:
                 ids = self.tokenizer.encode(text)
             except ValueError as exc:  # e.g. a character outside a character tokenizer's alphabet
-                raise PromptError(f"prompt {index} ({text[:40]!r}) cannot be tokenized: {exc}") from None
+                raise PromptError(
+                    f"{self._which(index)} ({text[:40]!r}) cannot be tokenized: {exc}"
+                ) from None
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) > self.P:
-            where = f"prompt {index} ({text[:40]!r}...) has {len(ids)} tokens"
+            where = f"{self._which(index)} ({text[:40]!r}...) has {len(ids)} tokens"
             if self.prompt_overflow == "error":
                 raise PromptError(
                     f"{where}, more than max_prompt_tokens={self.P}. Raise max_prompt_tokens, shorten "
