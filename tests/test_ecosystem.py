@@ -58,6 +58,17 @@ def test_the_sb3_example_takes_any_sb3_or_sb3_contrib_algorithm_as_it_says(agent
     resolve_agent(textgym.config.load_config(EXAMPLES / "copy-sb3.toml", [f"agent.name='{agent}'"])["agent"])
 
 
+@pytest.mark.parametrize("agent", ["lmppo", "grpo", "rloo", "sb3-ppo"])
+def test_the_echo_example_takes_every_agent(agent):
+    """LMPPO's n_epochs and kl_coef sat in its shared [agent] table: --agent grpo, rloo or sb3-ppo was
+    refused."""
+    from textgym.agent_config import resolve_agent
+
+    resolve_agent(
+        textgym.config.load_config(EXAMPLES / "multiturn-echo.toml", [f"agent.name='{agent}'"])["agent"]
+    )
+
+
 def test_an_sb3_configs_policy_kwargs_name_their_classes(tmp_path):
     """TOML has no classes: activation_fn = "nn.Tanh" reached SB3 as a string ("'str' object is not callable",
     naming no key)."""
