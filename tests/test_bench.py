@@ -370,6 +370,8 @@ def test_a_ctrl_c_stops_the_bench_after_the_runs_checkpoint_and_the_bench_contin
     assert all((runs / f"stops-seed{seed}" / "eval.json").is_file() for seed in (0, 1))
 
 
+# the evaluation loads the SB3 agent on as many sub-envs as it trained on: on one, SB3 warned of its batch size
+@pytest.mark.filterwarnings("error:You have specified a mini-batch size:UserWarning")
 def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):
     d = designs(tmp_path / "out", eval_every=1)
     d["designs"] = d["designs"][1:]

@@ -303,7 +303,10 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
             from textgym.sb3 import make_vec_env
 
             env_kwargs = {k: v for k, v in job.config["env"].items() if k not in ("id", "num_envs")}
-            load_env = make_vec_env(job.config["env"]["id"], n_envs=1, **{**env_kwargs, "rewards": stack})
+            # as many sub-envs as it trained on: with one, SB3 warned that its batch_size does not divide
+            # n_steps * n_envs
+            n = job.config["env"]["num_envs"]
+            load_env = make_vec_env(job.config["env"]["id"], n_envs=n, **{**env_kwargs, "rewards": stack})
             agent = load_sb3_run(job.run_dir, load_env)
         result = evaluator(agent)
     finally:
