@@ -112,6 +112,9 @@ def test_the_setup_says_held_out_only_where_the_evaluation_prompts_are(tmp_path)
         ("copy-heldout", "the same 16 held-out episodes (`copy-heldout`;", "the first held-out prompts)"),
         (None, "the same 16 episodes of the training prompts, not held out",
          "the first training prompts (none held out))"),
+        # the training source named again: it was reported as held out
+        ("copy-train", "16 episodes of the training prompts, not held out (eval_prompts `copy-train` is the "
+         "source the runs train on", "the first training prompts (none held out))"),
     ]:  # fmt: skip
         out = tmp_path / str(prompts)
         write_outputs(out, *fake_bench(out, eval_prompts=prompts))

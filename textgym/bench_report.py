@@ -257,11 +257,15 @@ def setup_text(results: BenchResults) -> str:
     spec = results.spec
     bench, base = spec["bench"], spec["base"]
     agents = ", ".join(f"`{a['label']}`" for a in spec["agents"])
-    episodes = (
-        f"{bench['eval_episodes']} held-out episodes (`{bench['eval_prompts']}`"
-        if bench["eval_prompts"]  # without eval_prompts the evaluation reuses the training prompts
-        else f"{bench['eval_episodes']} episodes of the training prompts, not held out (no eval_prompts"
-    )
+    if held_out(results):
+        episodes = f"{bench['eval_episodes']} held-out episodes (`{bench['eval_prompts']}`"
+    elif bench["eval_prompts"]:  # the training source named again
+        episodes = (
+            f"{bench['eval_episodes']} episodes of the training prompts, not held out (eval_prompts "
+            f"`{bench['eval_prompts']}` is the source the runs train on"
+        )
+    else:  # without eval_prompts the evaluation reuses the training prompts
+        episodes = f"{bench['eval_episodes']} episodes of the training prompts, not held out (no eval_prompts"
     return (
         f"{_count(len(results.designs), 'design')} x {_count(len(results.agents), 'agent')} ({agents}) x "
         f"{_count(len(bench['seeds']), 'seed')} (seeds {bench['seeds']}) on `{base['env']['id']}`, "
@@ -430,9 +434,23 @@ def _md_escape(text: str) -> str:
     return text
 
 
+def held_out(results: BenchResults) -> bool:
+    """Whether the evaluation's prompts are other than the training ones: bench.eval_prompts is set and names
+    another source than the runs train on (their env.prompts, or the env's registered default)."""
+    import gymnasium
+
+    evaluated = results.spec["bench"]["eval_prompts"]
+    env = results.spec["base"]["env"]
+    try:
+        default = gymnasium.spec(env["id"]).kwargs.get("prompts")
+    except gymnasium.error.Error:
+        default = None
+    return bool(evaluated) and evaluated != env.get("prompts", default)
+
+
 def sample_prompts(results: BenchResults) -> str:
-    """What the sample tables' prompts are: held out, or (without eval_prompts) the training ones."""
-    return "held-out prompts" if results.spec["bench"]["eval_prompts"] else "training prompts (none held out)"
+    """What the sample tables' prompts are: held out, or the training ones."""
+    return "held-out prompts" if held_out(results) else "training prompts (none held out)"
 
 
 def _samples(results: BenchResults) -> list[str]:
