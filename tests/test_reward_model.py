@@ -620,9 +620,36 @@ def test_the_advice_for_too_few_pairs_is_enough():
 
 
 def test_a_rewards_file_without_a_rewards_list(tmp_path):
-    (tmp_path / "gold.toml").write_text('[env]\nrewards = [{ name = "sentiment" }]\n')
+    (tmp_path / "gold.toml").write_text('rewards = [{ name = "sentiment" }]\n[env]\nrewards = []\n')
+    with pytest.raises(ConfigError, match=r"unknown top-level key\(s\) 'env'; it takes rewards = \[...\]"):
+        label_pairs("chat", "tiny-random-llama", [str(tmp_path / "gold.toml")], tmp_path / "p.jsonl")
+    (tmp_path / "gold.toml").write_text("gates = []\n")
     with pytest.raises(ConfigError, match="needs a top-level list"):
         label_pairs("chat", "tiny-random-llama", [str(tmp_path / "gold.toml")], tmp_path / "p.jsonl")
+
+
+def test_a_rewards_files_gates_and_aggregate_label_the_pairs_and_its_fn_files_are_its_own(
+    tmp_path, monkeypatch
+):
+    """Its gates and aggregate were dropped unsaid (pairs labelled by another stack than the file's), and a
+    relative fn file resolved against the working directory instead of the file's."""
+    (tmp_path / "gold").mkdir()
+    (tmp_path / "gold" / "chars.py").write_text(
+        "def chars(samples):\n    return [float(len(s.completion)) for s in samples]\n"
+    )
+    (tmp_path / "gold" / "gold.toml").write_text(
+        'rewards = [{ fn = "chars.py:chars" }]\ngates = [{ component = "chars", min = 40, action = "zero" }]\n'
+    )
+    monkeypatch.chdir(tmp_path)  # not the file's directory
+    label_pairs("chat", "tiny-random-llama", ["gold/gold.toml"], "p.jsonl", num_prompts=24, max_new_tokens=6,
+                batch_size=12)  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    scores = [r[k] for r in rows for k in ("chosen_score", "rejected_score")]
+    assert rows and all(x == 0 or x >= 40 for x in scores) and 0 in scores  # the gate zeroed the short ones
+    with pytest.raises(
+        ConfigError, match="has gates or an aggregate: it is the whole gold stack; give it alone"
+    ):
+        label_pairs("chat", "tiny-random-llama", ["gold/gold.toml", "length_penalty target=3"], "q.jsonl")
 
 
 # -- the docs --------------------------------------------------------------------------------------------

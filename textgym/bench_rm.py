@@ -99,7 +99,10 @@ def check_reward_models(entries: Any, source: str) -> list[dict[str, Any]]:
         settings = {"pairs": dict(pairs), "train": dict(train)}
         # by content: the gold stack's .toml files, its functions' code, and the data (prompt files, policy
         # and model directories, also those the gold stack names)
-        gold = [parse_reward_spec(s) if isinstance(s, str) else s for s in gold_specs(pairs["rewards"])]
+        gold = [
+            parse_reward_spec(s) if isinstance(s, str) else s
+            for s in gold_specs(pairs["rewards"])["components"]
+        ]
         named = pairs["rewards"] if isinstance(pairs["rewards"], list) else [pairs["rewards"]]
         tomls = [str(item) for item in named if isinstance(item, str) and item.endswith(".toml")]
         modules, provided = fn_modules(gold)

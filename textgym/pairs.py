@@ -248,27 +248,53 @@ class LabelStats:
         )
 
 
-def gold_specs(rewards: Any) -> list[Any]:
-    """Reward specs from a list of specs (``"name key=value"`` strings or dicts) in which any ``.toml`` path
-    stands for that file's top-level ``rewards`` list."""
+def gold_specs(rewards: Any) -> dict[str, Any]:
+    """The gold reward stack as a stack table (``aggregate``, ``components``, ``gates``): from a stack table,
+    or a list of specs (``"name key=value"`` strings or dicts) in which a ``.toml`` path stands for that
+    file's stack: its top-level ``rewards`` list, with optional ``gates`` and ``aggregate`` (a file with them
+    is the whole stack). A relative ``fn`` file in a .toml resolves against the file's directory."""
+    from textgym.composition import STACK_KEYS, stack_table
     from textgym.config import read_toml
+    from textgym.reward_functions import resolve_fn_paths
 
+    if isinstance(rewards, Mapping) and any(key in rewards for key in STACK_KEYS):
+        return stack_table(rewards, "gold rewards")
     items = [rewards] if isinstance(rewards, (str, os.PathLike, Mapping)) else list(rewards or [])
-    specs: list[Any] = []
+    components: list[Any] = []
+    whole = None  # a file's stack with gates or an aggregate
     for item in items:
         if isinstance(item, (str, os.PathLike)) and str(item).endswith(".toml"):
             table = read_toml(item, "rewards file")
+            unknown = sorted(set(table) - {"rewards", "gates", "aggregate"})
+            if unknown:  # (gates and aggregate were dropped unsaid: the pairs were labelled by another stack)
+                raise ConfigError(
+                    f"rewards file {str(item)!r}: unknown top-level key(s) {', '.join(map(repr, unknown))}; it "
+                    f'takes rewards = [...] and optionally gates = [...] and aggregate = "...".'
+                )
             if not isinstance(table.get("rewards"), list) or not table["rewards"]:
                 raise ConfigError(
                     f"rewards file {str(item)!r} needs a top-level list, e.g. "
                     f'rewards = [{{ name = "sentiment" }}, {{ name = "length_penalty", weight = 0.5, target = 24 }}].'
                 )
-            specs.extend(table["rewards"])
+            stack = {
+                "components": table["rewards"],
+                **{k: table[k] for k in ("gates", "aggregate") if k in table},
+            }
+            stack = stack_table(resolve_fn_paths(stack, Path(item).expanduser().resolve().parent), str(item))
+            if stack["gates"] or stack["aggregate"] != "sum":
+                whole = (str(item), stack)
+            components.extend(stack["components"])
         else:
-            specs.append(item)
-    if not specs:
+            components.append(item)
+    if not components:
         raise ConfigError("give the gold reward stack: at least one reward spec or a rewards .toml file.")
-    return specs
+    if whole is not None:
+        if len(items) > 1:  # whose components would its gates and aggregate apply to?
+            raise ConfigError(
+                f"rewards file {whole[0]!r} has gates or an aggregate: it is the whole gold stack; give it alone."
+            )
+        return whole[1]
+    return {"aggregate": "sum", "components": components, "gates": []}
 
 
 def label_pairs(
