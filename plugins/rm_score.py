@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,17 +32,26 @@ from textgym.scoring import (
 DEFAULT_TEMPLATE = "{prompt}{completion}"
 
 
-def trained_max_length(model: str) -> int | None:
-    """The ``max_length`` that ``textgym train-rm`` trained the model in ``model`` with (its train_rm.json)."""
+def trained_settings(model: str) -> dict[str, Any]:
+    """How ``textgym train-rm`` formatted the texts it trained the model in ``model`` on (its train_rm.json):
+    ``max_length`` and ``chat_template`` where recorded; empty for another model."""
     import json
 
     from textgym.reward_model import REPORT
 
     try:
-        value = json.loads((Path(model).expanduser() / REPORT).read_text())["settings"]["max_length"]
+        settings = json.loads((Path(model).expanduser() / REPORT).read_text())["settings"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+        return {}
+    if not isinstance(settings, dict):
+        return {}
+    out: dict[str, Any] = {}
+    value = settings.get("max_length")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        out["max_length"] = value
+    if isinstance(settings.get("chat_template"), bool):
+        out["chat_template"] = settings["chat_template"]
+    return out
 
 
 class RMScore:
@@ -159,9 +169,25 @@ class RMScore:
         if self.chat and template != DEFAULT_TEMPLATE:
             raise ValueError(
                 f"template {template!r} is not used: {model!r} formats texts with its chat template. Give "
-                f"chat_template=false to score with the template (as the model was trained, only)."
+                f"chat_template=false as well to score with the template instead (right only for a model "
+                f"trained on texts formatted with it)."
             )
-        self.batch_size, self.max_length = batch_size, max_length or trained_max_length(model) or 512
+        trained = trained_settings(model)
+        self.batch_size, self.max_length = batch_size, max_length or trained.get("max_length") or 512
+        differs = []  # a train-rm model scored on texts formatted otherwise than it was trained on
+        if "chat_template" in trained and self.chat != trained["chat_template"]:
+            differs.append(f"chat_template={self.chat} (trained with {trained['chat_template']})")
+        if trained and not self.chat and template != DEFAULT_TEMPLATE:
+            differs.append(f"template={template!r} (trained on the prompt and completion concatenated)")
+        if "max_length" in trained and self.max_length != trained["max_length"]:
+            differs.append(f"max_length={self.max_length} (trained with {trained['max_length']})")
+        if differs:
+            warnings.warn(
+                f"rm_score: {model!r} was trained by textgym train-rm on texts formatted otherwise: "
+                f"{'; '.join(differs)}. Its scores move away from those it was trained and evaluated on; "
+                f"leave these settings unset to score as it was trained.",
+                stacklevel=2,
+            )
 
     def _label_index(self, label: int | str | None) -> int:
         config = self.model.config

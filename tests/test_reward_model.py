@@ -123,8 +123,15 @@ def test_the_trainer_formats_texts_as_rm_score_does(toy):
     rm = make_reward("rm_score", model=str(out))
     sample = Sample(rows[0]["prompt"], rows[0]["chosen"], (), (), "stop", {})
     assert format_text(rm.tokenizer, True, sample.prompt, sample.completion) == rm.format(sample)
-    plain = make_reward("rm_score", model=str(out), chat_template=False)
+    with pytest.warns(UserWarning, match=r"trained by textgym train-rm on texts formatted otherwise: "
+                                         r"chat_template=False \(trained with True\)"):  # fmt: skip
+        plain = make_reward("rm_score", model=str(out), chat_template=False)
     assert format_text(rm.tokenizer, False, sample.prompt, sample.completion) == plain.format(sample)
+    # scored otherwise than trained, unsaid, the scores moved (a ranking could flip)
+    with pytest.warns(UserWarning, match=r"max_length=8 \(trained with \d+\)"):
+        make_reward("rm_score", model=str(out), max_length=8)
+    with pytest.warns(UserWarning, match=r"template='Q: \{prompt\} A: \{completion\}' \(trained on"):
+        make_reward("rm_score", model=str(out), chat_template=False, template="Q: {prompt} A: {completion}")
 
 
 def test_rm_score_reads_a_bf16_checkpoint_in_fp32_and_a_chat_templates_bos_once(toy, tmp_path):
@@ -438,6 +445,8 @@ def test_pairs_that_format_to_the_same_tokens_or_to_none_are_refused_with_their_
         train_reward_model(rows, tmp_path / "rm", model=tmp_path / "bare")
 
 
+# chat_template=False on purpose
+@pytest.mark.filterwarnings("ignore:rm_score.*formatted otherwise:UserWarning")
 def test_rm_score_names_a_text_that_formats_to_no_tokens(toy, tmp_path):
     """A batch of such texts crashed in the forward ("cannot reshape tensor of 0 elements"); mixed with
     others, the score was read at a pad token."""
