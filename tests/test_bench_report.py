@@ -431,6 +431,10 @@ def test_the_overoptimization_plot_draws_a_kl_estimate_below_zero_left_of_zero(r
     xs = [x for ax in fig.axes for line in ax.get_lines() for x in line.get_xdata()]
     assert min(xs) == pytest.approx(-0.5)
     assert "below 0" in fig.axes[0].get_xlabel()
+    # each label fits under its own plot (one line of it ran into the neighbours' labels)
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        assert ax.xaxis.label.get_window_extent(renderer).width <= ax.get_window_extent(renderer).width
     fig_clean = overoptimization(results)
     assert "below 0" not in fig_clean.axes[0].get_xlabel()
     assert min(x for ax in fig_clean.axes for line in ax.get_lines() for x in line.get_xdata()) >= 0

@@ -247,9 +247,10 @@ def overoptimization(results: BenchResults) -> Any:
         ax.set_title(
             "reward (each design's own total: the proxy)" if metric == REWARD else f"metric: {metric}"
         )
-        ax.set_xlabel(
+        ax.set_xlabel(  # two short lines: one long one ran into the next plot's label
             "sqrt(KL to the reference), sqrt(nats)"
-            + ("; left of 0: sample estimates below 0, -sqrt(-KL)" if negative else "")
+            + ("\nleft of 0: sample estimates below 0, -sqrt(-KL)" if negative else ""),
+            fontsize=8,
         )
         ax.grid(alpha=0.3)
     if axes:
