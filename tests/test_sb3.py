@@ -6,6 +6,17 @@ from stable_baselines3.common.env_checker import check_env
 from textgym.sb3 import TextGymVecEnv, make_vec_env
 
 
+def two_char_episodes(responder, max_new_tokens):
+    """An adapted two-sub-env multi-turn env on a character tokenizer, and the tokenizer."""
+    from textgym import TextGenVectorEnv
+    from textgym.models import CharTokenizer
+
+    tok = CharTokenizer("abcdefgh")
+    env = TextGenVectorEnv(num_envs=2, model=tok, prompts=["ab"], rewards=[], responder=responder,
+                           max_new_tokens=max_new_tokens, max_prompt_tokens=2, autoreset_mode="SameStep")  # fmt: skip
+    return TextGymVecEnv(env), tok
+
+
 def mean_episode_reward(vec_env, act, episodes=300):
     obs, rewards = vec_env.reset(), []
     while len(rewards) < episodes:
@@ -92,15 +103,12 @@ def test_the_vec_env_passes_on_turn_infos_and_refuses_per_index_attributes():
 def test_an_entry_only_some_ended_sub_envs_have_is_not_given_to_the_others():
     """An episode cut at the budget on the step another one's turn ended read that one's turn_reward as
     0.0, its vector info's filler."""
-    from textgym import Reply, TextGenVectorEnv
-    from textgym.models import CharTokenizer
+    from textgym import Reply
 
     def done(conversations):
         return [Reply("b", 1.0, True) for _ in conversations]
 
-    tok = CharTokenizer("abcdefgh")
-    env = TextGymVecEnv(TextGenVectorEnv(num_envs=2, model=tok, prompts=["ab"], rewards=[], responder=done,
-                                         max_new_tokens=2, max_prompt_tokens=2, autoreset_mode="SameStep"))  # fmt: skip
+    env, tok = two_char_episodes(done, max_new_tokens=2)
     env.reset()
     env.step(np.array([2, 2]))
     _, _, dones, infos = env.step(np.array([tok.eos_token_id, 2]))  # 0: its turn ends it; 1: the budget
@@ -204,15 +212,12 @@ def test_subproc_vec_env_workers_started_by_spawn_build_textgym_envs_from_the_pr
 def test_a_partial_reset_keeps_the_running_returns_of_the_sub_envs_it_leaves_alone():
     """A reset with a reset_mask (through set_options) zeroed every sub-env's return so far: an episode that
     went on had its earlier turn rewards dropped from its Monitor return."""
-    from textgym import Reply, TextGenVectorEnv
-    from textgym.models import CharTokenizer
+    from textgym import Reply
 
     def pay(conversations):
         return [Reply("b", 1.0, False) for _ in conversations]
 
-    tok = CharTokenizer("abcdefgh")
-    env = TextGymVecEnv(TextGenVectorEnv(num_envs=2, model=tok, prompts=["ab"], rewards=[], responder=pay,
-                                         max_new_tokens=8, max_prompt_tokens=2, autoreset_mode="SameStep"))  # fmt: skip
+    env, tok = two_char_episodes(pay, max_new_tokens=8)
     env.reset()
     _, rewards, _, _ = env.step(np.array([tok.eos_token_id, 2]))  # sub-env 0's first turn ends: paid 1.0
     paid = [float(rewards[0])]
