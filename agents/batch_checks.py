@@ -26,7 +26,8 @@ def recombine_totals(stack: Any, rollout: Any, dist: Collective | None = None) -
     are recombined over the whole rollout (the training signal). With ``dist`` (the processes' rollouts are
     shares of one batch) over every process's episodes, as one process would on the whole batch."""
     # the rows that ran an episode: a partial reset (options' reset_mask) leaves the others idle, info-less
-    ran = [e for e in rollout.infos if "reward_components" in e]
+    ran_rows = [i for i, e in enumerate(rollout.infos) if "reward_components" in e]
+    ran = [rollout.infos[i] for i in ran_rows]
     components = np.array(  # (N, K); NaN: not applicable
         [[np.nan if (v := e["reward_components"][name]) is None else v for name in stack.names]
          for e in ran], dtype=np.float64,
@@ -39,10 +40,10 @@ def recombine_totals(stack: Any, rollout: Any, dist: Collective | None = None) -
         components = dist.gather(torch.from_numpy(components)).numpy()
         rows = slice(dist.rank * n, (dist.rank + 1) * n)
     totals = stack.combine({name: components[:, k] for k, name in enumerate(stack.names)})[rows]
-    scores = np.zeros(len(rollout.infos))
-    scores[[i for i, e in enumerate(rollout.infos) if "reward_components" in e]] = totals + turn_rewards
-    rollout.scores = scores
-    for episode, total in zip(ran, totals + turn_rewards):
+    totals = totals + turn_rewards
+    rollout.scores = np.zeros(len(rollout.infos))
+    rollout.scores[ran_rows] = totals
+    for episode, total in zip(ran, totals):
         episode["reward"] = float(total)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.bench_flags import has_curve, lacks_errors
-from textgym.bench_results import BenchResults
+from textgym.bench_results import BenchResults, registered
 from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
 from textgym.eval_settings import BUILTIN_METRICS, REWARD
@@ -437,15 +437,9 @@ def _md_escape(text: str) -> str:
 def held_out(results: BenchResults) -> bool:
     """Whether the evaluation's prompts are other than the training ones: bench.eval_prompts is set and names
     another source than the runs train on (their env.prompts, or the env's registered default)."""
-    import gymnasium
-
     evaluated = results.spec["bench"]["eval_prompts"]
     env = results.spec["base"]["env"]
-    try:
-        default = gymnasium.spec(env["id"]).kwargs.get("prompts")
-    except gymnasium.error.Error:
-        default = None
-    return bool(evaluated) and evaluated != env.get("prompts", default)
+    return bool(evaluated) and evaluated != env.get("prompts", registered(env["id"], "prompts"))
 
 
 def sample_prompts(results: BenchResults) -> str:

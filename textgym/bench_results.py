@@ -79,7 +79,9 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
 
     gold = [m["label"] for m in spec["metric_rewards"]]
     ranges = metric_ranges(spec["metric_rewards"], spec["builtin"])
-    max_new_tokens = spec["base"]["env"].get("max_new_tokens", _registered(spec["base"]["env"]["id"]))
+    max_new_tokens = spec["base"]["env"].get(
+        "max_new_tokens", registered(spec["base"]["env"]["id"], "max_new_tokens")
+    )
     if "length" in ranges and isinstance(max_new_tokens, int):
         ranges["length"] = (0.0, float(max_new_tokens))
     index_file = out / INDEX_FILE
@@ -126,12 +128,12 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
     return results
 
 
-def _registered(env_id: str) -> Any:
-    """An env's registered ``max_new_tokens`` (None when unknown)."""
+def registered(env_id: str, key: str) -> Any:
+    """An env's registered default of setting ``key`` (None when unknown)."""
     import gymnasium
 
     try:
-        return gymnasium.spec(env_id).kwargs.get("max_new_tokens")
+        return gymnasium.spec(env_id).kwargs.get(key)
     except gymnasium.error.Error:
         return None
 

@@ -47,6 +47,11 @@ __all__ = [
 AGENT_ROLE = "assistant"
 
 
+def is_environment_role(role: Any) -> bool:
+    """Whether ``role`` may be a reply's role: a name, never the agent's (whose turns it generates)."""
+    return isinstance(role, str) and bool(role) and role != AGENT_ROLE
+
+
 class ResponderError(TextgymError):
     """A responder raised, or returned something other than one reply per conversation."""
 

@@ -21,7 +21,7 @@ from textgym.envs.turns import Turns
 from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
-from textgym.responders import AGENT_ROLE, ResponderError, ResponderSpec, make_responder
+from textgym.responders import AGENT_ROLE, ResponderError, ResponderSpec, is_environment_role, make_responder
 from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
@@ -82,7 +82,7 @@ class Episodes(PromptIds, Turns):
         self._adhoc: dict[str, int] = {}
         self.responder = make_responder(responder)
         role = getattr(self.responder, "role", "user")
-        if not isinstance(role, str) or not role or role == AGENT_ROLE:  # else refused at its first reply
+        if not is_environment_role(role):  # else refused at its first reply
             raise ConfigError(
                 f"responder {getattr(self.responder, 'name', '?')!r} has role {role!r}; its replies' role is the "
                 f'environment\'s ("user", "tool", ...), never the agent\'s {AGENT_ROLE!r}.'

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from textgym.errors import TextgymError, raised_in
-from textgym.responders import AGENT_ROLE, Conversation, Reply, Responder, ResponderError
+from textgym.responders import AGENT_ROLE, Conversation, Reply, Responder, ResponderError, is_environment_role
 
 __all__ = ["notify_end", "validated_openings", "validated_replies"]
 
@@ -79,7 +79,7 @@ def validated_replies(responder: Responder, conversations: Sequence[Conversation
                 f"reply ends as cut short: give done=True with it."
             )
         role = reply.role or getattr(responder, "role", "user")  # as the env writes it
-        if not isinstance(role, str) or not role or role == AGENT_ROLE:
+        if not is_environment_role(role):
             raise ResponderError(
                 f"{label} replied with role {role!r} {where}; a reply's role is the environment's (\"user\", "
                 f'"tool", ...), never the agent\'s {AGENT_ROLE!r}, whose turns are the ones it generates.'
