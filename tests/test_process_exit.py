@@ -175,3 +175,43 @@ def test_an_error_while_threads_are_joined_is_shown_and_atexit_runs_still():
     )
     assert result.returncode == 0
     assert "ZeroDivisionError" in result.stderr and result.stdout == "atexit handler ran\n"
+
+
+def test_the_launcher_records_the_order_its_processes_exit_in(tmp_path):
+    """run.processes = N's launcher judges a failed run by the process that failed first: a process that died
+    (here process 1, killed as the kernel's OOM killer does) makes the others fail moments later, in the
+    collective it left. It had named the failed process of lowest rank, the one that only followed."""
+    from textgym.launch import _wait
+
+    died = tmp_path / "died"
+    follows = f"import pathlib, time\nwhile not pathlib.Path({str(died)!r}).exists(): time.sleep(0.01)\n"
+    follows += "time.sleep(0.2)\nraise SystemExit(1)"  # as gloo's "connection closed by peer" does
+    dies = f"import os, pathlib, signal\npathlib.Path({str(died)!r}).touch()\nos.kill(os.getpid(), signal.SIGKILL)"
+    processes = [subprocess.Popen([sys.executable, "-c", code]) for code in (follows, dies)]
+    codes, order, signals = _wait(processes)
+    assert codes == [1, 128 + signal.SIGKILL] and order == [1, 0] and not signals
+
+
+@pytest.mark.parametrize(
+    ("codes", "order", "signals", "raised", "says"),
+    [
+        ([1, 137], [1, 0], set(), "TrainingError", "process 1 exited with code 137"),
+        ([1, 130], [0, 1], set(), "TrainingError", "process 0 exited with code 1"),
+        ([0, 1], [0, 1], set(), "TrainingError", "process 1 exited with code 1"),
+        # two Ctrl-Cs: process 0 aborted, and process 1 failed in the collective it was waiting in
+        ([130, 1], [0, 1], {signal.SIGINT}, "KeyboardInterrupt", ""),
+        ([0, 130], [0, 1], {signal.SIGINT}, "KeyboardInterrupt", ""),
+        ([143, 143], [1, 0], {signal.SIGTERM}, "KeyboardInterrupt", ""),  # killed during start-up
+        # a Ctrl-C came, but a process had failed first: that failure is the news
+        ([1, 130], [0, 1], {signal.SIGINT}, "TrainingError", "process 0 exited with code 1"),
+    ],
+)
+def test_a_failed_launch_is_judged_by_its_first_process_to_fail(codes, order, signals, raised, says):
+    from textgym.launch import _raise_for
+
+    with pytest.raises(BaseException) as info:
+        _raise_for(codes, order, signals, "the 2-process run of runs/x")
+    assert type(info.value).__name__ == raised
+    assert says in str(info.value)
+    if says:
+        assert str(info.value) == f"the 2-process run of runs/x failed ({says}); see above."

@@ -261,7 +261,7 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
                 processes.append(
                     subprocess.Popen(cmd, env={**env, "RANK": str(i), "LOCAL_RANK": str(i)}, **output)
                 )
-            codes, signals = _wait(processes)
+            codes, order, signals = _wait(processes)
         except BaseException:
             for process in processes:
                 process.kill()
@@ -273,12 +273,17 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if not any(codes):  # trained, or stopped and saved after a Ctrl-C, as the processes said
         return run_dir
     rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
-    if signals & {signal.SIGINT, signal.SIGTERM} and all(code in (0, 130) for code in codes):
+    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}")
+
+
+def _raise_for(codes: list[int], order: list[int], signals: set[int], what: str) -> NoReturn:
+    """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
+    order they exited in): the others may have failed only because it left (a collective whose peer is gone
+    fails), so they say nothing of what went wrong."""
+    first = next(i for i in order if codes[i])
+    if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
         raise KeyboardInterrupt  # a second Ctrl-C or SIGTERM (or one during start-up): the processes aborted
-    failed = next(i for i, code in enumerate(codes) if code)
-    raise TrainingError(
-        f"the {n}-process run of {run_dir} failed (process {failed} exited with code {codes[failed]}); see above."
-    )
+    raise TrainingError(f"{what} failed (process {first} exited with code {codes[first]}); see above.")
 
 
 # after one process fails, the others have this long to stop by themselves (textgym stops every process when
@@ -287,16 +292,25 @@ GRACE_S = 60.0
 # what the launcher sends the processes as it passes on its first SIGTERM, and its second (see stopping.StopFlag)
 STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
 ABORT_SIGNAL = getattr(signal, "SIGUSR2", None)
+# the exit codes of a process that a Ctrl-C or SIGTERM aborted: 130 (KeyboardInterrupt), or killed by one of
+# the signals above before it could handle it (during start-up)
+_INTERRUPTED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, STOP_SIGNAL, ABORT_SIGNAL) if s is not None}
 
 
-def _wait(processes: list[Any]) -> tuple[list[int], set[int]]:
-    """Wait for every process; returns their exit codes and the signals this process received meanwhile.
-    SIGINT and SIGTERM are not acted on here: the terminal sends a Ctrl-C to the processes too, and a SIGTERM
-    is passed on to them."""
+def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int]]:
+    """Wait for every process; returns their exit codes, their indices in the order they exited, and the
+    signals this process received meanwhile. SIGINT and SIGTERM are not acted on here: the terminal sends a
+    Ctrl-C to the processes too, and a SIGTERM is passed on to them."""
     import threading
     import time
 
     received: list[int] = []
+    # a thread per process appends its index as the process exits: the order they exited in, to the millisecond
+    exited: list[int] = []
+    waiters = [
+        threading.Thread(target=lambda i=i, p=p: (p.wait(), exited.append(i)), daemon=True)
+        for i, p in enumerate(processes)
+    ]
 
     def note(signum: int, frame: Any) -> None:
         received.append(signum)
@@ -306,23 +320,28 @@ def _wait(processes: list[Any]) -> tuple[list[int], set[int]]:
         # on a stop, then an abort, that neither adds to nor doubles theirs
         first = received.count(signal.SIGTERM) == 1
         passed_on = (STOP_SIGNAL if first else ABORT_SIGNAL) or signal.SIGTERM  # (Windows: SIGTERM)
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(passed_on)
+        for i, process in enumerate(processes):
+            if i not in exited:
+                process.send_signal(passed_on)  # (one that exited since: nothing is sent)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        for waiter in waiters:
+            waiter.start()
         failed_at = None
-        while any(p.poll() is None for p in processes):
-            if failed_at is None and any(p.returncode not in (None, 0) for p in processes):
+        while len(exited) < len(processes):
+            if failed_at is None and any(processes[i].returncode for i in list(exited)):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
                 for process in processes:
                     process.kill()
             time.sleep(0.1)
+        for waiter in waiters:
+            waiter.join()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in processes], set(received)
+    codes = [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in processes]
+    return codes, exited, set(received)
