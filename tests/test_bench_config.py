@@ -180,7 +180,7 @@ def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
         ),
         (
             [{"name": "grpo", "num_generations": 3}],
-            "num_envs = 16 is not a multiple of num_generations = 3",
+            "agent 'grpo': env.num_envs=16 is not a multiple of num_generations=3",
             ConfigError,
         ),
         (
@@ -209,6 +209,31 @@ def test_bad_agents_are_refused(tmp_path, agents, match, error):
     del bad["agent"]["name"]
     bad["agents"] = agents
     refused(tmp_path, bad, match, error)
+
+
+@pytest.mark.parametrize(
+    ("agents", "match"),
+    [
+        (
+            [{"name": "lmppo"}, {"name": "grpo", "num_generations": 16}],
+            "agent 'grpo': each of the 2 processes gets 8 episodes, not a multiple of num_generations=16",
+        ),
+        (
+            [{"name": "lmppo", "n_minibatches": 16}],
+            r"agent 'lmppo': agent.n_minibatches=16 splits each of the 2 processes' share of the batch \(8 of",
+        ),
+        ([{"name": "sb3-ppo"}], "agent 'sb3-ppo': Stable-Baselines3 agents train in one process"),
+    ],
+)
+def test_a_batch_that_does_not_split_over_run_processes_is_refused_before_any_run_trains(
+    tmp_path, agents, match
+):
+    """Each run checked the split as it started: an agent's bad split waited for its first run, after
+    every run of the agents before it had trained."""
+    bad = designs(tmp_path)
+    del bad["agent"]["name"]
+    bad["agents"], bad["run"]["processes"] = agents, 2
+    refused(tmp_path, bad, match)
 
 
 def test_a_bench_without_an_agents_list_names_its_agent_once_and_the_table_of_a_bad_key(tmp_path):
@@ -595,6 +620,17 @@ def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_pa
             print(f"failed {name}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.5-seed0.log", "v1.6-seed0.log"]
     assert (tmp_path / "v1.5-seed0.log").read_text() == "failed v1.5-seed0\n"
+
+
+def test_the_log_of_a_failed_start_is_kept_when_its_agents_folder_does_not_exist_yet(tmp_path):
+    """A bench with agents as an axis keeps its runs under runs/<agent>/: the first run of an agent that
+    failed to start had its log go to a folder nobody had made, and the bench ended in a FileNotFoundError
+    instead of the run's error."""
+    log = run_log.logged_to(tmp_path / "runs" / "grpo" / "partial-seed0" / "train.log")
+    with pytest.raises(ConfigError, match="the run's own error"), log:
+        print("refused")
+        raise ConfigError("the run's own error")
+    assert (tmp_path / "runs" / "grpo" / "partial-seed0.log").read_text() == "refused\n"
 
 
 def test_a_runs_log_holds_its_progress_bars_as_they_ended_without_terminal_codes(tmp_path):

@@ -37,6 +37,7 @@ from textgym.config import (
 )
 from textgym.errors import ConfigError, TextgymError, UnknownNameError
 from textgym.eval_settings import check_builtin, check_metric_specs, metric_specs
+from textgym.launch import check_processes
 from textgym.reward_functions import resolve_fn_paths
 from textgym.rewards import check_reward_specs
 
@@ -315,16 +316,22 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
             raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
         lm = is_lm_agent(agent_class)
         if lm:
-            _check_lm_agent(agent_class, label, policy, hyperparameters, base["env"]["num_envs"], source)
+            _check_lm_agent(agent_class, label, policy, hyperparameters, source)
+        try:  # the batch's split over run.processes and into groups and minibatches, as each run will check it
+            check_processes(
+                {"run": dict(base["run"]), "env": base["env"]}, 1, False, agent_class, hyperparameters
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
         out.append({"label": label, "table": table, "lm": lm})
     check_unique([a["label"] for a in out], "agent", source)
     return out
 
 
 def _check_lm_agent(
-    agent_class: type, label: str, policy: Any, hyperparameters: Mapping[str, Any], num_envs: int, source: str
+    agent_class: type, label: str, policy: Any, hyperparameters: Mapping[str, Any], source: str
 ) -> None:
-    """An LM agent's hyperparameter values and its batch shape, before any model loads."""
+    """An LM agent's policy and hyperparameter values, before any model loads."""
     from textgym.agents.lm_config import make_config
 
     if policy is None:
@@ -332,12 +339,6 @@ def _check_lm_agent(
             f"{source}: agent {label!r} needs a policy: a zoo name (e.g. tiny-char-llama) or a model directory."
         )
     try:
-        config = make_config(agent_class.config_class, label, dict(hyperparameters))
+        make_config(agent_class.config_class, label, dict(hyperparameters))
     except ConfigError as exc:
         raise ConfigError(f"{source}: agent {label!r}: {exc}") from None
-    group = getattr(config, "num_generations", 1)
-    if num_envs % group:
-        raise ConfigError(
-            f"{source}: agent {label!r}: env.num_envs = {num_envs} is not a multiple of num_generations = "
-            f"{group} (each prompt gets {group} completions)."
-        )

@@ -24,6 +24,9 @@ def logged_to(path: Path) -> Iterator[None]:
     finally:
         run_dir = path.parent
         where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
+        where.parent.mkdir(
+            parents=True, exist_ok=True
+        )  # (an agent's folder, when its first run failed to start)
         with where.open("a", encoding="utf-8") as f:
             f.write(readable(log.getvalue()))
 
