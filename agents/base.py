@@ -63,11 +63,15 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
     config_class: ClassVar[type] = LMAgentConfig
     name: ClassVar[str] = "lm-agent"  # the registered name, in messages and checkpoints
 
-    def __init__(self, policy: Any, env: TextGenVectorEnv | None = None, **hyperparameters: Any):
-        from accelerate import Accelerator
-        from accelerate.utils import set_seed
+    @classmethod
+    def check_placement(cls, **hyperparameters: Any) -> None:
+        """Refuse a device or precision this machine or environment cannot give, as the constructor would:
+        ``run.processes = N`` checks it once before it starts the processes, which would each say it."""
+        cls._placement(make_config(cls.config_class, cls.name, hyperparameters))
 
-        self.config = c = make_config(self.config_class, self.name, hyperparameters)
+    @staticmethod
+    def _placement(c: Any) -> tuple[bool, bool, Any, Any]:
+        """(on a GPU, bf16, the ZeRO-3 and FSDP settings asked for) from the config and the environment."""
         if c.device == "cuda" and not torch.cuda.is_available():  # accelerate would fall back to the CPU
             raise ConfigError('device = "cuda", but torch sees no CUDA GPU: use device = "auto" or "cpu".')
         on_gpu = torch.cuda.is_available() if c.device == "auto" else c.device.startswith("cuda")
@@ -93,6 +97,14 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
                 f"launch` sets from its config or --mixed_precision): textgym's LM agents set their precision "
                 f"themselves. Use the agent's bf16 = true, and mixed_precision: no."
             )
+        return on_gpu, bool(bf16), zero, fsdp
+
+    def __init__(self, policy: Any, env: TextGenVectorEnv | None = None, **hyperparameters: Any):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.config = c = make_config(self.config_class, self.name, hyperparameters)
+        on_gpu, bf16, zero, fsdp = self._placement(c)
         with sharding.accelerate_without_sharding():
             self.accelerator = Accelerator(cpu=not on_gpu)
         if self.accelerator.device.type != ("cuda" if on_gpu else "cpu"):  # accelerate's first state in a

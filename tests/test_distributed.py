@@ -780,16 +780,46 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(config, tmp_p
     assert not any((tmp_path / d).exists() for d in "xyzv")
 
 
-def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, monkeypatch, capsys):
+def test_a_start_the_processes_refuse_leaves_no_run_directory(config, tmp_path, capsys):
     """Under run.processes = N the run directory is made before the processes start; when they refuse to
-    start (here an FSDP option textgym does not support, read by each process), it is removed again, as a
-    failed start in one process leaves none."""
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    start (here a policy directory holding a tokenizer but no weights, which only the processes load), it is
+    removed again, as a failed start in one process leaves none."""
+    from textgym.models import load_tokenizer
+
+    load_tokenizer("tiny-char-llama").save_pretrained(tmp_path / "no-weights")
     out = tmp_path / "run"
-    code = main(["train", str(config), "--set", "run.processes=2", "--set", f"run.output_dir='{out}'"])
+    code = main(["train", str(config), "--set", "run.processes=2", "--set", f"run.output_dir='{out}'",
+                 "--set", f"agent.policy='{tmp_path / 'no-weights'}'"])  # fmt: skip
     captured = capsys.readouterr()
     assert code != 0 and "the 2-process run" in captured.err, captured.err[-2000:]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "environ", "says"),
+    [
+        ("agent.device='cuda'", {}, 'device = "cuda", but torch sees no CUDA GPU'),
+        ("agent.policy='no-such-model'", {}, "unknown model 'no-such-model'"),
+        ("agent.policy='{tmp_path}'", {}, "has no tokenizer files"),
+        ("", {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, "CPU offload is not supported"),
+    ],
+    ids=["device", "policy-name", "policy-directory", "fsdp-option"],
+)
+def test_what_every_process_would_refuse_is_refused_once_before_they_start(
+    config, tmp_path, monkeypatch, capsys, setting, environ, says
+):
+    """Each started process printed the same error, and the launcher a third line blaming one of them."""
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    out = tmp_path / "run"
+    extra = ["--set", setting.format(tmp_path=tmp_path)] if setting else []
+    code = main(
+        ["train", str(config), "--set", "run.processes=2", "--set", f"run.output_dir='{out}'", *extra]
+    )
+    captured = capsys.readouterr()
+    output = captured.out + captured.err  # (started processes' output would be in captured.out)
+    assert code == 2 and captured.err.count(says) == 1 and output.count(says) == 1, output
+    assert "with 2 processes" not in output and "2-process run" not in output  # none started
     assert not out.exists()
 
 

@@ -121,6 +121,8 @@ def run(
         require_tensorboard("run.report_to = ['tensorboard']")
         hyperparameters.setdefault("tensorboard_log", str(run_dir / "tensorboard"))
     if world == 1 and config["run"]["processes"] > 1 and not under_launcher():
+        if is_lm_agent(agent_class):
+            _check_before_launch(agent_class, policy, hyperparameters)
         return launch(config, run_dir, resume is not None, overrides)
     rd = RunDir(run_dir)
     resuming, created = resume is not None, False
@@ -194,6 +196,19 @@ def run(
         rd.unlock()
         if world > 1:
             end_process_group()
+
+
+def _check_before_launch(agent_class: Any, policy: Any, hyperparameters: dict[str, Any]) -> None:
+    """What every process of a ``run.processes = N`` run would refuse alike, refused once, here: a device
+    or precision this machine cannot give, and a policy that is not there (or a directory without its
+    tokenizer). Nothing is loaded but a directory's tokenizer."""
+    from textgym.models import check_model_source, load_tokenizer
+
+    agent_class.check_placement(**hyperparameters)
+    if isinstance(policy, (str, os.PathLike)):
+        check_model_source(policy)
+        if Path(policy).expanduser().is_dir():
+            load_tokenizer(str(policy))
 
 
 def _follows_progress(config: dict[str, Any], agent_class: Any, hyperparameters: dict[str, Any]) -> list[str]:
