@@ -1,6 +1,7 @@
 import copy
 import importlib.util
 import os
+import stat
 
 import pytest
 import torch
@@ -136,6 +137,18 @@ def test_interrupted_build_leaves_no_cache_and_the_next_build_completes(tmp_path
     assert atomic_build_dir(target, build) == target
     assert (target / "config.json").read_text() == "{}"
     assert atomic_build_dir(target, build) == target and len(calls) == 1  # complete: not rebuilt
+
+
+def test_a_built_directory_has_the_mode_a_directory_made_here_gets(tmp_path):
+    """It was built in a mkdtemp directory and renamed into place with its mode, 0700: a checkpoint or a
+    converted model in a shared folder was unreadable to everyone but its owner."""
+    umask = os.umask(0o022)
+    try:
+        (tmp_path / "plain").mkdir()
+        built = atomic_build_dir(tmp_path / "model", lambda d: (d / "w.bin").write_text("w"))
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(built.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o755
 
 
 def test_a_build_that_another_process_finished_first_returns_the_finished_one(tmp_path, monkeypatch):

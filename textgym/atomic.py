@@ -8,8 +8,8 @@ the previous version or nothing, never half of one.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +30,10 @@ def atomic_build_dir(target: Path, build: Callable[[Path], None], replace: bool 
     if not replace and is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    # a unique sibling made with the umask's mode, as the target would be (mkdtemp's is 0700: a checkpoint or a
+    # converted model would then be unreadable to the others that share its folder)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp.mkdir()
     from textgym.rundir import crash_point
 
     try:
