@@ -5,13 +5,14 @@ common statistics over every process's episodes."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from textgym.agents.group_core import zero_std_share
-from textgym.errors import TrainingError
+from textgym.errors import TrainingError, user_stacklevel
 
 if TYPE_CHECKING:
     from textgym.agents.distributed import Collective
@@ -106,5 +107,14 @@ def batch_statistics(batch: RolloutBatch, dist: Collective, group_size: int) -> 
         for k, name in enumerate(names):
             applicable = values[:, k][~np.isnan(values[:, k])]  # not applicable: left out of the statistics
             stats[f"rewards/{name}/mean"] = float(applicable.mean()) if len(applicable) else math.nan
-            stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else 0.0
+            # (no spread to speak of under two values: not 0, which would say they agreed)
+            stats[f"rewards/{name}/std"] = float(applicable.std(ddof=1)) if len(applicable) > 1 else math.nan
+        if np.isnan(values).all() and dist.is_main:  # shown once: the warning's text does not change
+            warnings.warn(
+                f"no reward plugin applied to any episode of a batch (each of {', '.join(map(repr, names))} "
+                f"returned None for every completion): each total is 0 (plus a multi-turn episode's turn "
+                f"rewards), so the reward stack teaches nothing there. Check when the plugins return None (their "
+                f"conditions, a gate), or that they score these completions.",
+                stacklevel=user_stacklevel(),
+            )
     return stats

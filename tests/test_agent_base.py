@@ -4,6 +4,7 @@ import json
 import math
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -67,6 +68,34 @@ def test_not_applicable_components_are_left_out_of_the_statistics():
     values = [e["reward_components"]["short"] for e in batch.episodes]
     assert None in values and 1.0 in values
     assert batch.stats["rewards/short/mean"] == 1.0 and batch.stats["rewards/short/std"] == 0.0
+
+
+def test_a_component_that_applied_to_no_episode_has_no_std_and_a_batch_none_applied_to_is_warned_of():
+    """Its std read 0.0 beside a NaN mean (as if the values had agreed), and a batch where no plugin
+    applied trained on totals of 0 without a word."""
+
+    calls = []
+
+    def one_short(samples):  # applies to one episode of the batch: the first it scores
+        calls.append(len(samples))
+        return [1.0 if len(calls) == 1 and i == 0 else None for i in range(len(samples))]
+
+    def never(samples):
+        return [None] * len(samples)
+
+    agent = LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("one", one_short), 1.0),
+                                                      (FunctionReward("never", never), 1.0)])), verbose=0)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one plugin applied: nothing to warn of
+        stats = agent.collect_rollouts().stats
+    assert stats["rewards/one/mean"] == 1.0 and math.isnan(stats["rewards/one/std"])
+    assert math.isnan(stats["rewards/never/mean"]) and math.isnan(stats["rewards/never/std"])
+    agent = LMPPO(char_llama(), env_with(RewardStack([(FunctionReward("never", never), 1.0)])), verbose=0)
+    with pytest.warns(
+        UserWarning, match=r"no reward plugin applied to any episode of a batch \(each of 'never'"
+    ):
+        batch = agent.collect_rollouts()
+    assert (batch.raw_scores == 0).all()
 
 
 def test_an_absurd_reward_stops_training_before_the_update_and_names_the_plugin():
