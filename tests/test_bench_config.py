@@ -154,6 +154,42 @@ def test_paths_given_with_set_are_relative_to_the_working_directory(tmp_path, mo
     assert spec["bench"]["eval_prompts"] == str(tmp_path / "extra.jsonl")
 
 
+def test_set_reaches_an_agents_or_designs_entry_by_its_name(tmp_path, monkeypatch):
+    """`--set agents.0.num_generations=4` replaced the whole [[agents]] list with a table, and the bench
+    blamed the file ("[[agents]] must be a list of tables"); no --set could change an entry."""
+    import tomli_w
+
+    d = designs(tmp_path)
+    del d["agent"]["name"]
+    d["agents"] = [{"name": "lmppo"}, {"name": "grpo", "label": "g", "num_generations": 8}]
+    path = tmp_path / "sub" / "designs.toml"
+    path.parent.mkdir()
+    path.write_text(tomli_w.dumps(d))
+    (tmp_path / "mine.py").write_text("def f(samples):\n    return [0.0] * len(samples)\n")
+    monkeypatch.chdir(tmp_path)
+    spec = load_designs(path, ["agents.g.num_generations=4", "agents.lmppo.lora={r=4}",
+                               "designs.partial.rewards=[{fn='mine.py:f'}]"])  # fmt: skip
+    assert [a["table"] for a in spec["agents"]] == [
+        {"policy": "tiny-char-llama", "learning_rate": 1e-3, "name": "lmppo", "lmppo": {"lora": {"r": 4}}},
+        {"policy": "tiny-char-llama", "learning_rate": 1e-3, "name": "grpo", "grpo": {"num_generations": 4}},
+    ]
+    partial = next(x for x in spec["designs"] if x["name"] == "partial")
+    assert partial["rewards"] == [{"fn": f"{tmp_path / 'mine.py'}:f"}]  # against the working directory
+    for override, match in [
+        ("agents.0.num_generations=4", r"no \[\[agents\]\] entry is named '0' \(an agent is named by its label, "
+         r"by its name where it has none\); the entries: 'lmppo', 'g'"),
+        ("designs.nope.rewards=[]", r"no \[\[designs\]\] entry is named 'nope'; the entries: 'exact', 'partial'"),
+        ("agents=[]", r"\[\[agents\]\] is set one entry's key at a time: --set agents.<agent name>.<key>=value"),
+        ("agents.g=1", r"set a key of the agent, e.g. --set agents.g.num_generations=4"),
+        # a bad value set from the command line: the message names the --set, not only the file
+        ("agents.g.num_generations=3", r"designs.toml with --set agents.g.num_generations=3: agent 'g': "),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            load_designs(path, [override])
+    with pytest.raises(ConfigError, match=r"the designs file has no \[\[agents\]\] list \(without an"):
+        load_designs(designs(tmp_path), ["agents.lmppo.n_epochs=2"])
+
+
 def test_an_eval_section_and_rewards_in_env_are_refused(tmp_path):
     bad = designs(tmp_path)
     bad["eval"] = {"every": 2}

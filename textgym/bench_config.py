@@ -29,6 +29,8 @@ from textgym.composition import stack_table
 from textgym.config import (
     MAX_SEED,
     apply_override,
+    merge_tables,
+    parse_override,
     read_toml,
     resolve_paths,
     resolve_value,
@@ -69,7 +71,9 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
         source, base_dir = str(path), Path(path).resolve().parent
         raw = _resolve_paths(read_toml(path, "designs file"), base_dir)
     for override in overrides:  # paths given on the command line are relative to the working directory
-        apply_override(raw, override, lambda given: _resolve_paths(given, Path.cwd()))
+        _apply_override(raw, override)
+    if overrides:  # a bad value may come from either: both are named
+        source += f" with --set {' '.join(overrides)}"
     unknown = sorted(set(raw) - set(SECTIONS))
     if unknown:
         hint = " The bench evaluates with [metrics] and bench.eval_*." if unknown[0] == "eval" else ""
@@ -136,6 +140,57 @@ def load_designs(path: str | Path | Mapping[str, Any], overrides: Sequence[str] 
         "builtin": builtin,
         "reward_models": reward_models,
     }
+
+
+ENTRY_LISTS = {
+    "agents": "agent",
+    "designs": "design",
+}  # the lists of tables whose entries --set reaches by name
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    """``--set`` on a designs file: ``section.key=value`` as in ``textgym train``, and
+    ``agents.<label>.key=value`` or ``designs.<name>.key=value`` for a key of the ``[[agents]]`` entry of that
+    label (its name where it has none) or of the ``[[designs]]`` entry of that name."""
+    head = override.partition("=")[0].strip().partition(".")[0]
+    if head not in ENTRY_LISTS:
+        apply_override(raw, override, lambda given: _resolve_paths(given, Path.cwd()))
+        return
+    what, example = ENTRY_LISTS[head], "num_generations=4" if head == "agents" else "rewards=[{name='match'}]"
+    if "." not in override.partition("=")[0]:
+        raise ConfigError(
+            f"--set {override!r}: [[{head}]] is set one entry's key at a time: --set {head}.<{what} name>.<key>=value "
+            f"(e.g. {head}.x.{example}). To add or remove an entry, edit the file."
+        )
+    key, parsed = parse_override(override)
+    parts = key.split(".")
+    entries = raw.get(head)
+    if not isinstance(entries, list):
+        hint = " (without an [[agents]] list, set the agent's own table: agent.<name>.key=value)"
+        raise ConfigError(
+            f"--set {override!r}: the designs file has no [[{head}]] list{hint if head == 'agents' else ''}."
+        )
+
+    def name_of(entry: Any) -> Any:
+        return entry.get("label", entry.get("name")) if head == "agents" else entry.get("name")
+
+    names = [name_of(e) for e in entries if isinstance(e, Mapping)]
+    if parts[1] not in names:
+        raise ConfigError(
+            f"--set {override!r}: no [[{head}]] entry is named {parts[1]!r}"
+            f"{' (an agent is named by its label, by its name where it has none)' if head == 'agents' else ''}; "
+            f"the entries: {', '.join(map(repr, names))}."
+        )
+    if len(parts) < 3:
+        raise ConfigError(
+            f"--set {override!r}: set a key of the {what}, e.g. --set {head}.{parts[1]}.{example}."
+        )
+    index = next(i for i, e in enumerate(entries) if isinstance(e, Mapping) and name_of(e) == parts[1])
+    # the value's paths against the working directory, as each entry's against the file
+    patch = _resolve_paths({head: [parsed[head][parts[1]]]}, Path.cwd())[head][0]
+    if head == "designs" and isinstance(patch.get("rewards"), list):  # (the file's resolve against it later)
+        patch["rewards"] = resolve_fn_paths(patch["rewards"], Path.cwd())
+    merge_tables(entries[index], patch, depth=len(parts) - 2)
 
 
 def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:

@@ -210,6 +210,14 @@ def apply_override(
         ConfigError: a bare word that reads as another language's boolean, null or number (``False``,
             ``None``, ``.01``): taken as a string, it would mean something else (a non-empty string is true).
     """
+    key, parsed = parse_override(override)
+    if resolve is not None:
+        parsed = resolve(parsed)
+    merge_tables(config, parsed, depth=len(key.split(".")))
+
+
+def parse_override(override: str) -> tuple[str, dict[str, Any]]:
+    """``section.key=value`` as ``(key, {section: {key: value}})``, read as :func:`apply_override` reads it."""
     key, sep, value = override.partition("=")
     key = key.strip()
     if not sep or "." not in key or not all(key.split(".")):
@@ -224,9 +232,7 @@ def apply_override(
             parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"--set {override!r}: {key!r} is not a valid key ({exc}).") from None
-    if resolve is not None:
-        parsed = resolve(parsed)
-    _merge(config, parsed, depth=len(key.split(".")))
+    return key, parsed
 
 
 def check_keys(given: Mapping[str, Any], section: str, known: Mapping[str, Any], where: str) -> None:
@@ -270,12 +276,12 @@ def _check_bare_word(override: str, key: str, word: str) -> None:
     raise ConfigError(f"--set {override!r}: {word!r} is not a TOML number: write {key}={written} {quote}.")
 
 
-def _merge(into: dict[str, Any], values: Mapping[str, Any], depth: int | None = None) -> None:
+def merge_tables(into: dict[str, Any], values: Mapping[str, Any], depth: int | None = None) -> None:
     """Merge ``values`` into ``into``, table by table; at ``depth`` (the dotted key's last part) a value
     replaces what was there, a table included."""
     for k, v in values.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict) and (depth is None or depth > 1):
-            _merge(into[k], v, None if depth is None else depth - 1)
+            merge_tables(into[k], v, None if depth is None else depth - 1)
         else:
             into[k] = v
 
