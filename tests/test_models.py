@@ -269,3 +269,16 @@ def test_a_hub_id_is_asked_of_the_hub_not_refused_as_a_directory_without_tokeniz
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)  # fmt: skip
     assert "could not load 'nobody-here/no-such-model' from the Hugging Face hub" in result.stderr
     assert "has no tokenizer files" not in result.stderr
+
+
+@pytest.mark.parametrize("named", ["run", "checkpoint"])
+def test_a_run_directory_given_as_a_model_names_its_trained_policy(tmp_path, named):
+    """`textgym sample --model runs/x` (a user's first try after training) said only that runs/x had no
+    tokenizer files."""
+    policy = tmp_path / "run" / "checkpoint" / "policy"
+    models.load_tokenizer("tiny-char-llama").save_pretrained(policy)  # where a checkpoint keeps it
+    given = tmp_path / "run" if named == "run" else tmp_path / "run" / "checkpoint"
+    with pytest.raises(
+        ModelError, match=f"it is a textgym run or checkpoint; its trained policy is {policy}"
+    ):
+        models.load_tokenizer(str(given))

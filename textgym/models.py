@@ -122,16 +122,23 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
         )
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         adapter = (Path(path) / "adapter_config.json").is_file()
-        raise ModelError(
-            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
-            + (
-                ": it is a LoRA adapter, not a whole model; merge it into its base model first "
-                "(peft's merge_and_unload, then save_pretrained with the tokenizer)."
-                if adapter
-                else ": give a model directory saved with its tokenizer (save_pretrained of both), or a model name "
+        # a run directory or its checkpoint, named for the policy it trained
+        trained = next(
+            (p for p in (Path(path) / "checkpoint" / "policy", Path(path) / "policy") if p.is_dir()), None
+        )
+        if adapter:
+            fix = (
+                ": it is a LoRA adapter, not a whole model; merge it into its base model first (peft's "
+                "merge_and_unload, then save_pretrained with the tokenizer)."
+            )
+        elif trained is not None:
+            fix = f": it is a textgym run or checkpoint; its trained policy is {trained}."
+        else:
+            fix = (
+                ": give a model directory saved with its tokenizer (save_pretrained of both), or a model name "
                 "(`textgym plugins` lists them)."
             )
-        )
+        raise ModelError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}){fix}")
     return AutoTokenizer.from_pretrained(folder)
 
 
