@@ -3,13 +3,39 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
 
+def display_width(text: str) -> int:
+    """The columns ``text`` takes in a terminal: 2 for a wide character (CJK, most emoji), 0 for a combining
+    mark or an invisible format character, 1 for the others."""
+    return sum(_columns(c) for c in text)
+
+
+def _columns(c: str) -> int:
+    if unicodedata.combining(c) or unicodedata.category(c) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+
+
 def shortened(text: str, width: int | None) -> str:
-    """``text`` cut to ``width`` characters, the last one "…" where it was cut (``None``: whole)."""
-    return text if width is None or len(text) <= width else text[: width - 1] + "…"
+    """``text`` cut to ``width`` terminal columns, the last one "…" where it was cut (``None``: whole)."""
+    if width is None or display_width(text) <= width:
+        return text
+    out, used = [], 0
+    for c in text:
+        if used + _columns(c) > width - 1:
+            break
+        out.append(c)
+        used += _columns(c)
+    return "".join(out) + "…"
+
+
+def padded(text: str, width: int) -> str:
+    """``text`` left-aligned in ``width`` terminal columns (``str.ljust`` counts characters, not columns)."""
+    return text + " " * max(0, width - display_width(text))
 
 
 def one_line(text: Any, width: int | None = None) -> str:
@@ -25,7 +51,7 @@ def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, complet
     last column is the episode's return: the weighted total plus the rewards paid for each turn."""
 
     def cut(text: str, width: int) -> str:
-        return f"{one_line(text, width):<{width}}"
+        return padded(one_line(text, width), width)
 
     names = list(rows[0]["reward_components"]) if rows else []
     widths = [max(14, len(n)) for n in names]
