@@ -184,6 +184,11 @@ def test_bad_weight_and_missing_name_are_errors():
         RewardStack([(FunctionReward("a", const(1.0)), float("nan"))])
     with pytest.raises(ConfigError, match="has no 'name'"):
         build_reward_stack([{"weight": 1.0}])
+    # `--reward match=1`: a weight written as name=weight, answered with the form for it
+    with pytest.raises(ConfigError, match="For the reward 'match' with a weight, write 'match weight=1'"):
+        build_reward_stack([parse_reward_spec("match=1")])
+    with pytest.raises(ConfigError, match=r"'module:func'\)\.$"):  # not a reward's name: no such advice
+        build_reward_stack([parse_reward_spec("partial=1")])
 
 
 def test_none_means_not_applicable():

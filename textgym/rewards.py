@@ -257,9 +257,13 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
             _check_fixed_arguments(fn, name, args)
             return _Component(name, weight, lambda: function_reward(fn, name, source, **args))
         if "name" not in args:
+            # `--reward match=1`, a weight written as name=weight: the spec's form, for that reward
+            hint = ""
+            if len(args) == 1 and (key := next(iter(args))) in plugin_manager.registry("register_rewards"):
+                hint = f" For the reward {key!r} with a weight, write '{key} weight={args[key]}'."
             raise ConfigError(
                 f"{where}: reward spec {dict(spec)!r} has no 'name' (a registered reward) or 'fn' (a function, "
-                f"'path/to/file.py:func' or 'module:func')."
+                f"'path/to/file.py:func' or 'module:func').{hint}"
             )
         name = args.pop("name")
         weight = composition.parse_weight(args.pop("weight", 1.0), f"{where}: reward {name!r}")
