@@ -426,12 +426,16 @@ def test_one_ctrl_c_to_a_run_and_its_forked_worker_stops_it(config, tmp_path):
     assert output.count("stopping after this iteration") == 1
 
 
-@pytest.mark.parametrize("sent", ["", ":SIGTERM"], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(
+    "sent", ["", ":SIGTERM", ",discard-start", ":SIGTERM,discard-start:SIGTERM"],
+    ids=["ctrl-c", "sigterm", "ctrl-c-twice", "sigterm-twice"],
+)  # fmt: skip
 def test_ctrl_c_or_sigterm_during_start_up_is_one_line_and_the_same_command_then_runs(config, tmp_path, sent):
     """The signal arrives after the model and env have loaded, before training (a signal sent after a fixed
     sleep once landed after this small run had already finished, on a quiet machine). SIGTERM (timeout,
     docker stop, a scheduler) killed the process without a word, and the run directory it left made the same
-    command fail with "already holds a run"."""
+    command fail with "already holds a run". A second signal, while the directory was being removed, cut
+    the removal short: the run's marker stayed without its lock, and the same command failed alike."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", INTERRUPT_VAR: f"start-up{sent}"}
     # Ctrl-C's default action, as in a terminal: a test run started in the background by a shell without job
     # control ignores SIGINT, and its child processes would inherit that

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import json
@@ -19,7 +20,7 @@ import os
 import shlex
 import shutil
 import signal
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,39 @@ _crash_counts: dict[str, int] = {}
 def crash_point(name: str) -> None:
     """Kill this process with SIGKILL when ``$TEXTGYM_CRASH_AT`` is ``name`` or ``name:N`` (the N-th time
     this point is reached): the crash-consistency tests use it to cut a run at exact moments. Send it
-    SIGINT (a Ctrl-C) when ``$TEXTGYM_INTERRUPT_AT`` is ``name`` (SIGTERM when it is ``name:SIGTERM``)."""
-    point, _, sent = os.environ.get(INTERRUPT_VAR, "").partition(":")
-    if point == name:
-        signal.raise_signal(signal.SIGTERM if sent == "SIGTERM" else signal.SIGINT)
+    SIGINT (a Ctrl-C) when ``$TEXTGYM_INTERRUPT_AT`` is ``name`` (SIGTERM when it is ``name:SIGTERM``; several
+    points: ``a,b``)."""
+    for wanted_point in os.environ.get(INTERRUPT_VAR, "").split(","):
+        point, _, sent = wanted_point.partition(":")
+        if point == name:
+            signal.raise_signal(signal.SIGTERM if sent == "SIGTERM" else signal.SIGINT)
     wanted = os.environ.get(CRASH_VAR)
     if not wanted or wanted.partition(":")[0] != name:
         return
     _crash_counts[name] = _crash_counts.get(name, 0) + 1
     if _crash_counts[name] == int(wanted.partition(":")[2] or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held within the block and delivered after it (on the main thread; elsewhere Python
+    delivers none)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # (None: set outside Python)
+        for s in dict.fromkeys(received):
+            signal.raise_signal(s)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -156,25 +180,27 @@ class RunDir:
             os.close(self._lock_fd)  # closing releases the flock
             self._lock_fd = None
 
-    def remove(self) -> None:
-        """Remove a run directory whose start failed (only textgym's own files are in it)."""
-        self.unlock()
-        shutil.rmtree(self.path, ignore_errors=True)
-
     def discard_failed_start(self, created: bool) -> None:
         """Remove the directory a start ``created`` when it failed before its first iteration was logged, or
-        empty again the empty one it started in: a start that fails leaves nothing behind."""
-        if (self.path / "metrics.csv").exists():
+        empty again the empty one it started in: a start that fails leaves nothing behind.
+
+        A Ctrl-C or SIGTERM that comes meanwhile (a second one: the first aborted the start) is held until
+        the removal is done, then delivered: cut in the middle, the removal left the run's marker without
+        its lock, and the same command then refused the directory as a run. The marker goes last, so even
+        a ``kill -9`` leaves a directory that ``--resume`` takes."""
+        if (self.path / "metrics.csv").exists() or not (created or self._was_empty):
             return
-        if created:
-            self.remove()
-        elif self._was_empty:
+        with _signals_held():
             self.unlock()
-            for child in self.path.iterdir():
+            crash_point("discard-start")
+            for child in sorted(self.path.iterdir(), key=lambda p: p.name == MARKER):
                 if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child, ignore_errors=True)
                 else:
                     child.unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def recover_checkpoint(self) -> Path | None:
