@@ -2,6 +2,7 @@
 --nproc_per_node 2 -m textgym train` runs it (with ACCELERATE_USE_FSDP=true or ACCELERATE_USE_DEEPSPEED=true
 for sharding, as `accelerate launch` with the shipped configs sets them)."""
 
+import contextlib
 import csv
 import json
 import os
@@ -568,6 +569,46 @@ def interrupted_two_process_run(config, out, signals, ready=None, options=(), si
         os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     output, _ = proc.communicate(timeout=180)
     return proc.returncode, output
+
+
+def _proc_stat(pid):
+    """(state, parent pid) of a process from /proc, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_processes_stop_with_a_checkpoint_when_their_launching_process_is_killed(config, tmp_path):
+    """kill -9 of the process that run.processes = N started them from (or the OOM killer) left them training
+    on, to the end of the run, with nobody reading their output."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
+           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    deadline = time.time() + 300
+    while not (out / "metrics.csv").is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    started = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and (_proc_stat(p.name) or ("", 0))[1] == proc.pid
+    ]
+    assert len(started) == 2
+    proc.kill()
+    try:
+        output, _ = proc.communicate(timeout=180)  # the output ends when both processes have closed it
+    finally:
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert all((_proc_stat(pid) or ("Z",))[0] == "Z" for pid in started)  # (exited; reaped or not)
+    assert "interrupted; checkpoint saved" in output and "Traceback" not in output, output
+    assert RunDir(out).recover_checkpoint() is not None
+    assert not (out / "samples_after.jsonl").exists()  # stopped, not trained to its end
 
 
 def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(config, tmp_path):

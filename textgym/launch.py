@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -18,10 +19,12 @@ from textgym.agent_config import is_lm_agent
 from textgym.errors import ConfigError, TrainingError
 from textgym.rundir import RunDir
 
-__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "init_process_group",
-           "launch", "on_main", "rank", "speaks_for_the_run", "under_launcher", "world_size"]  # fmt: skip
+__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "follow_the_launcher",
+           "init_process_group", "launch", "on_main", "rank", "speaks_for_the_run", "under_launcher",
+           "world_size"]  # fmt: skip
 
 LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
+LAUNCHER_PID_VAR = "TEXTGYM_LAUNCHER_PID"  # the process that started this one (run.processes = N)
 
 
 def world_size() -> int:
@@ -43,6 +46,22 @@ def under_launcher() -> bool:
     """Whether a launcher (torchrun, accelerate's multi-process launch) started this process, even as the only
     one: then the launcher, not ``run.processes``, decides how many processes train."""
     return "WORLD_SIZE" in os.environ
+
+
+def follow_the_launcher() -> None:
+    """A process that ``run.processes = N`` started stops after its iteration, with a checkpoint, when the
+    process that started it dies without a word (``kill -9``, the OOM killer): else it trained on with nobody
+    reading its output. Linux sends it :data:`STOP_SIGNAL` then (``PR_SET_PDEATHSIG``); elsewhere, nothing."""
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    if not launcher or not sys.platform.startswith("linux") or STOP_SIGNAL is None:
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(STOP_SIGNAL), 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(launcher):  # it died before this process asked
+        os.kill(os.getpid(), STOP_SIGNAL)
 
 
 def init_process_group(device: str = "auto") -> None:
@@ -76,7 +95,6 @@ def end_process_group() -> None:
 def _release_device_meshes() -> None:
     """Empty the process-group registry of every device mesh still alive (their groups have ended)."""
     import gc
-    import sys
 
     mesh_class = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
     if not isinstance(mesh_class, type):
@@ -132,7 +150,6 @@ def exit_process(code: int) -> NoReturn:
 def _flush_output() -> None:
     """Python's standard streams, then C's (a library's own printf), as the interpreter's exit would."""
     import ctypes
-    import sys
 
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -227,7 +244,6 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     process only waits. torchrun would send them a second SIGINT of its own (an abort), and print a traceback.
     """
     import subprocess
-    import sys
     import tempfile
 
     from torch.distributed import TCPStore
@@ -246,8 +262,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if resuming:  # a new run's overrides are in the config.toml written above
         cmd += [arg for override in overrides for arg in ("--set", override)]
     print(f"textgym: training {run_dir} with {n} processes on this machine", flush=True)
-    env = {**os.environ, LAUNCHED_VAR: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+    env = {**os.environ, LAUNCHED_VAR: "1", LAUNCHER_PID_VAR: str(os.getpid()), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
            "GROUP_RANK": "0"}  # fmt: skip
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     # Where this process's output is redirected (textgym bench writes each run's to its train.log), the

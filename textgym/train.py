@@ -33,6 +33,7 @@ from textgym.launch import (
     LAUNCHED_VAR,
     check_processes,
     end_process_group,
+    follow_the_launcher,
     init_process_group,
     launch,
     on_main,
@@ -128,6 +129,7 @@ def run(
     resuming, created = resume is not None, False
     main = rank() == 0
     if world > 1:
+        follow_the_launcher()  # (run.processes = N: stop with a checkpoint should the launching process die)
         init_process_group(hyperparameters.get("device", "auto"))
 
     def prepare() -> bool:
