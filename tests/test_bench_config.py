@@ -161,23 +161,26 @@ def test_set_reaches_an_agents_or_designs_entry_by_its_name(tmp_path, monkeypatc
 
     d = designs(tmp_path)
     del d["agent"]["name"]
-    d["agents"] = [{"name": "lmppo"}, {"name": "grpo", "label": "g", "num_generations": 8}]
+    d["agents"] = [{"name": "lmppo"}, {"name": "grpo", "label": "g", "num_generations": 8},
+                   {"name": "rloo", "label": "rloo-v2.5"}]  # fmt: skip
     path = tmp_path / "sub" / "designs.toml"
     path.parent.mkdir()
     path.write_text(tomli_w.dumps(d))
     (tmp_path / "mine.py").write_text("def f(samples):\n    return [0.0] * len(samples)\n")
     monkeypatch.chdir(tmp_path)
     spec = load_designs(path, ["agents.g.num_generations=4", "agents.lmppo.lora={r=4}",
-                               "designs.partial.rewards=[{fn='mine.py:f'}]"])  # fmt: skip
+                               "designs.partial.rewards=[{fn='mine.py:f'}]", 'agents."rloo-v2.5".beta=0.1'])  # fmt: skip
     assert [a["table"] for a in spec["agents"]] == [
         {"policy": "tiny-char-llama", "learning_rate": 1e-3, "name": "lmppo", "lmppo": {"lora": {"r": 4}}},
         {"policy": "tiny-char-llama", "learning_rate": 1e-3, "name": "grpo", "grpo": {"num_generations": 4}},
+        {"policy": "tiny-char-llama", "learning_rate": 1e-3, "name": "rloo", "rloo": {"beta": 0.1}},
     ]
     partial = next(x for x in spec["designs"] if x["name"] == "partial")
     assert partial["rewards"] == [{"fn": f"{tmp_path / 'mine.py'}:f"}]  # against the working directory
     for override, match in [
         ("agents.0.num_generations=4", r"no \[\[agents\]\] entry is named '0' \(an agent is named by its label, "
-         r"by its name where it has none\); the entries: 'lmppo', 'g'"),
+         r"by its name where it has none\); the entries: 'lmppo', 'g', 'rloo-v2.5'"),
+        ("agents.rloo-v2.5.beta=0.1", r"named 'rloo-v2'.* is quoted: agents.\"rloo-v2.5\".key=value"),
         ("designs.nope.rewards=[]", r"no \[\[designs\]\] entry is named 'nope'; the entries: 'exact', 'partial'"),
         ("agents=[]", r"\[\[agents\]\] is set one entry's key at a time: --set agents.<agent name>.<key>=value"),
         ("agents.g=1", r"set a key of the agent, e.g. --set agents.g.num_generations=4"),

@@ -163,7 +163,6 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
             f"(e.g. {head}.x.{example}). To add or remove an entry, edit the file."
         )
     key, parsed = parse_override(override)
-    parts = key.split(".")
     entries = raw.get(head)
     if not isinstance(entries, list):
         hint = " (without an [[agents]] list, set the agent's own table: agent.<name>.key=value)"
@@ -175,22 +174,28 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         return entry.get("label", entry.get("name")) if head == "agents" else entry.get("name")
 
     names = [name_of(e) for e in entries if isinstance(e, Mapping)]
-    if parts[1] not in names:
+    name, value = next(iter(parsed[head].items()))  # (TOML reads a quoted name with dots whole)
+    if name not in names:
+        odd = [n for n in names if isinstance(n, str) and not re.fullmatch(r"[A-Za-z0-9_-]+", n)]
+        quote = (
+            f' A name with other characters than letters, digits, - and _ is quoted: {head}."{odd[0]}".key=value.'
+            if odd
+            else ""
+        )
         raise ConfigError(
-            f"--set {override!r}: no [[{head}]] entry is named {parts[1]!r}"
+            f"--set {override!r}: no [[{head}]] entry is named {name!r}"
             f"{' (an agent is named by its label, by its name where it has none)' if head == 'agents' else ''}; "
-            f"the entries: {', '.join(map(repr, names))}."
+            f"the entries: {', '.join(map(repr, names))}.{quote}"
         )
-    if len(parts) < 3:
-        raise ConfigError(
-            f"--set {override!r}: set a key of the {what}, e.g. --set {head}.{parts[1]}.{example}."
-        )
-    index = next(i for i, e in enumerate(entries) if isinstance(e, Mapping) and name_of(e) == parts[1])
+    if not isinstance(value, dict):
+        raise ConfigError(f"--set {override!r}: set a key of the {what}, e.g. --set {head}.{name}.{example}.")
+    index = next(i for i, e in enumerate(entries) if isinstance(e, Mapping) and name_of(e) == name)
     # the value's paths against the working directory, as each entry's against the file
-    patch = _resolve_paths({head: [parsed[head][parts[1]]]}, Path.cwd())[head][0]
+    patch = _resolve_paths({head: [value]}, Path.cwd())[head][0]
     if head == "designs" and isinstance(patch.get("rewards"), list):  # (the file's resolve against it later)
         patch["rewards"] = resolve_fn_paths(patch["rewards"], Path.cwd())
-    merge_tables(entries[index], patch, depth=len(parts) - 2)
+    # the dotted key's parts below the entry (an inline table at the last one replaces that table)
+    merge_tables(entries[index], patch, depth=len(key.split(".")) - 2 - name.count("."))
 
 
 def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
