@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 
-from textgym.errors import TextgymError, TrainingError
+from textgym.errors import AnotherProcessFailed, TextgymError, TrainingError
 
 
 class PeerFailed(TextgymError):
     """Raised on the processes of a lockstep rollout whose own work went well when another process's failed
     (its reward plugin raised): all stop on the same step; :meth:`Collective.agree` then names the failure."""
+
+
+class _PeerError(TrainingError, AnotherProcessFailed):
+    """What the processes that did not fail raise, naming the one that did."""
 
 
 class Collective:
@@ -85,7 +89,7 @@ class Collective:
         if error is not None:
             raise error
         rank, message = failed[0]
-        raise TrainingError(f"process {rank} failed, so every process stops: {message}")
+        raise _PeerError(f"process {rank} failed, so every process stops: {message}")
 
     def on_main(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the main process only (writing files, reading a model); all processes then raise if

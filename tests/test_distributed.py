@@ -786,6 +786,19 @@ def test_a_reward_failing_on_one_process_stops_every_process_with_its_name(confi
     )
 
 
+def test_a_run_processes_2_run_names_the_process_that_failed_not_one_that_stopped_with_it(
+    config, tmp_path, capsys
+):
+    """Process 0, stopping because process 1's reward plugin failed, often exited first, and the launcher
+    then named it as the failed one."""
+    (tmp_path / "flaky.py").write_text(FAILS_ON_RANK_1)
+    code = main(["train", str(config), "--set", "run.processes=2", "--set", f"run.output_dir='{tmp_path / 'run'}'",
+                 "--set", f"run.plugins=['{tmp_path / 'flaky.py'}']", "--set", "env.rewards=[{name='flaky'}]"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2 and "process 1 failed, so every process stops" in captured.out, captured.out[-3000:]
+    assert "the 2-process run of" in captured.err and "failed (process 1 exited with code 2)" in captured.err
+
+
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(config, tmp_path, capsys):
     assert (
         main(

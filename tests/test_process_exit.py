@@ -198,6 +198,9 @@ def test_the_launcher_records_the_order_its_processes_exit_in(tmp_path):
         ([1, 137], [1, 0], set(), "TrainingError", "process 1 exited with code 137"),
         ([1, 130], [0, 1], set(), "TrainingError", "process 0 exited with code 1"),
         ([0, 1], [0, 1], set(), "TrainingError", "process 1 exited with code 1"),
+        # process 0 stopped because process 1 failed (its code says so), and exited first
+        ([3, 2], [0, 1], set(), "TrainingError", "process 1 exited with code 2"),
+        ([3, 3], [1, 0], set(), "TrainingError", "process 1 exited with code 3"),  # (no other to blame)
         # two Ctrl-Cs: process 0 aborted, and process 1 failed in the collective it was waiting in
         ([130, 1], [0, 1], {signal.SIGINT}, "KeyboardInterrupt", ""),
         ([0, 130], [0, 1], {signal.SIGINT}, "KeyboardInterrupt", ""),

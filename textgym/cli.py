@@ -225,12 +225,16 @@ def _command(args: argparse.Namespace) -> int:
     except TextgymError as exc:
         import os
 
+        from textgym.errors import AnotherProcessFailed
+        from textgym.launch import FOLLOWED_EXIT, LAUNCHED_VAR
+
         if os.environ.get("TEXTGYM_TRACEBACK"):  # the whole chain: a failing plugin's frames, and textgym's
             import traceback
 
             traceback.print_exception(exc)
         print(f"textgym: error: {exc}", file=sys.stderr)
-        return 2
+        # under run.processes = N, the launcher blames the process that failed for itself
+        return FOLLOWED_EXIT if isinstance(exc, AnotherProcessFailed) and os.environ.get(LAUNCHED_VAR) else 2
     except BrokenPipeError:  # `textgym plugins --json | head`: the reader is gone; no traceback for that
         import os
 

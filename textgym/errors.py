@@ -101,6 +101,12 @@ class TrainingError(TextgymError):
     """Training cannot go on safely: an absurd reward, non-finite weights, a diverged update."""
 
 
+class AnotherProcessFailed(TextgymError):
+    """Mixed into the error a process of a several-process run raises because another process failed (it
+    names that one): textgym's launcher (``run.processes = N``) blames the process that failed first for
+    itself, not one that only followed it (see ``launch.FOLLOWED_EXIT``)."""
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for a warning raised in textgym that points at the first caller outside textgym:
     the line of user code that made an agent, whatever the depth of the calls within textgym between."""

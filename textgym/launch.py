@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from textgym.agent_config import is_lm_agent
-from textgym.errors import ConfigError, TrainingError
+from textgym.errors import AnotherProcessFailed, ConfigError, TrainingError
 from textgym.rundir import RunDir
 
 __all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "follow_the_launcher",
@@ -25,6 +25,8 @@ __all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process
 
 LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
 LAUNCHER_PID_VAR = "TEXTGYM_LAUNCHER_PID"  # the process that started this one (run.processes = N)
+# the exit code of a process that run.processes = N started and that stopped because another one failed
+FOLLOWED_EXIT = 3
 
 
 def world_size() -> int:
@@ -178,8 +180,14 @@ def on_main(fn: Any) -> Any:
     if error is not None:
         raise error
     if status == "error":
-        raise ConfigError(value if rank() == 0 else f"the main process could not start the run: {value}")
+        if rank() == 0:
+            raise ConfigError(value)
+        raise _MainProcessFailed(f"the main process could not start the run: {value}")
     return value
+
+
+class _MainProcessFailed(ConfigError, AnotherProcessFailed):
+    """What the other processes raise when the main one could not start the run."""
 
 
 def check_processes(
@@ -296,7 +304,8 @@ def _raise_for(codes: list[int], order: list[int], signals: set[int], what: str)
     """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
     order they exited in): the others may have failed only because it left (a collective whose peer is gone
     fails), so they say nothing of what went wrong."""
-    first = next(i for i in order if codes[i])
+    # (a process that said it stopped because another failed is not the first to blame)
+    first = next((i for i in order if codes[i] not in (0, FOLLOWED_EXIT)), next(i for i in order if codes[i]))
     if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
         raise KeyboardInterrupt  # a second Ctrl-C or SIGTERM (or one during start-up): the processes aborted
     raise TrainingError(f"{what} failed (process {first} exited with code {codes[first]}); see above.")
