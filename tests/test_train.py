@@ -116,14 +116,19 @@ def test_sample_tables_head_each_component_whole_and_say_the_total_is_weighted()
 def test_a_sample_tables_columns_line_up_under_wide_and_combining_characters():
     """Widths were counted in characters: a prompt with an emoji or CJK (two columns each) pushed its
     row's scores out of line, and one cut in the middle lost its "…"."""
-    from textgym.formatting import display_width, format_table
+    from textgym.formatting import display_width, format_table, one_line
 
     prompts = ["plain", "Héllo 😀 wörld — 你好", "e\u0301" * 20, "你好" * 30]
-    rows = [{"prompt": p, "completion": p, "reward_components": {"a": 0.5}, "reward": 0.5} for p in prompts]
+    rows = [
+        {"prompt": p, "completion": p, "reward_components": {"流畅度得分很高的": 0.5}, "reward": 0.5}
+        for p in prompts
+    ]
     lines = format_table(rows).splitlines()
     assert len({display_width(line) for line in lines if line.strip()}) == 1, "\n".join(lines)
     assert lines[5].startswith("你好" * 7 + "你… ")  # 31 columns, the last one "…", then one to pad to 32
     assert display_width("你好😀e\u0301") == 7
+    # marks that take no column still count as characters: a cell is never unbounded
+    assert len(one_line("a" + "\u0301" * 5000 + "b" * 10, 40)) == 160
 
 
 def test_a_multi_turn_sample_table_shows_the_conversation_and_the_return():

@@ -21,11 +21,12 @@ def _columns(c: str) -> int:
 
 
 def shortened(text: str, width: int | None) -> str:
-    """``text`` cut to ``width`` terminal columns, the last one "…" where it was cut (``None``: whole)."""
-    if width is None or display_width(text) <= width:
+    """``text`` cut to ``width`` terminal columns, the last one "…" where it was cut (``None``: whole), and
+    to ``4 * width`` characters (marks that take no column are characters all the same)."""
+    if width is None or (display_width(text) <= width and len(text) <= 4 * width):
         return text
     out, used = [], 0
-    for c in text:
+    for c in text[: 4 * width - 1]:
         if used + _columns(c) > width - 1:
             break
         out.append(c)
@@ -39,7 +40,7 @@ def padded(text: str, width: int) -> str:
 
 
 def one_line(text: Any, width: int | None = None) -> str:
-    """``text`` on one line (every run of whitespace one space), cut to ``width`` characters."""
+    """``text`` on one line (every run of whitespace one space), cut to ``width`` terminal columns."""
     return shortened(" ".join(str(text).split()), width)
 
 
@@ -54,7 +55,7 @@ def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, complet
         return padded(one_line(text, width), width)
 
     names = list(rows[0]["reward_components"]) if rows else []
-    widths = [max(14, len(n)) for n in names]
+    widths = [max(14, display_width(n)) for n in names]
     multi_turn = any(len(row.get("turns") or ()) > 1 for row in rows)
     paid = any(row.get("turn_rewards") for row in rows)
     total = "return (total + turns)" if paid else "weighted total"
@@ -62,8 +63,8 @@ def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, complet
         cut("prompt", prompt_width),
         cut("conversation" if multi_turn else "completion", completion_width),
     ]
-    header += [f"{n:>{w}}" for n, w in zip(names, widths)] + [total]
-    rule = "-" * len("  ".join(header))
+    header += [" " * (w - display_width(n)) + n for n, w in zip(names, widths)] + [total]
+    rule = "-" * display_width("  ".join(header))
     lines = ["  ".join(header), rule]
     for row in rows:
         cells = [cut(row["prompt"], prompt_width), cut(conversation(row), completion_width)]
