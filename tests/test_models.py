@@ -282,3 +282,10 @@ def test_a_run_directory_given_as_a_model_names_its_trained_policy(tmp_path, nam
         ModelError, match=f"it is a textgym run or checkpoint; its trained policy is {policy}"
     ):
         models.load_tokenizer(str(given))
+    for f in policy.iterdir():  # a LoRA run's checkpoint: the adapter alone, without its tokenizer
+        f.unlink()
+    (policy / "adapter_config.json").write_text("{}")
+    with pytest.raises(
+        ModelError, match=f"of a LoRA policy, whose adapter is {policy}; merge it into its base"
+    ):
+        models.load_tokenizer(str(given))

@@ -131,6 +131,11 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
                 ": it is a LoRA adapter, not a whole model; merge it into its base model first (peft's "
                 "merge_and_unload, then save_pretrained with the tokenizer)."
             )
+        elif trained is not None and (trained / "adapter_config.json").is_file():
+            fix = (
+                f": it is a textgym run or checkpoint of a LoRA policy, whose adapter is {trained}; merge it into "
+                f"its base model first (peft's merge_and_unload, then save_pretrained with the tokenizer)."
+            )
         elif trained is not None:
             fix = f": it is a textgym run or checkpoint; its trained policy is {trained}."
         else:
