@@ -173,9 +173,10 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     def name_of(entry: Any) -> Any:
         return entry.get("label", entry.get("name")) if head == "agents" else entry.get("name")
 
-    names = [name_of(e) for e in entries if isinstance(e, Mapping)]
     name, value = next(iter(parsed[head].items()))  # (TOML reads a quoted name with dots whole)
-    if name not in names:
+    entry = next((e for e in entries if isinstance(e, Mapping) and name_of(e) == name), None)
+    if entry is None:
+        names = [name_of(e) for e in entries if isinstance(e, Mapping)]
         odd = [n for n in names if isinstance(n, str) and not re.fullmatch(r"[A-Za-z0-9_-]+", n)]
         quote = (
             f' A name with other characters than letters, digits, - and _ is quoted: {head}."{odd[0]}".key=value.'
@@ -189,13 +190,12 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         )
     if not isinstance(value, dict):
         raise ConfigError(f"--set {override!r}: set a key of the {what}, e.g. --set {head}.{name}.{example}.")
-    index = next(i for i, e in enumerate(entries) if isinstance(e, Mapping) and name_of(e) == name)
     # the value's paths against the working directory, as each entry's against the file
     patch = _resolve_paths({head: [value]}, Path.cwd())[head][0]
     if head == "designs" and isinstance(patch.get("rewards"), list):  # (the file's resolve against it later)
         patch["rewards"] = resolve_fn_paths(patch["rewards"], Path.cwd())
     # the dotted key's parts below the entry (an inline table at the last one replaces that table)
-    merge_tables(entries[index], patch, depth=len(key.split(".")) - 2 - name.count("."))
+    merge_tables(entry, patch, depth=len(key.split(".")) - 2 - name.count("."))
 
 
 def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:

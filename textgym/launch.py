@@ -271,8 +271,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
         cmd += [arg for override in overrides for arg in ("--set", override)]
     print(f"textgym: training {run_dir} with {n} processes on this machine", flush=True)
     env = {**os.environ, LAUNCHED_VAR: "1", LAUNCHER_PID_VAR: str(os.getpid()), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-           "GROUP_RANK": "0"}  # fmt: skip
+           "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(n),
+           "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0"}  # fmt: skip
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     # Where this process's output is redirected (textgym bench writes each run's to its train.log), the
     # processes' output goes there too, not to the console.

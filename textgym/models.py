@@ -126,16 +126,11 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
         trained = next(
             (p for p in (Path(path) / "checkpoint" / "policy", Path(path) / "policy") if p.is_dir()), None
         )
+        merge = "merge it into its base model first (peft's merge_and_unload, then save_pretrained with the tokenizer)."
         if adapter:
-            fix = (
-                ": it is a LoRA adapter, not a whole model; merge it into its base model first (peft's "
-                "merge_and_unload, then save_pretrained with the tokenizer)."
-            )
+            fix = f": it is a LoRA adapter, not a whole model; {merge}"
         elif trained is not None and (trained / "adapter_config.json").is_file():
-            fix = (
-                f": it is a textgym run or checkpoint of a LoRA policy, whose adapter is {trained}; merge it into "
-                f"its base model first (peft's merge_and_unload, then save_pretrained with the tokenizer)."
-            )
+            fix = f": it is a textgym run or checkpoint of a LoRA policy, whose adapter is {trained}; {merge}"
         elif trained is not None:
             fix = f": it is a textgym run or checkpoint; its trained policy is {trained}."
         else:

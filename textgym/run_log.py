@@ -24,9 +24,8 @@ def logged_to(path: Path) -> Iterator[None]:
     finally:
         run_dir = path.parent
         where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
-        where.parent.mkdir(
-            parents=True, exist_ok=True
-        )  # (an agent's folder, when its first run failed to start)
+        # (its folder may not exist yet: an agent's, when that agent's first run failed to start)
+        where.parent.mkdir(parents=True, exist_ok=True)
         with where.open("a", encoding="utf-8") as f:
             f.write(readable(log.getvalue()))
 
