@@ -259,7 +259,7 @@ def test_bad_agents_are_refused(tmp_path, agents, match, error):
         ),
         (
             [{"name": "lmppo", "n_minibatches": 16}],
-            r"agent 'lmppo': agent.n_minibatches=16 splits each of the 2 processes' share of the batch \(8 of",
+            r"agent 'lmppo': n_minibatches=16 splits each of the 2 processes' share of the batch \(8 of",
         ),
         ([{"name": "sb3-ppo"}], "agent 'sb3-ppo': Stable-Baselines3 agents train in one process"),
     ],

@@ -379,7 +379,12 @@ def _agents(agents: Any, base: Mapping[str, Any], source: str) -> list[dict[str,
             _check_lm_agent(agent_class, label, policy, hyperparameters, source)
         try:  # the batch's split over run.processes and into groups and minibatches, as each run will check it
             check_processes(
-                {"run": dict(base["run"]), "env": base["env"]}, 1, False, agent_class, hyperparameters
+                {"run": dict(base["run"]), "env": base["env"]},
+                1,
+                False,
+                agent_class,
+                hyperparameters,
+                table="",
             )
         except ConfigError as exc:
             raise ConfigError(f"{source}: agent {label!r}: {exc}") from None

@@ -191,8 +191,16 @@ class _MainProcessFailed(ConfigError, AnotherProcessFailed):
 
 
 def check_processes(
-    config: dict[str, Any], world: int, resuming: bool, agent_class: Any, hp: dict[str, Any]
+    config: dict[str, Any],
+    world: int,
+    resuming: bool,
+    agent_class: Any,
+    hp: dict[str, Any],
+    table: str = "agent",
 ) -> None:
+    """Refuse a run whose batch does not split over its processes, into its groups and into its minibatches.
+    ``table`` is where a message names the agent's settings: ``agent`` for a run; a bench, whose message names
+    the agent's entry itself, passes ``""``."""
     run, env = config["run"], config["env"]
     if world > 1 or under_launcher():
         if resuming and run["processes"] != world:
@@ -223,7 +231,7 @@ def check_processes(
     share = env["num_envs"] // run["processes"]
     if run["processes"] > 1 and isinstance(steps, int) and steps > share:
         raise ConfigError(
-            f"agent.{knob}={steps} splits each of the {run['processes']} processes' share of the batch ({share} of "
+            f"{table + '.' if table else ''}{knob}={steps} splits each of the {run['processes']} processes' share of the batch ({share} of "
             f"env.num_envs={env['num_envs']}) into more minibatches than it has episodes: give {knob} <= {share}, or "
             f"more env.num_envs."
         )
