@@ -83,10 +83,11 @@ def batch_statistics(batch: RolloutBatch, dist: Collective, group_size: int) -> 
     mask = batch.action_mask.float()  # the agent's tokens (a multi-turn episode's replies are not)
     stats = {
         "reward": float(scores.mean()),
-        # group agents: the mean of the prompt groups' stds, as TRL's GRPO logs it (the spread advantages see)
+        # group agents: the mean of the prompt groups' stds, as TRL's GRPO logs it (the spread advantages see);
+        # one episode has no spread to speak of (as a component's std)
         "reward_std": float(groups.std(1).mean() if group_size > 1 else scores.std())
         if len(scores) > 1
-        else 0.0,
+        else math.nan,
         "frac_reward_zero_std": zero_std_share(scores, groups.shape[1]),
         "kl": math.nan,
         "completions/mean_length": float(dist.gather(mask.sum(1)).mean()),

@@ -98,6 +98,13 @@ def test_a_component_that_applied_to_no_episode_has_no_std_and_a_batch_none_appl
     assert (batch.raw_scores == 0).all()
 
 
+def test_a_batch_of_one_episode_has_no_reward_std():
+    """Its reward_std read 0.0, as if several returns had agreed, where its components' stds read nan."""
+    stats = LMPPO(char_llama(), make_env(1), n_minibatches=1, verbose=0).collect_rollouts().stats
+    assert math.isfinite(stats["reward"]) and math.isnan(stats["reward_std"])
+    assert math.isnan(stats["rewards/share_of_a/std"])
+
+
 def test_an_absurd_reward_stops_training_before_the_update_and_names_the_plugin():
     def huge(samples):
         return [1e20] * len(samples)

@@ -607,6 +607,9 @@ def test_the_processes_stop_with_a_checkpoint_when_their_launching_process_is_ki
                 os.kill(pid, signal.SIGKILL)
     assert all((_proc_stat(pid) or ("Z",))[0] == "Z" for pid in started)  # (exited; reaped or not)
     assert "interrupted; checkpoint saved" in output and "Traceback" not in output, output
+    # said as what happened: it was announced as a SIGTERM, which nobody had sent
+    assert f"the launching process ({proc.pid}) ended: stopping after this iteration" in output, output
+    assert "SIGTERM" not in output
     assert RunDir(out).recover_checkpoint() is not None
     assert not (out / "samples_after.jsonl").exists()  # stopped, not trained to its end
 

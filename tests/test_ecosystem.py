@@ -127,6 +127,12 @@ def test_an_sb3_run_counts_every_rollout_as_an_iteration_with_a_sample_std(tmp_p
         assert len(rewards) == int(r["episodes"])
         if len(rewards) > 1:
             assert float(r["reward_std"]) == pytest.approx(np.std(rewards, ddof=1), rel=1e-6)
+    # one env, one step per rollout: a rollout ends one episode at most, and one return has no spread (it read 0)
+    out = tmp_path / "one"
+    run(EXAMPLES / "copy-sb3.toml", quick("env.num_envs=1", "run.total_timesteps=16", "agent.a2c.n_steps=1",
+                                          tmp=out), agent_name="a2c")  # fmt: skip
+    ones = [r for r in csv_rows(out / "metrics.csv") if r["episodes"] == "1"]
+    assert ones and all(np.isnan(float(r["reward_std"])) for r in ones)
 
 
 def test_unknown_hyperparameters_are_named_with_a_suggestion_for_sb3_agents_too(tmp_path):

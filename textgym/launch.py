@@ -62,8 +62,16 @@ def follow_the_launcher() -> None:
     pr_set_pdeathsig = 1
     if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(STOP_SIGNAL), 0, 0, 0) != 0:
         return
-    if os.getppid() != int(launcher):  # it died before this process asked
+    if launcher_gone():  # it died before this process asked
         os.kill(os.getpid(), STOP_SIGNAL)
+
+
+def launcher_gone() -> str:
+    """The launching process, named, when it has died since it started this one; else ""."""
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    if launcher and hasattr(os, "getppid") and os.getppid() != int(launcher):
+        return f"the launching process ({launcher}) ended"
+    return ""
 
 
 def init_process_group(device: str = "auto") -> None:

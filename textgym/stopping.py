@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from textgym import _is_cli
-from textgym.launch import ABORT_SIGNAL, LAUNCHED_VAR, STOP_SIGNAL, rank
+from textgym.launch import ABORT_SIGNAL, LAUNCHED_VAR, STOP_SIGNAL, launcher_gone, rank
 
 __all__ = ["StopFlag", "dropped_interrupts_raised_again"]
 
@@ -91,7 +91,7 @@ class StopFlag:
         self._stop("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
     def _stop_from_launcher(self, signum: int, frame: Any) -> None:
-        self._stop("SIGTERM")
+        self._stop(launcher_gone() or "SIGTERM")  # a SIGTERM it passed on, or its death (follow_the_launcher)
 
     def _stop(self, name: str) -> None:
         if self.stop:

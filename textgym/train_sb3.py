@@ -101,10 +101,12 @@ def run_sb3(
                 # row has no reward. Skipped, the count ran behind eval.csv's and checkpoint_every's meaning.
                 state["iteration"] += 1
                 rewards = [e["reward"] for e in self.episodes]
-                spread = float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0  # sample std
+                spread = (
+                    float(np.std(rewards, ddof=1)) if len(rewards) > 1 else math.nan
+                )  # sample std, as LM agents
                 history.append({"iteration": state["iteration"], "timesteps": self.num_timesteps,
                                 "reward": float(np.mean(rewards)) if rewards else math.nan,
-                                "reward_std": spread if rewards else math.nan, "episodes": len(rewards)})  # fmt: skip
+                                "reward_std": spread, "episodes": len(rewards)})  # fmt: skip
                 rd.append_samples({"iteration": state["iteration"], **e} for e in self.episodes)
                 rd.write_metrics(history)
                 crash_point("after-metrics")
