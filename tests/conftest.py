@@ -45,6 +45,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _sb3_logs_in_pytests_temp_dir(tmp_path_factory):
+    """Tests that train Stable-Baselines3's own agents (textgym's set their loggers) would each leave an empty
+    SB3-<time> folder in the system's temp dir."""
+    os.environ.setdefault("SB3_LOGDIR", str(tmp_path_factory.mktemp("sb3-logs")))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return textgym.load_tokenizer("smollm2-135m-instruct")
