@@ -924,6 +924,52 @@ def test_what_a_responder_changes_in_its_conversation_meta_stays_in_the_episode(
     assert env.episodes.prompts[0].meta["followups"] == ["c", "d"]  # the prompt's own metadata is intact
 
 
+def test_rewards_see_the_episodes_meta_as_its_responder_left_it():
+    """A game that drew its secret in start() kept it in the episode's meta, but the reward plugins read the
+    prompt source's: a reward could not score against it."""
+
+    class Secret:
+        name = "secret"
+
+        def start(self, conversations):
+            for c in conversations:
+                c.meta["reference"] = "b"  # drawn per episode, over the source's "a"
+            return [None] * len(conversations)
+
+        def __call__(self, conversations):
+            return [Reply("", done=True) for _ in conversations]
+
+    env = char_env(Secret(), prompts=[{"prompt": "ab", "reference": "a"}], rewards=[{"name": "match"}])
+    env.reset(seed=0)
+    (_, reward, *_), _ = run(env, [*ids("b"), CHARS.eos_token_id])
+    assert reward == 1.0
+    assert env.episodes.prompts[0].meta["reference"] == "a"  # the source's stays
+
+
+def test_closing_an_env_twice_closes_its_responder_and_rewards_once():
+    """Gymnasium: closing a closed env has no effect. A second close() ran every close() again."""
+    closed = []
+
+    class Sandbox:
+        name = "sandbox"
+
+        def __call__(self, conversations):
+            return ["a" for _ in conversations]
+
+        def close(self):
+            if "responder" in closed:
+                raise RuntimeError("the sandbox is already shut down")
+            closed.append("responder")
+
+    recorder = Recorder()
+    recorder.close = lambda: closed.append("reward")
+    env = char_env(Sandbox(), rewards=textgym.RewardStack([(recorder, 1.0)]))
+    env.reset(seed=0)
+    env.close()
+    env.close()
+    assert sorted(closed) == ["responder", "reward"]
+
+
 def test_an_opening_the_tokenizer_cannot_write_names_the_responder_not_the_prompt():
     class Greeter:
         name = "greeter"

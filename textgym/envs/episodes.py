@@ -410,7 +410,8 @@ class Episodes(PromptIds, Turns):
             prompt_ids=tuple(prompt_ids.tolist()),
             completion_ids=tuple(completion_ids.tolist()),
             finish_reason=finish_reason,  # type: ignore[arg-type]
-            meta=prompt.meta,
+            # a multi-turn episode's own copy, as its responder left it (a secret its game drew in start())
+            meta=self.metas[i] if self.responder is not None else prompt.meta,
             turns=turns,
             stop_tokens=len(completion_ids) - kept,
         )

@@ -187,7 +187,11 @@ class TextGenEnv(EnvAccessors, gym.Env[Obs, int]):
         return None
 
     def close(self) -> None:
-        self._close()
+        # once (Gymnasium: closing a closed env has no effect): a responder's or a reward plugin's close() may
+        # not be safe to repeat (a sandbox shut down). The vector env gets this from VectorEnv.close.
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self._close()
 
 
 class TextGenVectorEnv(EnvAccessors, VectorEnv):
