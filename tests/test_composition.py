@@ -540,6 +540,25 @@ def test_a_reward_that_hangs_is_bounded_by_its_timeout(tmp_path):
         textgym.build_reward_stack([{"name": "length_penalty", "timeout": -1}])
 
 
+def test_a_plugin_with_a_timeout_argument_of_its_own_gets_the_specs_timeout(tmp_path):
+    """textgym took a spec's timeout as its own call limit for every reward: math's timeout=2 left math's at 5
+    and moved it into a thread (where its own timeout is off), a judge's timeout=5 stayed 30, and math's
+    documented timeout=0 (off) was refused."""
+    from textgym.reward_checks import TimeoutReward
+
+    for spec in ("math timeout=2", {"name": "math", "timeout": 0}):
+        (reward, _), *_ = textgym.build_reward_stack([spec]).rewards
+        assert not isinstance(reward, TimeoutReward) and reward.timeout == (2 if isinstance(spec, str) else 0)
+    (tmp_path / "judge.py").write_text(
+        "def judge(samples, timeout=30):\n    return [float(timeout)] * len(samples)\n"
+    )
+    stack = textgym.build_reward_stack([{"fn": f"{tmp_path / 'judge.py'}:judge", "timeout": 5}])
+    assert stack.score([textgym.Sample("p", "c")])[0].tolist() == [5.0]
+    # a reward without one: textgym's limit on its calls, as before
+    (reward, _), *_ = textgym.build_reward_stack(["length_penalty target=4 timeout=5"]).rewards
+    assert isinstance(reward, TimeoutReward) and reward.seconds == 5
+
+
 def test_fn_may_be_the_function_itself_in_python():
     """{"fn": func, "weight": w} (the table form with a function, as (func, w) takes it) was refused: fn had
     to be a string."""

@@ -8,6 +8,7 @@ functions as rewards in :mod:`textgym.reward_functions`, building a registered p
 
 from __future__ import annotations
 
+import inspect
 import os
 import tomllib
 import warnings
@@ -237,7 +238,7 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
 
     if isinstance(spec, str):
         spec = parse_reward_spec(spec)
-    if isinstance(spec, Mapping) and "timeout" in spec:
+    if isinstance(spec, Mapping) and "timeout" in spec and not _takes_its_own_timeout(spec, base_dir, where):
         args = dict(spec)
         seconds = args.pop("timeout")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
@@ -282,6 +283,26 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
         f"{where}: {spec!r} is not a reward spec: give a table with a 'name' or an 'fn', a spec string, "
         f"(reward, weight), or a function."
     )
+
+
+def _takes_its_own_timeout(spec: Mapping[str, Any], base_dir: BaseDir, where: str) -> bool:
+    """Whether the plugin or function of ``spec`` has a ``timeout`` argument of its own (``math``'s, a judge
+    model's): the spec's ``timeout`` is then that argument, as the plugin documents it, not textgym's limit
+    on its calls. A factory taking ``**kwargs`` does not count (its arguments are not named)."""
+    from textgym import plugin_manager
+
+    if "fn" in spec:
+        ref = spec["fn"]
+        target = ref if callable(ref) else load_function(ref, base_dir, where)
+    elif isinstance(spec.get("name"), str) and spec["name"] in plugin_manager.registry("register_rewards"):
+        target = plugin_manager.get("register_rewards", spec["name"]).value
+    else:
+        return False
+    try:
+        param = inspect.signature(target).parameters.get("timeout")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
 def _check_fixed_arguments(fn: Callable, name: str, args: Mapping[str, Any]) -> None:
