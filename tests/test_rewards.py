@@ -78,6 +78,21 @@ def test_bad_plugin_output_is_an_error_naming_the_plugin(output, match):
     assert err.match(match)
 
 
+def test_a_reward_cannot_reorder_the_samples_the_stack_and_the_episodes_share():
+    """A plugin that sorted its samples in place sorted the env's list: the rewards after it scored the
+    episodes in another order, and the totals went to the wrong sub-envs without a word."""
+    samples = [Sample("p", "ccc"), Sample("p", "a"), Sample("p", "bb")]
+
+    def by_length(samples):
+        samples.sort(key=lambda s: len(s.completion))
+        return [float(len(s.completion)) for s in samples]
+
+    stack = RewardStack([(FunctionReward("by_length", by_length), 1.0)])
+    with pytest.raises(RewardError, match=r"'by_length' raised AttributeError.*sort or change a copy"):
+        stack.score(samples)
+    assert [s.completion for s in samples] == ["ccc", "a", "bb"]
+
+
 def test_plugin_exception_is_wrapped_with_its_name_and_where_it_was_raised():
     def boom(samples):
         raise ZeroDivisionError("oops")

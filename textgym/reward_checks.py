@@ -70,12 +70,18 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
     """The plugin's scores as a float array, NaN for ``None`` (not applicable). Anything else that is not a
     finite number is an error naming the plugin: strings are rejected, not converted."""
     label = _label(name, reward)
+    # a tuple: the caller's list, which every reward of the stack and the episodes share, stays as it is (a
+    # plugin that sorted it in place scrambled the scores of the rewards after it across the episodes)
+    samples = tuple(samples)
     try:
         out = reward(samples)
     except RewardError:
         raise
     except Exception as exc:
-        raise RewardError(f"{label} raised {type(exc).__name__}{raised_in(exc)}: {exc}") from exc
+        hint = ""
+        if isinstance(exc, (AttributeError, TypeError)) and "'tuple'" in str(exc):
+            hint = " (a reward gets its samples as a tuple, to read: sort or change a copy, list(samples))"
+        raise RewardError(f"{label} raised {type(exc).__name__}{raised_in(exc)}: {exc}{hint}") from exc
     if callable(getattr(out, "detach", None)) and callable(getattr(out, "cpu", None)):
         # a torch tensor, which numpy cannot take in bf16, on a GPU, or while it tracks gradients
         try:
