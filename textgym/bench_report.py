@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -272,7 +273,7 @@ def setup_text(results: BenchResults) -> str:
         f"{base['run']['total_timesteps']} generated tokens per run (a run ends with the iteration that reaches "
         f"them). Every run is evaluated on the same "
         f"{episodes}; same prompts and sampling seed)"
-        + (f", during training every {bench['eval_every']} iterations" if results.curves else "")
+        + _curve_spacing(results.curves)
         + "."
         + (
             f" The held-out curves of {len(results.stale_curves)} runs are not shown: they were measured during "
@@ -408,6 +409,19 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
             *rows,
         ]
     return lines
+
+
+def _curve_spacing(curves: Mapping[str, list[dict[str, Any]]]) -> str:
+    """How often the curves shown were measured, from their own rows: a rerun keeps curves measured under
+    another ``bench.eval_every`` (or 0, which measures none), so the setting now need not say it."""
+    gaps: set[int] = set()
+    for rows in curves.values():
+        steps = [b - a for a, b in itertools.pairwise(int(float(r["iteration"])) for r in rows)]
+        gaps.update(steps[:-1] or steps)  # (the last evaluation is the run's end, wherever it falls)
+    gaps = sorted(gaps)
+    if not gaps:
+        return ""
+    return f", during training every {' or '.join(map(str, gaps))} iterations"
 
 
 def _count(n: int, noun: str) -> str:
