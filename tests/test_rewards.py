@@ -182,6 +182,23 @@ def test_text_that_toml_could_not_parse_is_refused_where_the_parameter_is_annota
     assert build_reward_stack(["exclaim per_mark=2 strict=true"]).names == ["exclaim"]
 
 
+def test_values_of_another_type_than_the_annotation_are_refused_too():
+    """Only text was checked: in a TOML table `sharp = 2` (a bool) and `target = [0.3]` (a float) trained."""
+
+    def vowel_ratio(samples, vowels: str = "aeiou", target: float = 0.4, sharp: bool = False):
+        return [1.0 for _ in samples]
+
+    textgym.reward("vowel_ratio")(vowel_ratio)
+    for key, value, what in [
+        ("sharp", 2, "true or false"),
+        ("target", [0.3], "a number"),
+        ("vowels", [], "a string"),
+    ]:
+        with pytest.raises(PluginArgumentError, match=rf"^reward 'vowel_ratio': {key} must be {what}, not "):
+            build_reward_stack([{"name": "vowel_ratio", key: value}])
+    assert build_reward_stack([{"name": "vowel_ratio", "target": 1, "sharp": True, "vowels": "ae"}]).names
+
+
 def test_reward_spec_strings_parse_values_as_toml():
     assert parse_reward_spec("length_penalty weight=0.2 target=32 unit='words' shape=quadratic") == {
         "name": "length_penalty",

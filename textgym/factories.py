@@ -40,26 +40,32 @@ def check_arguments(
 
 
 def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
-    """Raise :class:`PluginArgumentError` for a text value whose parameter is annotated as a number, a bool
-    or a list (or, unannotated, has a number or a bool as its default): text that TOML could not parse
-    stays text (``penalty=two``, ``words=maybe``), and a factory
-    that took it without a word would score with it. Called after the factory, whose own errors say more,
-    and when it raised a TypeError, for the text that made it raise ("'<' not supported between 'str' and
-    'int'"): a factory's own ValueError says what it takes."""
+    """Raise :class:`PluginArgumentError` for a value whose parameter is annotated as a number, a bool or a
+    list and that is not one (``sharp = 2`` for a bool, ``target = [0.3]`` for a float; a number where a
+    string goes is the factory's to read, as match's ``reference = 5``), and
+    for a text value whose unannotated parameter has a number or a bool as its default: text that TOML could
+    not parse stays text (``penalty=two``, ``words=maybe``), and a factory that took it without a word would
+    score with it. Called after the factory, whose own errors say more, and when it raised a TypeError, for
+    the value that made it raise ("'<' not supported between 'str' and 'int'"): a factory's own ValueError
+    says what it takes."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return
     for key, value in kwargs.items():
-        if not isinstance(value, str) or key not in params:
+        if key not in params:
             continue
         annotation, default = params[key].annotation, params[key].default
-        if annotation is inspect.Parameter.empty and type(default) in (bool, int, float):
+        if annotation is inspect.Parameter.empty:
+            if not isinstance(value, str) or type(default) not in (bool, int, float):
+                continue
             annotation = type(default)  # def exclaim(samples, per_mark=1.0): a number, as if annotated
-        if (
-            not isinstance(default, str)  # scale: float = "auto" takes a word of its own
-            and (what := annotation_mismatch(annotation, value))
-        ):
+        what = annotation_mismatch(annotation, value)
+        if isinstance(default, str) and isinstance(value, str):  # scale: float = "auto" takes a word
+            what = None
+        if what and what.startswith("a string") and isinstance(value, (int, float)):
+            what = None  # a number where text goes (match's `reference = 5`): the factory's to read as text
+        if what:
             raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")
 
 
