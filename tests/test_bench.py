@@ -104,6 +104,13 @@ def test_bench_writes_every_output_and_the_csv_matches_the_jsonl(finished):
     report = (finished / "report.md").read_text()
     assert "Rankings:" in report and "**kl** (lower is better)" in report and "### partial" in report
     assert "Paired comparisons:" in report and "| exact_copy | exact − partial |" in report
+    # the interval is not Holm-corrected as the p beside it is: an interval that excludes 0 beside "not
+    # significant" read as a contradiction
+    assert (
+        "| difference [95% CI, unadjusted] | d_z | p (Holm) |" in report and "the interval is not" in report
+    )
+    html = (finished / "report.html").read_text()
+    assert "difference [95% CI, unadjusted]" in html
     assert "length (tokens, EOS incl.)" in report
     kl = [r["value"] for r in results if r["metric"] == "kl"]
     assert all(math.isfinite(v) for v in kl)

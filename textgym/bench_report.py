@@ -160,7 +160,7 @@ def needed_text(c: Mapping[str, Any]) -> str:
         return ""
     if math.isinf(c.get("d_z", math.nan)):  # the same difference on every seed: the sign test's count
         return f" (the same difference on every seed: the exact sign test needs {n} seeds)"
-    return f" (~{n} seeds for 80% power at this effect)"
+    return f" (~{n} seeds for 80% power at this effect, at Holm's level)"
 
 
 def flag_items(results: BenchResults) -> list[tuple[str, str, str]]:
@@ -213,8 +213,9 @@ def unchecked_lines(results: BenchResults) -> list[str]:
     if bare:
         lines.append(
             f"The gaming check could not judge every evaluation of {bare} of {curved} runs: some have no "
-            f"standard error (fewer than 2 episodes where a metric applies; `bench.eval_episodes` of 2 or "
-            f"more gives one), and a fall there cannot be told from noise, so it was not flagged."
+            f"standard error (a metric applied to fewer than 2 of the evaluation's episodes: more "
+            f"`bench.eval_episodes`, or a metric that applies to more completions, gives one), and a fall there "
+            f"cannot be told from noise, so it was not flagged."
         )
     return lines
 
@@ -309,7 +310,8 @@ STATS_TEXT = (
     f"seeds) where the metric was not measured on every seed. Comparisons are "
     f"paired over shared seeds (same seed = same initial weights, first rollouts and evaluation prompts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
-    f"paired t-test's p-value, Holm-corrected over the pairs of each metric. A rank is 1 + the number of "
+    f"paired t-test's p-value, Holm-corrected over the pairs of each metric (the interval is not: it can "
+    f"exclude 0 where the corrected p is above {ALPHA}). A rank is 1 + the number of "
     f"groups significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c): equal "
     f"ranks are not significantly different; a group that no test compared with another is not ranked."
 )
@@ -404,7 +406,7 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
             "",
             "Paired comparisons:",
             "",
-            "| metric | pair | difference [95% CI] | d_z | p (Holm) | seeds | verdict |",
+            "| metric | pair | difference [95% CI, unadjusted] | d_z | p (Holm) | seeds | verdict |",
             "|---|---|---|---|---|---|---|",
             *rows,
         ]

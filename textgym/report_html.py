@@ -175,7 +175,7 @@ def _rankings(results: BenchResults, scope: str, within: str) -> list[str]:
     if pairs:
         out += [
             "<details><summary>Paired comparisons</summary><table><thead><tr><th>metric</th><th>pair</th>"
-            "<th>difference [95% CI]</th><th>d_z</th><th>p (Holm)</th><th>seeds</th><th>verdict</th></tr></thead>"
+            "<th>difference [95% CI, unadjusted]</th><th>d_z</th><th>p (Holm)</th><th>seeds</th><th>verdict</th></tr></thead>"
             "<tbody>",
             *pairs,
             "</tbody></table></details>",
