@@ -121,6 +121,22 @@ def test_importing_textgym_with_a_broken_installed_plugin_names_it(tmp_path):
     ) in result.stderr
     cli = run(["plugins"], env)  # the CLI says it once, as its one-line error
     assert cli.returncode != 0 and "RuntimeWarning" not in cli.stderr and "plugin 'wrong'" in cli.stderr
+    # that one package is skipped by name (TEXTGYM_DISABLE_PLUGIN_AUTOLOAD=1 skipped every installed one)
+    assert "Fix or uninstall it, or skip it: TEXTGYM_BLOCK_PLUGINS=wrong." in cli.stderr
+    skipped = run(["plugins"], {**env, "TEXTGYM_BLOCK_PLUGINS": "other, wrong"})
+    assert skipped.returncode == 0 and "wrong" not in skipped.stdout, skipped.stderr
+
+
+def test_an_installed_plugin_that_takes_a_registered_name_can_be_skipped_alone(tmp_path):
+    """A package registering a built-in's name broke every command, `textgym plugins` included, and the only
+    way out turned off every installed plugin."""
+    clash = WRONG_PLUGIN.replace('"wrongreward"', '"match"') + "\n\nplugin = WrongPlugin()\n"
+    env = a_distribution(tmp_path, "textgym", "wrongplug:plugin", clash)
+    result = run(["plugins"], env)
+    assert result.returncode != 0
+    assert "reward 'match' is registered twice" in result.stderr
+    assert "(or skip it: TEXTGYM_BLOCK_PLUGINS=wrong)" in result.stderr
+    assert run(["plugins", "match"], {**env, "TEXTGYM_BLOCK_PLUGINS": "wrong"}).returncode == 0
 
 
 def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(tmp_path):

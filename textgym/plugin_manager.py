@@ -45,6 +45,9 @@ DEFAULT_PLUGINS = (
 )
 ENTRY_POINT_GROUP = "textgym"
 DISABLE_AUTOLOAD_VAR = "TEXTGYM_DISABLE_PLUGIN_AUTOLOAD"
+BLOCK_VAR = (
+    "TEXTGYM_BLOCK_PLUGINS"  # entry points not to load, by name, comma-separated: one broken package alone
+)
 PLUGINS_VAR = "TEXTGYM_PLUGINS"
 
 # hook name -> the word used for its names in messages
@@ -115,7 +118,7 @@ class Registry:
             raise DuplicateNameError(
                 f"{self.kind} {name!r} is registered twice: by plugin {first!r} ({describe_source(first)}) "
                 f"and by plugin {plugin!r} ({describe_source(plugin)}). Rename one of them, or uninstall one "
-                f"plugin (TEXTGYM_DISABLE_PLUGIN_AUTOLOAD=1 turns off installed plugins)."
+                f"plugin{_skip_hint(plugin, first)}."
             )
         self._entries[name] = Entry(name, value, plugin, extra)
 
@@ -270,6 +273,12 @@ def distribution_of(plugin: str) -> tuple[str, str] | None:
     return _distributions.get(plugin)
 
 
+def _skip_hint(*plugins: str) -> str:
+    """How to skip an installed plugin of ``plugins`` (the later first), by the variable that names it."""
+    installed = [p for p in plugins if _sources.get(p, "").startswith("entry point")]
+    return f" (or skip it: {BLOCK_VAR}={installed[0]})" if installed else ""
+
+
 def load_plugins() -> None:
     """Load built-ins, entry points and ``TEXTGYM_PLUGINS`` files, once. A plugin that fails to load is an
     error here and on every later lookup (``import textgym`` itself does not fail, so the CLI can say why in
@@ -292,8 +301,9 @@ def _load_all() -> None:
         pm.register(importlib.import_module(module_name), name=module_name)
         _sources[module_name] = "built-in"
     if not os.environ.get(DISABLE_AUTOLOAD_VAR):
+        blocked = {name.strip() for name in os.environ.get(BLOCK_VAR, "").split(",") if name.strip()}
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if pm.has_plugin(ep.name):
+            if pm.has_plugin(ep.name) or ep.name in blocked:
                 continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
             before = {name for name, _ in pm.list_name_plugin()}
@@ -302,26 +312,26 @@ def _load_all() -> None:
             except Exception as exc:
                 raise PluginError(
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}) failed to load: "
-                    f"{type(exc).__name__}: {exc}. Fix or uninstall it, or set {DISABLE_AUTOLOAD_VAR}=1."
+                    f"{type(exc).__name__}: {exc}. Fix or uninstall it, or skip it: {BLOCK_VAR}={ep.name}."
                 ) from exc
             if isinstance(plugin, type) and (hooks := _instance_hooks(plugin)):
                 raise PluginError(
                     f"plugin {ep.name!r} (entry point {ep.value} in {dist}) names the class {plugin.__name__}, whose "
                     f"hooks take self ({', '.join(hooks)}): name a module, or an instance "
                     f"(`plugin = {plugin.__name__}()` in the module, and the entry point `...:plugin`); or uninstall "
-                    f"it, or set {DISABLE_AUTOLOAD_VAR}=1."
+                    f"it, or skip it: {BLOCK_VAR}={ep.name}."
                 )
             try:
                 pm.register(plugin, name=ep.name)
             except pluggy.PluginValidationError as exc:
                 raise PluginError(
-                    f"plugin {ep.name!r} (entry point {ep.value} in {dist}): {exc}. Fix or uninstall it, or set "
-                    f"{DISABLE_AUTOLOAD_VAR}=1."
+                    f"plugin {ep.name!r} (entry point {ep.value} in {dist}): {exc}. Fix or uninstall it, or skip "
+                    f"it: {BLOCK_VAR}={ep.name}."
                 ) from None
             _check_pending(
                 ep.name,
-                f"plugin {ep.name!r} (entry point {ep.value} in {dist}; fix or uninstall it, or set "
-                f"{DISABLE_AUTOLOAD_VAR}=1)",
+                f"plugin {ep.name!r} (entry point {ep.value} in {dist}; fix or uninstall it, or skip it: "
+                f"{BLOCK_VAR}={ep.name})",
             )
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
             if ep.dist:  # (and the @textgym.reward functions its import registered, plugins of their own)
