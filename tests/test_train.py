@@ -485,6 +485,24 @@ def test_a_set_inline_table_replaces_the_table(tmp_path):
     }  # fmt: skip
 
 
+def test_a_set_into_a_list_or_of_broken_toml_says_so(tmp_path):
+    """`env.rewards[1].target=0.4` was refused as "'0.4' is not a TOML number: write ...=0.4", exactly what
+    was typed; `env.rewards.1.target=0.4` replaced the list with a table; a list with a TOML error became a
+    string, then "reward spec {'[{name': ...} has no 'name'"."""
+    config = tmp_path / "c.toml"
+    config.write_text('[env]\nrewards = [{ name = "sentiment" }, { name = "length_penalty", target = 4 }]\n')
+    with pytest.raises(ConfigError, match=r"a key cannot index a list \(env.rewards\[1\].target\); give the whole "
+                                          r"list, e.g. --set 'env.rewards=\[...\]'"):  # fmt: skip
+        load_config(config, ["env.rewards[1].target=0.4"])
+    with pytest.raises(ConfigError, match=r"env.rewards is a list, and a key cannot reach into one"):
+        load_config(config, ["env.rewards.1.target=0.4"])
+    with pytest.raises(ConfigError, match=r"the value is not valid TOML \("):
+        load_config(config, ['env.rewards=[{name="length_penalty",target=high}]'])
+    assert load_config(config, ['env.rewards=[{name="length_penalty",target=2}]'])["env"]["rewards"] == [
+        {"name": "length_penalty", "target": 2}
+    ]
+
+
 def test_a_plot_is_written_whole_or_not_at_all(tmp_path):
     """reward_kl.png, eval.png and the bench's figures were written in place: a kill mid-write left a cut
     PNG where every other file of a run directory is replaced atomically."""

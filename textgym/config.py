@@ -211,6 +211,15 @@ def apply_override(
             ``None``, ``.01``): taken as a string, it would mean something else (a non-empty string is true).
     """
     key, parsed = parse_override(override)
+    parts, node = key.split("."), config
+    for i, part in enumerate(parts[:-1]):  # env.rewards.1.target: a list's item is not a table's key
+        node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, list):
+            whole = ".".join(parts[: i + 1])
+            raise ConfigError(
+                f"--set {override!r}: {whole} is a list, and a key cannot reach into one: give the whole list, "
+                f"e.g. --set '{whole}=[...]' (as in the config file, one TOML line)."
+            )
     if resolve is not None:
         parsed = resolve(parsed)
     merge_tables(config, parsed, depth=len(key.split(".")))
@@ -224,9 +233,16 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
         raise ConfigError(
             f"--set {override!r} must look like section.key=value, e.g. agent.learning_rate=3e-5."
         )
+    if "[" in key or "]" in key:
+        raise ConfigError(
+            f"--set {override!r}: a key cannot index a list ({key}); give the whole list, e.g. "
+            f"--set '{key.split('[')[0]}=[...]' (as in the config file, one TOML line)."
+        )
     try:
         parsed = tomllib.loads(f"{key} = {value}")
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        if value.strip()[:1] in ("[", "{", '"', "'"):  # meant as TOML, not a bare word: say where it fails
+            raise ConfigError(f"--set {override!r}: the value is not valid TOML ({exc}).") from None
         _check_bare_word(override, key, value.strip())
         try:
             parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string
