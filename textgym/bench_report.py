@@ -307,8 +307,11 @@ def range_warnings(results: BenchResults) -> list[str]:
 
 STATS_TEXT = (
     f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range], and (n of N "
-    f"seeds) where the metric was not measured on every seed. Comparisons are "
-    f"paired over shared seeds (same seed = same initial weights, first rollouts and evaluation prompts): the "
+    f"seeds) where the metric was not measured on every seed. The interval is the spread over training seeds: "
+    f"every run is evaluated on the same episodes (prompts and sampling seed), so it does not cover the noise "
+    f"of that one evaluation sample. Comparisons are "
+    f"paired over shared seeds (same seed = same initial weights and evaluation episodes; for one agent, the "
+    f"same first rollouts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric (the interval is not: it can "
     f"exclude 0 where the corrected p is above {ALPHA}). A rank is 1 + the number of "
