@@ -116,6 +116,13 @@ def test_bench_writes_every_output_and_the_csv_matches_the_jsonl(finished):
     assert all(math.isfinite(v) for v in kl)
 
 
+def test_each_final_value_keeps_the_episodes_it_is_a_mean_over(finished):
+    """eval.json did not keep them, so the report could not say a value rested on few episodes."""
+    for path in finished.glob("runs/*/eval.json"):
+        result = json.loads(path.read_text())
+        assert set(result["counts"]) >= {"reward", "exact_copy"} and result["counts"]["reward"] > 0
+
+
 def test_runs_keep_held_out_curves_from_before_training_to_the_end(finished):
     run = finished / "runs" / "partial-seed0"
     with (run / "eval.csv").open() as f:

@@ -484,3 +484,21 @@ def test_values_outside_a_declared_range_are_warned_of(tmp_path, report):
     warning = "`exact_copy` measured 0.500 to 0.560 on 3 runs, outside its declared range [0, 0.2]"
     assert warning in (out / "report.md").read_text()
     assert "<code>exact_copy</code> measured 0.500 to 0.560 on 3 runs" in (out / "report.html").read_text()
+
+
+def test_a_final_value_over_few_episodes_is_said(tmp_path, report):
+    """A metric applying to few completions (one that scores only the replies that stopped) gave a final value
+    over 1 episode that read as one over every evaluation episode: eval.json did not keep the counts."""
+    assert "rests on few episodes" not in (report[0] / "report.md").read_text()
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    for job in jobs:
+        result = json.loads((job.run_dir / "eval.json").read_text())
+        few = job.design["name"] == "proxy" and job.seed < 2
+        result["counts"] = {"reward": 64, "exact_copy": 1 + 2 * job.seed if few else 64}
+        (job.run_dir / "eval.json").write_text(json.dumps(result))
+    write_outputs(out, spec, jobs)
+    note = ("`exact_copy` of proxy rests on few episodes: on 2 of 3 runs its final value is a mean over fewer "
+            "than 8 evaluation episodes (the ones it applied to; fewest: 1)")  # fmt: skip
+    assert note in (out / "report.md").read_text()
+    assert "<code>exact_copy</code> of proxy rests on few episodes" in (out / "report.html").read_text()

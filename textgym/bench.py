@@ -321,6 +321,7 @@ def evaluate(job: Job, spec: Mapping[str, Any]) -> dict[str, Any]:
         "evaluation": job.evaluation,
         "metrics": result.metrics,
         "errors": result.errors,
+        "counts": result.counts,  # the episodes each mean is over (those its metric applied to)
         "components": result.components,
         "samples": result.episodes[: spec["bench"]["samples_in_report"]],
     }

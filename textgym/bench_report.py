@@ -305,6 +305,30 @@ def range_warnings(results: BenchResults) -> list[str]:
     return lines
 
 
+FEW_EPISODES = 8  # a final value that is a mean over fewer of a run's evaluation episodes is said to be so
+
+
+def few_episode_warnings(results: BenchResults) -> list[str]:
+    """A line per group and metric whose final value, on some run, is a mean over fewer than
+    ``FEW_EPISODES`` evaluation episodes (a metric that applies to few completions): its cell reads like one
+    over every episode."""
+    few: dict[tuple[str, str, str], list[int]] = {}
+    for e in results.evals:
+        for metric, n in (e.get("counts") or {}).items():
+            if metric in results.metrics and isinstance(n, int) and 0 < n < FEW_EPISODES:
+                few.setdefault((e["agent"], e["design"], metric), []).append(n)
+    lines = []
+    for (agent, design, metric), counts in few.items():
+        who = f"{design} ({agent})" if len(results.agents) > 1 else design
+        runs = sum(1 for e in results.evals if (e["agent"], e["design"]) == (agent, design))
+        lines.append(
+            f"**Note**: `{_text(metric)}` of {_text(who)} rests on few episodes: on {len(counts)} of "
+            f"{_count(runs, 'run')} its final value is a mean over fewer than {FEW_EPISODES} evaluation episodes "
+            f"(the ones it applied to; fewest: {min(counts)}). Read its cells and comparisons with that in mind."
+        )
+    return lines
+
+
 STATS_TEXT = (
     f"Each cell: mean over seeds [95% Student-t interval, clipped to the metric's range], and (n of N "
     f"seeds) where the metric was not measured on every seed. The interval is the spread over training seeds: "
@@ -323,7 +347,9 @@ STATS_TEXT = (
 # -- report.md -----------------------------------------------------------------------------------------
 def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
     lines = ["# Reward-design benchmark", "", setup_text(results), "", STATS_TEXT, ""]
-    lines += [line for warning in range_warnings(results) for line in (warning, "")]
+    lines += [
+        line for warning in range_warnings(results) + few_episode_warnings(results) for line in (warning, "")
+    ]
     lines += ["## Designs", ""]
     for design in results.spec["designs"]:
         lines.append(f"- **{_text(design['name'])}**: {_text(describe_stack(design['rewards']))}")

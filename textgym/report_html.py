@@ -13,6 +13,7 @@ from typing import Any
 from textgym.bench_report import (
     STATS_TEXT,
     comparisons,
+    few_episode_warnings,
     flag_items,
     fmt,
     fmt_cell,
@@ -59,7 +60,7 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         "<h1>Reward-design benchmark</h1>",
         f"<p>{_md(setup_text(results))}</p>",
         f'<p class="note">{e(STATS_TEXT)}</p>',
-        *(f"<p>{_md(warning)}</p>" for warning in range_warnings(results)),
+        *(f"<p>{_md(warning)}</p>" for warning in range_warnings(results) + few_episode_warnings(results)),
         "<h2>Designs</h2><ul>",
         *[
             f"<li><b>{e(d['name'])}</b>: {e(describe_stack(d['rewards']))}</li>"
