@@ -92,11 +92,16 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def add(self, name: str, value: Any, plugin: str, **extra: Any) -> None:
-        spaced = self.kind in SPEC_KINDS and isinstance(name, str) and any(c.isspace() for c in name)
+        spaced = self.kind in SPEC_KINDS and isinstance(name, str) and any(c.isspace() or c == "=" for c in name)
         if not isinstance(name, str) or not name or spaced:
             raise PluginError(
                 f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}: a {self.kind}'s name is "
-                f"a non-empty string without spaces (a spec such as 'NAME weight=2' splits on them)."
+                f"a non-empty string without spaces or '=' (a spec such as 'NAME weight=2' splits on them)."
+            )
+        if self.kind == "reward" and name.startswith("_"):  # (a spec naming it was refused, not the plugin)
+            raise PluginError(
+                f"plugin {plugin!r} registered the reward {name!r}: a reward's name cannot start with '_', which "
+                f"Gymnasium's vector infos keep for their own masks; register it without the underscore."
             )
         allowed = EXTRAS.get(self.kind, set())
         unknown = sorted(extra.keys() - allowed) if allowed is not None else []
