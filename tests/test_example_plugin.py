@@ -167,3 +167,15 @@ def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(
     decorated = "import textgym\n\n@textgym.reward('wrongreward')\ndef wrongreward(samples):\n    return [1.0] * len(samples)\n"
     env.update(a_distribution(tmp_path / "d", "textgym", "wrongplug", decorated))
     assert json.loads(read().stdout)[0]["wrongplug"].startswith("0.1 (code ")
+
+
+def test_textgym_plugins_lists_an_installed_packages_decorated_rewards_under_its_entry_point(tmp_path):
+    """A package whose module registers its rewards with @textgym.reward was listed as "(registers nothing)",
+    its rewards under a site-packages file of their own."""
+    decorated = "import textgym\n\n@textgym.reward('wrongreward')\ndef wrongreward(samples):\n    return [1.0] * len(samples)\n"
+    env = a_distribution(tmp_path, "textgym", "wrongplug", decorated)
+    result = run(["plugins"], env)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "wrong  (entry point wrongplug in wrongplug 0.1)\n    (@textgym.reward: wrongreward)" in result.stdout
+    )

@@ -356,7 +356,7 @@ def _label_pairs(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from textgym import plugin_info
+    from textgym import plugin_info, plugin_manager
 
     if args.name is not None:
         described = plugin_info.describe(args.name)
@@ -381,20 +381,23 @@ def _plugins(args: argparse.Namespace) -> int:
         return 0
     # A file's @textgym.reward and @textgym.responder functions are plugins of their own, with the source
     # "DECORATOR in FILE"; the file's own row (named FILE) says what they registered.
-    decorated: dict[str, dict[str, list[str]]] = {}  # file -> decorator -> names
+    # An installed package's are found by its distribution: its entry point's row is named by the entry point.
+    decorated: dict[Any, dict[str, list[str]]] = {}  # file, or (distribution,) -> decorator -> names
     for row in report:
         decorator, within, file = row["source"].partition(" in ")
         if decorator.startswith("@") and within:
-            names = decorated.setdefault(file, {}).setdefault(decorator, [])
-            names.extend(name for kind_names in row["registers"].values() for name in kind_names)
+            dist = plugin_manager.distribution_of(row["name"])
+            for key in [file, *([(dist[0],)] if dist else [])]:
+                names = decorated.setdefault(key, {}).setdefault(decorator, [])
+                names.extend(name for kind_names in row["registers"].values() for name in kind_names)
     for row in report:
         print(f"{row['name']}  ({row['source']})")
         for kind, names in row["registers"].items():
             print(f"    {kind}s: {', '.join(names)}")
         if not row["registers"]:
-            found = "; ".join(
-                f"{d}: {', '.join(names)}" for d, names in decorated.get(row["name"], {}).items()
-            )
+            dist = plugin_manager.distribution_of(row["name"])
+            own = decorated.get(row["name"]) or (decorated.get((dist[0],)) if dist else None) or {}
+            found = "; ".join(f"{d}: {', '.join(names)}" for d, names in own.items())
             print(f"    ({found or 'registers nothing'})")
     return 0
 
