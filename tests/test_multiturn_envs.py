@@ -569,6 +569,38 @@ class Counter:
         return float(self.value == self.goal)
 
 
+def test_a_tool_that_hangs_is_cut_at_tool_timeout_and_the_model_reads_why():
+    """A tool that hung (a remote call, a deadlock) stalled the whole batched step, and training with it."""
+    import threading
+    import time
+
+    from textgym.responders import Conversation, ToolEnvResponder, Turn
+
+    released = threading.Event()
+
+    class Slow(Counter):
+        def wait(self) -> str:
+            """Never returns in time."""
+            released.wait(30)
+            return "late"
+
+    responder = ToolEnvResponder(Slow, tool_timeout=0.2)
+    call = '<tool_call>{"name": "NAME", "arguments": ARGS}</tool_call>'
+    replies = []
+    for name, args in [("wait", "{}"), ("increment", '{"step": 1}')]:
+        c = Conversation(
+            "q", {"goal": 1}, (Turn("assistant", call.replace("NAME", name).replace("ARGS", args)),)
+        )
+        responder.start([c])
+        start = time.perf_counter()
+        replies.append(responder([c])[0].text)
+        assert time.perf_counter() - start < 5
+    released.set()
+    assert replies == ["error: wait did not return within 0.2 s.", "1"]
+    with pytest.raises(ConfigError, match="tool_timeout must be a number of seconds > 0, not 0"):
+        ToolEnvResponder(Slow, tool_timeout=0)
+
+
 def test_a_text_level_env_class_runs_end_to_end_as_a_responder():
     env = TextGenVectorEnv(
         num_envs=2, model=CharTokenizer("abcdefghijklmnopqrstuvwxyz .\n"), prompts=[{"prompt": "play", "target": "d"}],

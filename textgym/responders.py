@@ -246,6 +246,9 @@ class ToolEnvResponder:
         name: the responder's name in messages.
         role: the role of its replies in the chat template.
         describe_tools: append the tool list and the call format to each prompt.
+        tool_timeout: seconds a tool call may take (default: no limit). A call that takes longer is left
+            running in a daemon thread, and its result is an error message the model reads ("did not return
+            within"): a tool that hangs (a remote call, a deadlock) no longer stalls every episode of the step.
         **kwargs: passed to ``factory``.
     """
 
@@ -255,12 +258,18 @@ class ToolEnvResponder:
         name: str | None = None,
         role: str = "tool",
         describe_tools: bool = True,
+        tool_timeout: float | None = None,
         **kwargs: Any,
     ):
         if not callable(factory):
             raise ConfigError(f"tool_env must be a class or a callable that returns an env, not {factory!r}.")
+        if tool_timeout is not None and (
+            isinstance(tool_timeout, bool) or not isinstance(tool_timeout, (int, float)) or not tool_timeout > 0
+        ):
+            raise ConfigError(f"tool_timeout must be a number of seconds > 0, not {tool_timeout!r}.")
         self.factory, self.kwargs, self.role, self.describe = factory, kwargs, role, describe_tools
         self.name = name or getattr(factory, "__name__", "tool_env")
+        self.tool_timeout = tool_timeout
 
     @staticmethod
     def tools(env: Any) -> dict[str, Callable[..., Any]]:
@@ -326,9 +335,32 @@ class ToolEnvResponder:
         except TypeError as exc:
             return f"error: {call['name']}: {exc}."
         try:
-            return str(tools[call["name"]](**arguments))
+            return str(self._run(tools[call["name"]], arguments, call["name"]))
         except Exception as exc:  # the tool's own failure is information for the model, as in TRL
             return f"error: {call['name']} raised {type(exc).__name__}: {exc}"
+
+    def _run(self, tool: Callable[..., Any], arguments: dict[str, Any], name: str) -> Any:
+        """``tool(**arguments)``, within ``tool_timeout`` when there is one."""
+        if self.tool_timeout is None:
+            return tool(**arguments)
+        import threading
+
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["out"] = tool(**arguments)
+            except BaseException as exc:  # handed to the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"tool-{name}", daemon=True)
+        thread.start()
+        thread.join(self.tool_timeout)
+        if thread.is_alive():
+            return f"error: {name} did not return within {self.tool_timeout:g} s."
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
 
     def end(self, conversations: Sequence[Conversation]) -> None:
         for c in conversations:  # (a public close() here is a tool, not called: only the instance goes)
