@@ -343,24 +343,10 @@ class ToolEnvResponder:
         """``tool(**arguments)``, within ``tool_timeout`` when there is one."""
         if self.tool_timeout is None:
             return tool(**arguments)
-        import threading
+        from textgym.reward_checks import call_within
 
-        result: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                result["out"] = tool(**arguments)
-            except BaseException as exc:  # handed to the caller's thread
-                result["error"] = exc
-
-        thread = threading.Thread(target=call, name=f"tool-{name}", daemon=True)
-        thread.start()
-        thread.join(self.tool_timeout)
-        if thread.is_alive():
-            return f"error: {name} did not return within {self.tool_timeout:g} s."
-        if "error" in result:
-            raise result["error"]
-        return result["out"]
+        returned, out = call_within(lambda: tool(**arguments), self.tool_timeout, f"tool-{name}")
+        return out if returned else f"error: {name} did not return within {self.tool_timeout:g} s."
 
     def end(self, conversations: Sequence[Conversation]) -> None:
         for c in conversations:  # (a public close() here is a tool, not called: only the instance goes)

@@ -7,7 +7,7 @@ finite number per sample (a string, a wrong count, an infinity) is an error nami
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,7 +17,32 @@ from textgym.errors import RewardError, raised_in
 if TYPE_CHECKING:
     from textgym.rewards import Reward, Sample
 
-__all__ = ["TimeoutReward", "validated_scores"]
+__all__ = ["TimeoutReward", "call_within", "validated_scores"]
+
+
+def call_within(fn: Callable[[], Any], seconds: float, name: str) -> tuple[bool, Any]:
+    """``fn()`` in a daemon thread, in the caller's context (a TRL call's arguments,
+    textgym.reward_functions.trl_call): ``(True, its result)`` when it returned within ``seconds`` (what it
+    raised is raised here), ``(False, None)`` when it had not; it is then abandoned, still running."""
+    import contextvars
+    import threading
+
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            result["out"] = fn()
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(call,), name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return False, None
+    if "error" in result:
+        raise result["error"]
+    return True, result["out"]
 
 
 class TimeoutReward:
@@ -30,30 +55,13 @@ class TimeoutReward:
         self.name = reward.name
 
     def __call__(self, samples: Sequence[Sample]) -> Any:
-        import contextvars
-        import threading
-
-        result: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                result["out"] = self.reward(samples)
-            except BaseException as exc:  # handed to the caller's thread
-                result["error"] = exc
-
-        # (in the caller's context: a TRL call's arguments, textgym.reward_functions.trl_call)
-        context = contextvars.copy_context()
-        thread = threading.Thread(target=context.run, args=(call,), name=f"reward-{self.name}", daemon=True)
-        thread.start()
-        thread.join(self.seconds)
-        if thread.is_alive():
+        returned, out = call_within(lambda: self.reward(samples), self.seconds, f"reward-{self.name}")
+        if not returned:
             raise RewardError(
                 f"reward {self.name!r} did not return within its timeout of {self.seconds:g} s for a batch of "
                 f"{len(samples)} samples; fix the plugin or raise its timeout."
             )
-        if "error" in result:
-            raise result["error"]
-        return result["out"]
+        return out
 
     def close(self) -> None:
         close = getattr(self.reward, "close", None)
