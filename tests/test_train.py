@@ -170,6 +170,8 @@ def test_resume_continues_counters_and_history(config, tmp_path, capsys):
 def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that_is_gone(tmp_path, capsys):
     """A resume trained on with an edited reward file, or an upgraded plugin package, without a word (the bench
     refused the same change), and one whose package was uninstalled said only "unknown reward"."""
+    from textgym.atomic import _COMPLETE
+
     (tmp_path / "rewards.py").write_text(
         "def short(samples):\n    return [-len(s.completion) for s in samples]\n"
     )
@@ -184,6 +186,14 @@ def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that
     (tmp_path / "rewards.py").write_text(
         "def short(samples):\n    return [-2 * len(s.completion) for s in samples]\n"
     )
+    # a resume that fails its checks leaves code.json as it was: the resume that trains still says it
+    marker = run_dir / "checkpoint" / _COMPLETE
+    marker.rename(tmp_path / "marker")
+    with pytest.raises(ConfigError, match="is incomplete"):
+        run(None, ["run.total_timesteps=96"], resume=run_dir)
+    assert json.loads((run_dir / "code.json").read_text()) == code
+    (tmp_path / "marker").rename(marker)
+    capsys.readouterr()
     run(None, ["run.total_timesteps=96"], resume=run_dir)
     out = capsys.readouterr().out
     assert (
@@ -195,10 +205,16 @@ def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that
     code = json.loads((run_dir / "code.json").read_text())
     code["packages"] = {"textgym-judge-plugin": "0.3.1 (code 3fa2c1d09b7e5a44)"}
     (run_dir / "code.json").write_text(json.dumps(code))
-    with pytest.raises(ConfigError, match=r"trained with the plugin package\(s\) textgym-judge-plugin 0.3.1 \(code "
-                                          r"3fa2c1d09b7e5a44\), which this Python does not have: install it \(pip "
-                                          r"install 'textgym-judge-plugin==0.3.1'\)"):  # fmt: skip
-        run(None, resume=run_dir)
+    run(None, ["run.total_timesteps=160"], resume=run_dir)
+    out = capsys.readouterr().out
+    assert (
+        "warning: " + str(run_dir) + " trained with the plugin package(s) textgym-judge-plugin 0.3.1 (code "
+        "3fa2c1d09b7e5a44), which this Python does not have (pip install 'textgym-judge-plugin==0.3.1')"
+    ) in out
+    assert "packages.textgym-judge-plugin: 0.3.1 (code 3fa2c1d09b7e5a44) -> (none)" in out
+    (run_dir / "code.json").write_text("[1, 2]")  # unreadable as textgym's: resumed without a word
+    run(None, ["run.total_timesteps=192"], resume=run_dir)
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_config_errors_name_the_bad_value(config, tmp_path):

@@ -40,9 +40,9 @@ def check_arguments(
 
 
 def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
-    """Raise :class:`PluginArgumentError` for a value whose parameter is annotated as a number, a bool or a
-    list and that is not one (``sharp = 2`` for a bool, ``target = [0.3]`` for a float; a number where a
-    string goes is the factory's to read, as match's ``reference = 5``), and
+    """Raise :class:`PluginArgumentError` for a value of one of TOML's types whose parameter is annotated as a
+    number, a bool, a string or a list and that is not one (``sharp = 2`` for a bool, ``target = [0.3]`` for
+    a float; a number where a string goes is the factory's to read, as match's ``reference = 5``), and
     for a text value whose unannotated parameter has a number or a bool as its default: text that TOML could
     not parse stays text (``penalty=two``, ``words=maybe``), and a factory that took it without a word would
     score with it. Called after the factory, whose own errors say more, and when it raised a TypeError, for
@@ -53,7 +53,9 @@ def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs:
     except (TypeError, ValueError):
         return
     for key, value in kwargs.items():
-        if key not in params:
+        # a config's values are TOML's types; from Python anything else (np.int64, a Path, None) is the
+        # factory's to take
+        if key not in params or type(value) not in (str, bool, int, float, list, dict):
             continue
         annotation, default = params[key].annotation, params[key].default
         if annotation is inspect.Parameter.empty:
@@ -63,7 +65,7 @@ def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs:
         what = annotation_mismatch(annotation, value)
         if isinstance(default, str) and isinstance(value, str):  # scale: float = "auto" takes a word
             what = None
-        if what and what.startswith("a string") and isinstance(value, (int, float)):
+        if what and what.startswith("a string") and type(value) in (int, float):
             what = None  # a number where text goes (match's `reference = 5`): the factory's to read as text
         if what:
             raise PluginArgumentError(f"{kind} {name!r}: {key} must be {what}, not {value!r}.")

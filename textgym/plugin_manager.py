@@ -92,7 +92,9 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def add(self, name: str, value: Any, plugin: str, **extra: Any) -> None:
-        spaced = self.kind in SPEC_KINDS and isinstance(name, str) and any(c.isspace() or c == "=" for c in name)
+        spaced = (
+            self.kind in SPEC_KINDS and isinstance(name, str) and any(c.isspace() or c == "=" for c in name)
+        )
         if not isinstance(name, str) or not name or spaced:
             raise PluginError(
                 f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}: a {self.kind}'s name is "

@@ -264,7 +264,9 @@ class ToolEnvResponder:
         if not callable(factory):
             raise ConfigError(f"tool_env must be a class or a callable that returns an env, not {factory!r}.")
         if tool_timeout is not None and (
-            isinstance(tool_timeout, bool) or not isinstance(tool_timeout, (int, float)) or not tool_timeout > 0
+            isinstance(tool_timeout, bool)
+            or not isinstance(tool_timeout, (int, float))
+            or not tool_timeout > 0
         ):
             raise ConfigError(f"tool_timeout must be a number of seconds > 0, not {tool_timeout!r}.")
         self.factory, self.kwargs, self.role, self.describe = factory, kwargs, role, describe_tools

@@ -233,13 +233,13 @@ def _differences(a: Any, b: Any) -> list[str]:
 
 
 def check_plugin_packages(run_dir: Path) -> None:
-    """A plugin package the run trained with and that is no longer installed is named, with its version,
-    before its reward (or env, or agent) is reported unknown without a word of where it came from."""
+    """Say which plugin packages the run trained with are no longer installed, with their versions: a name
+    one of them provided is then reported unknown, which alone would not say where it came from. (Said, not
+    refused: another package, or a plugin file, may provide the name now.)"""
     import importlib.metadata
 
-    try:
-        packages = json.loads((run_dir / CODE_FILE).read_text(encoding="utf-8")).get("packages", {})
-    except (OSError, ValueError, AttributeError):
+    packages = _recorded(run_dir).get("packages")
+    if not isinstance(packages, dict) or not speaks_for_the_run():
         return
     missing = {}
     for name, version in packages.items():
@@ -248,40 +248,47 @@ def check_plugin_packages(run_dir: Path) -> None:
         except importlib.metadata.PackageNotFoundError:
             missing[name] = str(version)
     if missing:
-        pins = " ".join(f"'{name}=={version.split()[0]}'" for name, version in missing.items())
-        raise ConfigError(
-            f"{run_dir} trained with the plugin package(s) "
+        pins = " ".join(f"'{name}=={(version.split() or ['?'])[0]}'" for name, version in missing.items())
+        print(
+            f"textgym: warning: {run_dir} trained with the plugin package(s) "
             f"{', '.join(f'{name} {version}' for name, version in missing.items())}, which this Python does not "
-            f"have: install it (pip install {pins}) to resume the run."
+            f"have (pip install {pins})."
         )
+
+
+def _recorded(run_dir: Path) -> dict[str, Any]:
+    """``code.json`` of ``run_dir``; empty where it is missing (a run from before textgym kept it) or
+    unreadable."""
+    try:
+        recorded = json.loads((run_dir / CODE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
     """Write the code the run trains with now to ``code.json``; on a resume, first say what changed since
-    the run last started or resumed (a plugin package upgraded, a reward file edited, another textgym): the
-    run continues with the new code, and its earlier iterations were trained with the old."""
+    the run last started or resumed (a plugin package upgraded, a reward file edited, another textgym or
+    torch): the run continues with the new code, and its earlier iterations were trained with the old."""
     from textgym.bench_identity import code_identity
     from textgym.evaluation import jsonable
     from textgym.rundir import write_atomic
 
-    now = jsonable(code_identity(config))
-    path = run_dir / CODE_FILE
-    if resuming:
-        try:
-            before = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            before = None  # a run directory from before textgym kept it
-        if isinstance(before, dict):
-            changes = [
-                f"{part}.{name}: {before.get(part, {}).get(name, '(none)')} -> {now.get(part, {}).get(name, '(none)')}"
-                for part in ("packages", "code", "software")
-                for name in dict.fromkeys([*before.get(part, {}), *now.get(part, {})])
-                if before.get(part, {}).get(name) != now.get(part, {}).get(name)
-            ]
-            if changes and speaks_for_the_run():
-                print(
-                    f"textgym: warning: the code this run trains with changed since it last started or resumed "
-                    f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "
-                    f"resume were trained with the old."
-                )
-    write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
+    now = {"code": {}, "packages": {}, **jsonable(code_identity(config))}  # (each part named, when empty too)
+    before = _recorded(run_dir) if resuming else {}
+    if before:
+        before = {"code": {}, "packages": {}, **before}
+        code = before.get("code")
+        if isinstance(code, dict) and sorted(map(str, code.values())) == sorted(now["code"].values()):
+            before["code"] = now["code"]  # the same files, where they are now (a moved project's paths)
+        changes = [
+            f"{_dotted(path)}: {_get(before, path) or '(none)'} -> {_get(now, path) or '(none)'}"
+            for path in _changed_paths(before, now)
+        ]
+        if changes and speaks_for_the_run():
+            print(
+                f"textgym: warning: the code this run trains with changed since it last started or resumed "
+                f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "
+                f"resume were trained with the old."
+            )
+    write_atomic(run_dir / CODE_FILE, json.dumps(now, indent=1, sort_keys=True))

@@ -79,7 +79,7 @@ def run(
             raise ConfigError(f"{str(run_dir)!r} does not exist: --resume takes a run directory.")
         if not (run_dir / "config.toml").is_file():
             raise ConfigError(f"{str(run_dir)!r} is not a run directory (it has no config.toml).")
-        check_plugin_packages(run_dir)
+        check_plugin_packages(run_dir)  # (said before the names it provided are reported unknown)
         config = load_config(run_dir / "config.toml", overrides)
         saved = load_config(run_dir / "config.toml")
         trained_by = saved["run"]["processes"]
@@ -146,7 +146,6 @@ def run(
             if not rd.is_run():
                 raise ConfigError(f"{run_dir} was not written by textgym train (no .textgym-run marker).")
             rd.lock()
-            record_code(run_dir, config, resuming=True)
             if rd.recover_checkpoint() is None:
                 logged, every = rd.iterations_logged(), saved["run"]["checkpoint_every"]
                 # a checkpoint was written, and is damaged or gone: the run is not started over its progress
@@ -168,9 +167,11 @@ def run(
                 rd.clear_progress()
                 if changed:
                     rd.write_config(config)
+                record_code(run_dir, config, resuming=False)  # (nothing was trained with the old code)
                 return False
             if changed:
                 rd.write_config(config)
+            record_code(run_dir, config, resuming=True)  # (written once the resume's checks have passed)
             return True
         created = rd.create()
         rd.lock()
@@ -182,7 +183,11 @@ def run(
             raise
         return False
 
-    resuming = on_main(prepare) if world > 1 else prepare()
+    try:
+        resuming = on_main(prepare) if world > 1 else prepare()
+    except BaseException:  # a resume refused after the lock (a damaged checkpoint): the directory is free again
+        rd.unlock()  # (in the process that goes on: a notebook's, or a bench's)
+        raise
     before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
     follows = _follows_progress(config, agent_class, hyperparameters) if resuming and before != after else []
     if main and follows:  # not said when the run starts over
