@@ -502,3 +502,18 @@ def test_a_final_value_over_few_episodes_is_said(tmp_path, report):
             "than 8 evaluation episodes (the ones it applied to; fewest: 1)")  # fmt: skip
     assert note in (out / "report.md").read_text()
     assert "<code>exact_copy</code> of proxy rests on few episodes" in (out / "report.html").read_text()
+
+
+def test_the_curve_spacing_is_the_one_between_evaluations_not_to_a_runs_end():
+    from textgym.bench_report import _curve_spacing
+
+    def rows(*iterations):
+        return [{"iteration": str(i)} for i in iterations]
+
+    # a run shorter than eval_every has only its end: "every 3 or 5 iterations" was said beside the others'
+    assert _curve_spacing({"a": rows(0, 3, 6, 7), "b": rows(0, 5)}) == ", during training every 3 iterations"
+    assert _curve_spacing({"b": rows(0, 5)}) == ", during training every 5 iterations"
+    assert (
+        _curve_spacing({"c": rows(0, 0, 3, 4)}) == ", during training every 3 iterations"
+    )  # (not "every 0")
+    assert _curve_spacing({"d": rows(0)}) == ""

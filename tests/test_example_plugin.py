@@ -125,6 +125,10 @@ def test_importing_textgym_with_a_broken_installed_plugin_names_it(tmp_path):
     assert "Fix or uninstall it, or skip it: TEXTGYM_BLOCK_PLUGINS=wrong." in cli.stderr
     skipped = run(["plugins"], {**env, "TEXTGYM_BLOCK_PLUGINS": "other, wrong"})
     assert skipped.returncode == 0 and "wrong" not in skipped.stdout, skipped.stderr
+    assert (
+        "TEXTGYM_BLOCK_PLUGINS names 'other', which no installed package's 'textgym' entry point"
+        in skipped.stderr
+    )
 
 
 def test_an_installed_plugin_that_takes_a_registered_name_can_be_skipped_alone(tmp_path):
@@ -137,6 +141,13 @@ def test_an_installed_plugin_that_takes_a_registered_name_can_be_skipped_alone(t
     assert "reward 'match' is registered twice" in result.stderr
     assert "(or skip it: TEXTGYM_BLOCK_PLUGINS=wrong)" in result.stderr
     assert run(["plugins", "match"], {**env, "TEXTGYM_BLOCK_PLUGINS": "wrong"}).returncode == 0
+    # a package whose module registers the name with @textgym.reward: the hint names its entry point
+    decorated = (
+        "import textgym\n\n@textgym.reward('match')\ndef match(samples):\n    return [1.0] * len(samples)\n"
+    )
+    env = a_distribution(tmp_path / "d", "textgym", "wrongplug", decorated)
+    result = run(["plugins"], env)
+    assert "(or skip it: TEXTGYM_BLOCK_PLUGINS=wrong)" in result.stderr, result.stderr
 
 
 def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(tmp_path):

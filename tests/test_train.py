@@ -514,6 +514,10 @@ def test_a_set_into_a_list_or_of_broken_toml_says_so(tmp_path):
         load_config(config, ["env.rewards.1.target=0.4"])
     with pytest.raises(ConfigError, match=r"the value is not valid TOML \("):
         load_config(config, ['env.rewards=[{name="length_penalty",target=high}]'])
+    # text that starts like a list is told how to be text (it was text before TOML values were checked)
+    with pytest.raises(ConfigError, match=r"\(Invalid value at character 2\); for text, quote it: "
+                                          r"--set 'env.stop=\"\[/INST\]\"'"):  # fmt: skip
+        load_config(config, ["env.stop=[/INST]"])
     assert load_config(config, ['env.rewards=[{name="length_penalty",target=2}]'])["env"]["rewards"] == [
         {"name": "length_penalty", "target": 2}
     ]

@@ -445,11 +445,13 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
 def _curve_spacing(curves: Mapping[str, list[dict[str, Any]]]) -> str:
     """How often the curves shown were measured, from their own rows: a rerun keeps curves measured under
     another ``bench.eval_every`` (or 0, which measures none), so the setting now need not say it."""
-    gaps: set[int] = set()
+    spacing: set[int] = set()  # between evaluations before a run's last (which is at its end, wherever)
+    ends: set[int] = set()  # to its last: the spacing of runs shorter than eval_every
     for rows in curves.values():
         steps = [b - a for a, b in itertools.pairwise(int(float(r["iteration"])) for r in rows)]
-        gaps.update(steps[:-1] or steps)  # (the last evaluation is the run's end, wherever it falls)
-    gaps = sorted(gaps)
+        spacing.update(steps[:-1])
+        ends.update(steps[-1:])
+    gaps = sorted(g for g in (spacing or ends) if g > 0)
     if not gaps:
         return ""
     return f", during training every {' or '.join(map(str, gaps))} iterations"

@@ -241,8 +241,16 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
     try:
         parsed = tomllib.loads(f"{key} = {value}")
     except tomllib.TOMLDecodeError as exc:
-        if value.strip()[:1] in ("[", "{", '"', "'"):  # meant as TOML, not a bare word: say where it fails
-            raise ConfigError(f"--set {override!r}: the value is not valid TOML ({exc}).") from None
+        if value.strip()[:1] in ("[", "{", '"', "'"):  # meant as TOML, not a bare word: say so
+            reason, _, where = str(exc).partition(" (at line 1, column ")
+            if where[:-1].isdigit():  # its column counts from the "key = " put before the value
+                reason += f" at character {int(where[:-1]) - len(key) - 3 + len(value) - len(value.lstrip())}"
+            text = (
+                ""
+                if any(c in value for c in "{\"'=")
+                else f"; for text, quote it: --set '{key}=\"{value.strip()}\"'"
+            )
+            raise ConfigError(f"--set {override!r}: the value is not valid TOML ({reason}){text}.") from None
         _check_bare_word(override, key, value.strip())
         try:
             parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string

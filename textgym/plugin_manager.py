@@ -272,6 +272,7 @@ def load_plugin_file(path: str | os.PathLike) -> str:
 _file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its local modules', as imported
 _load_error: Exception | None = None
 _distributions: dict[str, tuple[str, str]] = {}  # an entry-point plugin -> its distribution's name, version
+_entry_points: dict[str, str] = {}  # a plugin an entry point loaded (or its import registered) -> the entry point
 
 
 def distribution_of(plugin: str) -> tuple[str, str] | None:
@@ -282,7 +283,7 @@ def distribution_of(plugin: str) -> tuple[str, str] | None:
 
 def _skip_hint(*plugins: str) -> str:
     """How to skip an installed plugin of ``plugins`` (the later first), by the variable that names it."""
-    installed = [p for p in plugins if _sources.get(p, "").startswith("entry point")]
+    installed = [_entry_points[p] for p in plugins if p in _entry_points]
     return f" (or skip it: {BLOCK_VAR}={installed[0]})" if installed else ""
 
 
@@ -341,9 +342,18 @@ def _load_all() -> None:
                 f"{BLOCK_VAR}={ep.name})",
             )
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
-            if ep.dist:  # (and the @textgym.reward functions its import registered, plugins of their own)
-                for name in {ep.name} | {name for name, _ in pm.list_name_plugin()} - before:
+            # (and the @textgym.reward functions its import registered, plugins of their own)
+            for name in {ep.name} | {name for name, _ in pm.list_name_plugin()} - before:
+                _entry_points[name] = ep.name
+                if ep.dist:
                     _distributions[name] = (ep.dist.name, ep.dist.version)
+        unknown = blocked - {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        if unknown and os.environ.get("RANK", "0") == "0":
+            warnings.warn(
+                f"{BLOCK_VAR} names {', '.join(map(repr, sorted(unknown)))}, which no installed package's "
+                f"'{ENTRY_POINT_GROUP}' entry point is called (`textgym plugins` lists them).",
+                stacklevel=2,
+            )
         _warn_other_groups()
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):

@@ -87,7 +87,7 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
         raise
     except Exception as exc:
         hint = ""
-        if isinstance(exc, (AttributeError, TypeError)) and "'tuple'" in str(exc):
+        if isinstance(exc, (AttributeError, TypeError)) and "tuple" in str(exc):
             hint = " (a reward gets its samples as a tuple, to read: sort or change a copy, list(samples))"
         raise RewardError(f"{label} raised {type(exc).__name__}{raised_in(exc)}: {exc}{hint}") from exc
     if callable(getattr(out, "detach", None)) and callable(getattr(out, "cpu", None)):

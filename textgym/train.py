@@ -185,7 +185,9 @@ def run(
 
     try:
         resuming = on_main(prepare) if world > 1 else prepare()
-    except BaseException:  # a resume refused after the lock (a damaged checkpoint): the directory is free again
+    except (
+        BaseException
+    ):  # a resume refused after the lock (a damaged checkpoint): the directory is free again
         rd.unlock()  # (in the process that goes on: a notebook's, or a bench's)
         raise
     before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
