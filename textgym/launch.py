@@ -53,25 +53,17 @@ def under_launcher() -> bool:
 def follow_the_launcher() -> None:
     """A process that ``run.processes = N`` started stops after its iteration, with a checkpoint, when the
     process that started it dies without a word (``kill -9``, the OOM killer): else it trained on with nobody
-    reading its output. Linux sends it :data:`STOP_SIGNAL` then (``PR_SET_PDEATHSIG``); elsewhere, nothing."""
+    reading its output. Linux sends it :data:`DEATH_SIGNAL` then (``PR_SET_PDEATHSIG``); elsewhere, nothing."""
     launcher = os.environ.get(LAUNCHER_PID_VAR)
-    if not launcher or not sys.platform.startswith("linux") or STOP_SIGNAL is None:
+    if not launcher or not sys.platform.startswith("linux") or DEATH_SIGNAL is None:
         return
     import ctypes
 
     pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(STOP_SIGNAL), 0, 0, 0) != 0:
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(DEATH_SIGNAL), 0, 0, 0) != 0:
         return
-    if launcher_gone():  # it died before this process asked
-        os.kill(os.getpid(), STOP_SIGNAL)
-
-
-def launcher_gone() -> str:
-    """The launching process, named, when it has died since it started this one; else ""."""
-    launcher = os.environ.get(LAUNCHER_PID_VAR)
-    if launcher and hasattr(os, "getppid") and os.getppid() != int(launcher):
-        return f"the launching process ({launcher}) ended"
-    return ""
+    if os.getppid() != int(launcher):  # it died before this process asked
+        os.kill(os.getpid(), DEATH_SIGNAL)
 
 
 def init_process_group(device: str = "auto") -> None:
@@ -333,9 +325,15 @@ GRACE_S = 60.0
 # what the launcher sends the processes as it passes on its first SIGTERM, and its second (see stopping.StopFlag)
 STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
 ABORT_SIGNAL = getattr(signal, "SIGUSR2", None)
+# what Linux sends them when the launching process dies (PR_SET_PDEATHSIG): a signal of its own, since the
+# process cannot tell from getppid() whether a STOP_SIGNAL came from that (a multi-threaded launcher's
+# children are first handed to a sibling thread of the same process, which getppid() still names)
+DEATH_SIGNAL = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
 # the exit codes of a process that a Ctrl-C or SIGTERM aborted: 130 (KeyboardInterrupt), or killed by one of
 # the signals above before it could handle it (during start-up)
-_INTERRUPTED = {128 + s for s in (signal.SIGINT, signal.SIGTERM, STOP_SIGNAL, ABORT_SIGNAL) if s is not None}
+_INTERRUPTED = {
+    128 + s for s in (signal.SIGINT, signal.SIGTERM, STOP_SIGNAL, ABORT_SIGNAL, DEATH_SIGNAL) if s is not None
+}
 
 
 def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int]]:

@@ -272,7 +272,9 @@ def load_plugin_file(path: str | os.PathLike) -> str:
 _file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its local modules', as imported
 _load_error: Exception | None = None
 _distributions: dict[str, tuple[str, str]] = {}  # an entry-point plugin -> its distribution's name, version
-_entry_points: dict[str, str] = {}  # a plugin an entry point loaded (or its import registered) -> the entry point
+_entry_points: dict[
+    str, str
+] = {}  # a plugin an entry point loaded (or its import registered) -> the entry point
 
 
 def distribution_of(plugin: str) -> tuple[str, str] | None:
