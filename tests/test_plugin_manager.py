@@ -71,24 +71,16 @@ def test_a_registration_with_arguments_its_kind_does_not_take_or_a_spaced_name_i
     ):
         plugin_manager.registry("register_rewards")
     plugin_manager.unregister_plugin("weighted-plugin")
-    register(reward_plugin("my reward", lambda ss: [0.0] * len(ss)), "spaced")
-    with pytest.raises(
-        PluginError, match="invalid name .my reward.: a reward.s name is a non-empty string without spaces"
-    ):
-        plugin_manager.registry("register_rewards")
-    plugin_manager.unregister_plugin("spaced")
     # names no spec could use: 'a=b' read as a=b, '_private' refused where a spec named it, not here
-    register(reward_plugin("a=b", lambda ss: [0.0] * len(ss)), "equals")
-    with pytest.raises(
-        PluginError, match="invalid name 'a=b': a reward's name is a non-empty string without spaces or '='"
-    ):
-        plugin_manager.registry("register_rewards")
-    plugin_manager.unregister_plugin("equals")
-    register(reward_plugin("_private", lambda ss: [0.0] * len(ss)), "underscored")
-    with pytest.raises(
-        PluginError, match="registered the reward '_private': a reward's name cannot start with '_'"
-    ):
-        plugin_manager.registry("register_rewards")
+    for name, message in [
+        ("my reward", "invalid name 'my reward': a reward's name is a non-empty string without spaces"),
+        ("a=b", "invalid name 'a=b': a reward's name is a non-empty string without spaces or '='"),
+        ("_private", "registered the reward '_private': a reward's name cannot start with '_'"),
+    ]:
+        register(reward_plugin(name, lambda ss: [0.0] * len(ss)), "badly-named")
+        with pytest.raises(PluginError, match=message):
+            plugin_manager.registry("register_rewards")
+        plugin_manager.unregister_plugin("badly-named")
 
 
 def test_a_reward_object_registered_where_its_factory_belongs_is_named(register):
