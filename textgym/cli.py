@@ -399,6 +399,8 @@ def _plugins(args: argparse.Namespace) -> int:
             own = decorated.get(row["name"]) or (decorated.get((dist[0],)) if dist else None) or {}
             found = "; ".join(f"{d}: {', '.join(names)}" for d, names in own.items())
             print(f"    ({found or 'registers nothing'})")
+    for name, source in plugin_manager.skipped.items():
+        print(f"{name}  ({source})\n    (skipped: {plugin_manager.BLOCK_VAR})")
     return 0
 
 

@@ -272,9 +272,9 @@ def load_plugin_file(path: str | os.PathLike) -> str:
 _file_contents: dict[str, bytes] = {}  # each loaded plugin file's bytes and its local modules', as imported
 _load_error: Exception | None = None
 _distributions: dict[str, tuple[str, str]] = {}  # an entry-point plugin -> its distribution's name, version
-_entry_points: dict[
-    str, str
-] = {}  # a plugin an entry point loaded (or its import registered) -> the entry point
+# a plugin an entry point loaded (or its import registered) -> the entry point
+_entry_points: dict[str, str] = {}
+skipped: dict[str, str] = {}  # the entry points TEXTGYM_BLOCK_PLUGINS skipped -> where they are
 
 
 def distribution_of(plugin: str) -> tuple[str, str] | None:
@@ -313,6 +313,9 @@ def _load_all() -> None:
     if not os.environ.get(DISABLE_AUTOLOAD_VAR):
         blocked = {name.strip() for name in os.environ.get(BLOCK_VAR, "").split(",") if name.strip()}
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in blocked:
+                dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+                skipped[ep.name] = f"entry point {ep.value} in {dist}"
             if pm.has_plugin(ep.name) or ep.name in blocked:
                 continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
