@@ -728,6 +728,26 @@ def test_a_resume_that_sets_another_number_of_processes_is_refused(config, tmp_p
     assert load_config(out / "config.toml")["run"]["processes"] == 1
 
 
+def test_a_two_process_resume_says_once_which_reward_code_changed(tmp_path):
+    """The main process of run.processes = N is one the launcher started, which said nothing: the change
+    went unsaid there, where one process said it."""
+    (tmp_path / "rewards.py").write_text("def short(samples):\n    return [0.0 for s in samples]\n")
+    config = tmp_path / "fn.toml"
+    config.write_text(
+        COPY.replace("num_envs = 8", 'num_envs = 8\nrewards = [{ fn = "rewards.py:short" }]', 1)
+    )
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "train"]
+    first = run_cmd([*cmd, str(config), "--set", f"run.output_dir='{out}'", "--set", "run.processes=2",
+                     "--set", "run.total_timesteps=32"])  # fmt: skip
+    assert first.returncode == 0, failure(first)
+    (tmp_path / "rewards.py").write_text("def short(samples):\n    return [1.0 for s in samples]\n")
+    resumed = run_cmd([*cmd, "--resume", str(out), "--set", "run.total_timesteps=64"])
+    assert resumed.returncode == 0, failure(resumed)
+    said = f"warning: the code this run trains with changed since it last started or resumed (code.{tmp_path}"
+    assert resumed.stdout.count(said) == 1, resumed.stdout
+
+
 FAILS_ON_RANK_1 = """
 import os
 

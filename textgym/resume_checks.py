@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.errors import ConfigError
-from textgym.launch import speaks_for_the_run
+from textgym.launch import rank, speaks_for_the_run
 from textgym.rundir import RunDir
 
 __all__ = ["CODE_FILE", "MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config",
@@ -285,7 +285,7 @@ def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
             f"{_dotted(path)}: {_get(before, path) or '(none)'} -> {_get(now, path) or '(none)'}"
             for path in _changed_paths(before, now)
         ]
-        if changes and speaks_for_the_run():
+        if changes and rank() == 0:  # (the main process: under run.processes = N the launcher never gets here)
             print(
                 f"textgym: warning: the code this run trains with changed since it last started or resumed "
                 f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "
