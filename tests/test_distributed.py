@@ -744,7 +744,7 @@ def test_a_two_process_resume_says_once_which_reward_code_changed(tmp_path):
     (tmp_path / "rewards.py").write_text("def short(samples):\n    return [1.0 for s in samples]\n")
     resumed = run_cmd([*cmd, "--resume", str(out), "--set", "run.total_timesteps=64"])
     assert resumed.returncode == 0, failure(resumed)
-    said = f"warning: the code this run trains with changed since it last started or resumed (code.{tmp_path}"
+    said = f"warning: the code this run trains with changed since it last started or resumed ({tmp_path}"
     assert resumed.stdout.count(said) == 1, resumed.stdout
 
 

@@ -133,6 +133,11 @@ def test_importing_textgym_with_a_broken_installed_plugin_names_it(tmp_path):
         "wrong  (entry point wrongplug in wrongplug 0.1)\n    (skipped: TEXTGYM_BLOCK_PLUGINS)"
         in skipped.stdout
     )
+    by_package = run(["plugins"], {**env, "TEXTGYM_BLOCK_PLUGINS": "wrongplug"})  # the package's name
+    assert (
+        "('wrongplug' is the package of entry point 'wrong'): give the entry point's name"
+        in by_package.stderr
+    )
 
 
 def test_an_installed_plugin_that_takes_a_registered_name_can_be_skipped_alone(tmp_path):

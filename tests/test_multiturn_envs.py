@@ -10,9 +10,9 @@ from gymnasium.vector import AutoresetMode
 
 import textgym
 from textgym import Reply, TextGenEnv, TextGenVectorEnv, plugin_info, plugin_manager
-from textgym.errors import ConfigError, UnknownNameError
+from textgym.errors import ConfigError, PluginArgumentError, UnknownNameError
 from textgym.models import CharTokenizer
-from textgym.responders import ResponderError
+from textgym.responders import ResponderError, make_responder
 
 CHARS = CharTokenizer("abcdefgh")
 EOS = CHARS.eos_token_id
@@ -599,6 +599,10 @@ def test_a_tool_that_hangs_is_cut_at_tool_timeout_and_the_model_reads_why():
     assert replies == ["error: wait did not return within 0.2 s.", "1"]
     with pytest.raises(ConfigError, match="tool_timeout must be a number of seconds > 0, not 0"):
         ToolEnvResponder(Slow, tool_timeout=0)
+    # a misspelled key went to the class, which failed at the first reset ("takes no arguments")
+    with pytest.raises(PluginArgumentError, match=r"tool_env 'Slow' got unknown argument\(s\) 'tool_timout'. Did "
+                                                  r"you mean 'tool_timeout'\?"):  # fmt: skip
+        make_responder({"tool_env": "test_multiturn_envs:Counter", "name": "Slow", "tool_timout": 10})
 
 
 def test_a_text_level_env_class_runs_end_to_end_as_a_responder():

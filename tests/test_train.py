@@ -197,8 +197,7 @@ def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that
     run(None, ["run.total_timesteps=96"], resume=run_dir)
     out = capsys.readouterr().out
     assert (
-        f"warning: the code this run trains with changed since it last started or resumed (code.{tmp_path}"
-        in out
+        f"warning: the code this run trains with changed since it last started or resumed ({tmp_path}" in out
     )
     run(None, ["run.total_timesteps=128"], resume=run_dir)  # said once: code.json is the code now
     assert "changed since" not in capsys.readouterr().out
@@ -211,7 +210,15 @@ def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that
         "warning: " + str(run_dir) + " trained with the plugin package(s) textgym-judge-plugin 0.3.1 (code "
         "3fa2c1d09b7e5a44), which this Python does not have (pip install 'textgym-judge-plugin==0.3.1')"
     ) in out
-    assert "packages.textgym-judge-plugin: 0.3.1 (code 3fa2c1d09b7e5a44) -> (none)" in out
+    assert "package textgym-judge-plugin: 0.3.1 (code 3fa2c1d09b7e5a44) -> (none)" in out
+    # a resume whose reward file is gone fails to load it; code.json is left as it was (it recorded "missing",
+    # and the resume that found the file again said the file had changed)
+    before = (run_dir / "code.json").read_text()
+    (tmp_path / "rewards.py").rename(tmp_path / "moved.py")
+    with pytest.raises(ConfigError, match=r"rewards.py' does not exist or is not a .py file\.$"):
+        run(None, ["run.total_timesteps=192"], resume=run_dir)
+    assert (run_dir / "code.json").read_text() == before and "warning" not in capsys.readouterr().out
+    (tmp_path / "moved.py").rename(tmp_path / "rewards.py")
     (run_dir / "code.json").write_text("[1, 2]")  # unreadable as textgym's: resumed without a word
     run(None, ["run.total_timesteps=192"], resume=run_dir)
     assert "warning" not in capsys.readouterr().out
@@ -515,6 +522,8 @@ def test_a_set_into_a_list_or_of_broken_toml_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"the value is not valid TOML \("):
         load_config(config, ['env.rewards=[{name="length_penalty",target=high}]'])
     # text that starts like a list is told how to be text (it was text before TOML values were checked)
+    with pytest.raises(ConfigError, match=r"or each text of a list: --set 'env.stop=\[\"a\", \"b\"\]'"):
+        load_config(config, ["env.stop=[a, b]"])
     with pytest.raises(ConfigError, match=r"\(Invalid value at character 2\); for text, quote it: "
                                           r"--set 'env.stop=\"\[/INST\]\"'"):  # fmt: skip
         load_config(config, ["env.stop=[/INST]"])

@@ -250,6 +250,8 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
                 if any(c in value for c in "{\"'=")
                 else f"; for text, quote it: --set '{key}=\"{value.strip()}\"'"
             )
+            if text and "," in value:  # [a, b]: more likely a list of texts
+                text += f', or each text of a list: --set \'{key}=["a", "b"]\''
             raise ConfigError(f"--set {override!r}: the value is not valid TOML ({reason}){text}.") from None
         _check_bare_word(override, key, value.strip())
         try:

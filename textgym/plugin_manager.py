@@ -283,6 +283,11 @@ def distribution_of(plugin: str) -> tuple[str, str] | None:
     return _distributions.get(plugin)
 
 
+def _normalised(name: str) -> str:
+    """A distribution's name as pip compares them: ``Match_Plug`` is ``match-plug``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _skip_hint(*plugins: str) -> str:
     """How to skip an installed plugin of ``plugins`` (the later first), by the variable that names it."""
     installed = [_entry_points[p] for p in plugins if p in _entry_points]
@@ -312,7 +317,24 @@ def _load_all() -> None:
         _sources[module_name] = "built-in"
     if not os.environ.get(DISABLE_AUTOLOAD_VAR):
         blocked = {name.strip() for name in os.environ.get(BLOCK_VAR, "").split(",") if name.strip()}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        installed = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        unknown = blocked - {ep.name for ep in installed}
+        if unknown and os.environ.get("RANK", "0") == "0":
+            # a package's name given for its entry point's: the one to give
+            by_package = {_normalised(ep.dist.name): ep.name for ep in installed if ep.dist}
+            hints = [f"{name!r} is the package of entry point {by_package[_normalised(name)]!r}"
+                     for name in sorted(unknown) if _normalised(name) in by_package]  # fmt: skip
+            warnings.warn(
+                f"{BLOCK_VAR} names {', '.join(map(repr, sorted(unknown)))}, which no installed package's "
+                f"'{ENTRY_POINT_GROUP}' entry point is called"
+                + (
+                    f" ({'; '.join(hints)}): give the entry point's name."
+                    if hints
+                    else " (`textgym plugins` lists them)."
+                ),
+                stacklevel=2,
+            )
+        for ep in installed:
             if ep.name in blocked:
                 dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
                 skipped[ep.name] = f"entry point {ep.value} in {dist}"
@@ -352,13 +374,6 @@ def _load_all() -> None:
                 _entry_points[name] = ep.name
                 if ep.dist:
                     _distributions[name] = (ep.dist.name, ep.dist.version)
-        unknown = blocked - {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-        if unknown and os.environ.get("RANK", "0") == "0":
-            warnings.warn(
-                f"{BLOCK_VAR} names {', '.join(map(repr, sorted(unknown)))}, which no installed package's "
-                f"'{ENTRY_POINT_GROUP}' entry point is called (`textgym plugins` lists them).",
-                stacklevel=2,
-            )
         _warn_other_groups()
     _check_pending()
     for path in filter(None, os.environ.get(PLUGINS_VAR, "").split(os.pathsep)):

@@ -188,6 +188,7 @@ class TextEnvResponder:
             raise ConfigError(f"text_env must be a class or a callable that returns an env, not {factory!r}.")
         self.factory, self.kwargs, self.role = factory, kwargs, role
         self.name = name or getattr(factory, "__name__", "text_env")
+        _check_factory_arguments("text_env", self.name, factory, kwargs, ("name", "role"))
 
     def start(self, conversations: Sequence[Conversation]) -> list[str | None]:
         openings = []
@@ -223,6 +224,16 @@ class TextEnvResponder:
 
     def close(self) -> None:
         pass
+
+
+def _check_factory_arguments(
+    kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any], own: Sequence[str]
+) -> None:
+    """The keys of a ``text_env``/``tool_env`` spec that go to its class are ones it takes: a misspelled
+    ``tool_timout`` went to the class, which failed at the first reset ("takes no arguments")."""
+    from textgym.factories import check_arguments
+
+    check_arguments(f"responder {kind}", name, factory, kwargs, own)
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
@@ -271,6 +282,9 @@ class ToolEnvResponder:
             raise ConfigError(f"tool_timeout must be a number of seconds > 0, not {tool_timeout!r}.")
         self.factory, self.kwargs, self.role, self.describe = factory, kwargs, role, describe_tools
         self.name = name or getattr(factory, "__name__", "tool_env")
+        _check_factory_arguments(
+            "tool_env", self.name, factory, kwargs, ("name", "role", "describe_tools", "tool_timeout")
+        )
         self.tool_timeout = tool_timeout
 
     @staticmethod

@@ -275,17 +275,23 @@ def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
     from textgym.rundir import write_atomic
 
     now = {"code": {}, "packages": {}, **jsonable(code_identity(config))}  # (each part named, when empty too)
+    if "missing" in now["code"].values():  # a file that moved or went: the run fails to load it, and says so
+        return
     before = _recorded(run_dir) if resuming else {}
     if before:
         before = {"code": {}, "packages": {}, **before}
         code = before.get("code")
         if isinstance(code, dict) and sorted(map(str, code.values())) == sorted(now["code"].values()):
             before["code"] = now["code"]  # the same files, where they are now (a moved project's paths)
+        what = {"code": "", "packages": "package ", "software": ""}  # a file by its path, a package named so
         changes = [
-            f"{_dotted(path)}: {_get(before, path) or '(none)'} -> {_get(now, path) or '(none)'}"
+            f"{what.get(str(path[0]), '')}{_dotted(path[1:]) or path[0]}: {_get(before, path) or '(none)'} -> "
+            f"{_get(now, path) or '(none)'}"
             for path in _changed_paths(before, now)
         ]
-        if changes and rank() == 0:  # (the main process: under run.processes = N the launcher never gets here)
+        if (
+            changes and rank() == 0
+        ):  # (the main process: under run.processes = N the launcher never gets here)
             print(
                 f"textgym: warning: the code this run trains with changed since it last started or resumed "
                 f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "

@@ -195,9 +195,9 @@ def _load_file(ref: str, target: str, base_dir: str | os.PathLike | None, where:
     path = Path(target).expanduser()
     file = (path if path.is_absolute() else base / path).resolve()
     if not file.is_file() or file.suffix != ".py":
+        resolved = "" if path.is_absolute() else f" (relative paths resolve against {str(base.resolve())!r})"
         raise ConfigError(
-            f"{where}: fn = {ref!r}: file {str(file)!r} does not exist or is not a .py file "
-            f"(relative paths resolve against {str(base.resolve())!r})."
+            f"{where}: fn = {ref!r}: file {str(file)!r} does not exist or is not a .py file{resolved}."
         )
     try:
         name = plugin_manager.load_plugin_file(file)

@@ -315,7 +315,7 @@ def _check_fixed_arguments(fn: Callable, name: str, args: Mapping[str, Any]) -> 
             )
     signature = fixed_signature(fn)
     if signature is not None:
-        check_arguments("reward function", name, signature, args)
+        check_arguments("reward function", name, signature, args, ("fn", "name", *REWARD_SPEC_KEYS))
 
 
 def _components(
