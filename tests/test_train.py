@@ -215,7 +215,8 @@ def test_a_resume_says_which_reward_code_changed_and_names_a_plugin_package_that
     # and the resume that found the file again said the file had changed)
     before = (run_dir / "code.json").read_text()
     (tmp_path / "rewards.py").rename(tmp_path / "moved.py")
-    with pytest.raises(ConfigError, match=r"rewards.py' does not exist or is not a .py file\.$"):
+    with pytest.raises(ConfigError, match=r"trains with the reward file .*rewards.py, which is gone. Where the "
+                                          r"project moved, edit that path in .*config.toml"):  # fmt: skip
         run(None, ["run.total_timesteps=192"], resume=run_dir)
     assert (run_dir / "code.json").read_text() == before and "warning" not in capsys.readouterr().out
     (tmp_path / "moved.py").rename(tmp_path / "rewards.py")

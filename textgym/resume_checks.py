@@ -13,9 +13,18 @@ from textgym.errors import ConfigError
 from textgym.launch import rank, speaks_for_the_run
 from textgym.rundir import RunDir
 
-__all__ = ["CODE_FILE", "MACHINE_SETTINGS", "RESUME_SETTINGS", "check_checkpoint_config",
-           "check_config_edits", "check_plugin_packages", "check_resume_changes", "check_sb3_checkpoint_config",
-           "record_code"]  # fmt: skip
+__all__ = [
+    "CODE_FILE",
+    "MACHINE_SETTINGS",
+    "RESUME_SETTINGS",
+    "check_checkpoint_config",
+    "check_config_edits",
+    "check_plugin_packages",
+    "check_resume_changes",
+    "check_reward_files",
+    "check_sb3_checkpoint_config",
+    "record_code",
+]  # fmt: skip
 
 # the code the run last started or resumed with: plugin and fn files, plugin packages, textgym's own
 CODE_FILE = "code.json"
@@ -230,6 +239,20 @@ def _same_agent(a: str, b: str) -> bool:
 def _differences(a: Any, b: Any) -> list[str]:
     """The dotted keys whose values differ between two configs."""
     return [_dotted(path) for path in _changed_paths(a, b)]
+
+
+def check_reward_files(run_dir: Path, config: dict[str, Any]) -> None:
+    """A reward ``fn`` file the run's config names (by its absolute path) and that is gone: a project that
+    moved. Said with the fix, where loading it would say only that it does not exist."""
+    from textgym.bench_identity import fn_files
+
+    gone = [f for f in fn_files(config["env"].get("rewards")) if os.path.isabs(f) and not os.path.exists(f)]
+    if gone:
+        raise ConfigError(
+            f"{run_dir} trains with the reward file {gone[0]}, which is gone. Where the project moved, edit that "
+            f"path in {run_dir / 'config.toml'} to where the file is now (under the same name a resume accepts "
+            f"the edit), or put the file back."
+        )
 
 
 def check_plugin_packages(run_dir: Path) -> None:

@@ -47,6 +47,7 @@ from textgym.resume_checks import (
     check_config_edits,
     check_plugin_packages,
     check_resume_changes,
+    check_reward_files,
     record_code,
 )
 from textgym.rundir import CHECKPOINT, SAMPLES_AFTER, RunDir, crash_point
@@ -90,6 +91,7 @@ def run(
             )
         moved = check_config_edits(run_dir, saved)
         check_resume_changes(run_dir, saved, config, agent_name)
+        check_reward_files(run_dir, config)
         changed = config != saved or moved
         if config["run"]["plugins"] and rank() == 0:  # said once, not by every process
             print(
