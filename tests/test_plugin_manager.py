@@ -566,6 +566,10 @@ def test_cli_plugins_name_shows_its_arguments_defaults_and_documentation(capsys,
         "reward length_penalty  (plugin textgym.plugins.length_penalty: built-in)\n    arguments: ("
     )
     assert "missing_eos_penalty: 'float' = 1.0" in out and "is subtracted when the completion hit" in out
+    # the spec's own keys, which the arguments do not show; math's timeout is its own
+    assert "spec keys: weight (default 1.0), timeout (seconds each call may take; default none)" in out
+    assert main(["plugins", "math"]) == 0
+    assert "spec keys: weight (default 1.0), timeout (the argument above)" in capsys.readouterr().out
     assert main(["plugins", "textgym/Copy-v0"]) == 0
     assert "registered with: model='chars', prompts='copy'" in capsys.readouterr().out
     assert main(["plugins", "echo", "--json"]) == 0

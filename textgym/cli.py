@@ -367,6 +367,12 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"{row['kind']} {row['name']}  (plugin {row['plugin']}: {row['source']})")
             if row["signature"] is not None:
                 print(f"    arguments: {row['signature']}")
+            if row["kind"] == "reward":  # what a spec takes besides the arguments
+                from textgym.rewards import takes_its_own_timeout
+
+                own = takes_its_own_timeout({"name": row["name"]}, None, "")
+                timeout = "the argument above" if own else "seconds each call may take; default none"
+                print(f"    spec keys: weight (default 1.0), timeout ({timeout})")
             if row["defaults"] and row["kind"] == "agent":  # an LM agent's config fields, one a line
                 print("    hyperparameters (defaults):")
                 for key, value in row["defaults"].items():

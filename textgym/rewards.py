@@ -238,7 +238,7 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
 
     if isinstance(spec, str):
         spec = parse_reward_spec(spec)
-    if isinstance(spec, Mapping) and "timeout" in spec and not _takes_its_own_timeout(spec, base_dir, where):
+    if isinstance(spec, Mapping) and "timeout" in spec and not takes_its_own_timeout(spec, base_dir, where):
         args = dict(spec)
         seconds = args.pop("timeout")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
@@ -285,7 +285,7 @@ def _component(spec: RewardSpec, base_dir: BaseDir, where: str) -> _Component:
     )
 
 
-def _takes_its_own_timeout(spec: Mapping[str, Any], base_dir: BaseDir, where: str) -> bool:
+def takes_its_own_timeout(spec: Mapping[str, Any], base_dir: BaseDir, where: str) -> bool:
     """Whether the plugin or function of ``spec`` has a ``timeout`` argument of its own (``math``'s, a judge
     model's): the spec's ``timeout`` is then that argument, as the plugin documents it, not textgym's limit
     on its calls. A factory taking ``**kwargs`` does not count (its arguments are not named)."""
