@@ -387,23 +387,22 @@ def _plugins(args: argparse.Namespace) -> int:
         return 0
     # A file's @textgym.reward and @textgym.responder functions are plugins of their own, with the source
     # "DECORATOR in FILE"; the file's own row (named FILE) says what they registered.
-    # An installed package's are found by its distribution: its entry point's row is named by the entry point.
-    decorated: dict[Any, dict[str, list[str]]] = {}  # file, or (distribution,) -> decorator -> names
+    # An installed package's say it on its entry point's row (named by the entry point).
+    decorated: dict[str, dict[str, list[str]]] = {}  # file or entry point -> decorator -> names
     for row in report:
         decorator, within, file = row["source"].partition(" in ")
         if decorator.startswith("@") and within:
-            dist = plugin_manager.distribution_of(row["name"])
-            for key in [file, *([(dist[0],)] if dist else [])]:
-                names = decorated.setdefault(key, {}).setdefault(decorator, [])
-                names.extend(name for kind_names in row["registers"].values() for name in kind_names)
+            owner = plugin_manager.entry_point_of(row["name"]) or file
+            names = decorated.setdefault(owner, {}).setdefault(decorator, [])
+            names.extend(name for kind_names in row["registers"].values() for name in kind_names)
     for row in report:
         print(f"{row['name']}  ({row['source']})")
         for kind, names in row["registers"].items():
             print(f"    {kind}s: {', '.join(names)}")
         if not row["registers"]:
-            dist = plugin_manager.distribution_of(row["name"])
-            own = decorated.get(row["name"]) or (decorated.get((dist[0],)) if dist else None) or {}
-            found = "; ".join(f"{d}: {', '.join(names)}" for d, names in own.items())
+            found = "; ".join(
+                f"{d}: {', '.join(names)}" for d, names in decorated.get(row["name"], {}).items()
+            )
             print(f"    ({found or 'registers nothing'})")
     for name, source in plugin_manager.skipped.items():
         print(f"{name}  ({source})\n    (skipped: {plugin_manager.BLOCK_VAR})")

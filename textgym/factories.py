@@ -39,7 +39,7 @@ def check_arguments(
         )
 
 
-def check_text_values(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+def check_value_types(kind: str, name: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
     """Raise :class:`PluginArgumentError` for a value of one of TOML's types whose parameter is annotated as a
     number, a bool, a string or a list and that is not one (``sharp = 2`` for a bool, ``target = [0.3]`` for
     a float; a number where a string goes is the factory's to read, as match's ``reference = 5``), and
@@ -116,13 +116,13 @@ def build_registered(kind: str, hook: str, name: str, kwargs: dict[str, Any], er
         raise
     except (TypeError, ValueError) as exc:
         if isinstance(exc, TypeError):  # Python's own ("'<' not supported"): the annotation says more
-            check_text_values(kind, name, factory, kwargs)
+            check_value_types(kind, name, factory, kwargs)
         raise PluginArgumentError(f"{kind} {name!r}: {exc}") from exc
     except TextgymError:
         raise
     except Exception as exc:  # the plugin's own failure (a judge it cannot reach): named, in one line
         raise error(f"{kind} plugin {name!r} could not be built: {type(exc).__name__}: {exc}") from exc
-    check_text_values(kind, name, factory, kwargs)
+    check_value_types(kind, name, factory, kwargs)
     if not callable(built):
         raise error(f"{kind} plugin {name!r}: its factory returned {built!r}, which is not callable.")
     try:

@@ -45,9 +45,8 @@ DEFAULT_PLUGINS = (
 )
 ENTRY_POINT_GROUP = "textgym"
 DISABLE_AUTOLOAD_VAR = "TEXTGYM_DISABLE_PLUGIN_AUTOLOAD"
-BLOCK_VAR = (
-    "TEXTGYM_BLOCK_PLUGINS"  # entry points not to load, by name, comma-separated: one broken package alone
-)
+# entry points not to load, by name, comma-separated: one broken package alone
+BLOCK_VAR = "TEXTGYM_BLOCK_PLUGINS"
 PLUGINS_VAR = "TEXTGYM_PLUGINS"
 
 # hook name -> the word used for its names in messages
@@ -283,6 +282,12 @@ def distribution_of(plugin: str) -> tuple[str, str] | None:
     return _distributions.get(plugin)
 
 
+def entry_point_of(plugin: str) -> str | None:
+    """The entry point that loaded ``plugin`` (or whose import registered it, a ``@textgym.reward``
+    function), or None for a built-in, a file or a plugin registered in code."""
+    return _entry_points.get(plugin)
+
+
 def _normalised(name: str) -> str:
     """A distribution's name as pip compares them: ``Match_Plug`` is ``match-plug``."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -318,29 +323,14 @@ def _load_all() -> None:
     if not os.environ.get(DISABLE_AUTOLOAD_VAR):
         blocked = {name.strip() for name in os.environ.get(BLOCK_VAR, "").split(",") if name.strip()}
         installed = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        unknown = blocked - {ep.name for ep in installed}
-        if unknown and os.environ.get("RANK", "0") == "0":
-            # a package's name given for its entry point's: the one to give
-            by_package = {_normalised(ep.dist.name): ep.name for ep in installed if ep.dist}
-            hints = [f"{name!r} is the package of entry point {by_package[_normalised(name)]!r}"
-                     for name in sorted(unknown) if _normalised(name) in by_package]  # fmt: skip
-            warnings.warn(
-                f"{BLOCK_VAR} names {', '.join(map(repr, sorted(unknown)))}, which no installed package's "
-                f"'{ENTRY_POINT_GROUP}' entry point is called"
-                + (
-                    f" ({'; '.join(hints)}): give the entry point's name."
-                    if hints
-                    else " (`textgym plugins` lists them)."
-                ),
-                stacklevel=2,
-            )
+        _warn_unknown_blocked(blocked, installed)
         for ep in installed:
-            if ep.name in blocked:
-                dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-                skipped[ep.name] = f"entry point {ep.value} in {dist}"
-            if pm.has_plugin(ep.name) or ep.name in blocked:
-                continue
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            if ep.name in blocked:
+                skipped[ep.name] = f"entry point {ep.value} in {dist}"
+                continue
+            if pm.has_plugin(ep.name):
+                continue
             before = {name for name, _ in pm.list_name_plugin()}
             try:
                 plugin = ep.load()
@@ -398,6 +388,30 @@ def _instance_hooks(cls: type) -> list[str]:
             if first == "self":
                 hooks.append(name)
     return hooks
+
+
+def _warn_unknown_blocked(blocked: set[str], installed: Any) -> None:
+    """A ``TEXTGYM_BLOCK_PLUGINS`` name that no installed entry point has is said, with the entry point's
+    name where a package's was given for it."""
+    unknown = sorted(blocked - {ep.name for ep in installed})
+    if not unknown or os.environ.get("RANK", "0") != "0":  # (said once, by the main process)
+        return
+    by_package = {_normalised(ep.dist.name): ep.name for ep in installed if ep.dist}
+    hints = [
+        f"{name!r} is the package of entry point {by_package[_normalised(name)]!r}"
+        for name in unknown
+        if _normalised(name) in by_package
+    ]
+    warnings.warn(
+        f"{BLOCK_VAR} names {', '.join(map(repr, unknown))}, which no installed package's '{ENTRY_POINT_GROUP}' "
+        f"entry point is called"
+        + (
+            f" ({'; '.join(hints)}): give the entry point's name."
+            if hints
+            else " (`textgym plugins` lists them)."
+        ),
+        stacklevel=3,
+    )
 
 
 def _warn_other_groups() -> None:

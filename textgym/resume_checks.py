@@ -297,7 +297,7 @@ def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
     from textgym.evaluation import jsonable
     from textgym.rundir import write_atomic
 
-    now = {"code": {}, "packages": {}, **jsonable(code_identity(config))}  # (each part named, when empty too)
+    now = {"packages": {}, **jsonable(code_identity(config))}  # (each part named, when empty too)
     if "missing" in now["code"].values():  # a file that moved or went: the run fails to load it, and says so
         return
     before = _recorded(run_dir) if resuming else {}
@@ -312,9 +312,8 @@ def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
             f"{_get(now, path) or '(none)'}"
             for path in _changed_paths(before, now)
         ]
-        if (
-            changes and rank() == 0
-        ):  # (the main process: under run.processes = N the launcher never gets here)
+        # (the main process: under run.processes = N the launcher never gets here)
+        if changes and rank() == 0:
             print(
                 f"textgym: warning: the code this run trains with changed since it last started or resumed "
                 f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "

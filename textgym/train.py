@@ -187,10 +187,10 @@ def run(
 
     try:
         resuming = on_main(prepare) if world > 1 else prepare()
-    except (
-        BaseException
-    ):  # a resume refused after the lock (a damaged checkpoint): the directory is free again
-        rd.unlock()  # (in the process that goes on: a notebook's, or a bench's)
+    except BaseException:
+        # a resume refused after the lock (a damaged checkpoint): the directory is free again, in the process
+        # that goes on (a notebook's, or a bench's)
+        rd.unlock()
         raise
     before, after = saved.get("run", {}).get("total_timesteps"), config["run"]["total_timesteps"]
     follows = _follows_progress(config, agent_class, hyperparameters) if resuming and before != after else []
