@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 from textgym import bench
-from textgym.bench_report import fmt, fmt_interval, fmt_p
+from textgym.bench_numbers import fmt, fmt_interval, fmt_p
 from textgym.bench_results import write_outputs
 
 DESIGNS = {
@@ -463,7 +463,7 @@ def test_a_run_without_a_current_curve_leaves_its_designs_mean_line_in_the_overo
 
 def test_a_p_value_near_the_cut_shows_the_digits_that_put_it_on_its_side():
     """0.0496 ("better") and 0.05004 (not significant) both showed as "0.050"."""
-    from textgym.bench_report import fmt_p
+    from textgym.bench_numbers import fmt_p
 
     assert (fmt_p(0.0496), fmt_p(0.05004), fmt_p(0.05), fmt_p(0.0512)) == (
         "0.0496",

@@ -10,15 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
 from textgym.bench_report import (
     STATS_TEXT,
     comparisons,
     few_episode_warnings,
     flag_items,
-    fmt,
-    fmt_cell,
-    fmt_interval,
-    fmt_p,
     metric_note,
     no_flags_text,
     quiet_checks_text,
