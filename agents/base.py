@@ -117,8 +117,9 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         sharding.refuse_accelerate_sharding(self.accelerator)
         self.device = self.accelerator.device
         self.dist = Collective(self.accelerator)
-        self.fsdp = fsdp if self.dist.world > 1 else None  # one process: nothing to shard
-        self.zero3 = zero if self.dist.world > 1 else None
+        launched = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.fsdp = fsdp if launched else None  # without a process group there is nothing to shard over
+        self.zero3 = zero if launched else None
         if self.dist.world > 1:  # each process its share of the machine's cores
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
             torch.set_num_threads(

@@ -4,7 +4,8 @@ The model-based rewards (``fluency``, ``rm_score``, ``similarity``) are also tim
 where they have the option, with ``share_prefix=False``; with ``--baseline`` against the way they scored before (written out below, on the same loaded model):
 ``fluency`` as a log-softmax over the full vocabulary at every position, all three in batches taken in
 arrival order and padded to the batch's longest text, with no shared prefix. The two sides alternate
-within each repetition, so the ratio holds under the machine's noise.
+within each repetition, so the ratio holds under the machine's noise. The first side of a model-based reward
+runs in fp32 (the former code's precision), wherever it runs: ``--device cuda`` times them on a GPU.
 """
 
 from __future__ import annotations
@@ -190,10 +191,13 @@ def measure(
 ) -> dict[str, Any]:
     """One row: ``name``'s samples per second on ``samples``, and for the model-based rewards those of bf16,
     of no shared prefix and (with ``--baseline``) of the former code, timed side by side."""
+    if name in MODEL_REWARDS:  # in fp32, as the former code ran (bf16 is a side of its own; a GPU's default)
+        kwargs = {**kwargs, "bf16": False}
     reward = make_reward(name, **kwargs)
     sides: dict[str, Callable[[], Any]] = {"default": lambda: reward(samples)}
     checks: dict[str, float] = {}
     if name in MODEL_REWARDS:
+        kwargs.pop("bf16")
         fast = reward(samples)
         bf16 = make_reward(name, **kwargs, bf16=True)
         sides["bf16"] = lambda: bf16(samples)
@@ -212,7 +216,7 @@ def measure(
         row[f"samples_per_s{suffix}"] = len(samples) / t
         row[f"ms_per_batch{suffix}"] = 1e3 * t
     if "before" in times:
-        row["speedup"] = times["before"] / times["default"]  # same precision (fp32 on the CPU)
+        row["speedup"] = times["before"] / times["default"]  # same precision: fp32
         row["speedup_bf16"] = times["before"] / times["bf16"]
     row.update({f"max_score_difference_{side}": d for side, d in checks.items()})
     if name == "fluency":
@@ -236,20 +240,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rm-model", required=True, help="a sequence-classification model directory")
     parser.add_argument("--baseline", action="store_true", help="also time the model rewards' former code")
+    parser.add_argument("--device", default="cpu", help="where the model-based rewards run (cpu, cuda)")
+    parser.add_argument("--fluency-model", default="smollm2-135m-instruct", help="fluency's model")
+    parser.add_argument("--similarity-model", default=None, help="similarity's model (default: its own)")
+    parser.add_argument("--only", nargs="+", default=None, help="these rewards alone")
+    parser.add_argument("--name", default="reward_throughput", help="the result file's name")
     args = parser.parse_args()
     samples = make_samples(args.batch)
+    on = {"device": args.device}
     plugins = {
         "sentiment": {},
         "length_penalty": {"target": 16},
         "match": {"mode": "contains"},
         "safety": {},
-        "similarity": {},
-        "fluency": {},
-        "rm_score": {"model": args.rm_model},
+        "similarity": {**on, "model": args.similarity_model},
+        "fluency": {**on, "model": args.fluency_model},
+        "rm_score": {**on, "model": args.rm_model},
     }
+    unknown = set(args.only or ()) - set(plugins)
+    if unknown:
+        parser.error(f"--only: no reward {sorted(unknown)} here; choose from {sorted(plugins)}")
     rows = []
     load_before = os.getloadavg()[1]  # other work on the machine: the figures are only as quiet as it was
     for name, kwargs in plugins.items():
+        if args.only and name not in args.only:
+            continue
         cases: list[tuple[dict[str, str], list[Sample]]] = [({}, samples)]
         if name in PREFIX_REWARDS:  # and a group method's batch, of which they run each prompt once
             cases.append(({"case": f"{GROUP} completions per prompt"}, make_group_samples(args.batch)))
@@ -259,7 +274,7 @@ def main() -> None:
     load = {"before": load_before, "after": os.getloadavg()[1]}  # 5-minute load averages
     from textgym.models import load_tokenizer
 
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    tokenizer = load_tokenizer(args.fluency_model)
     lengths = [len(tokenizer.encode(s.completion, add_special_tokens=False)) for s in samples]
     workload = {
         "prompts": len({s.prompt for s in samples}),
@@ -267,7 +282,7 @@ def main() -> None:
     }
     result = {"args": vars(args), "load_average_5min": load, "matmul_gflops": matmul_gflops(), "rows": rows}
     result["workload"] = workload
-    write_result("reward_throughput", result)
+    write_result(args.name, result)
 
 
 if __name__ == "__main__":

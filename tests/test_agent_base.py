@@ -550,15 +550,16 @@ def test_asking_for_fsdp_and_deepspeed_at_once_is_refused(monkeypatch):
         sharded_agent()
 
 
-def test_deepspeed_in_one_process_trains_unsharded(monkeypatch):
+def test_deepspeed_without_a_launcher_trains_unsharded(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     agent = sharded_agent()
     assert not agent.sharded and agent.sharding_engine is None
 
 
-def test_fsdp_in_one_process_trains_unsharded(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # one process holds the whole model anyway
+def test_fsdp_without_a_launcher_trains_unsharded(monkeypatch):
+    # no process group to shard over (under a launcher with one process: test_distributed)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     agent = LMPPO(
         char_llama(), env_with(RewardStack([(FunctionReward("a", share_of_a), 1.0)]), n=4), verbose=0
     )

@@ -375,6 +375,25 @@ def copy_run(run, tmp_path):
     return Path(shutil.copytree(run, tmp_path / "run"))
 
 
+@pytest.mark.parametrize("shard", ["fsdp", "zero3"])
+def test_a_sharding_config_with_one_launched_process_shards_and_trains_as_one_unsharded_process(
+    config, tmp_path, shard
+):
+    """As accelerate does with --num_processes 1 (and a user checking a sharding config on one GPU before
+    scaling out expects): the sharded code runs, over a process group of one, and learns what one unsharded
+    process learns. Without a launcher there is no group, and nothing is sharded (test_agent_base)."""
+    one = [*TORCHRUN[:-1], "--nproc_per_node=1", "-m", "textgym", "train", str(config)]
+    sharded = run_cmd([*one, "--set", f"run.output_dir='{tmp_path / 'sharded'}'"], shard=shard)
+    assert sharded.returncode == 0, failure(sharded)
+    assert f"textgym: the policy is sharded over 1 process ({ENGINE[shard]})" in sharded.stdout
+    assert main(["train", str(config), "--set", f"run.output_dir='{tmp_path / 'plain'}'"]) == 0
+    rows = {name: csv_rows(tmp_path / name / "metrics.csv") for name in ("sharded", "plain")}
+    assert len(rows["sharded"]) == len(rows["plain"]) > 1
+    for mine, theirs in zip(rows["sharded"], rows["plain"]):  # the same episodes, updates within rounding
+        for key in ("reward", "kl", "loss/policy_avg", "loss/value_avg"):
+            assert float(mine[key]) == pytest.approx(float(theirs[key]), abs=TOLERANCE), key
+
+
 def test_a_two_process_run_writes_one_run_directory_with_statistics_over_all_episodes(
     two_process_run, tmp_path
 ):

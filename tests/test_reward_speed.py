@@ -611,3 +611,13 @@ def test_fluency_scores_without_a_pad_token_and_after_an_empty_prompt(tmp_path):
     np.testing.assert_allclose(char(empty), slow, rtol=0, atol=1e-5)
     with pytest.raises(PluginArgumentError, match="max_length must be at least 2"):
         make_reward("fluency", model="tiny-char-llama", max_length=1)
+
+
+def test_the_benchmark_refuses_an_unknown_reward_in_only(monkeypatch, capsys):
+    from benchmarks import reward_throughput
+
+    argv = ["reward_throughput", "--rm-model", "x", "--only", "fluency", "flency"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit):
+        reward_throughput.main()
+    assert "--only: no reward ['flency'] here; choose from" in capsys.readouterr().err

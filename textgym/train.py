@@ -328,7 +328,8 @@ def _run_native(
         if agent.sharded:
             dist.on_main(
                 lambda: print(
-                    f"textgym: the policy is sharded over {dist.world} processes ({agent.sharding_engine})"
+                    f"textgym: the policy is sharded over {dist.world} process{'es' * (dist.world > 1)} "
+                    f"({agent.sharding_engine})"
                 )
             )
         trained = getattr(agent, "trained_sharding", None)
