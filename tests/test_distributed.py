@@ -633,6 +633,40 @@ def test_the_processes_stop_with_a_checkpoint_when_their_launching_process_is_ki
     assert not (out / "samples_after.jsonl").exists()  # stopped, not trained to its end
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_process_killed_by_a_signal_is_named_with_the_signal_and_where_a_resume_continues(config, tmp_path):
+    """kill -9 of one process (or the OOM killer) read as "exited with code 137; see above", and above was only
+    the other process's lost-connection traceback."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "textgym", "train", str(config), "--set", f"run.output_dir='{out}'", "--set",
+           "run.processes=2", "--set", "run.total_timesteps=100000", "--set", "run.checkpoint_every=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while RunDir(out).last_checkpoint() is None and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        workers = [
+            p.name
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and (_proc_stat(p.name) or ("", 0))[1] == proc.pid
+        ]
+        rank1 = [pid for pid in workers if b"\0RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]
+        assert len(workers) == 2 and len(rank1) == 1
+        os.kill(int(rank1[0]), signal.SIGKILL)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, output
+    k = RunDir(out).last_checkpoint()
+    assert isinstance(k, int) and k >= 1
+    assert (
+        f"process 1 was killed by SIGKILL (kill -9, or the system's out-of-memory killer); the other processes' "
+        f"errors above follow from it. Its last checkpoint is at iteration {k}: textgym train --resume {out} "
+        f"continues from there." in " ".join(output.split())
+    ), output[-3000:]
+
+
 def test_ctrl_c_of_a_run_processes_2_run_saves_once_in_one_line_and_it_resumes(config, tmp_path):
     out = tmp_path / "run"
     code, output = interrupted_two_process_run(config, out, signals=1)
@@ -722,12 +756,15 @@ def test_resuming_with_another_number_of_processes_is_refused(two_process_run, t
     out = copy_run(two_process_run[0], tmp_path)
     fsdp = HERE.parent / "examples" / "accelerate" / "fsdp.yaml"
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(fsdp)]
-    itself = f"or textgym train --resume {out}, which starts them itself"
-    # torchrun with one process is a launcher too: it must not start a second one inside
+    itself = f"textgym train --resume {out}, which starts them itself"
+    same_config = "accelerate launch --config_file CONFIG --num_processes 2, with the same sharding config"
+    # torchrun with one process is a launcher too: it must not start a second one inside; a sharded launch
+    # is told how to resume sharded (a plain resume would drop the sharding)
     for launcher, hint in [
-        ([*TORCHRUN[:-1], "--nproc_per_node=3"], f"(torchrun --nproc_per_node 2, {itself})"),
-        ([*accelerate, "--num_processes=3"], f"(accelerate launch --num_processes 2, {itself})"),
-        ([*TORCHRUN[:-1], "--nproc_per_node=1"], f"(torchrun --nproc_per_node 2, {itself})"),
+        ([*TORCHRUN[:-1], "--nproc_per_node=3"], f"(torchrun --nproc_per_node 2, or {itself})"),
+        ([*accelerate, "--num_processes=3"], f"({same_config}, or ACCELERATE_USE_FSDP=true {itself})"),
+        ([*accelerate, "--num_processes=1"], f"({same_config}, or ACCELERATE_USE_FSDP=true {itself})"),
+        ([*TORCHRUN[:-1], "--nproc_per_node=1"], f"(torchrun --nproc_per_node 2, or {itself})"),
     ]:
         result = run_cmd([*launcher, "-m", "textgym", "train", "--resume", str(out)])
         assert result.returncode != 0, result.stdout[-2000:]

@@ -195,7 +195,7 @@ def test_the_launcher_records_the_order_its_processes_exit_in(tmp_path):
 @pytest.mark.parametrize(
     ("codes", "order", "signals", "raised", "says"),
     [
-        ([1, 137], [1, 0], set(), "TrainingError", "process 1 exited with code 137"),
+        ([1, 2], [1, 0], set(), "TrainingError", "process 1 exited with code 2"),
         ([1, 130], [0, 1], set(), "TrainingError", "process 0 exited with code 1"),
         ([0, 1], [0, 1], set(), "TrainingError", "process 1 exited with code 1"),
         # process 0 stopped because process 1 failed (its code says so), and exited first
@@ -218,3 +218,19 @@ def test_a_failed_launch_is_judged_by_its_first_process_to_fail(codes, order, si
     assert says in str(info.value)
     if says:
         assert str(info.value) == f"the 2-process run of runs/x failed ({says}); see above."
+
+
+def test_a_process_killed_by_a_signal_is_named_by_it_and_the_message_says_where_a_resume_continues():
+    from textgym.errors import TrainingError
+    from textgym.launch import _raise_for
+
+    with pytest.raises(TrainingError) as info:
+        _raise_for([1, 137], [1, 0], set(), "the 2-process run of runs/x", " Resume it.")
+    assert str(info.value) == (
+        "the 2-process run of runs/x failed: process 1 was killed by SIGKILL (kill -9, or the system's "
+        "out-of-memory killer); the other processes' errors above follow from it. Resume it."
+    )
+    with pytest.raises(TrainingError, match=r"process 0 was killed by SIGSEGV; the other processes' errors"):
+        _raise_for([139, 1], [0, 1], set(), "the run")
+    with pytest.raises(TrainingError, match=r"process 0 exited with code 255\); see above\.$"):
+        _raise_for([255, 0], [0, 1], set(), "the run")

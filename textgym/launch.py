@@ -190,6 +190,10 @@ class _MainProcessFailed(ConfigError, AnotherProcessFailed):
     """What the other processes raise when the main one could not start the run."""
 
 
+# what asks a launch for sharding (accelerate launch sets them from its config file)
+_SHARDING_VARS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+
+
 def check_processes(
     config: dict[str, Any],
     world: int,
@@ -205,7 +209,16 @@ def check_processes(
     if world > 1 or under_launcher():
         if resuming and run["processes"] != world:
             n, resume = run["processes"], f"textgym train --resume {run['output_dir']}"
-            if n == 1:
+            # a sharded launch: the advice keeps the sharding (a plain resume would drop it)
+            shard = next((v for v in _SHARDING_VARS if os.environ.get(v, "").lower() in ("1", "true")), None)
+            if (
+                shard and "ACCELERATE_DYNAMO_BACKEND" in os.environ
+            ):  # under accelerate launch, its config file
+                how = f"accelerate launch --config_file CONFIG --num_processes {n}, with the same sharding config"
+                how += f", or {shard}=true {resume}, which starts them itself" if n > 1 else ""
+            elif shard:
+                how = f"torchrun --nproc_per_node {n}" + (f", or {shard}=true {resume}" if n > 1 else "")
+            elif n == 1:
                 how = f"{resume}, without a launcher"
             elif "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # set by accelerate launch, not by torchrun
                 how = f"accelerate launch --num_processes {n}, or {resume}, which starts them itself"
@@ -305,18 +318,45 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     if not any(codes):  # trained, or stopped and saved after a Ctrl-C, as the processes said
         return run_dir
     rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
-    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}")
+    after = ""
+    if (run_dir / "metrics.csv").exists():  # it trained: say where a resume continues
+        k, resume = rd.last_checkpoint(), f"textgym train --resume {run_dir}"
+        after = (
+            f" There is no checkpoint yet: {resume} starts it again."
+            if k is None
+            else f" Its last checkpoint is at iteration {k}: {resume} continues from there."
+        )
+    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after)
 
 
-def _raise_for(codes: list[int], order: list[int], signals: set[int], what: str) -> NoReturn:
+def _raise_for(codes: list[int], order: list[int], signals: set[int], what: str, after: str = "") -> NoReturn:
     """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
     order they exited in): the others may have failed only because it left (a collective whose peer is gone
-    fails), so they say nothing of what went wrong."""
+    fails), so they say nothing of what went wrong. ``after`` ends the message (where a resume continues)."""
     # (a process that said it stopped because another failed is not the first to blame)
     first = next((i for i in order if codes[i] not in (0, FOLLOWED_EXIT)), next(i for i in order if codes[i]))
     if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
         raise KeyboardInterrupt  # a second Ctrl-C or SIGTERM (or one during start-up): the processes aborted
-    raise TrainingError(f"{what} failed (process {first} exited with code {codes[first]}); see above.")
+    killed = _signal_of(codes[first])
+    if killed is None:
+        raise TrainingError(
+            f"{what} failed (process {first} exited with code {codes[first]}); see above.{after}"
+        )
+    why = " (kill -9, or the system's out-of-memory killer)" if killed == signal.SIGKILL else ""
+    raise TrainingError(  # it printed nothing: what the others printed, a lost peer, follows from it
+        f"{what} failed: process {first} was killed by {killed.name}{why}; the other processes' errors above "
+        f"follow from it.{after}"
+    )
+
+
+def _signal_of(code: int) -> signal.Signals | None:
+    """The signal that killed a process whose exit code is ``code`` (128 + the signal's number), or None."""
+    if code <= 128:
+        return None
+    try:
+        return signal.Signals(code - 128)
+    except ValueError:
+        return None
 
 
 # after one process fails, the others have this long to stop by themselves (textgym stops every process when

@@ -237,21 +237,33 @@ class RunDir:
             raise self.disk_error("the checkpoint", failed) from None
 
     def disk_error(self, what: str, exc: OSError) -> TrainingError:
-        from textgym.atomic import is_complete
-
         reason = exc.strerror or str(exc)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             reason += " (the disk is full)"
         elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             reason += " (the directory is not writable)"
-        if is_complete(self.checkpoint):
-            state = json.loads((self.checkpoint / "state.json").read_text())
-            last = f"the last good checkpoint is {self.checkpoint} (iteration {state.get('iteration', '?')})"
-        else:
-            last = "there is no checkpoint yet"
+        k = self.last_checkpoint()
+        last = (
+            "there is no checkpoint yet"
+            if k is None
+            else f"the last good checkpoint is {self.checkpoint} (iteration {k})"
+        )
         return TrainingError(
             f"could not write {what} in {self.path}: {reason}; {last}. Free space or fix permissions, then --resume."
         )
+
+    def last_checkpoint(self) -> int | str | None:
+        """The iteration ``--resume`` would continue from: the complete checkpoint's (or that of one a cut swap
+        left as a temporary, which the resume restores); None when there is none yet."""
+        from textgym.atomic import is_complete
+
+        complete = [self.checkpoint] if is_complete(self.checkpoint) else []
+        complete = complete or [
+            p for p in self.path.glob(f".{CHECKPOINT}.*") if p.is_dir() and is_complete(p)
+        ]
+        if not complete:
+            return None
+        return json.loads((max(complete, key=_progress) / "state.json").read_text()).get("iteration", "?")
 
     # -- metrics and samples ---------------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
