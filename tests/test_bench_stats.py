@@ -154,6 +154,26 @@ def test_ranks_only_separate_significant_differences():
             assert c.better is None
 
 
+def test_a_noisy_group_of_a_lower_mean_never_ranks_above_a_group_of_a_higher_one():
+    """Ranked as 1 + the number significantly better, c (mean 0.3, too noisy to separate from anyone) was 1
+    and b (0.6, significantly below a) was 2: the list read "1. a, 1. c, 2. b"."""
+    seeds = range(8)
+    groups = {
+        "a": {s: 1.0 + 0.01 * (s % 3) for s in seeds},
+        "b": {s: 0.6 + 0.01 * (s % 2) for s in seeds},
+        "c": {s: 0.3 + (1.0 if s % 2 else -1.0) for s in seeds},
+    }
+    comparisons, ranks = compare(groups, "higher")
+    better = {(c.a, c.b): c.better for c in comparisons}
+    assert better == {("a", "b"): "a", ("a", "c"): None, ("b", "c"): None}
+    assert ranks == {"a": 1, "b": 2, "c": 2}
+    # lower is better: c has the best mean and is separated from neither; b is significantly better than a
+    assert compare(groups, "lower")[1] == {"a": 2, "b": 1, "c": 1}
+    for c in comparisons:  # equal ranks are still never significantly different
+        if ranks[c.a] == ranks[c.b]:
+            assert c.better is None
+
+
 def curve(gold, proxy, se=0.01, **extra):
     rows = []
     for i, (g, p) in enumerate(zip(gold, proxy)):

@@ -284,9 +284,10 @@ STATS_TEXT = (
     f"same first rollouts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric (the interval is not: it can "
-    f"exclude 0 where the corrected p is above {ALPHA}). A rank is 1 + the number of "
-    f"groups significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c): equal "
-    f"ranks are not significantly different; a group that no test compared with another is not ranked."
+    f"exclude 0 where the corrected p is above {ALPHA}). A group ranks below every group "
+    f"significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c), and never "
+    f"above a group with a better mean: equal ranks are not significantly different; a group that no test "
+    f"compared with another is not ranked."
 )
 
 

@@ -9,9 +9,10 @@ seed-to-seed variation both share.
   interval, the paired t-test's two-sided p-value, and Cohen's d_z (the mean difference over the standard
   deviation of the differences).
 - :func:`compare` runs every pairwise test within a metric and corrects the p-values for the number of
-  pairs (Holm, 1979). Its rank of a group is 1 + the number of groups significantly better than it,
-  directly or through a chain (a > b > c: a is above c), so two groups that share a rank are never
-  significantly different from each other, also when missing seeds leave some pairs with fewer shared seeds.
+  pairs (Holm, 1979). Its ranks follow the means and step down only where a test separates: a group ranks
+  below every group significantly better than it, directly or through a chain (a > b > c: a is above c),
+  and never above a group with a better mean, so two groups that share a rank are never significantly
+  different from each other, also when missing seeds leave some pairs with fewer shared seeds.
   A group that no test compared with another (one seed, or an infinite or missing value on every pair's
   shared seeds) is not ranked.
 """
@@ -184,8 +185,9 @@ def compare(
     bounds: tuple[float, float] = (-math.inf, math.inf),
 ) -> tuple[list[Comparison], dict[str, int | None]]:
     """Every pair of ``groups`` (name -> seed -> value) compared, p-values Holm-corrected over the pairs,
-    and each group's rank: 1 + the number of groups significantly better, directly or through a chain
-    (None when ``direction`` is None or the group has no value). ``bounds``: the metric's range."""
+    and each group's rank: below every group significantly better (directly or through a chain), and never
+    above a group of a better mean (None when ``direction`` is None or the group has no value or no test).
+    ``bounds``: the metric's range."""
     names = list(groups)
     tests = [(a, b, paired(groups[a], groups[b], bounds=bounds)) for a, b in itertools.combinations(names, 2)]
     tests = [t for t in tests if t[2].n > 0 or t[2].unmeasured]  # none shared: e.g. KL of an SB3 agent
@@ -201,17 +203,26 @@ def compare(
         if not p < alpha and test.n >= 2:  # Holm's first step tests at alpha / (number of pairs tested)
             needed = seeds_needed(test.d_z, alpha / max(m, 1))
         comparisons.append(Comparison(a, b, test, p, better, needed))
-    ranks: dict[str, int | None] = {}
     above = _above(names, comparisons)
     tested = {name for c in comparisons if not math.isnan(c.p_holm) for name in (c.a, c.b)}
     valued = [name for name in names if any(_measured(v) for v in groups[name].values())]
-    for name in names:
-        # a group that no test compared with another is not ranked: "1" would read as "none is better" (the
-        # one group with a value, where the others have none: an SB3 agent's KL)
-        if not direction or name not in valued or name not in tested:
-            ranks[name] = None
-            continue
-        ranks[name] = 1 + len(above[name] - {name})
+    # a group that no test compared with another is not ranked: "1" would read as "none is better" (the one
+    # group with a value, where the others have none: an SB3 agent's KL)
+    ranked = [name for name in names if direction and name in valued and name in tested]
+    ranks: dict[str, int | None] = {name: None for name in names}
+    sign = -1.0 if direction == "higher" else 1.0
+    mean = {name: float(np.mean([v for v in groups[name].values() if _measured(v)])) for name in ranked}
+    # Best mean first, a group after every group significantly better than it (with missing seeds, one can
+    # have the lower mean). Each ranks below those better than it and never above a group before it: ranks
+    # follow the means, and step down only where a test separates (equal ranks are never significantly
+    # different). "1 + the number significantly better" alone put a noisy design of the lowest mean at 1,
+    # above a better-measured one of a higher mean at 2.
+    last, left = 1, sorted(ranked, key=lambda name: (math.isnan(mean[name]), sign * mean[name]))
+    while left:
+        name = next((g for g in left if all(ranks[b] is not None for b in above[g] & set(ranked))), left[0])
+        left.remove(name)
+        better = [ranks[b] for b in above[name] if ranks.get(b) is not None]
+        last = ranks[name] = max(last, 1 + max(better, default=0))
     return comparisons, ranks
 
 
