@@ -388,3 +388,17 @@ def test_seeds_needed_matches_the_textbook_power_of_a_paired_t_test():
     assert seeds_needed(1.0, alpha=0.05 / 3) > 10  # Holm's first step over three pairs is stricter
     comparisons, _ = compare({"a": {0: 1.0, 1: 2.0, 2: 1.5}, "b": {0: 1.2, 1: 1.1, 2: 1.4}}, "higher")
     assert comparisons[0].better is None and comparisons[0].seeds_needed > 3
+
+
+@pytest.mark.parametrize(("episodes", "rate", "seeds"), [(16, 0.05, 2), (16, 0.3, 3), (64, 0.5, 5)])
+def test_designs_that_do_not_differ_show_a_better_pair_in_at_most_5_percent_of_benches(episodes, rate, seeds):
+    """Rates measured on few episodes take few values, so the same or nearly the same small difference on
+    every seed comes by chance; the tests (exact sign-flip for equal differences, t for the rest, Holm over
+    the pairs) must still keep the family-wise false-positive rate at alpha."""
+    rng = np.random.default_rng(0)
+    benches = 600
+    hits = 0
+    for _ in range(benches):
+        groups = {g: {s: rng.binomial(episodes, rate) / episodes for s in range(seeds)} for g in "abc"}
+        hits += any(c.better for c in compare(groups, "higher", bounds=(0.0, 1.0))[0])
+    assert hits / benches <= 0.05 + 2 * (0.05 * 0.95 / benches) ** 0.5  # 5%, within two standard errors
