@@ -515,6 +515,78 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(config, tmp_pat
     assert is_complete(out / "checkpoint")
 
 
+def fill_up_at(monkeypatch, name):
+    """Make every write of the run file ``name`` fail as on a full disk."""
+    import textgym.rundir
+
+    real = textgym.rundir.write_atomic
+
+    def fill_up(path, text):
+        if path.name == name:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+
+    monkeypatch.setattr(textgym.rundir, "write_atomic", fill_up)
+
+
+def test_a_full_disk_at_start_or_resume_is_one_line_too(config, tmp_path, capsys, monkeypatch):
+    """config.toml and code.json are written before training starts, outside the writes that said so: a
+    full disk there was a traceback (and exit code 1)."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        fill_up_at(patch, "config.toml")
+        assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"could not write config.toml in {out}: No space left on device (the disk is full); there is no "
+        in err
+    )
+    assert "Traceback" not in err and not out.exists()  # a start that fails leaves nothing behind
+    assert (
+        main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=64"])
+        == 0
+    )
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        fill_up_at(patch, "code.json")
+        assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=128"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"could not write code.json in {out}: No space left on device (the disk is full); the last good "
+        in err
+    )
+    assert "Traceback" not in err
+
+
+def test_a_failed_atomic_write_removes_its_temporary(tmp_path):
+    from textgym.rundir import write_atomic
+
+    target = tmp_path / "metrics.csv"
+    (target / "inside").mkdir(parents=True)  # a directory in the way: the rename fails
+    with pytest.raises(OSError):
+        write_atomic(target, "x" * 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]  # no .metrics.csv.tmp
+
+
+def test_a_start_on_a_run_being_trained_names_the_process_not_resume(config, tmp_path, capsys):
+    """It said "continue it with textgym train --resume", which the running process's lock then refused."""
+    out = tmp_path / "run"
+    assert (
+        main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=16"])
+        == 0
+    )
+    training = RunDir(out)
+    training.lock()  # as a process training it holds it
+    try:
+        assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
+        err = capsys.readouterr().err
+        assert f"holds a run that textgym process {os.getpid()} is training now: choose another" in err
+    finally:
+        training.unlock()
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
+    assert "already holds a run; continue it with `textgym train --resume" in capsys.readouterr().err
+
+
 def test_a_checkpoint_write_failing_inside_safetensors_or_torch_save_is_one_line(config, tmp_path):
     """What they raise on a full disk (seen on a 1 MB tmpfs): not OSErrors, so they were tracebacks."""
     from safetensors import SafetensorError

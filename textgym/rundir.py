@@ -77,9 +77,15 @@ def _signals_held() -> Iterator[None]:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary sibling and a rename. A write that fails (a full disk)
+    removes its temporary: a partial copy would hold the space a user frees to resume."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def hold_lock(path: Path, in_use: Callable[[str], str], unwritable: str) -> int:
@@ -143,6 +149,12 @@ class RunDir:
             raise ConfigError(f"run.output_dir {str(self.path)!r} is a file, not a directory.")
         existing = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
         if existing:
+            holder = self._holder() if self.is_run() else None
+            if holder is not None:  # a run in progress: "--resume it" would be refused until it ends
+                raise ConfigError(
+                    f"run.output_dir {self.path} holds a run that textgym process {holder} is training now: "
+                    f"choose another run.output_dir (two runs on one directory would overwrite each other)."
+                )
             if self.is_run():
                 raise ConfigError(
                     f"{self.path} already holds a run; continue it with `textgym train --resume {shlex.quote(str(self.path))}`, "
@@ -164,6 +176,23 @@ class RunDir:
                 f"in a writable directory."
             ) from None
         return created
+
+    def _holder(self) -> str | None:
+        """The id of the process that holds this run directory's lock (one training it now), or None. Asks
+        with a shared lock, which fails while another process holds the exclusive one, and writes nothing."""
+        import fcntl
+
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        finally:
+            os.close(fd)  # (releases the shared lock, where it was taken)
+        return None
 
     def lock(self) -> None:
         self._lock_fd = hold_lock(
@@ -275,9 +304,12 @@ class RunDir:
         import tomli_w
 
         text = tomli_w.dumps(_drop_none(config))
-        if (self.path / WRITTEN_CONFIG).exists() or not (self.path / "config.toml").exists():
-            write_atomic(self.path / WRITTEN_CONFIG, text)
-        write_atomic(self.path / "config.toml", text)
+        try:
+            if (self.path / WRITTEN_CONFIG).exists() or not (self.path / "config.toml").exists():
+                write_atomic(self.path / WRITTEN_CONFIG, text)
+            write_atomic(self.path / "config.toml", text)
+        except OSError as exc:
+            raise self.disk_error("config.toml", exc) from None
 
     def write_metrics(self, history: Sequence[dict[str, Any]]) -> None:
         try:
@@ -316,7 +348,10 @@ class RunDir:
             else:
                 dropped += 1
         if dropped:
-            write_atomic(path, "".join(kept))
+            try:
+                write_atomic(path, "".join(kept))
+            except OSError as exc:
+                raise self.disk_error("samples.jsonl", exc) from None
         return dropped
 
     def finished(self, total_timesteps: int) -> bool:
