@@ -504,3 +504,48 @@ def test_eval_png_says_where_a_metric_has_no_value_and_plots_a_metric_that_joins
         "no value in any evaluation"
     ]
     assert not axes["kl"].texts
+
+
+def test_a_total_that_no_reward_applied_to_is_not_measured_as_0(tmp_path, register):
+    """A design whose reward applied to no held-out completion showed reward 0.000 [0.000, 0.000] over all
+    its episodes, as if measured: training paid those episodes 0 because no reward scored them."""
+    from conftest import reward_plugin
+
+    from textgym.agents.ppo import LMPPO
+
+    register(reward_plugin("never", lambda samples: [None] * len(samples)), "never")
+    register(
+        reward_plugin("on_a", lambda ss: [1.0 if s.prompt.startswith("a") else None for s in ss]), "on-a"
+    )
+    env = gymnasium.make_vec("textgym/Copy-v0", num_envs=4, vectorization_mode="vector_entry_point",
+                             autoreset_mode="Disabled", model="tiny-char-llama", prompts="copy-train")  # fmt: skip
+    agent = LMPPO("tiny-char-llama", env, seed=0, verbose=0)
+    results = {}
+    for name in ("never", "on_a"):
+        text = COPY.replace('{ name = "match", partial = true }, { name = "length_penalty", weight = 0.5, '
+                            'target = 3 }', f'{{ name = "{name}" }}')  # fmt: skip
+        config = load_config(config_file(tmp_path, text + EVAL.replace("episodes = 12", "episodes = 24")))
+        evaluator = Evaluator(config, config["eval"], config["env"]["rewards"], lm_agent=True)
+        results[name] = evaluator(agent)
+    never, on_a = results["never"], results["on_a"]
+    assert math.isnan(never.metrics["reward"]) and never.counts["reward"] == 0
+    assert all(row["reward"] == 0.0 for row in never.episodes)  # each episode shows what training paid it
+    applied = sum(row["prompt"].startswith("a") for row in on_a.episodes)
+    assert 0 < applied < len(on_a.episodes) and on_a.counts["reward"] == applied
+    assert on_a.metrics["reward"] == 1.0  # the mean over the episodes it applied to
+
+
+def test_an_sb3_policys_total_that_no_reward_applied_to_is_not_measured_either(register):
+    from conftest import reward_plugin
+    from stable_baselines3 import A2C
+
+    from textgym.eval_settings import EVAL_DEFAULTS
+    from textgym.sb3 import make_vec_env
+
+    register(reward_plugin("never_sb3", lambda samples: [None] * len(samples)), "never-sb3")
+    model = A2C("MultiInputPolicy", make_vec_env("textgym/Copy-v0", n_envs=1, seed=0), seed=0)
+    config = {"env": {"id": "textgym/Copy-v0", "num_envs": 4}, "agent": {"policy": "MultiInputPolicy"}}
+    spec = {**EVAL_DEFAULTS, "episodes": 4, "prompts": "copy-heldout", "rewards": [], "builtin": ["length"]}
+    result = Evaluator(config, spec, [{"name": "never_sb3"}], lm_agent=False)(model)
+    assert math.isnan(result.metrics["reward"]) and result.counts["reward"] == 0
+    assert all("turn_rewards" not in e for e in result.episodes)  # one turn: no responder paid anything

@@ -44,7 +44,8 @@ class Evaluation:
     """What one evaluation measured.
 
     Attributes:
-        metrics: ``reward``, each metric reward's label and each chosen built-in metric -> its mean.
+        metrics: ``reward``, each metric reward's label and each chosen built-in metric -> its mean (of
+            ``reward``: over the episodes that some weighted training reward, or a turn, paid).
         errors: standard error of the mean of ``reward`` and of each metric reward.
         counts: the episodes each of those means is over (those a metric applied to).
         components: per training component: ``weight``, ``mean``, ``std`` and ``share`` (its share of the
@@ -224,7 +225,12 @@ class Evaluator:
                         "finish_reason": str(info["finish_reason"]),
                         "num_tokens": int(info["num_tokens"]),
                         "reward_components": components,
-                        "turn_rewards": [float(r) for r in info.get("turn_rewards", [])],
+                        # multi-turn only, as the LM path's infos (sampling.rollout) have them
+                        **(
+                            {"turn_rewards": [float(r) for r in info["turn_rewards"]]}
+                            if "turns" in info
+                            else {}
+                        ),
                     }
                 )
                 replies = [t["tokens"] for t in info.get("turns", []) if t["role"] == "assistant"]
@@ -255,9 +261,18 @@ class Evaluator:
         # plus the rewards a responder paid for each turn (multi-turn), as the training returns hold them
         turns = np.array([sum(e.get("turn_rewards") or ()) for e in episodes], dtype=float)
         totals = (self.stack.combine(columns) if self.stack.names else np.zeros(len(episodes))) + turns
-        metrics: dict[str, float] = {REWARD: _mean(totals)}
-        errors: dict[str, float] = {REWARD: _se(totals)}
-        counts = {REWARD: _count(totals)}
+        # An episode that none of the design's weighted rewards applied to was trained on a total of 0 that no
+        # reward gave: the metric leaves it out, as a component's leaves out its None, so that a reward that
+        # applied to nothing shows as not measured, not as a measured 0. A multi-turn episode's responder
+        # pays its turns (turn_rewards): what it paid, 0 for no completed turn included, is a measured return.
+        weighted = [name for name in self.train_names if self.stack.weights[name] != 0]
+        applied = np.array([e.get("turn_rewards") is not None for e in episodes], dtype=bool)
+        for name in weighted:
+            applied |= ~np.isnan(columns[name])
+        scored = np.where(applied, totals, np.nan)
+        metrics: dict[str, float] = {REWARD: _mean(scored)}
+        errors: dict[str, float] = {REWARD: _se(scored)}
+        counts = {REWARD: _count(scored)}
         if self.stack.aggregate == "normalize_then_sum":  # standardised over these very episodes: its mean is
             metrics[REWARD] = errors[REWARD] = math.nan  # 0 whatever the policy, and measures nothing
         for name, label in self.labels.items():
