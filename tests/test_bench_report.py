@@ -221,7 +221,10 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
         w for w in caught if "Mean of empty slice" in str(w.message)
     ]  # (the gold's unmeasured reward)
     md = (out / "report.md").read_text()
-    assert "exact_copy 0.500 -> 0.150 (2 of 2 seeds; shown: seed 0)" in md  # seed 2 had no curve to check
+    # seed 2 had no curve to check: the flag says so
+    assert (
+        "exact_copy 0.500 -> 0.150 (2 of 2 seeds (2 of 3 seeds had a held-out curve to check); shown: " in md
+    )
     assert "did not run on 1 of 6 runs: they have no held-out curve" in md
     assert "The gaming check did not run on gold: the held-out `reward` (the proxy) is not measured" in md
     html = (out / "report.html").read_text()
@@ -517,3 +520,16 @@ def test_the_curve_spacing_is_the_one_between_evaluations_not_to_a_runs_end():
         _curve_spacing({"c": rows(0, 0, 3, 4)}) == ", during training every 3 iterations"
     )  # (not "every 0")
     assert _curve_spacing({"d": rows(0)}) == ""
+
+
+def test_a_flag_raised_on_the_only_seed_with_a_curve_says_the_others_were_not_checked(tmp_path):
+    """After a rerun with another metric, only a new seed had a curve: the flag read "(seed 0; shown: seed
+    0)", as if the other seeds had been checked and passed."""
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    for job in jobs:
+        if job.design["name"] == "proxy" and job.seed != 0:
+            (job.run_dir / "eval.csv").unlink()
+    write_outputs(out, spec, jobs)
+    md = (out / "report.md").read_text()
+    assert "(seed 0, the only one of 3 seeds with a held-out curve to check; shown: seed 0)" in md

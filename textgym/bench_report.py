@@ -117,6 +117,11 @@ def flag_items(results: BenchResults) -> list[tuple[str, str, str]]:
         who = f"{design} ({agent})" if len(results.agents) > 1 else design
         for f in flags:
             seeds = f"{len(f['seeds'])} of {f['of']} seeds" if f["of"] > 1 else f"seed {f['first_seed']}"
+            every = f.get("seeds_in_all", f["of"])
+            if f["of"] < every and f["of"] == 1:  # the others had no curve: not a check they passed
+                seeds += f", the only one of {every} seeds with a held-out curve to check"
+            elif f["of"] < every:
+                seeds += f" ({f['of']} of {every} seeds had a held-out curve to check)"
             items.append((who, f["message"], f"{seeds}; shown: seed {f['first_seed']}"))
     return items
 
