@@ -203,7 +203,7 @@ def measure(
         sides["bf16"] = lambda: bf16(samples)
         checks["bf16"] = max_difference(fast, bf16(samples))
         if name in PREFIX_REWARDS:
-            whole = make_reward(name, **kwargs, share_prefix=False)
+            whole = make_reward(name, **kwargs, bf16=False, share_prefix=False)  # fp32, as the first side
             sides["no_prefix"] = lambda: whole(samples)
             checks["no_prefix"] = max_difference(fast, whole(samples))
         if args.baseline:

@@ -760,13 +760,19 @@ def test_resuming_with_another_number_of_processes_is_refused(two_process_run, t
     same_config = "accelerate launch --config_file CONFIG --num_processes 2, with the same sharding config"
     # torchrun with one process is a launcher too: it must not start a second one inside; a sharded launch
     # is told how to resume sharded (a plain resume would drop the sharding)
-    for launcher, hint in [
-        ([*TORCHRUN[:-1], "--nproc_per_node=3"], f"(torchrun --nproc_per_node 2, or {itself})"),
-        ([*accelerate, "--num_processes=3"], f"({same_config}, or ACCELERATE_USE_FSDP=true {itself})"),
-        ([*accelerate, "--num_processes=1"], f"({same_config}, or ACCELERATE_USE_FSDP=true {itself})"),
-        ([*TORCHRUN[:-1], "--nproc_per_node=1"], f"(torchrun --nproc_per_node 2, or {itself})"),
+    fsdp_torchrun = "ACCELERATE_USE_FSDP=true torchrun --nproc_per_node 2"
+    for launcher, hint, shard in [
+        ([*TORCHRUN[:-1], "--nproc_per_node=3"], f"(torchrun --nproc_per_node 2, or {itself})", None),
+        ([*accelerate, "--num_processes=3"], f"({same_config}, or ACCELERATE_USE_FSDP=true {itself})", None),
+        ([*accelerate, "--num_processes=1"], f"({same_config}, or ACCELERATE_USE_FSDP=true {itself})", None),
+        ([*TORCHRUN[:-1], "--nproc_per_node=1"], f"(torchrun --nproc_per_node 2, or {itself})", None),
+        (
+            [*TORCHRUN[:-1], "--nproc_per_node=1"],
+            f"({fsdp_torchrun}, or ACCELERATE_USE_FSDP=true {itself})",
+            "fsdp",
+        ),
     ]:
-        result = run_cmd([*launcher, "-m", "textgym", "train", "--resume", str(out)])
+        result = run_cmd([*launcher, "-m", "textgym", "train", "--resume", str(out)], shard=shard)
         assert result.returncode != 0, result.stdout[-2000:]
         assert f"resume it with the same number {hint}, not" in result.stderr
         assert "with 2 processes on this machine" not in result.stdout

@@ -521,18 +521,29 @@ def test_a_total_that_no_reward_applied_to_is_not_measured_as_0(tmp_path, regist
                              autoreset_mode="Disabled", model="tiny-char-llama", prompts="copy-train")  # fmt: skip
     agent = LMPPO("tiny-char-llama", env, seed=0, verbose=0)
     results = {}
-    for name in ("never", "on_a"):
-        text = COPY.replace('{ name = "match", partial = true }, { name = "length_penalty", weight = 0.5, '
-                            'target = 3 }', f'{{ name = "{name}" }}')  # fmt: skip
+    # a gate on a weight-0 component pays the episodes it fails (cap -1) though no weighted reward applies
+    gated = ('{ components = [{ name = "never" }, { name = "length_penalty", weight = 0, target = 3 }], '
+             'gates = [{ component = "length_penalty", min = 0, action = "cap", cap = -1.0 }] }')  # fmt: skip
+    for name, rewards in (
+        ("never", '[{ name = "never" }]'),
+        ("on_a", '[{ name = "on_a" }]'),
+        ("gated", gated),
+    ):
+        text = COPY.replace('[{ name = "match", partial = true }, { name = "length_penalty", weight = 0.5, '
+                            'target = 3 }]', rewards)  # fmt: skip
         config = load_config(config_file(tmp_path, text + EVAL.replace("episodes = 12", "episodes = 24")))
         evaluator = Evaluator(config, config["eval"], config["env"]["rewards"], lm_agent=True)
         results[name] = evaluator(agent)
     never, on_a = results["never"], results["on_a"]
     assert math.isnan(never.metrics["reward"]) and never.counts["reward"] == 0
     assert all(row["reward"] == 0.0 for row in never.episodes)  # each episode shows what training paid it
+    # where it applied to some, the mean is over every episode, as training paid them (the episodes a policy
+    # makes its reward not apply to are not left out of its proxy)
     applied = sum(row["prompt"].startswith("a") for row in on_a.episodes)
-    assert 0 < applied < len(on_a.episodes) and on_a.counts["reward"] == applied
-    assert on_a.metrics["reward"] == 1.0  # the mean over the episodes it applied to
+    assert 0 < applied < len(on_a.episodes) and on_a.counts["reward"] == len(on_a.episodes)
+    assert on_a.metrics["reward"] == pytest.approx(applied / len(on_a.episodes))
+    capped = [row["reward"] for row in results["gated"].episodes]
+    assert -1.0 in capped and results["gated"].metrics["reward"] == pytest.approx(sum(capped) / len(capped))
 
 
 def test_an_sb3_policys_total_that_no_reward_applied_to_is_not_measured_either(register):

@@ -188,8 +188,8 @@ def test_the_launcher_records_the_order_its_processes_exit_in(tmp_path):
     follows += "time.sleep(0.2)\nraise SystemExit(1)"  # as gloo's "connection closed by peer" does
     dies = f"import os, pathlib, signal\npathlib.Path({str(died)!r}).touch()\nos.kill(os.getpid(), signal.SIGKILL)"
     processes = [subprocess.Popen([sys.executable, "-c", code]) for code in (follows, dies)]
-    codes, order, signals = _wait(processes)
-    assert codes == [1, 128 + signal.SIGKILL] and order == [1, 0] and not signals
+    codes, order, signals, stopped = _wait(processes)
+    assert codes == [1, 128 + signal.SIGKILL] and order == [1, 0] and not signals and not stopped
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,15 @@ def test_a_process_killed_by_a_signal_is_named_by_it_and_the_message_says_where_
         "the 2-process run of runs/x failed: process 1 was killed by SIGKILL (kill -9, or the system's "
         "out-of-memory killer); the other processes' errors above follow from it. Resume it."
     )
-    with pytest.raises(TrainingError, match=r"process 0 was killed by SIGSEGV; the other processes' errors"):
+    # a crash printed its own error: "see above" stays
+    with pytest.raises(
+        TrainingError, match=r"^the run failed \(process 0 was killed by SIGSEGV\); see above\.$"
+    ):
         _raise_for([139, 1], [0, 1], set(), "the run")
     with pytest.raises(TrainingError, match=r"process 0 exited with code 255\); see above\.$"):
         _raise_for([255, 0], [0, 1], set(), "the run")
+    # killed by the launcher itself, GRACE_S after another process failed: not a kill -9 from outside
+    with pytest.raises(
+        TrainingError, match=r"\(process 1 did not exit within 60 s of a failure and was stopped\)"
+    ):
+        _raise_for([3, 137], [0, 1], set(), "the run", stopped=frozenset({1}))

@@ -511,7 +511,7 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(config, tmp_pat
     assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
     err = capsys.readouterr().err
     assert "could not write metrics.csv" in err and "(the disk is full)" in err
-    assert "the last good checkpoint is" in err and "(iteration 2)" in err
+    assert "the last good checkpoint is at iteration 2. Free space or fix permissions, then --resume." in err
     assert is_complete(out / "checkpoint")
 
 
@@ -539,8 +539,8 @@ def test_a_full_disk_at_start_or_resume_is_one_line_too(config, tmp_path, capsys
     err = capsys.readouterr().err
     assert (
         f"could not write config.toml in {out}: No space left on device (the disk is full); there is no "
-        in err
-    )
+        f"checkpoint yet. Free space or fix permissions, then start the run again." in err
+    )  # (not --resume: the start that failed is removed)
     assert "Traceback" not in err and not out.exists()  # a start that fails leaves nothing behind
     assert (
         main(["train", str(config), "--set", f"run.output_dir='{out}'", "--set", "run.total_timesteps=64"])
@@ -553,8 +553,23 @@ def test_a_full_disk_at_start_or_resume_is_one_line_too(config, tmp_path, capsys
     err = capsys.readouterr().err
     assert (
         f"could not write code.json in {out}: No space left on device (the disk is full); the last good "
-        in err
+        f"checkpoint is at iteration 2. Free space or fix permissions, then --resume." in err
     )
+    assert "Traceback" not in err
+
+
+def test_a_full_disk_writing_the_held_out_curve_is_one_line(config, tmp_path, capsys, monkeypatch):
+    import textgym.diagnostics
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(textgym.diagnostics, "write_atomic", full)
+    config.write_text(config.read_text() + '\n[eval]\nevery = 1\nepisodes = 4\nprompts = "copy-heldout"\n')
+    out = tmp_path / "run"
+    assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2
+    err = capsys.readouterr().err
+    assert f"could not write eval.csv in {out}: No space left on device (the disk is full)" in err
     assert "Traceback" not in err
 
 

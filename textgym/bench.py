@@ -138,9 +138,9 @@ def _read_json(path: Path) -> Any:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(jsonable(value), indent=2, allow_nan=False), encoding="utf-8")
-    os.replace(tmp, path)
+    from textgym.rundir import write_atomic
+
+    write_atomic(path, json.dumps(jsonable(value), indent=2, allow_nan=False))
 
 
 def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:

@@ -291,7 +291,7 @@ STATS_TEXT = (
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric (the interval is not: it can "
     f"exclude 0 where the corrected p is above {ALPHA}). A group ranks below every group "
     f"significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c), and never "
-    f"above a group with a better mean: equal ranks are not significantly different; a group that no test "
+    f"above a group with a better mean (unless missing seeds make a lower mean significantly better): equal ranks are not significantly different; a group that no test "
     f"compared with another is not ranked."
 )
 

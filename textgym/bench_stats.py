@@ -11,8 +11,9 @@ seed-to-seed variation both share.
 - :func:`compare` runs every pairwise test within a metric and corrects the p-values for the number of
   pairs (Holm, 1979). Its ranks follow the means and step down only where a test separates: a group ranks
   below every group significantly better than it, directly or through a chain (a > b > c: a is above c),
-  and never above a group with a better mean, so two groups that share a rank are never significantly
-  different from each other, also when missing seeds leave some pairs with fewer shared seeds.
+  and never above a group with a better mean (except where missing seeds make a group of a lower mean
+  significantly better than one of a higher mean: both cannot hold, and the test decides), so two groups
+  that share a rank are never significantly different from each other.
   A group that no test compared with another (one seed, or an infinite or missing value on every pair's
   shared seeds) is not ranked.
 """
@@ -186,8 +187,8 @@ def compare(
 ) -> tuple[list[Comparison], dict[str, int | None]]:
     """Every pair of ``groups`` (name -> seed -> value) compared, p-values Holm-corrected over the pairs,
     and each group's rank: below every group significantly better (directly or through a chain), and never
-    above a group of a better mean (None when ``direction`` is None or the group has no value or no test).
-    ``bounds``: the metric's range."""
+    above a group of a better mean where the tests allow it (see the module docstring; None when
+    ``direction`` is None or the group has no value or no test). ``bounds``: the metric's range."""
     names = list(groups)
     tests = [(a, b, paired(groups[a], groups[b], bounds=bounds)) for a, b in itertools.combinations(names, 2)]
     tests = [t for t in tests if t[2].n > 0 or t[2].unmeasured]  # none shared: e.g. KL of an SB3 agent

@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from tqdm.auto import tqdm
 
 from textgym.eval_settings import REWARD, check_metric_specs
 from textgym.evaluation import Evaluator
+from textgym.rundir import RunDir, write_atomic
 
 EVAL_CSV = "eval.csv"
 EVAL_PLOT = "eval.png"
@@ -163,7 +163,10 @@ class EvalCallback(BaseCallback):
         self.rows.append(row)
         if not self.main:
             return
-        write_rows(self.run_dir / EVAL_CSV, self.rows)
+        try:
+            write_rows(self.run_dir / EVAL_CSV, self.rows)
+        except OSError as exc:  # a full disk: one line, as the run's other writes
+            raise RunDir(self.run_dir).disk_error(EVAL_CSV, exc) from None
         tqdm.write(eval_line(iteration, evaluation.metrics))
         logger = self.model.logger
         if logger is not None:
@@ -188,9 +191,7 @@ def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     writer.writerows(
         {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows
     )
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(buffer.getvalue(), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, buffer.getvalue())
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -44,8 +44,8 @@ class Evaluation:
     """What one evaluation measured.
 
     Attributes:
-        metrics: ``reward``, each metric reward's label and each chosen built-in metric -> its mean (of
-            ``reward``: over the episodes that some weighted training reward, or a turn, paid).
+        metrics: ``reward``, each metric reward's label and each chosen built-in metric -> its mean
+            (``reward``: NaN when no weighted training reward applied to any episode and nothing paid one).
         errors: standard error of the mean of ``reward`` and of each metric reward.
         counts: the episodes each of those means is over (those a metric applied to).
         components: per training component: ``weight``, ``mean``, ``std`` and ``share`` (its share of the
@@ -261,15 +261,14 @@ class Evaluator:
         # plus the rewards a responder paid for each turn (multi-turn), as the training returns hold them
         turns = np.array([sum(e.get("turn_rewards") or ()) for e in episodes], dtype=float)
         totals = (self.stack.combine(columns) if self.stack.names else np.zeros(len(episodes))) + turns
-        # An episode that none of the design's weighted rewards applied to was trained on a total of 0 that no
-        # reward gave: the metric leaves it out, as a component's leaves out its None, so that a reward that
-        # applied to nothing shows as not measured, not as a measured 0. A multi-turn episode's responder
-        # pays its turns (turn_rewards): what it paid, 0 for no completed turn included, is a measured return.
+        # A design whose weighted rewards applied to none of the episodes (and that nothing else paid: no gate,
+        # no responder) was trained on totals of 0 that no reward gave: not measured, not a measured 0. Where
+        # some applied, the mean is over every episode, as training paid them (a subset that the policy
+        # chooses, by making its reward not apply, would not compare between agents).
         weighted = [name for name in self.train_names if self.stack.weights[name] != 0]
-        applied = np.array([e.get("turn_rewards") is not None for e in episodes], dtype=bool)
-        for name in weighted:
-            applied |= ~np.isnan(columns[name])
-        scored = np.where(applied, totals, np.nan)
+        multi_turn = any(e.get("turn_rewards") is not None for e in episodes)
+        applied = multi_turn or any((~np.isnan(columns[name])).any() for name in weighted)
+        scored = totals if applied or np.any(totals != 0) else np.full_like(totals, np.nan)
         metrics: dict[str, float] = {REWARD: _mean(scored)}
         errors: dict[str, float] = {REWARD: _se(scored)}
         counts = {REWARD: _count(scored)}

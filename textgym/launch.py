@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -208,19 +209,20 @@ def check_processes(
     run, env = config["run"], config["env"]
     if world > 1 or under_launcher():
         if resuming and run["processes"] != world:
-            n, resume = run["processes"], f"textgym train --resume {run['output_dir']}"
+            n, resume = run["processes"], f"textgym train --resume {shlex.quote(str(run['output_dir']))}"
             # a sharded launch: the advice keeps the sharding (a plain resume would drop it)
             shard = next((v for v in _SHARDING_VARS if os.environ.get(v, "").lower() in ("1", "true")), None)
-            if (
-                shard and "ACCELERATE_DYNAMO_BACKEND" in os.environ
-            ):  # under accelerate launch, its config file
+            # (set by accelerate launch, not by torchrun)
+            accelerate = "ACCELERATE_DYNAMO_BACKEND" in os.environ
+            if shard and accelerate:  # sharding from its config file
                 how = f"accelerate launch --config_file CONFIG --num_processes {n}, with the same sharding config"
                 how += f", or {shard}=true {resume}, which starts them itself" if n > 1 else ""
             elif shard:
-                how = f"torchrun --nproc_per_node {n}" + (f", or {shard}=true {resume}" if n > 1 else "")
+                how = f"{shard}=true torchrun --nproc_per_node {n}"
+                how += f", or {shard}=true {resume}, which starts them itself" if n > 1 else ""
             elif n == 1:
                 how = f"{resume}, without a launcher"
-            elif "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # set by accelerate launch, not by torchrun
+            elif accelerate:
                 how = f"accelerate launch --num_processes {n}, or {resume}, which starts them itself"
             else:
                 how = f"torchrun --nproc_per_node {n}, or {resume}, which starts them itself"
@@ -306,7 +308,7 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
                 processes.append(
                     subprocess.Popen(cmd, env={**env, "RANK": str(i), "LOCAL_RANK": str(i)}, **output)
                 )
-            codes, order, signals = _wait(processes)
+            codes, order, signals, stopped = _wait(processes)
         except BaseException:
             for process in processes:
                 process.kill()
@@ -320,33 +322,46 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
     after = ""
     if (run_dir / "metrics.csv").exists():  # it trained: say where a resume continues
-        k, resume = rd.last_checkpoint(), f"textgym train --resume {run_dir}"
+        k, resume = rd.last_checkpoint(), f"textgym train --resume {shlex.quote(str(run_dir))}"
         after = (
             f" There is no checkpoint yet: {resume} starts it again."
             if k is None
             else f" Its last checkpoint is at iteration {k}: {resume} continues from there."
         )
-    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after)
+    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped)
 
 
-def _raise_for(codes: list[int], order: list[int], signals: set[int], what: str, after: str = "") -> NoReturn:
+def _raise_for(
+    codes: list[int],
+    order: list[int],
+    signals: set[int],
+    what: str,
+    after: str = "",
+    stopped: frozenset[int] = frozenset(),
+) -> NoReturn:
     """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
     order they exited in): the others may have failed only because it left (a collective whose peer is gone
-    fails), so they say nothing of what went wrong. ``after`` ends the message (where a resume continues)."""
+    fails), so they say nothing of what went wrong. ``after`` ends the message (where a resume continues);
+    ``stopped``: the processes this launcher killed (:func:`_wait`), whose kill is not the news."""
     # (a process that said it stopped because another failed is not the first to blame)
     first = next((i for i in order if codes[i] not in (0, FOLLOWED_EXIT)), next(i for i in order if codes[i]))
     if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
         raise KeyboardInterrupt  # a second Ctrl-C or SIGTERM (or one during start-up): the processes aborted
     killed = _signal_of(codes[first])
-    if killed is None:
+    if first in stopped:
+        said = f"process {first} did not exit within {GRACE_S:g} s of a failure and was stopped"
+    elif (
+        killed == signal.SIGKILL
+    ):  # it printed nothing: what the others printed, a lost peer, follows from it
         raise TrainingError(
-            f"{what} failed (process {first} exited with code {codes[first]}); see above.{after}"
+            f"{what} failed: process {first} was killed by SIGKILL (kill -9, or the system's out-of-memory "
+            f"killer); the other processes' errors above follow from it.{after}"
         )
-    why = " (kill -9, or the system's out-of-memory killer)" if killed == signal.SIGKILL else ""
-    raise TrainingError(  # it printed nothing: what the others printed, a lost peer, follows from it
-        f"{what} failed: process {first} was killed by {killed.name}{why}; the other processes' errors above "
-        f"follow from it.{after}"
-    )
+    elif killed is not None and killed not in (signal.SIGINT, signal.SIGTERM):  # a crash: SIGSEGV, SIGABRT
+        said = f"process {first} was killed by {killed.name}"
+    else:
+        said = f"process {first} exited with code {codes[first]}"
+    raise TrainingError(f"{what} failed ({said}); see above.{after}")
 
 
 def _signal_of(code: int) -> signal.Signals | None:
@@ -376,14 +391,15 @@ _INTERRUPTED = {
 }
 
 
-def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int]]:
-    """Wait for every process; returns their exit codes, their indices in the order they exited, and the
-    signals this process received meanwhile. SIGINT and SIGTERM are not acted on here: the terminal sends a
+def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int], frozenset[int]]:
+    """Wait for every process; returns their exit codes, their indices in the order they exited, the
+    signals this process received meanwhile, and the processes it killed (GRACE_S after a failure). SIGINT and SIGTERM are not acted on here: the terminal sends a
     Ctrl-C to the processes too, and a SIGTERM is passed on to them."""
     import threading
     import time
 
     received: list[int] = []
+    stopped: set[int] = set()
     # a thread per process appends its index as the process exits: the order they exited in, to the millisecond
     exited: list[int] = []
     waiters = [
@@ -414,8 +430,10 @@ def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int]]:
             if failed_at is None and any(processes[i].returncode for i in list(exited)):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-                for process in processes:
-                    process.kill()
+                for i, process in enumerate(processes):
+                    if process.poll() is None:
+                        stopped.add(i)
+                        process.kill()
             time.sleep(0.1)
         for waiter in waiters:
             waiter.join()
@@ -423,4 +441,4 @@ def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int]]:
         for s, handler in previous.items():
             signal.signal(s, handler)
     codes = [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in processes]
-    return codes, exited, set(received)
+    return codes, exited, set(received), frozenset(stopped)

@@ -179,8 +179,13 @@ class RunDir:
 
     def _holder(self) -> str | None:
         """The id of the process that holds this run directory's lock (one training it now), or None. Asks
-        with a shared lock, which fails while another process holds the exclusive one, and writes nothing."""
-        import fcntl
+        with a shared lock, which fails while another process holds the exclusive one, and writes nothing.
+        (A start asking at the very moment a resume takes the lock can make that resume wait for nothing: it
+        is refused as in use, and the same command then works.)"""
+        try:
+            import fcntl
+        except ImportError:  # (no flock: Windows)
+            return None
 
         try:
             fd = os.open(self.path / LOCK, os.O_RDONLY)
@@ -239,9 +244,8 @@ class RunDir:
 
         temporaries = [p for p in self.path.glob(f".{CHECKPOINT}.*") if p.is_dir()]
         if not is_complete(self.checkpoint):
-            complete = [p for p in temporaries if is_complete(p)]
-            if complete:
-                newest = max(complete, key=_progress)
+            newest = self._last_complete()
+            if newest is not None:
                 if self.checkpoint.exists():
                     shutil.rmtree(self.checkpoint)
                 os.rename(newest, self.checkpoint)
@@ -272,27 +276,33 @@ class RunDir:
         elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             reason += " (the directory is not writable)"
         k = self.last_checkpoint()
-        last = (
-            "there is no checkpoint yet"
-            if k is None
-            else f"the last good checkpoint is {self.checkpoint} (iteration {k})"
-        )
+        last = "there is no checkpoint yet" if k is None else f"the last good checkpoint is at iteration {k}"
+        # a start that fails is removed (discard_failed_start): it is started again, not resumed
+        then = "--resume" if k is not None or (self.path / "metrics.csv").exists() else "start the run again"
         return TrainingError(
-            f"could not write {what} in {self.path}: {reason}; {last}. Free space or fix permissions, then --resume."
+            f"could not write {what} in {self.path}: {reason}; {last}. Free space or fix permissions, then {then}."
         )
 
-    def last_checkpoint(self) -> int | str | None:
-        """The iteration ``--resume`` would continue from: the complete checkpoint's (or that of one a cut swap
-        left as a temporary, which the resume restores); None when there is none yet."""
+    def _last_complete(self) -> Path | None:
+        """The complete checkpoint a resume continues from: the checkpoint, or the newest complete temporary
+        that a swap cut by a kill left (:meth:`recover_checkpoint` restores it); None when there is none."""
         from textgym.atomic import is_complete
 
-        complete = [self.checkpoint] if is_complete(self.checkpoint) else []
-        complete = complete or [
-            p for p in self.path.glob(f".{CHECKPOINT}.*") if p.is_dir() and is_complete(p)
-        ]
-        if not complete:
+        if is_complete(self.checkpoint):
+            return self.checkpoint
+        complete = [p for p in self.path.glob(f".{CHECKPOINT}.*") if p.is_dir() and is_complete(p)]
+        return max(complete, key=_progress) if complete else None
+
+    def last_checkpoint(self) -> int | str | None:
+        """The iteration ``--resume`` would continue from (:meth:`_last_complete`'s), "?" where its state
+        cannot be read (a swap renaming it right now), None when there is no checkpoint yet."""
+        path = self._last_complete()
+        if path is None:
             return None
-        return json.loads((max(complete, key=_progress) / "state.json").read_text()).get("iteration", "?")
+        try:
+            return json.loads((path / "state.json").read_text()).get("iteration", "?")
+        except (OSError, ValueError, AttributeError):
+            return "?"
 
     # -- metrics and samples ---------------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:

@@ -425,7 +425,8 @@ def _run_native(
 
 SHARDING_HOW = (
     "sharding follows the launch: the same accelerate launch --config_file, or ACCELERATE_USE_FSDP=true or "
-    "ACCELERATE_USE_DEEPSPEED=true in the environment; see docs/distributed.md"
+    "ACCELERATE_USE_DEEPSPEED=true in the environment (with one process, under a launcher: torchrun "
+    "--nproc_per_node 1 or accelerate launch --num_processes 1); see docs/distributed.md"
 )
 
 
