@@ -533,3 +533,32 @@ def test_a_flag_raised_on_the_only_seed_with_a_curve_says_the_others_were_not_ch
     write_outputs(out, spec, jobs)
     md = (out / "report.md").read_text()
     assert "(seed 0, the only one of 3 seeds with a held-out curve to check; shown: seed 0)" in md
+
+
+def test_adding_a_metric_keeps_the_finished_runs_curves_of_the_others_and_says_what_they_lack(tmp_path):
+    """The curves' digest covered the whole metric list: one metric more dropped every run's curve, and with
+    it every gaming flag, until the runs trained again."""
+    out = tmp_path / "bench"
+    spec, jobs = fake_bench(out)
+    write_outputs(out, spec, jobs)
+    before = (out / "report.md").read_text()
+    assert "exact_copy 0.500 -> 0.150 (3 of 3 seeds; shown: seed 0)" in before
+    d = json.loads(json.dumps(DESIGNS))
+    d["bench"]["output_dir"] = str(out)
+    gold = d["designs"][1]
+    gold["rewards"] = {"aggregate": "sum", "components": gold["rewards"]}
+    d["metrics"]["rewards"].append({"name": "length_penalty", "target": 3, "label": "short"})
+    grown = bench.load_designs(d)
+    regrown = bench.plan(grown, out)
+    assert [j.curves_hash for j in regrown] != [j.curves_hash for j in jobs]  # the whole list changed
+    write_outputs(out, grown, regrown)
+    md = (out / "report.md").read_text()
+    assert "exact_copy 0.500 -> 0.150 (3 of 3 seeds; shown: seed 0)" in md  # still checked on every seed
+    assert "The held-out curves of" not in md  # none dropped
+    assert "The curve checks that read `short` (on 6 runs) did not run there: those runs trained before" in md
+    # other prompts change what every column measures: then the curves go, as before
+    d["bench"]["eval_prompts"] = "copy-train"
+    other = bench.load_designs(d)
+    write_outputs(out, other, bench.plan(other, out))
+    md = (out / "report.md").read_text()
+    assert "The held-out curves of 6 runs are not shown" in md and "exact_copy 0.500 -> 0.150" not in md

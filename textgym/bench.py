@@ -67,6 +67,7 @@ class Job:
     curves_hash: str  # the settings of the held-out curves measured during training ([eval])
     eval_files: dict[str, Any]  # the digests of the evaluation's files (evaluation_files) it was planned with
     evaluation: dict[str, Any]  # the final evaluation's settings and files (eval.json keeps them, to diff)
+    curve_parts: dict[str, Any] | None = None  # the curves' columns one by one (curve_parts); None: no curves
 
     @property
     def eval_hash(self) -> str:
@@ -91,6 +92,22 @@ def eval_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
 def _measured(settings: Mapping[str, Any]) -> dict[str, Any]:
     """What an evaluation measures: its settings without ``every`` (when it runs)."""
     return {k: v for k, v in settings.items() if k != "every"}
+
+
+def curve_parts(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """What each column of a held-out curve measures, in digests: ``base``, what every column shares (the
+    prompts and their file, the episodes, the sampling seed); ``metrics``, each metric reward's label -> its
+    spec and files; ``builtin``, the built-in metrics measured. A finished run whose curve has the same base
+    keeps the columns of the metrics that did not change when the metric list does
+    (:func:`textgym.bench_results.kept_columns`): adding a metric does not lose every run's curve."""
+    settings = _measured(eval_settings(spec))
+    shared = {k: v for k, v in settings.items() if k not in ("rewards", "builtin")}
+    metrics = {
+        m["label"]: _digest({"spec": m, **evaluation_files({**spec, "metric_rewards": [m]})})
+        for m in spec["metric_rewards"]
+    }
+    base = _digest({**shared, **evaluation_files({**spec, "metric_rewards": []})})
+    return {"base": base, "metrics": metrics, "builtin": sorted(settings["builtin"])}
 
 
 def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
@@ -123,8 +140,11 @@ def plan(spec: Mapping[str, Any], out: Path) -> list[Job]:
                 # keeps those that finished runs have; their settings were hashed the same way)
                 curves = {**_measured(eval_settings(spec)), **files} if agent["lm"] else None
                 hashes = _digest(ident), _digest(curves)
+                parts = curve_parts(spec) if agent["lm"] else None
                 jobs.append(
-                    Job(agent, design, seed, run_dir, run_id, config, ident, *hashes, files, evaluation)
+                    Job(
+                        agent, design, seed, run_dir, run_id, config, ident, *hashes, files, evaluation, parts
+                    )
                 )
     return jobs
 
@@ -256,10 +276,12 @@ def _record(out: Path, job: Job) -> None:
     path = out / INDEX_FILE
     index = _read_json(path) or {}
     runs = index.setdefault("runs", {})
-    started = {"curves_hash": job.curves_hash, "eval": job.config.get("eval")}
+    started = {"curves_hash": job.curves_hash, "curve_parts": job.curve_parts, "eval": job.config.get("eval")}
     if RunDir(job.run_dir).is_run():  # resumed: its config.toml's [eval], as it started
         before = runs.get(job.run_id, {})
         started = {"curves_hash": before.get("curves_hash", job.curves_hash)}
+        if "curve_parts" in before:
+            started["curve_parts"] = before["curve_parts"]
         if "eval" in before:  # (a record from before bench.json kept it has none)
             started["eval"] = before["eval"]
     runs[job.run_id] = {"config_hash": job.config_hash, **started, "config": job.identity}

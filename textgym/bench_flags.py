@@ -182,12 +182,12 @@ CURVE_KINDS = ("gaming", "length_drift", "eos_collapse", "diversity_collapse")  
 
 
 def group_flags(
-    per_seed: Mapping[int, Sequence[Mapping[str, Any]]], curved: Sequence[int] | None = None
+    per_seed: Mapping[int, Sequence[Mapping[str, Any]]], curved: Mapping[int, set[str]] | None = None
 ) -> list[dict[str, Any]]:
     """The flags of one (agent, design) over its seeds: one entry per kind and metric, with the seeds it
     was raised in, the first seed's message, ``of``: the seeds the check ran on (a curve's checks only on
-    the seeds in ``curved``, those with a held-out curve; all of them when it is None), and ``seeds_in_all``:
-    the group's seeds."""
+    the seeds in ``curved``, those with a held-out curve -> its columns, and whose curve has the flag's
+    metric; all of them when it is None), and ``seeds_in_all``: the group's seeds."""
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
     for seed, flags in per_seed.items():
         for flag in flags:
@@ -195,6 +195,10 @@ def group_flags(
             entry = grouped.setdefault(key, {**flag, "seeds": [], "first_seed": seed})
             entry["seeds"].append(seed)
     for entry in grouped.values():
-        checked = per_seed if curved is None or entry["kind"] not in CURVE_KINDS else curved
+        checked = (
+            per_seed
+            if curved is None or entry["kind"] not in CURVE_KINDS
+            else [seed for seed, columns in curved.items() if entry["metric"] in columns]
+        )
         entry["of"], entry["seeds_in_all"] = len(checked), len(per_seed)
     return list(grouped.values())

@@ -144,6 +144,17 @@ def unchecked_lines(results: BenchResults) -> list[str]:
             f"{len(results.evals) - curved} of {len(results.evals)} runs: they have no held-out curve (an SB3 "
             f"agent, `eval_every = 0`, or curves measured with other evaluation settings)."
         )
+    partial: dict[str, int] = {}  # a metric added or changed since some runs trained -> those runs
+    for metrics in results.partial_curves.values():
+        for metric in metrics:
+            partial[metric] = partial.get(metric, 0) + 1
+    if partial:
+        named = ", ".join(f"`{_text(m)}` (on {_count(n, 'run')})" for m, n in partial.items())
+        lines.append(
+            f"The curve checks that read {named} did not run there: those runs trained before the metric was "
+            f"added or changed, so their held-out curves lack it (their final evaluations were recomputed; the "
+            f"checks on the other metrics ran)."
+        )
     unmeasured = [
         d
         for d in results.designs

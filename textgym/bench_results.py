@@ -48,6 +48,8 @@ class BenchResults:
     curves: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # run_id -> eval.csv rows
     flags: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
     stale_curves: list[str] = field(default_factory=list)  # runs whose curves used other eval settings
+    # runs whose curves lack some of the metrics (added or changed since they trained) -> those metrics
+    partial_curves: dict[str, list[str]] = field(default_factory=dict)
 
     def direction(self, metric: str, scope: str) -> str | None:
         """Which way is better when comparing ``"designs"`` (under one agent) or ``"agents"`` (under one
@@ -110,22 +112,58 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
             )
         results.training[job.run_id] = _read_csv(job.run_dir / "metrics.csv")
         if (job.run_dir / EVAL_CSV).is_file():
-            if index.get(job.run_id, {}).get("curves_hash") == job.curves_hash:
+            recorded = index.get(job.run_id, {})
+            kept = kept_columns(recorded.get("curve_parts"), job.curve_parts)
+            if recorded.get("curves_hash") == job.curves_hash:
                 results.curves[job.run_id] = read_rows(job.run_dir / EVAL_CSV)
+            elif kept is not None:  # the metric list changed: the unchanged metrics' columns stay
+                columns, missing = kept
+                rows = read_rows(job.run_dir / EVAL_CSV)
+                results.curves[job.run_id] = [
+                    {k: v for k, v in r.items() if _base(k) in columns} for r in rows
+                ]
+                if missing:
+                    results.partial_curves[job.run_id] = missing
             else:  # measured during training with other evaluation settings
                 results.stale_curves.append(job.run_id)
     _summarize(results)
     per_group: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
-    curved: dict[tuple[str, str], list[int]] = {}  # the seeds whose curve checks ran
+    curved: dict[tuple[str, str], dict[int, set[str]]] = {}  # the seeds whose curve checks ran -> columns
     for job, e in zip(jobs, results.evals):
         curve = results.curves.get(job.run_id, [])
         per_group.setdefault((e["agent"], e["design"]), {})[e["seed"]] = run_flags(
             curve, e.get("components", {}), gold
         )
         if has_curve(curve):
-            curved.setdefault((e["agent"], e["design"]), []).append(e["seed"])
-    results.flags = {key: group_flags(seeds, curved.get(key, [])) for key, seeds in per_group.items()}
+            curved.setdefault((e["agent"], e["design"]), {})[e["seed"]] = {k for row in curve for k in row}
+    results.flags = {key: group_flags(seeds, curved.get(key, {})) for key, seeds in per_group.items()}
     return results
+
+
+def kept_columns(
+    recorded: Mapping[str, Any] | None, planned: Mapping[str, Any] | None
+) -> tuple[set[str], list[str]] | None:
+    """For a curve measured with other settings than the plan's (both :func:`textgym.bench.curve_parts`):
+    the columns that measure what the plan measures (``iteration``, ``timesteps``, the ``reward`` and each
+    metric whose digest did not change), and the plan's metrics it lacks; None when what every column
+    shares changed (other prompts, episodes or seed), or either side has no parts (a record from before
+    parts were kept)."""
+    if not recorded or not planned or recorded.get("base") != planned["base"]:
+        return None
+    old = recorded.get("metrics", {})
+    same = [label for label, digest in planned["metrics"].items() if old.get(label) == digest]
+    builtin = [name for name in planned["builtin"] if name in recorded.get("builtin", [])]
+    missing = [label for label in planned["metrics"] if label not in same]
+    missing += [name for name in planned["builtin"] if name not in builtin]
+    return {"iteration", "timesteps", REWARD, *same, *builtin}, missing
+
+
+def _base(column: str) -> str:
+    """A curve column's metric: ``x`` for ``x``, ``x_se`` and ``x_n``."""
+    for suffix in ("_se", "_n"):
+        if column.endswith(suffix):
+            return column[: -len(suffix)]
+    return column
 
 
 def registered(env_id: str, key: str) -> Any:
