@@ -43,6 +43,7 @@ def fake_bench(
     designs=("proxy", "gold"),
     label="exact_copy",
     aggregate="sum",
+    builtin=None,
 ):
     """A finished bench as the runs would leave it: the proxy design games its reward (its gold metric peaks
     at iteration 10 and falls while its reward keeps rising), the gold design improves steadily. ``label``:
@@ -54,6 +55,8 @@ def fake_bench(
     d["bench"]["output_dir"] = str(out)
     d["bench"]["eval_prompts"] = eval_prompts
     d["bench"]["seeds"] = list(seeds)
+    if builtin is not None:
+        d["metrics"]["builtin"] = builtin
     spec = bench.load_designs(d)
     jobs = bench.plan(spec, out)
     for job in jobs:
@@ -223,7 +226,8 @@ def test_the_report_says_which_checks_did_not_run(tmp_path):
     md = (out / "report.md").read_text()
     # seed 2 had no curve to check: the flag says so
     assert (
-        "exact_copy 0.500 -> 0.150 (2 of 2 seeds (2 of 3 seeds had a held-out curve to check); shown: " in md
+        "exact_copy 0.500 -> 0.150 (2 of 2 seeds (2 of 3 seeds had a held-out curve of exact_copy to check); "
+        in md
     )
     assert "did not run on 1 of 6 runs: they have no held-out curve" in md
     assert "The gaming check did not run on gold: the held-out `reward` (the proxy) is not measured" in md
@@ -532,7 +536,9 @@ def test_a_flag_raised_on_the_only_seed_with_a_curve_says_the_others_were_not_ch
             (job.run_dir / "eval.csv").unlink()
     write_outputs(out, spec, jobs)
     md = (out / "report.md").read_text()
-    assert "(seed 0, the only one of 3 seeds with a held-out curve to check; shown: seed 0)" in md
+    assert (
+        "(seed 0, the only one of 3 seeds with a held-out curve of exact_copy to check; shown: seed 0)" in md
+    )
 
 
 def test_adding_a_metric_keeps_the_finished_runs_curves_of_the_others_and_says_what_they_lack(tmp_path):
@@ -556,9 +562,38 @@ def test_adding_a_metric_keeps_the_finished_runs_curves_of_the_others_and_says_w
     assert "exact_copy 0.500 -> 0.150 (3 of 3 seeds; shown: seed 0)" in md  # still checked on every seed
     assert "The held-out curves of" not in md  # none dropped
     assert "The curve checks that read `short` (on 6 runs) did not run there: those runs trained before" in md
+    # a metric's range only clips intervals: changing it keeps its column
+    d["metrics"]["rewards"][0]["range"] = [0, 2]
+    ranged = bench.load_designs(d)
+    write_outputs(out, ranged, bench.plan(ranged, out))
+    assert "exact_copy 0.500 -> 0.150 (3 of 3 seeds; shown: seed 0)" in (out / "report.md").read_text()
     # other prompts change what every column measures: then the curves go, as before
     d["bench"]["eval_prompts"] = "copy-train"
     other = bench.load_designs(d)
     write_outputs(out, other, bench.plan(other, out))
     md = (out / "report.md").read_text()
     assert "The held-out curves of 6 runs are not shown" in md and "exact_copy 0.500 -> 0.150" not in md
+
+
+def test_kl_added_is_not_named_as_a_curve_check_that_did_not_run(tmp_path):
+    """No curve check reads kl: "the curve checks that read `kl` did not run" named checks that do not exist."""
+    out = tmp_path / "bench"
+    fake_bench(out, builtin=["length", "distinct_2", "eos_rate"])
+    with_kl = bench.load_designs(
+        {**json.loads(json.dumps(DESIGNS)), "bench": {**DESIGNS["bench"], "output_dir": str(out)}}
+    )
+    write_outputs(out, with_kl, bench.plan(with_kl, out))
+    md = (out / "report.md").read_text()
+    assert "exact_copy 0.500 -> 0.150 (3 of 3 seeds; shown: seed 0)" in md and "`kl`" not in md
+
+
+def test_a_run_recorded_before_curve_parts_gets_them_where_its_curves_digest_matches(tmp_path):
+    out = tmp_path / "bench"
+    _, jobs = fake_bench(out)
+    index = json.loads((out / bench.INDEX_FILE).read_text())
+    for record in index["runs"].values():
+        del record["curve_parts"]
+    (out / bench.INDEX_FILE).write_text(json.dumps(index))
+    bench._add_curve_parts(out, jobs)
+    runs = json.loads((out / bench.INDEX_FILE).read_text())["runs"]
+    assert all(runs[j.run_id]["curve_parts"] == j.curve_parts for j in jobs)

@@ -102,8 +102,14 @@ def curve_parts(spec: Mapping[str, Any]) -> dict[str, Any]:
     (:func:`textgym.bench_results.kept_columns`): adding a metric does not lose every run's curve."""
     settings = _measured(eval_settings(spec))
     shared = {k: v for k, v in settings.items() if k not in ("rewards", "builtin")}
+    # (a metric's range only clips intervals, and its weight is ignored: neither changes what it measured)
     metrics = {
-        m["label"]: _digest({"spec": m, **evaluation_files({**spec, "metric_rewards": [m]})})
+        m["label"]: _digest(
+            {
+                "spec": {k: v for k, v in m.items() if k not in ("range", "weight")},
+                **evaluation_files({**spec, "metric_rewards": [m]}),
+            }
+        )
         for m in spec["metric_rewards"]
     }
     base = _digest({**shared, **evaluation_files({**spec, "metric_rewards": []})})
@@ -288,6 +294,21 @@ def _record(out: Path, job: Job) -> None:
     _write_json(path, index)
 
 
+def _add_curve_parts(out: Path, jobs: Sequence[Job]) -> None:
+    """Give a run recorded before ``curve_parts`` were kept the plan's, where its curves' digest shows that
+    they measured what the plan measures: a later change of the metric list then keeps their columns."""
+    path = out / INDEX_FILE
+    index = _read_json(path)
+    runs = (index or {}).get("runs", {})
+    added = False
+    for job in jobs:
+        record = runs.get(job.run_id)
+        if record and "curve_parts" not in record and record.get("curves_hash") == job.curves_hash:
+            record["curve_parts"], added = job.curve_parts, True
+    if added:
+        _write_json(path, index)
+
+
 class Stopped(KeyboardInterrupt):
     """A Ctrl-C or SIGTERM stopped a run after its checkpoint. The bench stops there, without evaluating the
     half-trained run (an ``eval.json`` would mark it finished): running the bench again resumes it."""
@@ -387,6 +408,7 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
     from textgym.rundir import RunDir
 
     jobs = plan(spec, out)
+    _add_curve_parts(out, jobs)
     todo = actions(jobs, out)
     if progress and any(action != "train" for action in todo.values()):  # a rerun says what it redoes
         counts = collections.Counter(todo.values())

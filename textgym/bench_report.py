@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from textgym.bench_flags import has_curve, lacks_errors
+from textgym.bench_flags import CURVE_KINDS, has_curve, lacks_errors
 from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
 from textgym.bench_results import BenchResults, registered
 from textgym.bench_stats import ALPHA
@@ -118,10 +118,14 @@ def flag_items(results: BenchResults) -> list[tuple[str, str, str]]:
         for f in flags:
             seeds = f"{len(f['seeds'])} of {f['of']} seeds" if f["of"] > 1 else f"seed {f['first_seed']}"
             every = f.get("seeds_in_all", f["of"])
-            if f["of"] < every and f["of"] == 1:  # the others had no curve: not a check they passed
-                seeds += f", the only one of {every} seeds with a held-out curve to check"
+            # the others had no curve, or one without the flag's metric: not a check they passed
+            curve = (
+                f"a held-out curve of {f['metric']}" if f.get("kind") in CURVE_KINDS else "a held-out curve"
+            )
+            if f["of"] < every and f["of"] == 1:
+                seeds += f", the only one of {every} seeds with {curve} to check"
             elif f["of"] < every:
-                seeds += f" ({f['of']} of {every} seeds had a held-out curve to check)"
+                seeds += f" ({f['of']} of {every} seeds had {curve} to check)"
             items.append((who, f["message"], f"{seeds}; shown: seed {f['first_seed']}"))
     return items
 
@@ -144,10 +148,13 @@ def unchecked_lines(results: BenchResults) -> list[str]:
             f"{len(results.evals) - curved} of {len(results.evals)} runs: they have no held-out curve (an SB3 "
             f"agent, `eval_every = 0`, or curves measured with other evaluation settings)."
         )
-    partial: dict[str, int] = {}  # a metric added or changed since some runs trained -> those runs
+    # a metric added or changed since some runs trained, that a curve check reads -> those runs
+    read = {*results.gold, "length", "eos_rate", "distinct_2"}
+    partial: dict[str, int] = {}
     for metrics in results.partial_curves.values():
         for metric in metrics:
-            partial[metric] = partial.get(metric, 0) + 1
+            if metric in read:
+                partial[metric] = partial.get(metric, 0) + 1
     if partial:
         named = ", ".join(f"`{_text(m)}` (on {_count(n, 'run')})" for m, n in partial.items())
         lines.append(

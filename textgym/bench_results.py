@@ -122,7 +122,7 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
                 results.curves[job.run_id] = [
                     {k: v for k, v in r.items() if _base(k) in columns} for r in rows
                 ]
-                if missing:
+                if missing and has_curve(rows):  # (a run with no curve at all is counted as such)
                     results.partial_curves[job.run_id] = missing
             else:  # measured during training with other evaluation settings
                 results.stale_curves.append(job.run_id)
