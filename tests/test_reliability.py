@@ -559,12 +559,7 @@ def test_a_full_disk_at_start_or_resume_is_one_line_too(config, tmp_path, capsys
 
 
 def test_a_full_disk_writing_the_held_out_curve_is_one_line(config, tmp_path, capsys, monkeypatch):
-    import textgym.diagnostics
-
-    def full(path, text):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-    monkeypatch.setattr(textgym.diagnostics, "write_atomic", full)
+    fill_up_at(monkeypatch, "eval.csv")
     config.write_text(config.read_text() + '\n[eval]\nevery = 1\nepisodes = 4\nprompts = "copy-heldout"\n')
     out = tmp_path / "run"
     assert main(["train", str(config), "--set", f"run.output_dir='{out}'"]) == 2

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from textgym.eval_settings import REWARD, check_metric_specs
 from textgym.evaluation import Evaluator
-from textgym.rundir import RunDir, write_atomic
+from textgym.rundir import RunDir
 
 EVAL_CSV = "eval.csv"
 EVAL_PLOT = "eval.png"
@@ -163,10 +163,7 @@ class EvalCallback(BaseCallback):
         self.rows.append(row)
         if not self.main:
             return
-        try:
-            write_rows(self.run_dir / EVAL_CSV, self.rows)
-        except OSError as exc:  # a full disk: one line, as the run's other writes
-            raise RunDir(self.run_dir).disk_error(EVAL_CSV, exc) from None
+        RunDir(self.run_dir).write_file(EVAL_CSV, rows_csv(self.rows))  # (a full disk: one line)
         tqdm.write(eval_line(iteration, evaluation.metrics))
         logger = self.model.logger
         if logger is not None:
@@ -182,8 +179,8 @@ def eval_line(iteration: int, metrics: Mapping[str, float]) -> str:
     return f"eval {iteration:4d}  held out: " + "  ".join(f"{k} {number(v)}" for k, v in metrics.items())
 
 
-def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    """``rows`` as a CSV file, written atomically (empty cells for missing values)."""
+def rows_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` as a CSV text (empty cells for missing values)."""
     columns = list(dict.fromkeys(key for row in rows for key in row))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns)
@@ -191,7 +188,7 @@ def write_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     writer.writerows(
         {k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows
     )
-    write_atomic(path, buffer.getvalue())
+    return buffer.getvalue()
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -295,7 +295,6 @@ def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
     torch): the run continues with the new code, and its earlier iterations were trained with the old."""
     from textgym.bench_identity import code_identity
     from textgym.evaluation import jsonable
-    from textgym.rundir import RunDir, write_atomic
 
     now = {"packages": {}, **jsonable(code_identity(config))}  # (each part named, when empty too)
     if "missing" in now["code"].values():  # a file that moved or went: the run fails to load it, and says so
@@ -319,7 +318,4 @@ def record_code(run_dir: Path, config: dict[str, Any], resuming: bool) -> None:
                 f"({'; '.join(changes)}). The run continues with the new code; the iterations before this "
                 f"resume were trained with the old."
             )
-    try:
-        write_atomic(run_dir / CODE_FILE, json.dumps(now, indent=1, sort_keys=True))
-    except OSError as exc:
-        raise RunDir(run_dir).disk_error(CODE_FILE, exc) from None
+    RunDir(run_dir).write_file(CODE_FILE, json.dumps(now, indent=1, sort_keys=True))

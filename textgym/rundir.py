@@ -103,12 +103,17 @@ def hold_lock(path: Path, in_use: Callable[[str], str], unwritable: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        holder = _holder_pid(fd)
         os.close(fd)
         raise ConfigError(in_use(holder)) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
+
+
+def _holder_pid(fd: int) -> str:
+    """The process id that the holder of the lock file ``fd`` wrote into it."""
+    return os.read(fd, 32).decode(errors="replace").strip() or "another process"
 
 
 def metrics_csv(history: Sequence[dict[str, Any]]) -> str:
@@ -194,7 +199,7 @@ class RunDir:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return os.read(fd, 32).decode(errors="replace").strip() or "another process"
+            return _holder_pid(fd)
         finally:
             os.close(fd)  # (releases the shared lock, where it was taken)
         return None
@@ -314,18 +319,20 @@ class RunDir:
         import tomli_w
 
         text = tomli_w.dumps(_drop_none(config))
+        if (self.path / WRITTEN_CONFIG).exists() or not (self.path / "config.toml").exists():
+            self.write_file(WRITTEN_CONFIG, text, what="config.toml")
+        self.write_file("config.toml", text)
+
+    def write_file(self, name: str, text: str, what: str | None = None) -> None:
+        """``text`` into the run's file ``name``, atomically; a failed write (a full disk) is one line that
+        names ``what`` (default: the file) and the last good checkpoint (:meth:`disk_error`)."""
         try:
-            if (self.path / WRITTEN_CONFIG).exists() or not (self.path / "config.toml").exists():
-                write_atomic(self.path / WRITTEN_CONFIG, text)
-            write_atomic(self.path / "config.toml", text)
+            write_atomic(self.path / name, text)
         except OSError as exc:
-            raise self.disk_error("config.toml", exc) from None
+            raise self.disk_error(what or name, exc) from None
 
     def write_metrics(self, history: Sequence[dict[str, Any]]) -> None:
-        try:
-            write_atomic(self.path / "metrics.csv", metrics_csv(history))
-        except OSError as exc:
-            raise self.disk_error("metrics.csv", exc) from None
+        self.write_file("metrics.csv", metrics_csv(history))
 
     def append_samples(self, rows: Iterable[dict[str, Any]]) -> None:
         try:
@@ -335,10 +342,7 @@ class RunDir:
             raise self.disk_error("samples.jsonl", exc) from None
 
     def write_jsonl(self, name: str, rows: Iterable[dict[str, Any]]) -> None:
-        try:
-            write_atomic(self.path / name, "".join(json.dumps(row) + "\n" for row in rows))
-        except OSError as exc:
-            raise self.disk_error(name, exc) from None
+        self.write_file(name, "".join(json.dumps(row) + "\n" for row in rows))
 
     def truncate_samples(self, iteration: int) -> int:
         """Drop sample rows written after ``iteration`` (by a run killed after its last checkpoint).
@@ -358,10 +362,7 @@ class RunDir:
             else:
                 dropped += 1
         if dropped:
-            try:
-                write_atomic(path, "".join(kept))
-            except OSError as exc:
-                raise self.disk_error("samples.jsonl", exc) from None
+            self.write_file(path.name, "".join(kept))
         return dropped
 
     def finished(self, total_timesteps: int) -> bool:
