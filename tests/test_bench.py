@@ -522,9 +522,11 @@ def test_the_local_modules_a_plugin_file_imports_are_part_of_a_runs_identity(tmp
     )
 
     config = {"run": {"plugins": [plugin]}, "env": {"rewards": []}, "agent": {}}
-    before = bench.identity(config)
+    before = bench_identity.identity(config)
     (tmp_path / "deeper.py").write_text("SCALE = 10.0\n")
-    assert bench._changes(before, bench.identity(config)) == [f"code.{tmp_path / 'deeper.py'}: changed"]
+    assert bench._changes(before, bench_identity.identity(config)) == [
+        f"code.{tmp_path / 'deeper.py'}: changed"
+    ]
 
 
 def test_an_fn_reward_named_by_module_counts_by_its_file_or_its_packages_version(tmp_path, monkeypatch):
@@ -539,9 +541,11 @@ def test_an_fn_reward_named_by_module_counts_by_its_file_or_its_packages_version
     monkeypatch.syspath_prepend(str(tmp_path))
     config = {"run": {}, "agent": {},
               "env": {"rewards": [{"fn": f"scores_{tag}:score"}, "fn=numpy.linalg:norm weight=0"]}}  # fmt: skip
-    ident = bench.identity(config)
+    ident = bench_identity.identity(config)
     assert set(ident["code"]) == {str(tmp_path / f"scores_{tag}.py"), str(tmp_path / f"helper_{tag}.py")}
     assert ident["packages"] == {"numpy": bench_identity.installed_package("numpy")}
     assert ident["packages"]["numpy"].startswith(f"{importlib.metadata.version('numpy')} (code ")
     (tmp_path / f"helper_{tag}.py").write_text("X = 2\n")
-    assert bench._changes(ident, bench.identity(config)) == [f"code.{tmp_path / f'helper_{tag}.py'}: changed"]
+    assert bench._changes(ident, bench_identity.identity(config)) == [
+        f"code.{tmp_path / f'helper_{tag}.py'}: changed"
+    ]

@@ -586,7 +586,9 @@ def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_pa
     metric.write_text("def gold(samples):\n    return [0.0 for s in samples]\n")  # evaluated again
     assert set(actions(plan(load_designs(d), out), out).values()) == {"evaluate"}
     with pytest.raises(ConfigError, match=f"{metric} changed while the bench was running"):
-        bench._check_unchanged(bench.evaluation_files(load_designs(d)) | {"code": {str(metric): "0" * 16}})
+        bench._check_unchanged(
+            bench_identity.evaluation_files(load_designs(d)) | {"code": {str(metric): "0" * 16}}
+        )
     metric.write_text("def gold(samples):\n    return [1.0 for s in samples]\n")
     heldout.write_text('{"prompt": "cab"}\n')
     assert set(actions(plan(load_designs(d), out), out).values()) == {"evaluate"}

@@ -166,7 +166,7 @@ def test_a_bench_runs_identity_holds_the_version_of_each_plugin_package_it_uses(
     fixed = WRONG_PLUGIN + "\n\nplugin = WrongPlugin()\n"
     env = a_distribution(tmp_path, "textgym", "wrongplug:plugin", fixed)
     script = (
-        "import json\nfrom textgym.bench import identity\n"
+        "import json\nfrom textgym.bench_identity import identity\n"
         "run = {'run': {}, 'env': {'id': 'textgym/Copy-v0', 'rewards': ['wrongreward weight=2', {'name': 'match'}]},"
         " 'agent': {'name': 'lmppo'}}\n"
         "plain = {'run': {}, 'env': {'id': 'textgym/Copy-v0', 'rewards': [{'name': 'match'}]}, 'agent': {}}\n"

@@ -113,10 +113,10 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
         results.training[job.run_id] = _read_csv(job.run_dir / "metrics.csv")
         if (job.run_dir / EVAL_CSV).is_file():
             recorded = index.get(job.run_id, {})
-            kept = kept_columns(recorded.get("curve_parts"), job.curve_parts)
             if recorded.get("curves_hash") == job.curves_hash:
                 results.curves[job.run_id] = read_rows(job.run_dir / EVAL_CSV)
-            elif kept is not None:  # the metric list changed: the unchanged metrics' columns stay
+            elif (kept := kept_columns(recorded.get("curve_parts"), job.curve_parts)) is not None:
+                # the metric list changed: the unchanged metrics' columns stay
                 columns, missing = kept
                 rows = read_rows(job.run_dir / EVAL_CSV)
                 results.curves[job.run_id] = [
@@ -143,7 +143,7 @@ def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchRes
 def kept_columns(
     recorded: Mapping[str, Any] | None, planned: Mapping[str, Any] | None
 ) -> tuple[set[str], list[str]] | None:
-    """For a curve measured with other settings than the plan's (both :func:`textgym.bench.curve_parts`):
+    """For a curve measured with other settings than the plan's (both :func:`textgym.bench_plan.curve_parts`):
     the columns that measure what the plan measures (``iteration``, ``timesteps``, the ``reward`` and each
     metric whose digest did not change), and the plan's metrics it lacks; None when what every column
     shares changed (other prompts, episodes or seed), or either side has no parts (a record from before
