@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from textgym.bench_flags import CURVE_KINDS, has_curve, lacks_errors
+from textgym.bench_flags import has_curve, lacks_errors
 from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
 from textgym.bench_results import BenchResults, registered
 from textgym.bench_stats import ALPHA
@@ -118,10 +118,9 @@ def flag_items(results: BenchResults) -> list[tuple[str, str, str]]:
         for f in flags:
             seeds = f"{len(f['seeds'])} of {f['of']} seeds" if f["of"] > 1 else f"seed {f['first_seed']}"
             every = f.get("seeds_in_all", f["of"])
-            # the others had no curve, or one without the flag's metric: not a check they passed
-            curve = (
-                f"a held-out curve of {f['metric']}" if f.get("kind") in CURVE_KINDS else "a held-out curve"
-            )
+            # (only a curve's check runs on fewer seeds than the design's: the others had no curve, or one
+            # without the flag's metric, which is not a check they passed)
+            curve = f"a held-out curve of {f['metric']}"
             if f["of"] < every and f["of"] == 1:
                 seeds += f", the only one of {every} seeds with {curve} to check"
             elif f["of"] < every:
@@ -307,10 +306,10 @@ STATS_TEXT = (
     f"same first rollouts): the "
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric (the interval is not: it can "
-    f"exclude 0 where the corrected p is above {ALPHA}). A group ranks below every group "
-    f"significantly better (p < {ALPHA}), directly or through a chain (a > b > c puts a above c), and never "
-    f"above a group with a better mean (unless missing seeds make a lower mean significantly better): equal ranks are not significantly different; a group that no test "
-    f"compared with another is not ranked."
+    f"exclude 0 where the corrected p is above {ALPHA}). A group ranks below every group significantly better "
+    f"(p < {ALPHA}), directly or through a chain (a > b > c puts a above c), and never above a group with a "
+    f"better mean (unless missing seeds make a lower mean significantly better): equal ranks are not "
+    f"significantly different; a group that no test compared with another is not ranked."
 )
 
 

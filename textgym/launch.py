@@ -350,9 +350,8 @@ def _raise_for(
     killed = _signal_of(codes[first])
     if first in stopped:
         said = f"process {first} did not exit within {GRACE_S:g} s of a failure and was stopped"
-    elif (
-        killed == signal.SIGKILL
-    ):  # it printed nothing: what the others printed, a lost peer, follows from it
+    elif killed == signal.SIGKILL:
+        # it printed nothing: what the others printed (a lost peer) follows from it
         raise TrainingError(
             f"{what} failed: process {first} was killed by SIGKILL (kill -9, or the system's out-of-memory "
             f"killer); the other processes' errors above follow from it.{after}"
@@ -393,8 +392,9 @@ _INTERRUPTED = {
 
 def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int], frozenset[int]]:
     """Wait for every process; returns their exit codes, their indices in the order they exited, the
-    signals this process received meanwhile, and the processes it killed (GRACE_S after a failure). SIGINT and SIGTERM are not acted on here: the terminal sends a
-    Ctrl-C to the processes too, and a SIGTERM is passed on to them."""
+    signals this process received meanwhile, and the processes it killed (GRACE_S after a failure). SIGINT
+    and SIGTERM are not acted on here: the terminal sends a Ctrl-C to the processes too, and a SIGTERM is
+    passed on to them."""
     import threading
     import time
 
