@@ -389,6 +389,95 @@ def test_a_ctrl_c_stops_the_bench_after_the_runs_checkpoint_and_the_bench_contin
     assert all((runs / f"stops-seed{seed}" / "eval.json").is_file() for seed in (0, 1))
 
 
+def test_a_failing_reward_leaves_its_design_out_and_the_bench_reports_the_others(tmp_path, register, capsys):
+    """A design whose reward raised stopped the whole bench with no report: the designs that had trained
+    were not reported until the failing one was fixed or removed."""
+    state = {"broken": True}
+
+    def flaky(samples):
+        if state["broken"]:
+            raise ValueError("the reward broke")
+        return [1.0] * len(samples)
+
+    register(reward_plugin("flaky", flaky), "flaky")
+    d = designs(tmp_path / "out", eval_every=0)
+    d["designs"] = [d["designs"][0], {"name": "breaks", "rewards": [{"name": "flaky"}]}]
+    path = tmp_path / "designs.toml"
+    path.write_text(tomli_w.dumps(d))
+    out, runs = tmp_path / "out", tmp_path / "out" / "runs"
+    assert main(["bench", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "textgym: error: 2 of 4 runs failed: breaks-seed0: " in err and "the reward broke" in err
+    assert f"(log: {runs / 'breaks-seed0.log'})" in err  # a failed start leaves its log beside its run
+    assert f"The report in {out / 'report.md'} leaves out design 'breaks'" in err
+    assert "ValueError: the reward broke" in (runs / "breaks-seed1.log").read_text()  # the traceback
+    report = (out / "report.md").read_text()
+    assert "## Failed runs" in report and "leaves out design `breaks`" in report
+    assert "- `breaks-seed0`: " in report and "the reward broke" in report
+    assert "<h2>Failed runs</h2>" in (out / "report.html").read_text()
+    with (out / "summary.csv").open() as f:
+        assert {r["design"] for r in csv.DictReader(f)} == {"exact"}
+    index = json.loads((out / "bench.json").read_text())["runs"]
+    assert (
+        "the reward broke" in index["breaks-seed1"]["failed"]["error"]
+        and "failed" not in index["exact-seed0"]
+    )
+
+    state["broken"] = False  # fixed: the same command trains the failed design, reuses the others
+    assert main(["bench", str(path)]) == 0
+    assert "2 reused, 2 to train" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "Failed runs" not in report and "| breaks |" in report
+    assert not any("failed" in r for r in json.loads((out / "bench.json").read_text())["runs"].values())
+
+
+def test_a_design_with_one_failed_seed_is_left_out_whole_and_starts_again_when_its_config_changes(
+    tmp_path, counted, monkeypatch, capsys
+):
+    """Its finished seed alone would compare the run that went well. Once its config is changed (the fix),
+    its runs train again from the start: none of them was reported, so none is refused as changed."""
+    import textgym.train
+
+    trained = textgym.train.run
+
+    def crashes_on_exact_seed1(*args, **kwargs):
+        run_dir = trained(*args, **kwargs)
+        if str(kwargs.get("resume") or kwargs["config"]["run"]["output_dir"]).endswith("exact-seed1"):
+            raise RuntimeError("the machine hiccuped")
+        return run_dir
+
+    monkeypatch.setattr(textgym.train, "run", crashes_on_exact_seed1)
+    d = designs(tmp_path / "out", eval_every=0)
+    with pytest.raises(bench.RunsFailed, match=r"1 of 4 runs failed: exact-seed1: RuntimeError: the machine"):
+        bench.run(d, progress=False)
+    out = tmp_path / "out"
+    assert (out / "runs" / "exact-seed0" / "eval.json").is_file()  # finished, and kept for a rerun
+    with (out / "summary.csv").open() as f:
+        assert {r["design"] for r in csv.DictReader(f)} == {"partial"}
+    assert "leaves out design `exact`" in (out / "report.md").read_text()
+
+    monkeypatch.setattr(textgym.train, "run", trained)
+    counted["trained"].clear()
+    d["designs"][0]["rewards"][0]["weight"] = 2.0  # the design changed: its finished seed is not refused
+    bench.run(d)
+    assert "2 reused, 2 to train again from the start" in capsys.readouterr().out
+    assert counted["trained"] == [str(out / "runs" / f"exact-seed{seed}") for seed in (0, 1)]
+    with (out / "summary.csv").open() as f:
+        assert {r["design"] for r in csv.DictReader(f)} == {"exact", "partial"}
+
+
+@pytest.mark.parametrize(
+    ("failed", "left_out"),
+    [
+        ({("a", "x")}, (["x"], [])),
+        ({("a", "x"), ("a", "y")}, ([], ["a"])),  # one agent failed every design: the agent goes
+        ({("a", "x"), ("b", "y")}, (["x", "y"], [])),
+    ],
+)
+def test_the_report_leaves_out_the_failed_designs_or_the_failed_agent_whichever_keeps_more(failed, left_out):
+    assert bench.left_out(failed, ["a", "b"], ["x", "y", "z"]) == left_out
+
+
 # the evaluation loads the SB3 agent on as many sub-envs as it trained on: on one, SB3 warned of its batch size
 @pytest.mark.filterwarnings("error:You have specified a mini-batch size:UserWarning")
 def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):

@@ -10,6 +10,10 @@ and every ``eval.json`` the config and evaluation settings it was computed for. 
 only when both still match; a run whose training config changed is refused, naming what changed; a run whose
 evaluation settings changed is evaluated again from its checkpoint, and its held-out curves (measured
 during training with the old settings) are left out of the report.
+
+A run that fails does not stop the bench: the others run, the report leaves out the designs (or agents)
+whose runs did not all finish, and the bench ends in :class:`~textgym.errors.RunsFailed` naming each failed
+run and its log. Running the bench again resumes a failed run, or starts it again when its config changed.
 """
 
 from __future__ import annotations
@@ -29,19 +33,25 @@ from textgym.bench_config import BENCH_DEFAULTS, load_designs
 from textgym.bench_identity import _settings, file_digest, file_stats
 from textgym.bench_plan import Job, eval_settings, plan
 from textgym.bench_stats import mean_ci
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, RunsFailed, TextgymError, WriteError
 from textgym.eval_settings import BUILTIN_METRICS
 from textgym.evaluation import jsonable
 from textgym.run_log import logged_to
 
 __all__ = [
-    "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "Stopped", "evaluate", "load_designs", "mean_ci", "plan", "run"
+    "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "RunsFailed", "Stopped", "evaluate", "load_designs", "mean_ci", "plan",
+    "run",
 ]  # fmt: skip
 
 EVAL_FILE = "eval.json"
 INDEX_FILE = "bench.json"
 LOCK_FILE = ".bench.lock"  # held by the bench that runs in the directory
-ACTION_WORDS = {"reuse": "reused", "evaluate": "to evaluate again", "train": "to train"}
+ACTION_WORDS = {
+    "reuse": "reused",
+    "evaluate": "to evaluate again",
+    "train": "to train",
+    "restart": "to train again from the start (a run of their design failed, and its config changed since)",
+}
 
 
 # -- what is already there -----------------------------------------------------------------------------
@@ -64,6 +74,8 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
     not start or that were trained with another config."""
     index = (_read_json(out / INDEX_FILE) or {}).get("runs", {})
     todo, problems = {}, []
+    # the designs (under an agent) that a failed run left out of the report: none of their runs was reported
+    failed = {_group(j) for j in jobs if (index.get(j.run_id) or {}).get("failed")}
     for job in jobs:
         record = index.get(job.run_id)
         if not job.run_dir.exists():
@@ -72,6 +84,8 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
             problems.append(
                 f"{job.run_dir} exists, but {out / INDEX_FILE} has no record of this bench starting it"
             )
+        elif _group(job) in failed and record.get("config_hash") != job.config_hash:
+            todo[job.run_id] = "restart"  # a failed design, changed: none of its runs was reported
         elif record.get("config_hash") != job.config_hash:
             changes = _changes(record.get("config", {}), job.identity)
             problems.append(
@@ -93,6 +107,10 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
             f"directories away to train them again."
         )
     return todo
+
+
+def _group(job: Job) -> tuple[str, str]:
+    return job.agent["label"], job.design["name"]
 
 
 def _evaluation_changes(jobs: Sequence[Job], todo: Mapping[str, str]) -> str:
@@ -198,6 +216,10 @@ def _add_curve_parts(out: Path, jobs: Sequence[Job]) -> None:
         _write_json(path, index)
 
 
+class _Changed(ConfigError):
+    """A file the bench planned with changed while it ran: the bench stops."""
+
+
 class Stopped(KeyboardInterrupt):
     """A Ctrl-C or SIGTERM stopped a run after its checkpoint. The bench stops there, without evaluating the
     half-trained run (an ``eval.json`` would mark it finished): running the bench again resumes it."""
@@ -294,8 +316,6 @@ def run(
 def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
-    from textgym.rundir import RunDir
-
     jobs = plan(spec, out)
     _add_curve_parts(out, jobs)
     todo = actions(jobs, out)
@@ -311,36 +331,132 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
     with _threads(spec["bench"]["threads"]):
         bench_rm.prepare(spec["reward_models"], progress=progress)
         (out / "runs").mkdir(parents=True, exist_ok=True)
+        failed: dict[str, dict[str, str]] = {}  # run_id -> its error and log
         with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
             for job in jobs:
                 bar.set_postfix(run=job.run_id)
-                if todo[job.run_id] == "train":
+                if todo[job.run_id] in ("train", "restart"):
                     _check_unchanged(job.identity)
+                    if todo[job.run_id] == "restart":
+                        shutil.rmtree(job.run_dir)
                     _record(out, job)
-                    _train(job)
-                    total, trained = job.config["run"]["total_timesteps"], RunDir(job.run_dir)
-                    if not trained.finished(total):  # a signal stopped it and it saved (else it raised)
-                        raise Stopped(
-                            f"bench stopped: {job.run_id} saved its checkpoint at {trained.tokens_trained()} "
-                            f"tokens ({total} to train); the same command continues it"
-                        )
                 if todo[job.run_id] != "reuse":
-                    _check_unchanged(job.eval_files)
-                    evaluated = RunDir(job.run_dir).checkpoint  # what a rerun checks (see _edited)
-                    checkpoint = {
-                        "checkpoint": file_digest(evaluated),
-                        "checkpoint_files": file_stats(evaluated),
-                    }
-                    with logged_to(job.run_dir / "train.log"):
-                        result = {**evaluate(job, spec), **checkpoint}
-                    _write_json(
-                        job.run_dir / EVAL_FILE, result
-                    )  # written last: its presence means "finished"
+                    try:
+                        result = _train_and_evaluate(job, spec, todo[job.run_id] != "evaluate")
+                    except (WriteError, _Changed):
+                        raise  # every run after it would fail alike, or use other files than its record says
+                    except Exception as exc:  # (a Ctrl-C is not one: it stops the bench)
+                        failed[job.run_id] = _failure(out, job, exc)
+                        if progress:
+                            tqdm.write(f"textgym: {job.run_id} failed: {failed[job.run_id]['error']}")
+                    else:
+                        _write_json(job.run_dir / EVAL_FILE, result)  # written last: it means "finished"
+                        _record_failure(out, job, None)
                 bar.update(1)
+        if failed:
+            _report_failures(out, spec, jobs, failed)
         from textgym.bench_results import write_outputs
 
         write_outputs(out, spec, jobs)
     return out
+
+
+def _train_and_evaluate(job: Job, spec: Mapping[str, Any], train: bool) -> dict[str, Any]:
+    """Train the run (when ``train``) and evaluate it: its ``eval.json``."""
+    from textgym.rundir import RunDir
+
+    if train:
+        _train(job)
+        total, trained = job.config["run"]["total_timesteps"], RunDir(job.run_dir)
+        if not trained.finished(total):  # a signal stopped it and it saved (else it raised)
+            raise Stopped(
+                f"bench stopped: {job.run_id} saved its checkpoint at {trained.tokens_trained()} "
+                f"tokens ({total} to train); the same command continues it"
+            )
+    _check_unchanged(job.eval_files)
+    evaluated = RunDir(job.run_dir).checkpoint  # what a rerun checks (see _edited)
+    checkpoint = {"checkpoint": file_digest(evaluated), "checkpoint_files": file_stats(evaluated)}
+    with logged_to(job.run_dir / "train.log"):
+        return {**evaluate(job, spec), **checkpoint}
+
+
+def _failure(out: Path, job: Job, exc: Exception) -> dict[str, str]:
+    """A run's failure, recorded: its traceback at the end of its log, and its error and log in
+    ``bench.json`` (a later bench starts it again when its config changed). Returns the record."""
+    import traceback
+
+    from textgym.formatting import one_line
+    from textgym.run_log import log_file
+
+    log = log_file(job.run_dir / "train.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a", encoding="utf-8") as f:
+        f.write("\n" + "".join(traceback.format_exception(exc)))
+    error = str(exc) if isinstance(exc, TextgymError) else f"{type(exc).__name__}: {exc}"
+    failure = {"error": one_line(error), "log": str(log)}
+    _record_failure(out, job, failure)
+    return failure
+
+
+def _record_failure(out: Path, job: Job, failure: Mapping[str, str] | None) -> None:
+    """Mark the run failed in ``bench.json`` (or, with None, no longer failed)."""
+    path = out / INDEX_FILE
+    index = _read_json(path) or {}
+    record = index.get("runs", {}).get(job.run_id)
+    if record is None or record.get("failed") == failure or (failure is None and "failed" not in record):
+        return
+    if failure is None:
+        del record["failed"]
+    else:
+        record["failed"] = dict(failure)
+    _write_json(path, index)
+
+
+def _report_failures(
+    out: Path, spec: Mapping[str, Any], jobs: Sequence[Job], failed: Mapping[str, Mapping[str, str]]
+) -> None:
+    """Report the designs (or agents) whose runs all finished, and raise :class:`RunsFailed` naming each run
+    that failed. A design with one failed seed is left out whole: its finished seeds alone would compare
+    the runs that went well."""
+    from textgym.bench_results import write_outputs
+
+    groups = {_group(job) for job in jobs if job.run_id in failed}
+    designs, agents = left_out(
+        groups, [a["label"] for a in spec["agents"]], [d["name"] for d in spec["designs"]]
+    )
+    kept = [j for j in jobs if j.design["name"] not in designs and j.agent["label"] not in agents]
+    runs = "; ".join(f"{run_id}: {f['error']} (log: {f['log']})" for run_id, f in list(failed.items())[:3])
+    runs += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+    said = [f"design {', '.join(map(repr, designs))}"] if designs else []
+    said += [f"agent {', '.join(map(repr, agents))}"] if agents else []
+    if kept:
+        reduced = {
+            **spec,
+            "designs": [d for d in spec["designs"] if d["name"] not in designs],
+            "agents": [a for a in spec["agents"] if a["label"] not in agents],
+        }
+        write_outputs(out, reduced, kept, failed=failed, left_out=(designs, agents))
+        reported = f"The report in {out / 'report.md'} leaves out {' and '.join(said)}"
+    else:
+        reported = f"No report was written: no design has every run finished ({' and '.join(said)} failed)"
+    raise RunsFailed(
+        f"{len(failed)} of {len(jobs)} runs failed: {runs}. {reported}: a design is reported only when all its "
+        f"runs finished. Fix what failed and run the bench again: finished runs are reused, and a failed run "
+        f"resumes (or starts again, when its config changed)."
+    )
+
+
+def left_out(
+    failed: set[tuple[str, str]], agents: Sequence[str], designs: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """The designs and agents to leave out of the report for the (agent, design) groups that ``failed``:
+    the failed designs, or, where that keeps more groups (one agent failed every design), the failed
+    agents. The report's tables stay whole: every design it shows has every agent it shows."""
+    by_design = [d for d in designs if any((a, d) in failed for a in agents)]
+    by_agent = [a for a in agents if any((a, d) in failed for d in designs)]
+    if (len(agents) - len(by_agent)) * len(designs) > len(agents) * (len(designs) - len(by_design)):
+        return [], by_agent
+    return by_design, []
 
 
 def _lock(out: Path) -> int:
@@ -387,7 +503,7 @@ def _check_unchanged(recorded: Mapping[str, Any]) -> None:
     for kind in ("code", "data"):
         for path, digest in recorded.get(kind, {}).items():
             if file_digest(path) != digest:
-                raise ConfigError(
+                raise _Changed(
                     f"{path} changed while the bench was running, and the runs before this one used it as it "
                     f"was. Run the bench again: it checks every run against the {kind} as it is now."
                 )

@@ -253,6 +253,31 @@ def setup_text(results: BenchResults) -> str:
     )
 
 
+def failed_text(results: BenchResults) -> str | None:
+    """What the runs that failed left out of the report (None when every run finished); the runs follow it
+    (:func:`failed_items`)."""
+    if not results.failed:
+        return None
+    designs, agents = results.left_out
+    said = [f"{'design' if len(designs) == 1 else 'designs'} {', '.join(f'`{d}`' for d in designs)}"]
+    said = (said if designs else []) + (
+        [f"{'agent' if len(agents) == 1 else 'agents'} {', '.join(f'`{a}`' for a in agents)}"]
+        if agents
+        else []
+    )
+    return (
+        f"**{_count(len(results.failed), 'run')} failed**, so this report leaves out {' and '.join(said)}: a "
+        f"design is reported only when all its runs finished (its finished seeds alone would compare the runs "
+        f"that went well). Fix what failed and run the bench again: finished runs are reused. The failed runs, "
+        f"with their errors and logs:"
+    )
+
+
+def failed_items(results: BenchResults) -> list[tuple[str, str, str]]:
+    """Each failed run as (run, its error on one line, its log)."""
+    return [(run_id, one_line(f["error"], 600), f["log"]) for run_id, f in results.failed.items()]
+
+
 def range_warnings(results: BenchResults) -> list[str]:
     """A line per metric whose declared ``range`` some run's value falls outside: its intervals are clipped
     to that range, so a range that is wrong would otherwise go unseen."""
@@ -315,7 +340,15 @@ STATS_TEXT = (
 
 # -- report.md -----------------------------------------------------------------------------------------
 def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
-    lines = ["# Reward-design benchmark", "", setup_text(results), "", STATS_TEXT, ""]
+    lines = ["# Reward-design benchmark", "", setup_text(results), ""]
+    if failed := failed_text(results):
+        lines += ["## Failed runs", "", _text(failed), ""]
+        lines += [
+            f"- `{run}`: {_md_escape(_text(error))} (log: `{log}`)"
+            for run, error, log in failed_items(results)
+        ]
+        lines += [""]
+    lines += [STATS_TEXT, ""]
     lines += [
         line for warning in range_warnings(results) + few_episode_warnings(results) for line in (warning, "")
     ]

@@ -50,6 +50,8 @@ class BenchResults:
     stale_curves: list[str] = field(default_factory=list)  # runs whose curves used other eval settings
     # runs whose curves lack some of the metrics (added or changed since they trained) -> those metrics
     partial_curves: dict[str, list[str]] = field(default_factory=dict)
+    failed: dict[str, dict[str, str]] = field(default_factory=dict)  # run_id -> its error and log
+    left_out: tuple[list[str], list[str]] = ([], [])  # the designs and agents left out for them
 
     def direction(self, metric: str, scope: str) -> str | None:
         """Which way is better when comparing ``"designs"`` (under one agent) or ``"agents"`` (under one
@@ -248,13 +250,22 @@ def _comparison_row(scope: str, within: str, metric: str, c: Any) -> dict[str, A
     }
 
 
-def write_outputs(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchResults:
-    """Collect the results of every job and write every output file; returns the results."""
+def write_outputs(
+    out: Path,
+    spec: Mapping[str, Any],
+    jobs: Sequence[Any],
+    failed: Mapping[str, Mapping[str, str]] | None = None,
+    left_out: tuple[list[str], list[str]] = ([], []),
+) -> BenchResults:
+    """Collect the results of every job and write every output file; returns the results. ``spec`` and
+    ``jobs`` are those of the designs and agents reported: the runs that ``failed`` (run_id -> its error and
+    log) left out the designs and agents ``left_out``, which the reports name."""
     from textgym.bench_plots import plot_all
     from textgym.bench_report import write_report
     from textgym.report_html import write_html
 
     results = collect(out, spec, jobs)
+    results.failed, results.left_out = {k: dict(v) for k, v in (failed or {}).items()}, left_out
     # written whole into a staging directory, then moved in: a kill while the figures draw leaves the
     # previous outputs, which agree with each other, not a new summary.csv beside an old report.md
     stage = out / STAGING

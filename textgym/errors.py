@@ -101,6 +101,15 @@ class TrainingError(TextgymError):
     """Training cannot go on safely: an absurd reward, non-finite weights, a diverged update."""
 
 
+class WriteError(TrainingError):
+    """A run's file could not be written (a full disk, a directory that is not writable): the runs after it
+    would fail alike, so a bench stops at it."""
+
+
+class RunsFailed(TextgymError):
+    """Runs of a bench failed: the bench ran the others and reported the designs whose runs all finished."""
+
+
 class AnotherProcessFailed(TextgymError):
     """Mixed into the error a process of a several-process run raises because another process failed (it
     names that one): textgym's launcher (``run.processes = N``) blames the process that failed first for

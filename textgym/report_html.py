@@ -14,6 +14,8 @@ from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
 from textgym.bench_report import (
     STATS_TEXT,
     comparisons,
+    failed_items,
+    failed_text,
     few_episode_warnings,
     flag_items,
     metric_note,
@@ -56,6 +58,15 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         f"<title>Reward-design benchmark</title><style>{CSS}</style></head><body>",
         "<h1>Reward-design benchmark</h1>",
         f"<p>{_md(setup_text(results))}</p>",
+    ]
+    if failed := failed_text(results):
+        parts += [f'<h2>Failed runs</h2><p class="flag">{_md(failed)}</p><ul>']
+        parts += [
+            f"<li><code>{e(run)}</code>: {e(error)} (log: <code>{e(log)}</code>)</li>"
+            for run, error, log in failed_items(results)
+        ]
+        parts += ["</ul>"]
+    parts += [
         f'<p class="note">{e(STATS_TEXT)}</p>',
         *(f"<p>{_md(warning)}</p>" for warning in range_warnings(results) + few_episode_warnings(results)),
         "<h2>Designs</h2><ul>",

@@ -8,26 +8,32 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["logged_to", "readable"]
+__all__ = ["log_file", "logged_to", "readable"]
 
 
 @contextlib.contextmanager
 def logged_to(path: Path) -> Iterator[None]:
     """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
     start that failed leaves no run directory (``textgym train`` removes it): its log goes next to it."""
-    from textgym.rundir import RunDir
-
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             yield
     finally:
-        run_dir = path.parent
-        where = path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
+        where = log_file(path)
         # (its folder may not exist yet: an agent's, when that agent's first run failed to start)
         where.parent.mkdir(parents=True, exist_ok=True)
         with where.open("a", encoding="utf-8") as f:
             f.write(readable(log.getvalue()))
+
+
+def log_file(path: Path) -> Path:
+    """Where :func:`logged_to` keeps the log ``path`` of a run: ``path`` in the run directory, or beside
+    that directory (``runs/<run>.log``) when there is no run there (a start that failed removed it)."""
+    from textgym.rundir import RunDir
+
+    run_dir = path.parent
+    return path if RunDir(run_dir).is_run() else run_dir.with_name(run_dir.name + ".log")
 
 
 TERMINAL = re.compile(r"(\x1b\[[0-9;?]*[A-Za-z]|\r|\n)")  # what moves the cursor (and colours)

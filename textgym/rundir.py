@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from textgym.errors import ConfigError, TrainingError
+from textgym.errors import ConfigError, WriteError
 
 MARKER = ".textgym-run"
 WRITTEN_CONFIG = ".config-written.toml"  # config.toml as textgym last wrote it: a resume finds edits by hand
@@ -274,7 +274,7 @@ class RunDir:
                 raise
             raise self.disk_error("the checkpoint", failed) from None
 
-    def disk_error(self, what: str, exc: OSError) -> TrainingError:
+    def disk_error(self, what: str, exc: OSError) -> WriteError:
         reason = exc.strerror or str(exc)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             reason += " (the disk is full)"
@@ -284,7 +284,7 @@ class RunDir:
         last = "there is no checkpoint yet" if k is None else f"the last good checkpoint is at iteration {k}"
         # a start that fails is removed (discard_failed_start): it is started again, not resumed
         then = "--resume" if k is not None or (self.path / "metrics.csv").exists() else "start the run again"
-        return TrainingError(
+        return WriteError(
             f"could not write {what} in {self.path}: {reason}; {last}. Free space or fix permissions, then {then}."
         )
 
