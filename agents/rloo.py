@@ -53,8 +53,10 @@ class RLOO(GroupAgent):
         if c.beta:
             rewards = rewards - c.beta * kl  # the KL per completion (k1 over its agent tokens) in the reward
             stats["rlhf_reward"] = float(rewards.mean())
-        # as TRL: of the rewards the advantages are computed from, after the KL penalty
-        stats["frac_reward_zero_std"] = zero_std_share(rewards, self.group_size)
+        # of the scores, before the KL penalty (TRL's is after it): it says whether the reward told a group's
+        # completions apart. At the start the policy is its reference and the KL is float noise, which made
+        # groups the reward never told apart count as told apart (and the flat-reward warning never came)
+        stats["frac_reward_zero_std"] = zero_std_share(scores, self.group_size)
         advantages = leave_one_out_advantages(rewards, self.group_size)
         if c.normalize_advantages:
             advantages = normalize(advantages)

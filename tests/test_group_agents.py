@@ -265,18 +265,21 @@ def test_an_env_with_another_tokenizer_is_refused():
         GRPO("tiny-random-llama", env, num_generations=2)
 
 
-@pytest.mark.parametrize("cls", [GRPO, RLOO])
-def test_a_reward_that_never_tells_a_groups_completions_apart_is_warned_of_once(cls):
+@pytest.mark.parametrize(("cls", "beta"), [(GRPO, 0.0), (RLOO, 0.0), (RLOO, 0.05)])
+def test_a_reward_that_never_tells_a_groups_completions_apart_is_warned_of_once(cls, beta):
     """frac_reward_zero_std = 1 on every iteration (an all-or-nothing reward no completion earns): every
-    advantage is 0 and nothing is learnt, which only a logged 1.0 showed."""
+    advantage is 0 and nothing is learnt, which only a logged 1.0 showed. RLOO with a KL penalty counted
+    the groups after it: the KL of a policy still at its reference is float noise, the share read 0.75 and
+    then 0, and the warning never came."""
     env = make_env(8, reward=lambda samples: [0.0] * len(samples))
-    agent = cls(char_llama(), env, num_generations=4, beta=0.0, verbose=0)
+    agent = cls(char_llama(), env, num_generations=4, beta=beta, verbose=0)
     with pytest.warns(
         UserWarning, match=r"every group of 4 completions of a prompt got equal rewards"
     ) as seen:
         iterations(agent, 4)
     assert len([w for w in seen if "equal rewards" in str(w.message)]) == 1
-    told_apart = cls(char_llama(), make_env(8), num_generations=4, beta=0.0, verbose=0)
+    assert [h["frac_reward_zero_std"] for h in agent.history] == [1.0] * 4
+    told_apart = cls(char_llama(), make_env(8), num_generations=4, beta=beta, verbose=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*equal rewards")
         iterations(told_apart, 3)
