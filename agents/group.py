@@ -160,6 +160,10 @@ class GroupAgent(LMAgent):
             acc[0] = acc[0] + total
             acc[1] = acc[1] + count
 
+        # one optimizer step on the batch: the policy is the one that sampled it, and the ratio is exactly 1
+        # with the update's own log-probs (TRL's rule). The rollout's agree only up to rounding: on a GPU a
+        # kernel for another batch shape rounds otherwise, and RLOO's sequence ratio sums that over tokens
+        on_policy = c.num_iterations == 1 and c.steps_per_generation == 1
         for _ in range(c.num_iterations):
             for mb_inds in torch.randperm(n, generator=generator).tensor_split(c.steps_per_generation):
                 self.optimizer.zero_grad()
@@ -175,6 +179,8 @@ class GroupAgent(LMAgent):
                     mb = batch.select(micro_inds)
                     with self.accumulating(last=k == len(micros) - 1):
                         logprobs, entropy, _ = self.policy_logprobs(mb)
+                        if on_policy:
+                            mb.logprobs = logprobs.detach()
                         loss, stats = self.loss(mb, logprobs, totals)
                         self.backward(loss)
                     # over the tokens in the loss, as TRL (mask_truncated_completions leaves some out)

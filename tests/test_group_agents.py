@@ -48,6 +48,21 @@ def test_ratio_is_one_before_the_first_update(key):
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("cls", [GRPO, RLOO])
+def test_one_optimizer_step_per_batch_takes_the_ratio_from_the_updates_own_log_probs(cls):
+    """With one pass and one step the policy is the one that sampled the batch: the rollout's log-probs
+    agree with the update's only up to rounding (another kernel for another batch shape, on a GPU), and
+    RLOO's sequence ratio summed that into clipped sequences on the very first step."""
+    kwargs = dict(num_generations=4, num_iterations=1, steps_per_generation=1, micro_batch_size=4, **FAST)
+    first, second = cls(char_llama(), make_env(16), **kwargs), cls(char_llama(), make_env(16), **kwargs)
+    batch = first.collect_rollouts()
+    stats = first.train(batch)
+    batch.logprobs = batch.logprobs + 0.3 * torch.randn_like(batch.logprobs)  # rounded otherwise
+    assert second.train(batch)["clip_ratio/region_mean"] == stats["clip_ratio/region_mean"] == 0
+    for a, b in zip(first.policy.parameters(), second.policy.parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("key", AGENTS)
 def test_each_prompt_gets_num_generations_consecutive_completions(key):
     batch = agent_of(key).collect_rollouts()
