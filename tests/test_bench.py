@@ -10,7 +10,7 @@ import pytest
 import tomli_w
 from conftest import reward_plugin
 
-from textgym import bench, bench_identity
+from textgym import bench, bench_identity, bench_records
 from textgym.bench_stats import mean_ci
 from textgym.cli import main
 from textgym.errors import ConfigError
@@ -141,7 +141,8 @@ def test_a_second_bench_reuses_finished_runs_and_refuses_a_changed_config(
 ):
     before = {p: p.stat().st_mtime_ns for p in finished.glob("runs/*/eval.json")}
     digested, digest = [], bench.file_digest
-    monkeypatch.setattr(bench, "file_digest", lambda path: digested.append(str(path)) or digest(path))
+    for module in (bench, bench_records):  # a run's evaluation, and the check of a finished one
+        monkeypatch.setattr(module, "file_digest", lambda path: digested.append(str(path)) or digest(path))
     bench.run(designs(finished), progress=False)
     assert counted == {"trained": [], "evaluated": []}
     assert not [p for p in digested if "checkpoint" in p]  # unchanged files (sizes, times): not read again
@@ -584,7 +585,9 @@ def test_a_bench_plugin_file_is_part_of_every_runs_identity_and_config(tmp_path,
     )
     # a run recorded without the file's digest (a bench from before --plugin joined run.plugins) is refused:
     # nothing shows which content it trained with, and the refusal says the digest was added, not changed
-    assert bench._changes({"code": {}}, {"code": {"shortness.py": "x"}}) == ["code.shortness.py: added"]
+    assert bench_records.config_changes({"code": {}}, {"code": {"shortness.py": "x"}}) == [
+        "code.shortness.py: added"
+    ]
 
 
 def test_the_local_modules_a_plugin_file_imports_are_part_of_a_runs_identity(tmp_path):
@@ -613,7 +616,7 @@ def test_the_local_modules_a_plugin_file_imports_are_part_of_a_runs_identity(tmp
     config = {"run": {"plugins": [plugin]}, "env": {"rewards": []}, "agent": {}}
     before = bench_identity.identity(config)
     (tmp_path / "deeper.py").write_text("SCALE = 10.0\n")
-    assert bench._changes(before, bench_identity.identity(config)) == [
+    assert bench_records.config_changes(before, bench_identity.identity(config)) == [
         f"code.{tmp_path / 'deeper.py'}: changed"
     ]
 
@@ -635,6 +638,6 @@ def test_an_fn_reward_named_by_module_counts_by_its_file_or_its_packages_version
     assert ident["packages"] == {"numpy": bench_identity.installed_package("numpy")}
     assert ident["packages"]["numpy"].startswith(f"{importlib.metadata.version('numpy')} (code ")
     (tmp_path / f"helper_{tag}.py").write_text("X = 2\n")
-    assert bench._changes(ident, bench_identity.identity(config)) == [
+    assert bench_records.config_changes(ident, bench_identity.identity(config)) == [
         f"code.{tmp_path / f'helper_{tag}.py'}: changed"
     ]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from textgym import bench, bench_identity, run_log
+from textgym import bench, bench_identity, bench_records, run_log
 from textgym.bench import actions, load_designs, plan
 from textgym.cli import main
 from textgym.errors import ConfigError, PluginArgumentError, UnknownNameError
@@ -370,7 +370,7 @@ def test_runs_the_bench_did_not_start_or_that_changed_are_refused(tmp_path):
         ConfigError, match="exact-seed0 exists, but .* has no record of this bench starting it"
     ):
         actions(jobs, out)
-    bench._record(out, jobs[0])
+    bench_records.record_start(out, jobs[0])
     assert actions(jobs, out)["exact-seed0"] == "train"  # started, not finished: resumes
     changed = plan(load_designs(designs(tmp_path), ["agent.learning_rate=0.5"]), out)
     with pytest.raises(
@@ -562,7 +562,7 @@ def test_edited_data_and_code_files_are_not_taken_for_the_ones_a_run_used(tmp_pa
     jobs = plan(load_designs(d), out)
     for job in jobs:
         job.run_dir.mkdir(parents=True)
-        bench._record(out, job)
+        bench_records.record_start(out, job)
         (job.run_dir / "eval.json").write_text(
             json.dumps({"config_hash": job.config_hash, "eval_hash": job.eval_hash})
         )
@@ -715,7 +715,7 @@ def test_a_proxy_reward_models_output_appearing_does_not_change_the_runs(tmp_pat
     jobs = plan(load_designs(tmp_path / "designs.toml"), out)
     for job in jobs:
         job.run_dir.mkdir(parents=True)
-        bench._record(out, job)
+        bench_records.record_start(out, job)
         (job.run_dir / "eval.json").write_text(
             json.dumps({"config_hash": job.config_hash, "eval_hash": job.eval_hash})
         )

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from textgym import bench
+from textgym import bench, bench_records
 from textgym.bench_numbers import fmt, fmt_interval, fmt_p
 from textgym.bench_results import write_outputs
 
@@ -71,7 +71,7 @@ def fake_bench(
             for i, (g, p) in enumerate(zip(gold, proxy))
         ]  # fmt: skip
         job.run_dir.mkdir(parents=True)
-        bench._record(out, job)
+        bench_records.record_start(out, job)
         with (job.run_dir / "eval.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
@@ -590,10 +590,10 @@ def test_kl_added_is_not_named_as_a_curve_check_that_did_not_run(tmp_path):
 def test_a_run_recorded_before_curve_parts_gets_them_where_its_curves_digest_matches(tmp_path):
     out = tmp_path / "bench"
     _, jobs = fake_bench(out)
-    index = json.loads((out / bench.INDEX_FILE).read_text())
+    index = json.loads((out / bench_records.INDEX_FILE).read_text())
     for record in index["runs"].values():
         del record["curve_parts"]
-    (out / bench.INDEX_FILE).write_text(json.dumps(index))
-    bench._add_curve_parts(out, jobs)
-    runs = json.loads((out / bench.INDEX_FILE).read_text())["runs"]
+    (out / bench_records.INDEX_FILE).write_text(json.dumps(index))
+    bench_records.add_curve_parts(out, jobs)
+    runs = json.loads((out / bench_records.INDEX_FILE).read_text())["runs"]
     assert all(runs[j.run_id]["curve_parts"] == j.curve_parts for j in jobs)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import json
 import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,12 +29,22 @@ from typing import Any
 
 from textgym import bench_rm
 from textgym.bench_config import BENCH_DEFAULTS, load_designs
-from textgym.bench_identity import _settings, file_digest, file_stats
+from textgym.bench_identity import file_digest, file_stats
 from textgym.bench_plan import Job, eval_settings, plan
+from textgym.bench_records import (
+    EVAL_FILE,
+    INDEX_FILE,
+    actions,
+    add_curve_parts,
+    evaluation_changes,
+    group_of,
+    record_failure,
+    record_start,
+    write_json,
+)
 from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError, RunsFailed, TextgymError, WriteError
 from textgym.eval_settings import BUILTIN_METRICS
-from textgym.evaluation import jsonable
 from textgym.run_log import logged_to
 
 __all__ = [
@@ -43,8 +52,6 @@ __all__ = [
     "run",
 ]  # fmt: skip
 
-EVAL_FILE = "eval.json"
-INDEX_FILE = "bench.json"
 LOCK_FILE = ".bench.lock"  # held by the bench that runs in the directory
 ACTION_WORDS = {
     "reuse": "reused",
@@ -52,168 +59,6 @@ ACTION_WORDS = {
     "train": "to train",
     "restart": "to train again from the start (a run of their design failed, and its config changed since)",
 }
-
-
-# -- what is already there -----------------------------------------------------------------------------
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, value: Any) -> None:
-    from textgym.rundir import write_atomic
-
-    write_atomic(path, json.dumps(jsonable(value), indent=2, allow_nan=False))
-
-
-def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
-    """What each run needs: ``"train"``, ``"evaluate"`` (trained with this config, evaluated with other
-    settings) or ``"reuse"``. Raises :class:`ConfigError`, before anything trains, for runs this bench did
-    not start or that were trained with another config."""
-    index = (_read_json(out / INDEX_FILE) or {}).get("runs", {})
-    todo, problems = {}, []
-    # the designs (under an agent) that a failed run left out of the report: none of their runs was reported
-    failed = {_group(j) for j in jobs if (index.get(j.run_id) or {}).get("failed")}
-    for job in jobs:
-        record = index.get(job.run_id)
-        if not job.run_dir.exists():
-            todo[job.run_id] = "train"
-        elif record is None:
-            problems.append(
-                f"{job.run_dir} exists, but {out / INDEX_FILE} has no record of this bench starting it"
-            )
-        elif _group(job) in failed and record.get("config_hash") != job.config_hash:
-            todo[job.run_id] = "restart"  # a failed design, changed: none of its runs was reported
-        elif record.get("config_hash") != job.config_hash:
-            changes = _changes(record.get("config", {}), job.identity)
-            problems.append(
-                f"{job.run_id} was trained with another config ({'; '.join(changes[:4]) or 'code files'})"
-            )
-        elif edited := _edited(job, record):
-            problems.append(edited)
-        else:
-            done = _read_json(job.run_dir / EVAL_FILE)
-            if done and done.get("config_hash") == job.config_hash:
-                todo[job.run_id] = "reuse" if done.get("eval_hash") == job.eval_hash else "evaluate"
-            else:
-                todo[job.run_id] = "train"  # interrupted: resumes from its checkpoint
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ConfigError(
-            f"{out} already holds runs this bench cannot reuse: {'; '.join(problems[:3])}{more}. A bench never "
-            f"reports results it did not compute: give this bench its own bench.output_dir, or move those run "
-            f"directories away to train them again."
-        )
-    return todo
-
-
-def _group(job: Job) -> tuple[str, str]:
-    return job.agent["label"], job.design["name"]
-
-
-def _evaluation_changes(jobs: Sequence[Job], todo: Mapping[str, str]) -> str:
-    """What changed in the evaluation of the runs evaluated again, as refusals name a changed config:
-    ``evaluation.episodes: 16 -> 8``. An eval.json written before it kept its settings says less."""
-    changes: list[str] = []
-    for job in jobs:
-        if todo[job.run_id] == "evaluate":
-            before = (_read_json(job.run_dir / EVAL_FILE) or {}).get("evaluation")
-            found = _changes(before, job.evaluation, "evaluation.") if before is not None else []
-            changes += [c for c in found or ["the evaluation settings or files changed"] if c not in changes]
-    return "; ".join(changes[:4]) + (f" and {len(changes) - 4} more" if len(changes) > 4 else "")
-
-
-def _edited(job: Job, record: Mapping[str, Any]) -> str | None:
-    """What changed in a run directory since the bench recorded it, or None. Its ``config.toml`` is what a
-    resume trains with (held-out curves included) and what an SB3 run is loaded with; its checkpoint, what
-    an evaluation reads: both must still be what the bench started and evaluated (a hand edit, or another
-    run's checkpoint copied in, changes them without changing ``bench.json``). A finished run's checkpoint
-    may be deleted (to free the disk): its results are reused, and only evaluating it again is refused."""
-    from textgym.config import load_config
-    from textgym.rundir import RunDir
-
-    path = job.run_dir / "config.toml"
-    if path.is_file():
-        try:
-            saved = load_config(path)
-        except ConfigError as exc:
-            return f"{path} cannot be read ({exc})"
-        changes = _changes(_settings(job.config), _settings(saved))
-        if "eval" in record:  # (recorded since bench.json keeps it)
-            changes += _changes({"eval": record["eval"]}, {"eval": saved.get("eval")})
-        if changes:
-            return f"{path} was changed since this bench started the run ({'; '.join(changes[:4])})"
-    done = _read_json(job.run_dir / EVAL_FILE) or {}
-    evaluated = RunDir(job.run_dir).checkpoint
-    unchanged = "checkpoint_files" in done and file_stats(evaluated) == done["checkpoint_files"]
-    if "checkpoint" in done and not unchanged and (digest := file_digest(evaluated)) != done["checkpoint"]:
-        if digest != "missing":
-            return f"{evaluated} is not the checkpoint this bench evaluated (its files changed since)"
-        if done.get("eval_hash") != job.eval_hash:
-            return f"{evaluated} is gone, so the run cannot be evaluated with the new evaluation settings"
-    return None
-
-
-def _changes(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """What differs between two configs, down to the single value (``env.rewards[1].weight: 0.5 -> 0.6``)."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += _changes(a, b, f"{prefix}{key}.")
-        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            for i, (x, y) in enumerate(zip(a, b)):
-                if isinstance(x, Mapping) and isinstance(y, Mapping):
-                    out += _changes(x, y, f"{prefix}{key}[{i}].")
-                elif jsonable(x) != jsonable(y):
-                    out.append(f"{prefix}{key}[{i}]: {_short(x)} -> {_short(y)}")
-        elif jsonable(a) != jsonable(b):
-            digests = prefix.endswith(("code.", "data.", "reward_models."))  # (evaluation.code. too)
-            digest = "added" if key not in old else "removed" if key not in new else "changed"
-            out.append(f"{prefix}{key}: {digest if digests else f'{_short(a)} -> {_short(b)}'}")
-    return out
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(jsonable(value), default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _record(out: Path, job: Job) -> None:
-    """Record what the run is trained with, before it trains. A run that resumes keeps the curve settings it
-    recorded when it started: it resumes with the [eval] of its own config.toml, whatever the bench's are now."""
-    from textgym.rundir import RunDir
-
-    path = out / INDEX_FILE
-    index = _read_json(path) or {}
-    runs = index.setdefault("runs", {})
-    started = {"curves_hash": job.curves_hash, "curve_parts": job.curve_parts, "eval": job.config.get("eval")}
-    if RunDir(job.run_dir).is_run():  # resumed: its config.toml's [eval], as it started
-        before = runs.get(job.run_id, {})
-        started = {"curves_hash": before.get("curves_hash", job.curves_hash)}
-        if "curve_parts" in before:
-            started["curve_parts"] = before["curve_parts"]
-        if "eval" in before:  # (a record from before bench.json kept it has none)
-            started["eval"] = before["eval"]
-    runs[job.run_id] = {"config_hash": job.config_hash, **started, "config": job.identity}
-    _write_json(path, index)
-
-
-def _add_curve_parts(out: Path, jobs: Sequence[Job]) -> None:
-    """Give a run recorded before ``curve_parts`` were kept the plan's, where its curves' digest shows that
-    they measured what the plan measures: a later change of the metric list then keeps their columns."""
-    path = out / INDEX_FILE
-    index = _read_json(path)
-    runs = (index or {}).get("runs", {})
-    added = False
-    for job in jobs:
-        record = runs.get(job.run_id)
-        if record and "curve_parts" not in record and record.get("curves_hash") == job.curves_hash:
-            record["curve_parts"], added = job.curve_parts, True
-    if added:
-        _write_json(path, index)
 
 
 class _Changed(ConfigError):
@@ -317,14 +162,14 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
     jobs = plan(spec, out)
-    _add_curve_parts(out, jobs)
+    add_curve_parts(out, jobs)
     todo = actions(jobs, out)
     if progress and any(action != "train" for action in todo.values()):  # a rerun says what it redoes
         counts = collections.Counter(todo.values())
         said = []
         for action, what in ACTION_WORDS.items():
             if counts[action]:  # and why the evaluated ones are evaluated again
-                why = f" ({_evaluation_changes(jobs, todo)})" if action == "evaluate" else ""
+                why = f" ({evaluation_changes(jobs, todo)})" if action == "evaluate" else ""
                 said.append(f"{counts[action]} {what}{why}")
         print(f"textgym: {len(todo)} runs in {out}: {', '.join(said)}")
     bench_rm.pending(spec["reward_models"])  # a proxy model this bench cannot reuse fails now, too
@@ -339,7 +184,7 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                     _check_unchanged(job.identity)
                     if todo[job.run_id] == "restart":
                         shutil.rmtree(job.run_dir)
-                    _record(out, job)
+                    record_start(out, job)
                 if todo[job.run_id] != "reuse":
                     try:
                         result = _train_and_evaluate(job, spec, todo[job.run_id] != "evaluate")
@@ -350,8 +195,8 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                         if progress:
                             tqdm.write(f"textgym: {job.run_id} failed: {failed[job.run_id]['error']}")
                     else:
-                        _write_json(job.run_dir / EVAL_FILE, result)  # written last: it means "finished"
-                        _record_failure(out, job, None)
+                        write_json(job.run_dir / EVAL_FILE, result)  # written last: it means "finished"
+                        record_failure(out, job, None)
                 bar.update(1)
         if failed:
             _report_failures(out, spec, jobs, failed)
@@ -374,7 +219,7 @@ def _train_and_evaluate(job: Job, spec: Mapping[str, Any], train: bool) -> dict[
                 f"tokens ({total} to train); the same command continues it"
             )
     _check_unchanged(job.eval_files)
-    evaluated = RunDir(job.run_dir).checkpoint  # what a rerun checks (see _edited)
+    evaluated = RunDir(job.run_dir).checkpoint  # what a rerun checks (see bench_records.edited_since)
     checkpoint = {"checkpoint": file_digest(evaluated), "checkpoint_files": file_stats(evaluated)}
     with logged_to(job.run_dir / "train.log"):
         return {**evaluate(job, spec), **checkpoint}
@@ -394,22 +239,8 @@ def _failure(out: Path, job: Job, exc: Exception) -> dict[str, str]:
         f.write("\n" + "".join(traceback.format_exception(exc)))
     error = str(exc) if isinstance(exc, TextgymError) else f"{type(exc).__name__}: {exc}"
     failure = {"error": one_line(error), "log": str(log)}
-    _record_failure(out, job, failure)
+    record_failure(out, job, failure)
     return failure
-
-
-def _record_failure(out: Path, job: Job, failure: Mapping[str, str] | None) -> None:
-    """Mark the run failed in ``bench.json`` (or, with None, no longer failed)."""
-    path = out / INDEX_FILE
-    index = _read_json(path) or {}
-    record = index.get("runs", {}).get(job.run_id)
-    if record is None or record.get("failed") == failure or (failure is None and "failed" not in record):
-        return
-    if failure is None:
-        del record["failed"]
-    else:
-        record["failed"] = dict(failure)
-    _write_json(path, index)
 
 
 def _report_failures(
@@ -420,7 +251,7 @@ def _report_failures(
     the runs that went well."""
     from textgym.bench_results import write_outputs
 
-    groups = {_group(job) for job in jobs if job.run_id in failed}
+    groups = {group_of(job) for job in jobs if job.run_id in failed}
     designs, agents = left_out(
         groups, [a["label"] for a in spec["agents"]], [d["name"] for d in spec["designs"]]
     )

@@ -78,7 +78,7 @@ class BenchResults:
 
 
 def collect(out: Path, spec: Mapping[str, Any], jobs: Sequence[Any]) -> BenchResults:
-    from textgym.bench import EVAL_FILE, INDEX_FILE
+    from textgym.bench_records import EVAL_FILE, INDEX_FILE
     from textgym.diagnostics import EVAL_CSV, read_rows
 
     gold = [m["label"] for m in spec["metric_rewards"]]
