@@ -174,7 +174,7 @@ def test_the_checks_said_to_raise_nothing_are_those_whose_metrics_the_curves_hav
     """A check whose metric `[metrics] builtin` left out did not run: it is not listed as passed."""
     import dataclasses
 
-    from textgym.bench_report import quiet_checks_text
+    from textgym.bench_flag_text import quiet_checks_text
 
     _, results = report
 

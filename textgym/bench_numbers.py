@@ -1,5 +1,6 @@
-"""How the bench's reports write numbers: the decimals that tell values apart, p-values, intervals and
-cells (shared by ``report.md`` and ``report.html``)."""
+"""How the bench's reports write numbers and user text: the decimals that tell values apart, p-values,
+intervals and cells, counts, and the escaping that makes user text read as written (shared by ``report.md``
+and ``report.html``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from typing import Any
 
 from textgym.bench_stats import ALPHA
 
-__all__ = ["decimals", "fmt", "fmt_cell", "fmt_interval", "fmt_p"]
+__all__ = [
+    "decimals",
+    "fmt",
+    "fmt_cell",
+    "fmt_interval",
+    "fmt_p",
+    "is_missing",
+    "md_escape",
+    "md_text",
+    "plural",
+]
 
 
 def decimals(*values: float) -> int:
@@ -65,4 +76,25 @@ def fmt_cell(row: Mapping[str, Any] | None) -> str:
     text = fmt_interval(row["mean"], row["ci_low"], row["ci_high"])
     if 0 < row["n"] < row.get("seeds", row["n"]):  # the seeds left out are said, not silently dropped
         text += f" ({row['n']} of {row['seeds']} seeds)"
+    return text
+
+
+def is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def md_text(text: str) -> str:
+    """Report text that holds user text (a metric's label, a design's name) escaped, so that ``<i>`` in it
+    reads as written; its own Markdown (``**``, ``->``) is kept."""
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+def md_escape(text: str) -> str:
+    """``text`` with Markdown's inline characters backslash-escaped, so that they read as written."""
+    for char in "\\`*[]|":
+        text = text.replace(char, "\\" + char)
     return text

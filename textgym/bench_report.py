@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from textgym.bench_flags import has_curve, lacks_errors
-from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
+from textgym.bench_flag_text import flag_lines, no_flags_text, quiet_checks_text, unchecked_lines
+from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p, is_missing, md_escape, md_text, plural
 from textgym.bench_results import BenchResults, registered
 from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
@@ -49,7 +49,7 @@ def ranking(
         cells = [(results.cell(a, within, metric), a) for a in results.agents]
     direction = results.direction(metric, scope)
     sign = -1 if direction == "higher" else 1
-    rows = [(c[key], name, c["mean"]) for c, name in cells if c and not _missing(c["mean"])]
+    rows = [(c[key], name, c["mean"]) for c, name in cells if c and not is_missing(c["mean"])]
     return sorted(
         rows,
         key=lambda r: (math.inf if r[0] is None else r[0], sign * r[2] if not math.isnan(r[2]) else math.inf),
@@ -109,120 +109,6 @@ def needed_text(c: Mapping[str, Any]) -> str:
     return f" (~{n} seeds for 80% power at this effect, at Holm's level)"
 
 
-def flag_items(results: BenchResults) -> list[tuple[str, str, str]]:
-    """Each flag as (who: the design, and its agent where there are several; the message, which names
-    metrics by their labels: user text; on which seeds)."""
-    items = []
-    for (agent, design), flags in results.flags.items():
-        who = f"{design} ({agent})" if len(results.agents) > 1 else design
-        for f in flags:
-            seeds = f"{len(f['seeds'])} of {f['of']} seeds" if f["of"] > 1 else f"seed {f['first_seed']}"
-            every = f.get("seeds_in_all", f["of"])
-            # (only a curve's check runs on fewer seeds than the design's: the others had no curve, or one
-            # without the flag's metric, which is not a check they passed)
-            curve = f"a held-out curve of {f['metric']}"
-            if f["of"] < every and f["of"] == 1:
-                seeds += f", the only one of {every} seeds with {curve} to check"
-            elif f["of"] < every:
-                seeds += f" ({f['of']} of {every} seeds had {curve} to check)"
-            items.append((who, f["message"], f"{seeds}; shown: seed {f['first_seed']}"))
-    return items
-
-
-def flag_lines(results: BenchResults) -> list[str]:
-    """Each flag as one line of report.md, its user text escaped (a label's ``*y*`` reads as written)."""
-    return [
-        f"**{_text(who)}**: {_md_escape(_text(message))} ({where})"
-        for who, message, where in flag_items(results)
-    ]
-
-
-def unchecked_lines(results: BenchResults) -> list[str]:
-    """The checks that did not run, so that a missing flag is never read as a check passed."""
-    lines = []
-    curved = sum(map(has_curve, results.curves.values()))
-    if curved < len(results.evals):
-        lines.append(
-            f"The curve checks (gaming, length drift, EOS and diversity collapse) did not run on "
-            f"{len(results.evals) - curved} of {len(results.evals)} runs: they have no held-out curve (an SB3 "
-            f"agent, `eval_every = 0`, or curves measured with other evaluation settings)."
-        )
-    # a metric added or changed since some runs trained, that a curve check reads -> those runs
-    read = {*results.gold, "length", "eos_rate", "distinct_2"}
-    partial: dict[str, int] = {}
-    for metrics in results.partial_curves.values():
-        for metric in metrics:
-            if metric in read:
-                partial[metric] = partial.get(metric, 0) + 1
-    if partial:
-        named = ", ".join(f"`{_text(m)}` (on {_count(n, 'run')})" for m, n in partial.items())
-        lines.append(
-            f"The curve checks that read {named} did not run there: those runs trained before the metric was "
-            f"added or changed, so their held-out curves lack it (their final evaluations were recomputed; the "
-            f"checks on the other metrics ran)."
-        )
-    unmeasured = [
-        d
-        for d in results.designs
-        if all(_missing(e["metrics"].get(REWARD)) for e in results.evals if e["design"] == d)
-    ]
-    if unmeasured and curved:
-        lines.append(
-            f"The gaming check did not run on {', '.join(unmeasured)}: the held-out `reward` (the proxy) is not "
-            f"measured there (a `normalize_then_sum` total is standardised over the evaluated episodes, so its "
-            f"mean is 0 whatever the policy)."
-        )
-    if curved and not results.gold:
-        lines.append(
-            "The gaming check did not run: it compares the proxy with gold metrics, and the bench names none "
-            "(`[metrics] rewards`)."
-        )
-    bare = sum(lacks_errors(c, results.gold) for c in results.curves.values() if has_curve(c))
-    if bare:
-        lines.append(
-            f"The gaming check could not judge every evaluation of {bare} of {curved} runs: some have no "
-            f"standard error (a metric applied to fewer than 2 of the evaluation's episodes: more "
-            f"`bench.eval_episodes`, or a metric that applies to more completions, gives one), and a fall there "
-            f"cannot be told from noise, so it was not flagged."
-        )
-    return lines
-
-
-CHECK_NAMES = {"gaming": "gaming (the proxy rose while a gold metric fell)", "length_drift": "length drift",
-               "eos_collapse": "EOS collapse", "diversity_collapse": "diversity collapse"}  # fmt: skip
-
-
-def quiet_checks_text(results: BenchResults) -> str | None:
-    """Beside raised flags: the curve checks that ran and raised none, so that a gaming check that passed
-    is said, not left to be inferred from its absence. None where no flag was raised (:func:`no_flags_text`
-    says it) or no curve check ran."""
-    raised = {f["kind"] for flags in results.flags.values() for f in flags}
-    curves = [c for c in results.curves.values() if has_curve(c)]
-    if not raised or not curves:
-        return None
-
-    def measured(metric: str) -> bool:  # in some curve ([metrics] builtin may leave a metric out)
-        return any(not _missing(row.get(metric)) for c in curves for row in c)
-
-    needs = {"gaming": [REWARD], "length_drift": ["length"], "eos_collapse": ["eos_rate"],
-             "diversity_collapse": ["distinct_2"]}  # fmt: skip
-    ran = [kind for kind, metrics in needs.items() if all(map(measured, metrics))]
-    ran = [kind for kind in ran if kind != "gaming" or any(map(measured, results.gold))]
-    quiet = [CHECK_NAMES[kind] for kind in ran if kind not in raised]
-    return f"No flag from these checks, where they ran: {', '.join(quiet)}." if quiet else None
-
-
-def no_flags_text(unchecked: Sequence[str]) -> str:
-    """What the report says when no flag was raised, given :func:`unchecked_lines`."""
-    if unchecked:
-        return "No flags from the checks that ran."
-    return "No flags: no run gamed its proxy or degenerated by these checks."
-
-
-def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
 def setup_text(results: BenchResults) -> str:
     spec = results.spec
     bench, base = spec["bench"], spec["base"]
@@ -237,8 +123,8 @@ def setup_text(results: BenchResults) -> str:
     else:  # without eval_prompts the evaluation reuses the training prompts
         episodes = f"{bench['eval_episodes']} episodes of the training prompts, not held out (no eval_prompts"
     return (
-        f"{_count(len(results.designs), 'design')} x {_count(len(results.agents), 'agent')} ({agents}) x "
-        f"{_count(len(bench['seeds']), 'seed')} (seeds {bench['seeds']}) on `{base['env']['id']}`, "
+        f"{plural(len(results.designs), 'design')} x {plural(len(results.agents), 'agent')} ({agents}) x "
+        f"{plural(len(bench['seeds']), 'seed')} (seeds {bench['seeds']}) on `{base['env']['id']}`, "
         f"{base['run']['total_timesteps']} generated tokens per run (a run ends with the iteration that reaches "
         f"them). Every run is evaluated on the same "
         f"{episodes}; same prompts and sampling seed)"
@@ -266,7 +152,7 @@ def failed_text(results: BenchResults) -> str | None:
         else []
     )
     return (
-        f"**{_count(len(results.failed), 'run')} failed**, so this report leaves out {' and '.join(said)}: a "
+        f"**{plural(len(results.failed), 'run')} failed**, so this report leaves out {' and '.join(said)}: a "
         f"design is reported only when all its runs finished (its finished seeds alone would compare the runs "
         f"that went well). Fix what failed and run the bench again: finished runs are reused. The failed runs, "
         f"with their errors and logs:"
@@ -291,8 +177,8 @@ def range_warnings(results: BenchResults) -> list[str]:
                    and not math.isnan(r["value"])]  # fmt: skip
         if outside:
             lines.append(
-                f"**Warning**: `{_text(label)}` measured {fmt(min(r['value'] for r in outside))} to "
-                f"{fmt(max(r['value'] for r in outside))} on {_count(len(outside), 'run')}, outside its declared "
+                f"**Warning**: `{md_text(label)}` measured {fmt(min(r['value'] for r in outside))} to "
+                f"{fmt(max(r['value'] for r in outside))} on {plural(len(outside), 'run')}, outside its declared "
                 f"range [{low:g}, {high:g}]: its intervals are clipped to that range; check the range."
             )
     return lines
@@ -315,8 +201,8 @@ def few_episode_warnings(results: BenchResults) -> list[str]:
         who = f"{design} ({agent})" if len(results.agents) > 1 else design
         runs = sum(1 for e in results.evals if (e["agent"], e["design"]) == (agent, design))
         lines.append(
-            f"**Note**: `{_text(metric)}` of {_text(who)} rests on few episodes: on {len(counts)} of "
-            f"{_count(runs, 'run')} its final value is a mean over fewer than {FEW_EPISODES} evaluation episodes "
+            f"**Note**: `{md_text(metric)}` of {md_text(who)} rests on few episodes: on {len(counts)} of "
+            f"{plural(runs, 'run')} its final value is a mean over fewer than {FEW_EPISODES} evaluation episodes "
             f"(the ones it applied to; fewest: {min(counts)}). Read its cells and comparisons with that in mind."
         )
     return lines
@@ -342,9 +228,9 @@ STATS_TEXT = (
 def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
     lines = ["# Reward-design benchmark", "", setup_text(results), ""]
     if failed := failed_text(results):
-        lines += ["## Failed runs", "", _text(failed), ""]
+        lines += ["## Failed runs", "", md_text(failed), ""]
         lines += [
-            f"- `{run}`: {_md_escape(_text(error))} (log: `{log}`)"
+            f"- `{run}`: {md_escape(md_text(error))} (log: `{log}`)"
             for run, error, log in failed_items(results)
         ]
         lines += [""]
@@ -354,13 +240,13 @@ def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) 
     ]
     lines += ["## Designs", ""]
     for design in results.spec["designs"]:
-        lines.append(f"- **{_text(design['name'])}**: {_text(describe_stack(design['rewards']))}")
+        lines.append(f"- **{md_text(design['name'])}**: {md_text(describe_stack(design['rewards']))}")
     lines += ["", "## Flags", ""]
     flags = flag_lines(results)
     unchecked = unchecked_lines(results)
     lines += [f"- {line}" for line in flags] or [no_flags_text(unchecked)]
     lines += ["", quiet] if (quiet := quiet_checks_text(results)) else []
-    lines += ["", *map(_text, unchecked)] if unchecked else []
+    lines += ["", *map(md_text, unchecked)] if unchecked else []
     for agent in results.agents:
         heading = f"## Designs under agent `{agent}`" if len(results.agents) > 1 else "## Results"
         lines += ["", heading, "", *_table(results, [(agent, d, d) for d in results.designs], "design"), ""]
@@ -421,7 +307,7 @@ def _rankings_and_pairs(results: BenchResults, scope: str, within: str) -> list[
         if results.direction(metric, scope) is None or not ranking(results, metric, scope, within):
             continue
         lines.append(
-            f"- **{_cell_text(metric)}** ({note}): {_text(ranking_text(results, metric, scope, within))}"
+            f"- **{_cell_text(metric)}** ({note}): {md_text(ranking_text(results, metric, scope, within))}"
         )
     rows = []
     for metric in results.metrics:
@@ -459,28 +345,11 @@ def _curve_spacing(curves: Mapping[str, list[dict[str, Any]]]) -> str:
     return f", during training every {' or '.join(map(str, gaps))} iterations"
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _text(text: str) -> str:
-    """Report text that holds user text (a metric's label, a design's name) escaped, so that ``<i>`` in it
-    reads as written; its own Markdown (``**``, ``->``) is kept."""
-    return text.replace("&", "&amp;").replace("<", "&lt;")
-
-
 def _cell_text(text: str, width: int | None = None) -> str:
     """User text (a prompt, a completion, a metric's label) as one Markdown table cell: on one line, cut at
     ``width`` characters, and escaped, so that ``<b>``, ``&amp;``, ``**`` or a backtick in it reads as written,
     not as markup."""
-    return _md_escape(html.escape(one_line(text, width), quote=False))
-
-
-def _md_escape(text: str) -> str:
-    """``text`` with Markdown's inline characters backslash-escaped, so that they read as written."""
-    for char in "\\`*[]|":
-        text = text.replace(char, "\\" + char)
-    return text
+    return md_escape(html.escape(one_line(text, width), quote=False))
 
 
 def held_out(results: BenchResults) -> bool:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from textgym.bench_flag_text import flag_items, no_flags_text, quiet_checks_text, unchecked_lines
 from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
 from textgym.bench_report import (
     STATS_TEXT,
@@ -17,10 +18,7 @@ from textgym.bench_report import (
     failed_items,
     failed_text,
     few_episode_warnings,
-    flag_items,
     metric_note,
-    no_flags_text,
-    quiet_checks_text,
     range_warnings,
     rankable,
     ranking,
@@ -28,7 +26,6 @@ from textgym.bench_report import (
     reward_note,
     sample_prompts,
     setup_text,
-    unchecked_lines,
     verdict,
 )
 from textgym.bench_results import BenchResults
