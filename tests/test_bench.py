@@ -467,6 +467,74 @@ def test_a_design_with_one_failed_seed_is_left_out_whole_and_starts_again_when_i
         assert {r["design"] for r in csv.DictReader(f)} == {"exact", "partial"}
 
 
+def test_a_failed_evaluation_of_every_design_leaves_a_report_of_the_failures_only(
+    finished, counted, tmp_path, monkeypatch
+):
+    """No design finished: the error said no report was written, but the earlier report, its tables and
+    plots stayed beside it and read as current. Once the evaluation works again, the runs' failed marks go
+    with it, the reused runs' too: a mark left on a reported run let a later config change delete it."""
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    real_evaluate = bench.evaluate
+
+    def broken(job, spec):
+        raise RuntimeError("the evaluation broke")
+
+    monkeypatch.setattr(bench, "evaluate", broken)
+    with pytest.raises(bench.RunsFailed, match=r"4 of 4 runs failed: .* names the failed runs only"):
+        bench.run(designs(out, eval_episodes=8), progress=False)
+    report = (out / "report.md").read_text()
+    assert (
+        "No design had all its runs finish" in report
+        and "- `exact-seed1`: RuntimeError: the evaluation" in report
+    )
+    assert "## Results" not in report and "No design had all" in (out / "report.html").read_text()
+    assert not [p.name for p in out.iterdir() if p.suffix in (".csv", ".jsonl", ".png")]
+    index = json.loads((out / "bench.json").read_text())
+    assert index["left_out"] == {"designs": ["exact", "partial"], "agents": []}
+    assert all("failed" in r for r in index["runs"].values())
+
+    monkeypatch.setattr(bench, "evaluate", real_evaluate)
+    bench.run(designs(out), progress=False)  # the old settings: every run is reused, and reported
+    index = json.loads((out / "bench.json").read_text())
+    assert "left_out" not in index and not any("failed" in r for r in index["runs"].values())
+    assert counted["trained"] == [] and (out / "summary.csv").is_file()
+    with pytest.raises(ConfigError, match="trained with another config"):  # reported: refused, not replaced
+        bench.run(designs(out), ["agent.learning_rate=0.5"], progress=False)
+
+
+def test_a_run_keeps_its_failed_mark_until_it_finishes_and_a_left_out_design_restarts_under_every_agent(
+    tmp_path,
+):
+    """A resume (or a restart) that a Ctrl-C cut dropped the mark, and the next bench refused the design's
+    changed runs; the report leaves a design out under every agent, but only the agent whose run failed was
+    restarted: the other agent's runs of it, never reported, were refused."""
+    from textgym.bench_config import load_designs
+
+    d = designs(tmp_path / "out")
+    del d["agent"]["name"]
+    d["agents"] = [{"name": "grpo", "num_generations": 4}, {"name": "rloo", "num_generations": 4}]
+    out = tmp_path / "out"
+    jobs = bench.plan(load_designs(d), out)
+    for job in jobs:
+        job.run_dir.mkdir(parents=True)
+        bench_records.record_start(out, job)
+    failed_job = next(j for j in jobs if j.run_id == "grpo/exact-seed0")
+    bench_records.record_failure(out, failed_job, {"error": "it broke", "log": "x.log"})
+    bench_records.record_start(out, failed_job)  # resumed
+    assert (
+        json.loads((out / "bench.json").read_text())["runs"]["grpo/exact-seed0"]["failed"]["error"]
+        == "it broke"
+    )
+
+    bench_records.record_left_out(out, ["exact"], [])
+    d["designs"][0]["rewards"][0]["weight"] = 2.0
+    todo = bench_records.actions(bench.plan(load_designs(d), out), out)
+    assert {k for k, v in todo.items() if v == "restart"} == {
+        f"{agent}/exact-seed{seed}" for agent in ("grpo", "rloo") for seed in (0, 1)
+    }
+
+
 @pytest.mark.parametrize(
     ("failed", "left_out"),
     [
@@ -507,12 +575,20 @@ def test_agents_are_a_bench_axis_and_an_sb3_agent_completes(tmp_path):
 
 
 def test_a_bench_trains_its_runs_with_several_processes(tmp_path, capfd):
+    """And a run that fails there is named with its process's own error, which went to the run's log: the
+    message said "see above", and nothing above said why."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward(samples):\n    raise ValueError('the reward broke')\n")
     d = designs(tmp_path / "out")
     d["bench"].update(seeds=[0], eval_every=0)
     d["run"].update(processes=2, total_timesteps=64)
     d["env"]["num_envs"] = 8
-    d["designs"] = d["designs"][1:]
-    out = bench.run(d, progress=False)
+    d["designs"] = [d["designs"][1], {"name": "breaks", "rewards": [{"fn": f"{broken}:reward"}]}]
+    with pytest.raises(bench.RunsFailed) as failed:
+        bench.run(d, progress=False)
+    assert "breaks-seed0: the 2-process run of" in str(failed.value) and "see above" not in str(failed.value)
+    assert "raised ValueError" in str(failed.value) and "the reward broke" in str(failed.value)
+    out = tmp_path / "out"
     run_dir = out / "runs" / "partial-seed0"
     assert "processes = 2" in (run_dir / "config.toml").read_text()
     with (run_dir / "metrics.csv").open() as f:

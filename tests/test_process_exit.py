@@ -220,6 +220,30 @@ def test_a_failed_launch_is_judged_by_its_first_process_to_fail(codes, order, si
         assert str(info.value) == f"the 2-process run of runs/x failed ({says}); see above."
 
 
+def test_a_captured_launch_names_the_failed_processs_own_error_and_a_full_disk_stays_a_write_error():
+    """Under textgym bench the processes' output goes to the run's log, not above: the error said "see
+    above", and that was all the bench's report and message said of why the run failed."""
+    from textgym.errors import TrainingError, WriteError
+    from textgym.launch import WRITE_FAILED_EXIT, _error_of, _raise_for
+
+    output = (
+        "textgym: error: process 1 failed, so every process stops: RewardError: it broke\n"
+        "iteration 3\ntextgym: error: reward function 'flaky' raised ValueError: it broke.\n"
+    )
+    assert _error_of(output) == "reward function 'flaky' raised ValueError: it broke."
+    assert _error_of(output.split("iteration")[0]).startswith("process 1 failed")  # the only one said
+    assert _error_of("no error here\n") == ""
+    with pytest.raises(TrainingError) as info:
+        _raise_for([3, 2], [1, 0], set(), "the run", " Resume it.", error=_error_of(output))
+    assert str(info.value) == (
+        "the run failed (process 1 exited with code 2): reward function 'flaky' raised ValueError: it broke. "
+        "Resume it."
+    )
+    # a process that could not write a run file: a bench stops at it, as at its own full disk
+    with pytest.raises(WriteError, match="could not write metrics.csv"):
+        _raise_for([WRITE_FAILED_EXIT, 3], [0, 1], set(), "the run", error="could not write metrics.csv")
+
+
 def test_a_process_killed_by_a_signal_is_named_by_it_and_the_message_says_where_a_resume_continues():
     from textgym.errors import TrainingError
     from textgym.launch import _raise_for

@@ -39,6 +39,7 @@ from textgym.bench_records import (
     evaluation_changes,
     group_of,
     record_failure,
+    record_left_out,
     record_start,
     write_json,
 )
@@ -57,6 +58,7 @@ ACTION_WORDS = {
     "reuse": "reused",
     "evaluate": "to evaluate again",
     "train": "to train",
+    "resume": "to resume (interrupted, or failed)",
     "restart": "to train again from the start (a run of their design failed, and its config changed since)",
 }
 
@@ -161,11 +163,17 @@ def run(
 def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
     from tqdm.auto import tqdm
 
+    from textgym.rundir import RunDir
+
     jobs = plan(spec, out)
     add_curve_parts(out, jobs)
     todo = actions(jobs, out)
-    if progress and any(action != "train" for action in todo.values()):  # a rerun says what it redoes
-        counts = collections.Counter(todo.values())
+    said_as = {  # a run to train whose directory is there resumes (an interrupted or a failed one)
+        j.run_id: "resume" if todo[j.run_id] == "train" and RunDir(j.run_dir).is_run() else todo[j.run_id]
+        for j in jobs
+    }
+    if progress and any(action != "train" for action in said_as.values()):  # a rerun says what it redoes
+        counts = collections.Counter(said_as.values())
         said = []
         for action, what in ACTION_WORDS.items():
             if counts[action]:  # and why the evaluated ones are evaluated again
@@ -185,7 +193,9 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                     if todo[job.run_id] == "restart":
                         shutil.rmtree(job.run_dir)
                     record_start(out, job)
-                if todo[job.run_id] != "reuse":
+                if todo[job.run_id] == "reuse":  # finished: a mark from a failed evaluation since is old news
+                    record_failure(out, job, None)
+                else:
                     try:
                         result = _train_and_evaluate(job, spec, todo[job.run_id] != "evaluate")
                     except (WriteError, _Changed):
@@ -203,6 +213,7 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
         from textgym.bench_results import write_outputs
 
         write_outputs(out, spec, jobs)
+        record_left_out(out, [], [])
     return out
 
 
@@ -260,20 +271,23 @@ def _report_failures(
     runs += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
     said = [f"design {', '.join(map(repr, designs))}"] if designs else []
     said += [f"agent {', '.join(map(repr, agents))}"] if agents else []
+    reduced = {
+        **spec,
+        "designs": [d for d in spec["designs"] if d["name"] not in designs],
+        "agents": [a for a in spec["agents"] if a["label"] not in agents],
+    }
+    record_left_out(out, designs, agents)
+    write_outputs(out, reduced, kept, failed=failed, left_out=(designs, agents))
     if kept:
-        reduced = {
-            **spec,
-            "designs": [d for d in spec["designs"] if d["name"] not in designs],
-            "agents": [a for a in spec["agents"] if a["label"] not in agents],
-        }
-        write_outputs(out, reduced, kept, failed=failed, left_out=(designs, agents))
         reported = f"The report in {out / 'report.md'} leaves out {' and '.join(said)}"
     else:
-        reported = f"No report was written: no design has every run finished ({' and '.join(said)} failed)"
+        reported = f"{out / 'report.md'} names the failed runs only: no design had all its runs finish"
     raise RunsFailed(
-        f"{len(failed)} of {len(jobs)} runs failed: {runs}. {reported}: a design is reported only when all its "
-        f"runs finished. Fix what failed and run the bench again: finished runs are reused, and a failed run "
-        f"resumes (or starts again, when its config changed)."
+        f"{len(failed)} of {len(jobs)} runs failed: {runs}. {reported}: {'an agent' if agents else 'a design'} "
+        f"is reported only when all its runs finished. Fix what failed and run the bench again: a failed run "
+        f"resumes, or trains again from the start where the fix changed its design's config; the other runs "
+        f"are reused where their config is unchanged (a fix in a file every run uses, such as a --plugin file, "
+        f"changes every run's)."
     )
 
 

@@ -37,12 +37,23 @@ def write_json(path: Path, value: Any) -> None:
 def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
     """What each run needs: ``"train"`` (or resume), ``"evaluate"`` (trained with this config, evaluated
     with other settings), ``"reuse"``, or ``"restart"`` (a run of a design that a failed run left out of the
-    report, whose config changed since: trained again from the start). Raises :class:`ConfigError`, before anything trains, for runs this bench did
-    not start or that were trained with another config."""
-    index = (read_json(out / INDEX_FILE) or {}).get("runs", {})
+    report, whose config changed since: trained again from the start). Raises :class:`ConfigError`, before
+    anything trains, for runs this bench did not start or that were trained with another config."""
+    recorded = read_json(out / INDEX_FILE) or {}
+    index = recorded.get("runs", {})
     todo, problems = {}, []
-    # the designs (under an agent) that a failed run left out of the report: none of their runs was reported
+    # runs that no report shows: a design (under an agent) with a failed run, and the designs and agents
+    # that the last report left out for one
     failed = {group_of(j) for j in jobs if (index.get(j.run_id) or {}).get("failed")}
+    left = recorded.get("left_out") or {}
+
+    def unreported(job: Job) -> bool:
+        return (
+            group_of(job) in failed
+            or job.design["name"] in left.get("designs", [])
+            or job.agent["label"] in left.get("agents", [])
+        )
+
     for job in jobs:
         record = index.get(job.run_id)
         if not job.run_dir.exists():
@@ -51,8 +62,10 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
             problems.append(
                 f"{job.run_dir} exists, but {out / INDEX_FILE} has no record of this bench starting it"
             )
-        elif group_of(job) in failed and record.get("config_hash") != job.config_hash:
-            todo[job.run_id] = "restart"  # a failed design, changed: none of its runs was reported
+        elif unreported(job) and record.get("config_hash") != job.config_hash:
+            todo[job.run_id] = (
+                "restart"  # changed since it failed, or since its design failed: never reported
+            )
         elif record.get("config_hash") != job.config_hash:
             changes = config_changes(record.get("config", {}), job.identity)
             problems.append(
@@ -164,7 +177,10 @@ def record_start(out: Path, job: Job) -> None:
             started["curve_parts"] = before["curve_parts"]
         if "eval" in before:  # (a record from before bench.json kept it has none)
             started["eval"] = before["eval"]
+    failed = runs.get(job.run_id, {}).get("failed")  # until the run finishes: a restart is no success
     runs[job.run_id] = {"config_hash": job.config_hash, **started, "config": job.identity}
+    if failed:
+        runs[job.run_id]["failed"] = failed
     write_json(path, index)
 
 
@@ -180,6 +196,20 @@ def add_curve_parts(out: Path, jobs: Sequence[Job]) -> None:
         if record and "curve_parts" not in record and record.get("curves_hash") == job.curves_hash:
             record["curve_parts"], added = job.curve_parts, True
     if added:
+        write_json(path, index)
+
+
+def record_left_out(out: Path, designs: Sequence[str], agents: Sequence[str]) -> None:
+    """Record the designs and agents the report leaves out for failed runs (none: the report is whole): their
+    runs, never reported, train again from the start when their config changes, rather than being refused."""
+    path = out / INDEX_FILE
+    index = read_json(path) or {}
+    left = {"designs": list(designs), "agents": list(agents)} if designs or agents else None
+    if index.get("left_out") != left:
+        if left is None:
+            del index["left_out"]
+        else:
+            index["left_out"] = left
         write_json(path, index)
 
 

@@ -145,18 +145,20 @@ def failed_text(results: BenchResults) -> str | None:
     if not results.failed:
         return None
     designs, agents = results.left_out
-    said = [f"{'design' if len(designs) == 1 else 'designs'} {', '.join(f'`{d}`' for d in designs)}"]
-    said = (said if designs else []) + (
-        [f"{'agent' if len(agents) == 1 else 'agents'} {', '.join(f'`{a}`' for a in agents)}"]
-        if agents
-        else []
-    )
+    said = [
+        f"{noun}{'s' if len(names) > 1 else ''} {', '.join(f'`{n}`' for n in names)}"
+        for noun, names in (("design", designs), ("agent", agents))
+        if names
+    ]
     return (
-        f"**{plural(len(results.failed), 'run')} failed**, so this report leaves out {' and '.join(said)}: a "
-        f"design is reported only when all its runs finished (its finished seeds alone would compare the runs "
-        f"that went well). Fix what failed and run the bench again: finished runs are reused. The failed runs, "
-        f"with their errors and logs:"
+        f"**{plural(len(results.failed), 'run')} failed**, so this report leaves out {' and '.join(said)}: "
+        f"{'an agent' if agents else 'a design'} is reported only when all its runs finished (its finished runs "
+        f"alone would compare the ones that went well). Fix what failed and run the bench again. The failed "
+        f"runs, with their errors and logs:"
     )
+
+
+NOTHING_MEASURED = "this report has no results, and the bench wrote no tables or plots."
 
 
 def failed_items(results: BenchResults) -> list[tuple[str, str, str]]:
@@ -226,7 +228,15 @@ STATS_TEXT = (
 
 # -- report.md -----------------------------------------------------------------------------------------
 def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) -> None:
-    lines = ["# Reward-design benchmark", "", setup_text(results), ""]
+    if not results.jobs:  # every design failed: nothing is measured
+        lines = [
+            "# Reward-design benchmark",
+            "",
+            f"No design had all its runs finish: {NOTHING_MEASURED}",
+            "",
+        ]
+    else:
+        lines = ["# Reward-design benchmark", "", setup_text(results), ""]
     if failed := failed_text(results):
         lines += ["## Failed runs", "", md_text(failed), ""]
         lines += [
@@ -234,6 +244,9 @@ def write_report(path: Path, results: BenchResults, figures: Mapping[str, Any]) 
             for run, error, log in failed_items(results)
         ]
         lines += [""]
+    if not results.jobs:
+        path.write_text("\n".join(lines), encoding="utf-8")
+        return
     lines += [STATS_TEXT, ""]
     lines += [
         line for warning in range_warnings(results) + few_episode_warnings(results) for line in (warning, "")

@@ -259,23 +259,29 @@ def write_outputs(
 ) -> BenchResults:
     """Collect the results of every job and write every output file; returns the results. ``spec`` and
     ``jobs`` are those of the designs and agents reported: the runs that ``failed`` (run_id -> its error and
-    log) left out the designs and agents ``left_out``, which the reports name."""
+    log) left out the designs and agents ``left_out``, which the reports name. With no job left, the
+    reports name only the failed runs, and the files of an earlier report go: they would read as current."""
     from textgym.bench_plots import plot_all
     from textgym.bench_report import write_report
     from textgym.report_html import write_html
 
-    results = collect(out, spec, jobs)
+    if jobs:
+        results = collect(out, spec, jobs)
+    else:
+        results = BenchResults(spec, [], [], [], [], [], [], {})
     results.failed, results.left_out = {k: dict(v) for k, v in (failed or {}).items()}, left_out
     # written whole into a staging directory, then moved in: a kill while the figures draw leaves the
     # previous outputs, which agree with each other, not a new summary.csv beside an old report.md
     stage = out / STAGING
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
-    with (stage / "results.jsonl").open("w", encoding="utf-8") as f:
-        f.writelines(json.dumps(jsonable(r), allow_nan=False) + "\n" for r in results.rows)
-    _write_csv(stage / "summary.csv", SUMMARY_COLUMNS, results.summary)
-    _write_csv(stage / "comparisons.csv", COMPARISON_COLUMNS, results.comparisons)
-    figures = plot_all(stage, results)
+    figures: dict[str, Any] = {}
+    if jobs:
+        with (stage / "results.jsonl").open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(jsonable(r), allow_nan=False) + "\n" for r in results.rows)
+        _write_csv(stage / "summary.csv", SUMMARY_COLUMNS, results.summary)
+        _write_csv(stage / "comparisons.csv", COMPARISON_COLUMNS, results.comparisons)
+        figures = plot_all(stage, results)
     write_report(stage / "report.md", results, figures)
     write_html(stage / "report.html", results, figures)
     written = sorted(
@@ -285,8 +291,9 @@ def write_outputs(
     for name in written:
         (out / name).parent.mkdir(exist_ok=True)
         os.replace(stage / name, out / name)
-    for old in [*out.glob("*.png"), *out.glob("curves/*.png")]:  # a figure of an earlier report only
-        if old.relative_to(out) not in written:
+    tables = [out / name for name in ("results.jsonl", "summary.csv", "comparisons.csv")]
+    for old in [*tables, *out.glob("*.png"), *out.glob("curves/*.png")]:  # of an earlier report only
+        if old.exists() and old.relative_to(out) not in written:
             old.unlink()
     shutil.rmtree(stage, ignore_errors=True)
     return results

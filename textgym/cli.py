@@ -225,16 +225,19 @@ def _command(args: argparse.Namespace) -> int:
     except TextgymError as exc:
         import os
 
-        from textgym.errors import AnotherProcessFailed
-        from textgym.launch import FOLLOWED_EXIT, LAUNCHED_VAR
+        from textgym.errors import AnotherProcessFailed, WriteError
+        from textgym.launch import FOLLOWED_EXIT, LAUNCHED_VAR, WRITE_FAILED_EXIT
 
         if os.environ.get("TEXTGYM_TRACEBACK"):  # the whole chain: a failing plugin's frames, and textgym's
             import traceback
 
             traceback.print_exception(exc)
         print(f"textgym: error: {exc}", file=sys.stderr)
-        # under run.processes = N, the launcher blames the process that failed for itself
-        return FOLLOWED_EXIT if isinstance(exc, AnotherProcessFailed) and os.environ.get(LAUNCHED_VAR) else 2
+        # under run.processes = N, the launcher blames the process that failed for itself, and tells a full
+        # disk (which stops a bench) from a run's own failure
+        if os.environ.get(LAUNCHED_VAR) and isinstance(exc, (AnotherProcessFailed, WriteError)):
+            return FOLLOWED_EXIT if isinstance(exc, AnotherProcessFailed) else WRITE_FAILED_EXIT
+        return 2
     except BrokenPipeError:  # `textgym plugins --json | head`: the reader is gone; no traceback for that
         import os
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from textgym.agent_config import is_lm_agent
-from textgym.errors import AnotherProcessFailed, ConfigError, TrainingError
+from textgym.errors import AnotherProcessFailed, ConfigError, TrainingError, WriteError
 from textgym.rundir import RunDir
 
 __all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "follow_the_launcher",
@@ -28,6 +28,8 @@ LAUNCHED_VAR = "TEXTGYM_LAUNCHED"
 LAUNCHER_PID_VAR = "TEXTGYM_LAUNCHER_PID"  # the process that started this one (run.processes = N)
 # the exit code of a process that run.processes = N started and that stopped because another one failed
 FOLLOWED_EXIT = 3
+# ... and of one that could not write a run file (a full disk): the launcher raises a WriteError for it
+WRITE_FAILED_EXIT = 74  # (sysexits' EX_IOERR)
 
 
 def world_size() -> int:
@@ -314,9 +316,11 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
                 process.kill()
             rd.discard_failed_start(created)
             raise
+        said = ""
         if captured:
             log.seek(0)
-            sys.stdout.write(log.read())
+            said = log.read()
+            sys.stdout.write(said)
     if not any(codes):  # trained, or stopped and saved after a Ctrl-C, as the processes said
         return run_dir
     rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
@@ -328,7 +332,7 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
             if k is None
             else f" Its last checkpoint is at iteration {k}: {resume} continues from there."
         )
-    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped)
+    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, _error_of(said))
 
 
 def _raise_for(
@@ -338,11 +342,13 @@ def _raise_for(
     what: str,
     after: str = "",
     stopped: frozenset[int] = frozenset(),
+    error: str = "",
 ) -> NoReturn:
     """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
     order they exited in): the others may have failed only because it left (a collective whose peer is gone
     fails), so they say nothing of what went wrong. ``after`` ends the message (where a resume continues);
-    ``stopped``: the processes this launcher killed (:func:`_wait`), whose kill is not the news."""
+    ``stopped``: the processes this launcher killed (:func:`_wait`), whose kill is not the news; ``error``:
+    the failed process's error, where its output was captured (else the message says "see above")."""
     # (a process that said it stopped because another failed is not the first to blame)
     first = next((i for i in order if codes[i] not in (0, FOLLOWED_EXIT)), next(i for i in order if codes[i]))
     if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
@@ -360,7 +366,18 @@ def _raise_for(
         said = f"process {first} was killed by {killed.name}"
     else:
         said = f"process {first} exited with code {codes[first]}"
-    raise TrainingError(f"{what} failed ({said}); see above.{after}")
+    error_class = WriteError if codes[first] == WRITE_FAILED_EXIT else TrainingError
+    because = f": {error.rstrip('.')}." if error else "; see above."
+    raise error_class(f"{what} failed ({said}){because}{after}")
+
+
+def _error_of(output: str) -> str:
+    """The error a failed process printed (``textgym: error: ...``) in the processes' captured ``output``:
+    the one that failed first, not one that only stopped because of it; "" when none printed one."""
+    errors = [line.removeprefix("textgym: error: ") for line in output.splitlines()
+              if line.startswith("textgym: error: ")]  # fmt: skip
+    own = [e for e in errors if "failed, so every process stops" not in e]
+    return (own or errors or [""])[0]
 
 
 def _signal_of(code: int) -> signal.Signals | None:

@@ -13,6 +13,7 @@ from typing import Any
 from textgym.bench_flag_text import flag_items, no_flags_text, quiet_checks_text, unchecked_lines
 from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p
 from textgym.bench_report import (
+    NOTHING_MEASURED,
     STATS_TEXT,
     comparisons,
     failed_items,
@@ -54,7 +55,9 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>Reward-design benchmark</title><style>{CSS}</style></head><body>",
         "<h1>Reward-design benchmark</h1>",
-        f"<p>{_md(setup_text(results))}</p>",
+        f"<p>{_md(setup_text(results))}</p>"
+        if results.jobs  # else every design failed: nothing is measured
+        else f"<p>No design had all its runs finish: {e(NOTHING_MEASURED)}</p>",
     ]
     if failed := failed_text(results):
         parts += [f'<h2>Failed runs</h2><p class="flag">{_md(failed)}</p><ul>']
@@ -63,6 +66,9 @@ def write_html(path: Path, results: BenchResults, figures: Mapping[str, Any]) ->
             for run, error, log in failed_items(results)
         ]
         parts += ["</ul>"]
+    if not results.jobs:
+        path.write_text("\n".join([*parts, "</body></html>"]), encoding="utf-8")
+        return
     parts += [
         f'<p class="note">{e(STATS_TEXT)}</p>',
         *(f"<p>{_md(warning)}</p>" for warning in range_warnings(results) + few_episode_warnings(results)),
