@@ -165,6 +165,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         self.skipped_steps = 0
         self._total_timesteps = 0
         self._logger = self._folder_logger = None
+        self._custom_logger = False
         self.env: TextGenVectorEnv | None = None
         self.allowed: torch.Tensor | None = None  # set with the env: the tokens it lets the agent choose
         # the env's tokens (a policy's vocabulary may be larger); a checkpoint keeps it for predict()

@@ -132,6 +132,7 @@ class SB3Contract:
     skipped_steps: int
     history: list[dict[str, float]]
     _folder_logger: Any  # the logger _setup_logger made (None before): closed when another replaces it
+    _custom_logger: bool  # set_logger was called: learn() keeps that logger (tensorboard_log or not)
 
     def get_env(self) -> TextGenVectorEnv | None:
         return self.env
@@ -147,16 +148,16 @@ class SB3Contract:
         return self._logger
 
     def set_logger(self, logger: Any) -> None:
-        self._logger = logger
+        """Log to ``logger`` (an SB3 ``Logger``), as SB3's ``set_logger``: it takes the place of the one
+        ``tensorboard_log`` and ``verbose`` would make, in every later ``learn()``."""
+        self._logger, self._custom_logger = logger, True
 
     def _setup_logger(self, tb_log_name: str, reset_num_timesteps: bool) -> None:
         """Log to stdout, CSV and TensorBoard under ``tensorboard_log/<tb_log_name>_<n>``; a learn() call that
         continues (``reset_num_timesteps=False``) continues the latest run, as SB3 does. Under several
         processes, the main one only (the others log to stdout when verbose)."""
-        if (
-            self.config.tensorboard_log is None or not self.dist.is_main
-        ):  # one writer: statistics are gathered
-            return
+        if self._custom_logger or self.config.tensorboard_log is None or not self.dist.is_main:
+            return  # (the main process only: statistics are gathered, and one writes them)
         from stable_baselines3.common.logger import Logger, make_output_format
         from stable_baselines3.common.utils import get_latest_run_id
 

@@ -387,6 +387,22 @@ def test_stock_sb3_callbacks_read_the_iterations_episodes_and_logs(tmp_path):
     assert len(rows) == 3 and "reward" in rows[0].split(",")
 
 
+def test_a_logger_set_by_set_logger_takes_the_place_of_tensorboard_log_as_in_sb3(tmp_path):
+    """learn() made its own logger under tensorboard_log and dropped the user's: its CSV stayed empty."""
+    from stable_baselines3.common.logger import configure
+
+    agent = LMPPO(
+        char_llama(), make_env(4), verbose=0, seed=0, n_epochs=1, tensorboard_log=str(tmp_path / "tb")
+    )
+    custom = configure(str(tmp_path / "custom"), ["csv"])
+    agent.set_logger(custom)
+    agent.learn(8)
+    assert (
+        agent.logger is custom and len(csv_rows(tmp_path / "custom" / "progress.csv")) == agent.iteration > 0
+    )
+    assert not (tmp_path / "tb").exists()
+
+
 def test_textgyms_eval_callback_logs_each_evaluation_at_its_own_step(tmp_path):
     """The agent writes its iteration's row before calling back: an evaluation that did not write its own
     went out with the next iteration's row, and the last one never."""

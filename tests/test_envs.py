@@ -347,8 +347,13 @@ def test_seeded_resets_are_reproducible_and_sequential_order_cycles():
     vec = vector_char_env(3, prompts=[c * 2 for c in "abcdefgh"])
     prompts = [list(vec.reset(seed=s)[1]["prompt"]) for s in ([1, 2, 3], [1, 2, 3], [1, 2, 4])]
     assert prompts[0] == prompts[1] != prompts[2]
-    with pytest.raises(ConfigError, match=r"a list of 3 of them, not \[1, 2\]"):
+    with pytest.raises(ConfigError, match=r"a list of 3 of them \(None for a random one\), not \[1, 2\]"):
         vec.reset(seed=[1, 2])
+    # None in the list is a random seed there, as in SyncVectorEnv (it was refused); all None: unseeded
+    vec.reset(seed=[1, None, 3])
+    vec.reset(seed=[None, None, None])
+    with pytest.raises(ConfigError, match=r"not \[1, -2, None\]"):
+        vec.reset(seed=[1, -2, None])
 
 
 def test_vector_env_scores_all_episodes_ending_on_a_step_in_one_call():

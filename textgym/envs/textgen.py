@@ -273,16 +273,23 @@ class TextGenVectorEnv(EnvAccessors, VectorEnv):
         self._started = self._failed = False
 
     def reset(
-        self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None
+        self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Obs, dict]:
         if isinstance(seed, (list, tuple)):  # one per sub-env, as SyncVectorEnv takes: one generator here
             if len(seed) != self.num_envs or not all(
-                isinstance(s, (int, np.integer)) and s >= 0 for s in seed
+                s is None or (isinstance(s, (int, np.integer)) and s >= 0) for s in seed
             ):
                 raise ConfigError(
-                    f"seed must be a non-negative integer or a list of {self.num_envs} of them, not {seed!r}."
+                    f"seed must be a non-negative integer or a list of {self.num_envs} of them (None for a "
+                    f"random one), not {seed!r}."
                 )
-            seed = int(np.random.SeedSequence([int(s) for s in seed]).generate_state(1)[0])
+            # a None is a random seed, as in SyncVectorEnv: fresh entropy (all None: as seed=None)
+            mixed = [int(np.random.SeedSequence().entropy if s is None else s) for s in seed]
+            seed = (
+                None
+                if all(s is None for s in seed)
+                else int(np.random.SeedSequence(mixed).generate_state(1)[0])
+            )
         super().reset(seed=seed)
         options = checked_options(options, VECTOR_OPTIONS)
         slots = np.arange(self.num_envs)
