@@ -21,6 +21,7 @@ from textgym.scoring import (
     grouped_forward,
     length_sorted_batches,
     ones_before,
+    position_limit,
     prefix_cache,
     resolve_bf16,
     resolve_device,
@@ -174,6 +175,13 @@ class RMScore:
             )
         trained = trained_settings(model)
         self.batch_size, self.max_length = batch_size, max_length or trained.get("max_length") or 512
+        if (positions := position_limit(self.model)) is not None and self.max_length > positions:
+            if max_length is not None:  # (a default beyond the model's positions is cut to them)
+                raise ValueError(
+                    f"max_length={max_length} is more than the model's {positions} positions: a text that long "
+                    f"fails in its forward pass. Give max_length={positions} or less."
+                )
+            self.max_length = positions
         differs = []  # a train-rm model scored on texts formatted otherwise than it was trained on
         if "chat_template" in trained and self.chat != trained["chat_template"]:
             differs.append(f"chat_template={self.chat} (trained with {trained['chat_template']})")

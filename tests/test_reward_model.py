@@ -15,7 +15,15 @@ from tests.conftest import reward_plugin
 from textgym import Sample, make_reward
 from textgym.atomic import is_complete
 from textgym.cli import main
-from textgym.errors import ConfigError, ModelError, PairsError, RewardError, TrainingError, UnknownNameError
+from textgym.errors import (
+    ConfigError,
+    ModelError,
+    PairsError,
+    PluginArgumentError,
+    RewardError,
+    TrainingError,
+    UnknownNameError,
+)
 from textgym.pairs import label_pairs, read_pairs
 from textgym.reward_model import REPORT, train_reward_model
 from textgym.rm_scoring import format_text
@@ -160,6 +168,19 @@ def test_rm_score_reads_a_bf16_checkpoint_in_fp32_and_a_chat_templates_bos_once(
     assert rm([sample])[0] == pytest.approx(expected, abs=1e-5)
 
 
+def test_train_rm_trains_without_dropout(tmp_path):
+    """Dropout (a LoRA's here, a model config's elsewhere) was on: chosen and rejected each had a mask of
+    their own, so the margin, the gradient's one signal, carried its noise."""
+    rows, margins = marker_pairs(16, seed=2), []
+    for dropout in (0.0, 0.5):
+        report = train_reward_model(
+            rows, tmp_path / f"rm{dropout}", model="tiny-random-llama", epochs=1, eval_fraction=0.25,
+            lora=f"{{r = 4, lora_alpha = 8, lora_dropout = {dropout}}}", learning_rate=3e-3,
+        )  # fmt: skip
+        margins.append(report.after.mean_margin)
+    assert margins[0] == margins[1]
+
+
 def test_lora_is_merged_into_a_plain_directory_that_rm_score_loads(tmp_path):
     rows = marker_pairs(32, seed=1)
     report = train_reward_model(
@@ -207,6 +228,36 @@ def test_label_pairs_ranks_by_the_gold_stack_and_flips_the_asked_share(register,
         assert (r["gold_margin"] < 0) == r["flipped"]  # noise swaps the labels, never the scores
     assert main(argv) == 0  # seeded: the same file again
     assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+
+def test_label_pairs_counts_totals_equal_up_to_rounding_as_ties(register, tmp_path):
+    """0.1 + 0.2 against 0.3 + 0.0: the same total in exact arithmetic, a preference by rounding."""
+    register(reward_plugin("a", lambda ss: [0.1 if len(s.completion) % 2 else 0.3 for s in ss]), "a-plugin")
+    register(reward_plugin("b", lambda ss: [0.2 if len(s.completion) % 2 else 0.0 for s in ss]), "b-plugin")
+    stats = label_pairs("chat", "tiny-random-llama", ["a", "b"], tmp_path / "pairs.jsonl", num_prompts=16,
+                        max_new_tokens=5, seed=0, progress=False)  # fmt: skip
+    assert stats.pairs == 0 and stats.ties == 16
+
+
+def test_label_pairs_says_its_file_is_incomplete_when_a_gold_reward_fails(register, tmp_path, capsys):
+    """The rows of the batches before the error stayed, valid-looking, with nothing said (a Ctrl-C said)."""
+    calls = []
+
+    def fails_second(samples):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("gold service down")
+        return char_count(samples)
+
+    register(reward_plugin("flaky", fails_second), "flaky-plugin")
+    out = tmp_path / "pairs.jsonl"
+    argv = ["label-pairs", "--prompts", "chat", "--policy", "tiny-random-llama", "--rewards", "flaky",
+            "--output", str(out), "--num-prompts", "16", "--batch-size", "8", "--max-new-tokens", "6"]  # fmt: skip
+    assert main(argv) == 2
+    kept = len(out.read_text().splitlines())
+    err = capsys.readouterr().err
+    assert kept > 0 and f"the {kept} pairs written before its error are in {out}, an incomplete file" in err
+    assert err.index("incomplete file") < err.index("gold service down")
 
 
 def test_label_pairs_skips_a_prompt_whose_completions_the_gold_stack_did_not_both_score(register, tmp_path):
@@ -389,6 +440,38 @@ def test_unknown_or_unusable_models(tmp_path):
         train_reward_model(pairs, tmp_path / "rm", model="tiny-char-llama")
     with pytest.raises(ConfigError, match=r"--lora \{rank = 8\}: .*'rank'"):  # as TOML, not peft's repr
         train_reward_model(pairs, tmp_path / "rm", model="tiny-random-llama", lora={"rank": 8})
+
+
+def test_a_max_length_beyond_a_models_learned_positions_is_named_or_cut_to_them(tmp_path, tokenizer):
+    """GPT-2 (learned positions) with n_positions=32: train-rm died with an IndexError in its embedding, and
+    rm_score too; rotary models (tiny-random-llama) have no such table, and no limit is taken from them."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    from textgym.scoring import position_limit
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                        pad_token_id=tokenizer.pad_token_id, num_labels=1)  # fmt: skip
+    for cls, name in ((GPT2LMHeadModel, "lm"), (GPT2ForSequenceClassification, "rm")):
+        cls(config).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    with pytest.raises(
+        ConfigError, match=r"max_length=512 is more than the 32 positions of .*--max-length 32"
+    ):
+        train_reward_model(marker_pairs(20), tmp_path / "out", model=str(tmp_path / "lm"))
+    with pytest.raises(PluginArgumentError, match=r"max_length=64 is more than the model's 32 positions"):
+        make_reward("rm_score", model=str(tmp_path / "rm"), max_length=64)
+    rm = make_reward(
+        "rm_score", model=str(tmp_path / "rm"), chat_template=False
+    )  # its default, 512: cut to 32
+    long = " ".join(["word"] * 100)
+    assert rm.max_length == 32 and all(math.isfinite(v) for v in rm([Sample("p", long, (), (), "stop", {})]))
+    assert position_limit(textgym_model("tiny-random-llama")) is None
+
+
+def textgym_model(name):
+    import textgym
+
+    return textgym.load_model(name)[0]
 
 
 def test_a_model_directory_without_a_tokenizer_or_with_a_two_label_head_is_named(tmp_path):

@@ -350,10 +350,20 @@ def _label_pairs(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_k=args.top_k, label_noise=args.label_noise, seed=args.seed,
             batch_size=args.batch_size, chat_template=args.chat_template,
         )  # fmt: skip
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as exc:
         kept = sum(1 for _ in args.output.open()) if args.output.is_file() else 0
-        print(f"textgym: interrupted; the {kept} pairs written so far are in {args.output}", file=sys.stderr)
-        return 130
+        if isinstance(exc, KeyboardInterrupt):
+            print(
+                f"textgym: interrupted; the {kept} pairs written so far are in {args.output}", file=sys.stderr
+            )
+            return 130
+        if kept:  # its error follows: the file is not what a finished run writes
+            print(
+                f"textgym: label-pairs stopped; the {kept} pairs written before its error are in {args.output}, "
+                f"an incomplete file",
+                file=sys.stderr,
+            )
+        raise
     print(stats.summary())
     return 0
 

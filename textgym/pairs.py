@@ -407,7 +407,7 @@ def label_pairs(
                     applied = _applied(a, counted)  # none: no gold signal; or two different ones
                     if not applied or applied != _applied(b, counted):
                         unscored += 1
-                    elif a["reward"] == b["reward"] or a["completion"] == b["completion"]:
+                    elif _tied(a["reward"], b["reward"]) or a["completion"] == b["completion"]:
                         ties += 1
                     else:
                         ranked.append((a, b) if a["reward"] > b["reward"] else (b, a))
@@ -428,6 +428,12 @@ def label_pairs(
         env.close()
     seconds = time.perf_counter() - start_time
     return LabelStats(str(output), total, written, ties, flipped, seconds, unscored)
+
+
+def _tied(a: float, b: float) -> bool:
+    """Equal totals, up to float rounding: a stack of several components can reach one total by two sums
+    (0.1 + 0.2 and 0.3 + 0.0) that round apart, and no gold signal prefers either."""
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def _applied(episode: Mapping[str, Any], counted: set[str]) -> set[str]:

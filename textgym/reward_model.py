@@ -176,7 +176,7 @@ def train_reward_model(
         ConfigError: a setting is out of range, or ``output`` is a directory train-rm did not write.
         UnknownNameError, ModelError: ``model`` is neither a zoo model nor a usable model directory.
     """
-    from textgym.scoring import resolve_bf16, resolve_device
+    from textgym.scoring import position_limit, resolve_bf16, resolve_device
 
     check_train_settings(
         epochs, learning_rate, head_learning_rate, batch_size, eval_fraction, max_length, seed
@@ -200,6 +200,11 @@ def train_reward_model(
     start = time.perf_counter()
     with model_dir(model) as path:
         rm, tokenizer = load_for_training(path, seed)
+    if (positions := position_limit(rm)) is not None and max_length > positions:
+        raise ConfigError(
+            f"max_length={max_length} is more than the {positions} positions of {model}: a text that long fails "
+            f"in its forward pass. Give --max-length {positions} or less."
+        )
     if lora_config is not None:
         rm = _with_lora(rm, lora_config, lora)
     scorer = PairScorer(rm.to(device), tokenizer, max_length, device)
@@ -281,7 +286,9 @@ def _fit(
     disable = None if progress is None else not progress  # None: a bar only on a terminal
     with tqdm(total=total_steps, desc="train-rm", unit="step", disable=disable) as bar:
         for _ in range(epochs):
-            model.train()
+            # eval mode: no dropout (TRL's disable_dropout). Chosen and rejected ran with masks of their own,
+            # and the margin, the gradient's one signal, carried their noise; gradients flow all the same
+            model.eval()
             order = torch.randperm(len(train), generator=order_rng).tolist()
             losses = []
             for first in range(0, len(train), batch_size):

@@ -99,6 +99,24 @@ def restore_linears(replaced: list[tuple[Any, str, Any]]) -> None:
         module._parameters[name] = value
 
 
+LEARNED_POSITIONS = ("wpe", "position_embeddings", "embed_positions")  # GPT-2's, BERT's, OPT's and BART's
+
+
+def position_limit(model: Any) -> int | None:
+    """The most tokens ``model`` reads in one text where it holds a table of learned positions (GPT-2, BERT,
+    OPT): a longer text fails in its forward pass with an index error. None for rotary positions (Llama,
+    SmolLM2), which have no such table."""
+    import torch
+
+    config = model.config
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    learned = any(
+        isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITIONS
+        for name, module in model.named_modules()
+    )
+    return limit if learned and isinstance(limit, int) else None
+
+
 def check_positive(**values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
