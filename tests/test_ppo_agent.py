@@ -55,6 +55,17 @@ def test_ratio_is_one_before_the_first_update_and_values_start_at_zero(padded):
     assert (b.values == 0).all()
 
 
+def test_the_first_minibatch_inside_train_sees_a_ratio_of_one():
+    """The update's own forward (micro-batches of rows in another order, the training temperature and mask),
+    not one outside train(): its first and only minibatch is taken before any step, so its log ratio is
+    rounding alone and nothing is clipped."""
+    agent = LMPPO(
+        char_llama(), make_env(8), temperature=0.7, n_epochs=1, micro_batch_size=3, seed=0, verbose=0
+    )
+    stats = agent.train(agent.collect_rollouts())
+    assert stats["policy/approxkl_avg"] < 1e-12 and stats["policy/clipfrac_avg"] == 0
+
+
 def test_micro_batches_accumulate_to_the_same_update_and_statistics():
     """Micro-batches of 3 rows hold different numbers of tokens: the update and its logged means over tokens
     (with whitened advantages the policy loss's is 0 before the step) are those of one forward."""
