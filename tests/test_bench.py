@@ -406,7 +406,7 @@ def test_a_failing_reward_leaves_its_design_out_and_the_bench_reports_the_others
     path = tmp_path / "designs.toml"
     path.write_text(tomli_w.dumps(d))
     out, runs = tmp_path / "out", tmp_path / "out" / "runs"
-    assert main(["bench", str(path)]) == 2
+    assert main(["bench", str(path)]) == 1  # (2: an error that stopped the bench)
     err = capsys.readouterr().err
     assert "textgym: error: 2 of 4 runs failed: breaks-seed0: " in err and "the reward broke" in err
     assert f"(log: {runs / 'breaks-seed0.log'})" in err  # a failed start leaves its log beside its run
@@ -501,6 +501,45 @@ def test_a_failed_evaluation_of_every_design_leaves_a_report_of_the_failures_onl
     assert counted["trained"] == [] and (out / "summary.csv").is_file()
     with pytest.raises(ConfigError, match="trained with another config"):  # reported: refused, not replaced
         bench.run(designs(out), ["agent.learning_rate=0.5"], progress=False)
+
+
+def test_a_reported_run_is_refused_not_replaced_when_the_bench_stopped_before_its_failures_report(
+    finished, tmp_path, monkeypatch
+):
+    """A failed evaluation marks the run at once, its report comes at the end: a bench stopped in between
+    left the old report, which shows the design, and a config change then deleted runs it shows."""
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    calls, real_evaluate = [], bench.evaluate
+
+    def fails_then_stops(job, spec):
+        calls.append(job.run_id)
+        raise RuntimeError("the evaluation broke") if len(calls) == 1 else KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "evaluate", fails_then_stops)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(designs(out, eval_episodes=8), progress=False)
+    assert "failed" in json.loads((out / "bench.json").read_text())["runs"]["exact-seed0"]
+    monkeypatch.setattr(bench, "evaluate", real_evaluate)
+    changed = designs(out)
+    changed["designs"][0]["rewards"][0]["weight"] = 2.0
+    with pytest.raises(ConfigError, match="exact-seed0 was trained with another config"):
+        bench.run(changed, progress=False)
+
+
+def test_a_full_disk_outside_textgyms_own_writes_stops_the_bench(finished, tmp_path, monkeypatch):
+    import errno
+
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+
+    def full(job, spec):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench, "evaluate", full)
+    with pytest.raises(OSError, match="No space left"):
+        bench.run(designs(out, eval_episodes=8), progress=False)
+    assert not any("failed" in r for r in json.loads((out / "bench.json").read_text())["runs"].values())
 
 
 def test_a_run_keeps_its_failed_mark_until_it_finishes_and_a_left_out_design_restarts_under_every_agent(

@@ -239,6 +239,18 @@ def test_a_captured_launch_names_the_failed_processs_own_error_and_a_full_disk_s
         "the run failed (process 1 exited with code 2): reward function 'flaky' raised ValueError: it broke. "
         "Resume it."
     )
+    # a bug or an out-of-memory error prints a traceback, not textgym's line: its last line is the error
+    crashed = (
+        'iteration 1\nTraceback (most recent call last):\n  File "x.py", line 1\n    f()\nMemoryError: out\n'
+    )
+    assert _error_of(crashed) == "MemoryError: out"
+    followed = "textgym: error: the main process could not start the run: no\n"
+    assert _error_of(followed + "textgym: error: its own\n") == "its own"
+    # captured, but nothing said why (a crash by a signal): the output is in the run's log, not above
+    with pytest.raises(TrainingError, match=r"\(process 0 was killed by SIGSEGV\); see the run's log\.$"):
+        _raise_for([139, 3], [0, 1], set(), "the run", error="")
+    with pytest.raises(TrainingError, match=r"the other processes' errors in the run's log follow from it"):
+        _raise_for([137, 3], [0, 1], set(), "the run", error="")
     # a process that could not write a run file: a bench stops at it, as at its own full disk
     with pytest.raises(WriteError, match="could not write metrics.csv"):
         _raise_for([WRITE_FAILED_EXIT, 3], [0, 1], set(), "the run", error="could not write metrics.csv")

@@ -258,6 +258,10 @@ def test_label_pairs_says_its_file_is_incomplete_when_a_gold_reward_fails(regist
     err = capsys.readouterr().err
     assert kept > 0 and f"the {kept} pairs written before its error are in {out}, an incomplete file" in err
     assert err.index("incomplete file") < err.index("gold service down")
+    # an error before the file is opened leaves an earlier file whole, and says nothing of it
+    argv[argv.index("flaky")] = "no_such_reward"
+    assert main(argv) == 2
+    assert len(out.read_text().splitlines()) == kept and "incomplete" not in capsys.readouterr().err
 
 
 def test_label_pairs_skips_a_prompt_whose_completions_the_gold_stack_did_not_both_score(register, tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import errno
 import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -201,6 +202,8 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                     except (WriteError, _Changed):
                         raise  # every run after it would fail alike, or use other files than its record says
                     except Exception as exc:  # (a Ctrl-C is not one: it stops the bench)
+                        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise  # a full disk outside textgym's own writes: as a WriteError
                         failed[job.run_id] = _failure(out, job, exc)
                         if progress:
                             tqdm.write(f"textgym: {job.run_id} failed: {failed[job.run_id]['error']}")
@@ -245,9 +248,10 @@ def _failure(out: Path, job: Job, exc: Exception) -> dict[str, str]:
     from textgym.run_log import log_file
 
     log = log_file(job.run_dir / "train.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a", encoding="utf-8") as f:
-        f.write("\n" + "".join(traceback.format_exception(exc)))
+    with contextlib.suppress(OSError):  # (a full disk: the error below is recorded all the same)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a", encoding="utf-8") as f:
+            f.write("\n" + "".join(traceback.format_exception(exc)))
     error = str(exc) if isinstance(exc, TextgymError) else f"{type(exc).__name__}: {exc}"
     failure = {"error": one_line(error), "log": str(log)}
     record_failure(out, job, failure)
@@ -269,15 +273,18 @@ def _report_failures(
     kept = [j for j in jobs if j.design["name"] not in designs and j.agent["label"] not in agents]
     runs = "; ".join(f"{run_id}: {f['error']} (log: {f['log']})" for run_id, f in list(failed.items())[:3])
     runs += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
-    said = [f"design {', '.join(map(repr, designs))}"] if designs else []
-    said += [f"agent {', '.join(map(repr, agents))}"] if agents else []
+    said = [
+        f"{noun}{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}"
+        for noun, names in (("design", designs), ("agent", agents))
+        if names
+    ]
     reduced = {
         **spec,
         "designs": [d for d in spec["designs"] if d["name"] not in designs],
         "agents": [a for a in spec["agents"] if a["label"] not in agents],
     }
-    record_left_out(out, designs, agents)
     write_outputs(out, reduced, kept, failed=failed, left_out=(designs, agents))
+    record_left_out(out, designs, agents)  # (after: until then, the report on disk shows them)
     if kept:
         reported = f"The report in {out / 'report.md'} leaves out {' and '.join(said)}"
     else:
@@ -295,8 +302,8 @@ def left_out(
     failed: set[tuple[str, str]], agents: Sequence[str], designs: Sequence[str]
 ) -> tuple[list[str], list[str]]:
     """The designs and agents to leave out of the report for the (agent, design) groups that ``failed``:
-    the failed designs, or, where that keeps more groups (one agent failed every design), the failed
-    agents. The report's tables stay whole: every design it shows has every agent it shows."""
+    the failed designs, or the failed agents where that keeps more groups (one agent failed on every
+    design, say). The report's tables stay whole: every design it shows has every agent it shows."""
     by_design = [d for d in designs if any((a, d) in failed for a in agents)]
     by_agent = [a for a in agents if any((a, d) in failed for d in designs)]
     if (len(agents) - len(by_agent)) * len(designs) > len(agents) * (len(designs) - len(by_design)):

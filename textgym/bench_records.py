@@ -42,14 +42,17 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
     recorded = read_json(out / INDEX_FILE) or {}
     index = recorded.get("runs", {})
     todo, problems = {}, []
-    # runs that no report shows: a design (under an agent) with a failed run, and the designs and agents
-    # that the last report left out for one
+    # runs that no written report can show: an unfinished run of a design (under an agent) with a failed
+    # run, and the designs and agents the last report written left out. (A finished run of a failed design
+    # is shown by the report on disk until a report that leaves it out is written: a bench stopped between
+    # the failure and its report left the old one.)
     failed = {group_of(j) for j in jobs if (index.get(j.run_id) or {}).get("failed")}
     left = recorded.get("left_out") or {}
 
     def unreported(job: Job) -> bool:
+        unfinished = not (job.run_dir / EVAL_FILE).is_file()
         return (
-            group_of(job) in failed
+            (unfinished and group_of(job) in failed)
             or job.design["name"] in left.get("designs", [])
             or job.agent["label"] in left.get("agents", [])
         )
@@ -200,8 +203,9 @@ def add_curve_parts(out: Path, jobs: Sequence[Job]) -> None:
 
 
 def record_left_out(out: Path, designs: Sequence[str], agents: Sequence[str]) -> None:
-    """Record the designs and agents the report leaves out for failed runs (none: the report is whole): their
-    runs, never reported, train again from the start when their config changes, rather than being refused."""
+    """Record, once the report is written, the designs and agents it leaves out for failed runs (none: the
+    report is whole): their runs, shown by no report, train again from the start when their config changes,
+    rather than being refused."""
     path = out / INDEX_FILE
     index = read_json(path) or {}
     left = {"designs": list(designs), "agents": list(agents)} if designs or agents else None

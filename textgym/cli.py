@@ -110,7 +110,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "label-pairs":
         return _label_pairs(args)
     if args.command == "bench":
-        from textgym.bench import Stopped
+        from textgym.bench import RunsFailed, Stopped
         from textgym.bench import run as bench
 
         try:
@@ -118,6 +118,9 @@ def _run_command(args: argparse.Namespace) -> int:
         except Stopped as exc:
             print(f"\ntextgym: {exc}", file=sys.stderr)
             return 130
+        except RunsFailed as exc:  # 1, not 2: the bench ran, and its report names the runs that failed
+            print(f"textgym: error: {exc}", file=sys.stderr)
+            return 1
         print(f"textgym: report in {out / 'report.md'}")
         return 0
     return _sample(args)
@@ -185,13 +188,12 @@ def _label_pairs(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, chat_template=args.chat_template,
         )  # fmt: skip
     except (KeyboardInterrupt, Exception) as exc:
-        kept = sum(1 for _ in args.output.open()) if args.output.is_file() else 0
+        kept = getattr(exc, "pairs_written", None)  # None: stopped before it opened (and emptied) the file
         if isinstance(exc, KeyboardInterrupt):
-            print(
-                f"textgym: interrupted; the {kept} pairs written so far are in {args.output}", file=sys.stderr
-            )
+            said = f"the {kept} pairs written so far are in" if kept is not None else "nothing was written to"
+            print(f"textgym: interrupted; {said} {args.output}", file=sys.stderr)
             return 130
-        if kept:  # its error follows: the file is not what a finished run writes
+        if kept is not None:  # its error follows: the file is not what a finished run writes
             print(
                 f"textgym: label-pairs stopped; the {kept} pairs written before its error are in {args.output}, "
                 f"an incomplete file",

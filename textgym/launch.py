@@ -332,7 +332,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
             if k is None
             else f" Its last checkpoint is at iteration {k}: {resume} continues from there."
         )
-    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, _error_of(said))
+    error = _error_of(said) if captured else None
+    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, error)
 
 
 def _raise_for(
@@ -342,13 +343,15 @@ def _raise_for(
     what: str,
     after: str = "",
     stopped: frozenset[int] = frozenset(),
-    error: str = "",
+    error: str | None = None,
 ) -> NoReturn:
     """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
     order they exited in): the others may have failed only because it left (a collective whose peer is gone
     fails), so they say nothing of what went wrong. ``after`` ends the message (where a resume continues);
     ``stopped``: the processes this launcher killed (:func:`_wait`), whose kill is not the news; ``error``:
-    the failed process's error, where its output was captured (else the message says "see above")."""
+    the failed process's error where the processes' output was captured (to a bench run's log; "" where
+    none was found there), None where it went to the terminal, above this message."""
+    where = "above" if error is None else "in the run's log"
     # (a process that said it stopped because another failed is not the first to blame)
     first = next((i for i in order if codes[i] not in (0, FOLLOWED_EXIT)), next(i for i in order if codes[i]))
     if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
@@ -360,23 +363,36 @@ def _raise_for(
         # it printed nothing: what the others printed (a lost peer) follows from it
         raise TrainingError(
             f"{what} failed: process {first} was killed by SIGKILL (kill -9, or the system's out-of-memory "
-            f"killer); the other processes' errors above follow from it.{after}"
+            f"killer); the other processes' errors {where} follow from it.{after}"
         )
     elif killed is not None and killed not in (signal.SIGINT, signal.SIGTERM):  # a crash: SIGSEGV, SIGABRT
         said = f"process {first} was killed by {killed.name}"
     else:
         said = f"process {first} exited with code {codes[first]}"
     error_class = WriteError if codes[first] == WRITE_FAILED_EXIT else TrainingError
-    because = f": {error.rstrip('.')}." if error else "; see above."
+    because = (
+        f": {error.rstrip('.')}." if error else "; see above." if error is None else "; see the run's log."
+    )
     raise error_class(f"{what} failed ({said}){because}{after}")
 
 
+FOLLOWED = ("failed, so every process stops", "the main process could not start the run")
+
+
 def _error_of(output: str) -> str:
-    """The error a failed process printed (``textgym: error: ...``) in the processes' captured ``output``:
-    the one that failed first, not one that only stopped because of it; "" when none printed one."""
-    errors = [line.removeprefix("textgym: error: ") for line in output.splitlines()
-              if line.startswith("textgym: error: ")]  # fmt: skip
-    own = [e for e in errors if "failed, so every process stops" not in e]
+    """The error a failed process printed in the processes' captured ``output``: its ``textgym: error:``
+    line, or the last line of its traceback (a bug, an out-of-memory error); the first one printed, and not
+    one of a process that only stopped because another failed. "" when none printed one."""
+    lines, errors = output.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith("textgym: error: "):
+            errors.append(line.removeprefix("textgym: error: "))
+        elif line.startswith(
+            "Traceback (most recent call last):"
+        ):  # its exception: the first line not indented
+            errors += [next((x for x in lines[i + 1 :] if x and not x[0].isspace()), "")][:1]
+    errors = [e for e in errors if e]
+    own = [e for e in errors if not any(said in e for said in FOLLOWED)]
     return (own or errors or [""])[0]
 
 

@@ -388,11 +388,13 @@ def label_pairs(
     counted |= {gate.component for gate in stack.gates}
     written = ties = flipped = unscored = 0
     output.parent.mkdir(parents=True, exist_ok=True)
+    opened = False
     try:
         with (
             output.open("w", encoding="utf-8") as out,
             tqdm(total=total, desc="label-pairs", unit="prompt", disable=_disable(progress)) as bar,
         ):
+            opened = True
             for batch, first in enumerate(range(0, total, per_batch)):
                 indices = [i % len(source) for i in range(first, min(first + per_batch, total))]
                 # Each prompt goes to two neighbouring sub-envs; a short last batch resets only its own.
@@ -424,6 +426,10 @@ def label_pairs(
                 written += len(rows)
                 bar.update(len(indices))
                 bar.set_postfix(pairs=written, ties=ties, flipped=flipped)
+    except BaseException as exc:
+        if opened:  # what the file holds now, for the command to say (a file an error or a Ctrl-C cut short)
+            exc.pairs_written = written  # type: ignore[attr-defined]
+        raise
     finally:
         env.close()
     seconds = time.perf_counter() - start_time
