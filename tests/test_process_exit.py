@@ -233,12 +233,19 @@ def test_a_captured_launch_names_the_failed_processs_own_error_and_a_full_disk_s
     assert _error_of(output) == "reward function 'flaky' raised ValueError: it broke."
     assert _error_of(output.split("iteration")[0]).startswith("process 1 failed")  # the only one said
     assert _error_of("no error here\n") == ""
+    # each process's own output: the one blamed is named by its own error, not one printed beside it
+    outputs = ["textgym: error: process 1 failed, so every process stops: RewardError: it broke\n",
+               "iteration 3\ntextgym: error: reward function 'flaky' raised ValueError: it broke.\n"]  # fmt: skip
     with pytest.raises(TrainingError) as info:
-        _raise_for([3, 2], [1, 0], set(), "the run", " Resume it.", error=_error_of(output))
+        _raise_for([3, 2], [1, 0], set(), "the run", " Resume it.", outputs=outputs)
     assert str(info.value) == (
         "the run failed (process 1 exited with code 2): reward function 'flaky' raised ValueError: it broke. "
         "Resume it."
     )
+    with pytest.raises(TrainingError, match=r"code 2\): its own\.$"):
+        _raise_for(
+            [2, 0], [0, 1], set(), "the run", outputs=["textgym: error: its own\n", "textgym: error: x\n"]
+        )
     # a bug or an out-of-memory error prints a traceback, not textgym's line: its last line is the error
     crashed = (
         'iteration 1\nTraceback (most recent call last):\n  File "x.py", line 1\n    f()\nMemoryError: out\n'
@@ -248,12 +255,13 @@ def test_a_captured_launch_names_the_failed_processs_own_error_and_a_full_disk_s
     assert _error_of(followed + "textgym: error: its own\n") == "its own"
     # captured, but nothing said why (a crash by a signal): the output is in the run's log, not above
     with pytest.raises(TrainingError, match=r"\(process 0 was killed by SIGSEGV\); see the run's log\.$"):
-        _raise_for([139, 3], [0, 1], set(), "the run", error="")
+        _raise_for([139, 3], [0, 1], set(), "the run", outputs=["", ""])
     with pytest.raises(TrainingError, match=r"the other processes' errors in the run's log follow from it"):
-        _raise_for([137, 3], [0, 1], set(), "the run", error="")
+        _raise_for([137, 3], [0, 1], set(), "the run", outputs=["", ""])
     # a process that could not write a run file: a bench stops at it, as at its own full disk
     with pytest.raises(WriteError, match="could not write metrics.csv"):
-        _raise_for([WRITE_FAILED_EXIT, 3], [0, 1], set(), "the run", error="could not write metrics.csv")
+        _raise_for([WRITE_FAILED_EXIT, 3], [0, 1], set(), "the run",
+                   outputs=["textgym: error: could not write metrics.csv\n", ""])  # fmt: skip
 
 
 def test_a_process_killed_by_a_signal_is_named_by_it_and_the_message_says_where_a_resume_continues():

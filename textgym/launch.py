@@ -301,12 +301,16 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     # Where this process's output is redirected (textgym bench writes each run's to its train.log), the
     # processes' output goes there too, not to the console.
+    # Each process's to a file of its own: the log holds one process's lines together, and a failure is
+    # named by the error of the process that failed, not by another's printed beside it.
     captured = sys.stdout is not sys.__stdout__
-    with tempfile.TemporaryFile("w+") if captured else contextlib.nullcontext() as log:
-        output = {"stdout": log, "stderr": subprocess.STDOUT} if captured else {}
+    outputs: list[str] | None = None
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(n if captured else 0)]
         processes: list[subprocess.Popen] = []
         try:
             for i in range(n):
+                output = {"stdout": logs[i], "stderr": subprocess.STDOUT} if captured else {}
                 processes.append(
                     subprocess.Popen(cmd, env={**env, "RANK": str(i), "LOCAL_RANK": str(i)}, **output)
                 )
@@ -316,11 +320,11 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
                 process.kill()
             rd.discard_failed_start(created)
             raise
-        said = ""
-        if captured:
-            log.seek(0)
-            said = log.read()
-            sys.stdout.write(said)
+        finally:
+            if captured:
+                outputs = [_read_all(log) for log in logs]
+                for i, text in enumerate(outputs):
+                    sys.stdout.write(f"textgym: the output of process {i}:\n{text}" if i and text else text)
     if not any(codes):  # trained, or stopped and saved after a Ctrl-C, as the processes said
         return run_dir
     rd.discard_failed_start(created)  # a start the processes refused, or aborted, say
@@ -332,8 +336,7 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
             if k is None
             else f" Its last checkpoint is at iteration {k}: {resume} continues from there."
         )
-    error = _error_of(said) if captured else None
-    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, error)
+    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, outputs)
 
 
 def _raise_for(
@@ -343,20 +346,21 @@ def _raise_for(
     what: str,
     after: str = "",
     stopped: frozenset[int] = frozenset(),
-    error: str | None = None,
+    outputs: Sequence[str] | None = None,
 ) -> NoReturn:
     """Raise for processes that did not all exit 0, judged by the first of them to fail (``order`` is the
     order they exited in): the others may have failed only because it left (a collective whose peer is gone
     fails), so they say nothing of what went wrong. ``after`` ends the message (where a resume continues);
-    ``stopped``: the processes this launcher killed (:func:`_wait`), whose kill is not the news; ``error``:
-    the failed process's error where the processes' output was captured (to a bench run's log; "" where
-    none was found there), None where it went to the terminal, above this message."""
-    where = "above" if error is None else "in the run's log"
+    ``stopped``: the processes this launcher killed (:func:`_wait`), whose kill is not the news;
+    ``outputs``: what each process printed, where it was captured (to a bench run's log: the message names
+    the failed process's error from it), None where it went to the terminal, above this message."""
+    where = "above" if outputs is None else "in the run's log"
     # (a process that said it stopped because another failed is not the first to blame)
     first = next((i for i in order if codes[i] not in (0, FOLLOWED_EXIT)), next(i for i in order if codes[i]))
     if signals & {signal.SIGINT, signal.SIGTERM} and codes[first] in _INTERRUPTED:
         raise KeyboardInterrupt  # a second Ctrl-C or SIGTERM (or one during start-up): the processes aborted
     killed = _signal_of(codes[first])
+    error = None if outputs is None else _error_of(outputs[first])
     if first in stopped:
         said = f"process {first} did not exit within {GRACE_S:g} s of a failure and was stopped"
     elif killed == signal.SIGKILL:
@@ -380,9 +384,9 @@ FOLLOWED = ("failed, so every process stops", "the main process could not start 
 
 
 def _error_of(output: str) -> str:
-    """The error a failed process printed in the processes' captured ``output``: its ``textgym: error:``
-    line, or the last line of its traceback (a bug, an out-of-memory error); the first one printed, and not
-    one of a process that only stopped because another failed. "" when none printed one."""
+    """The error a failed process printed in its captured ``output``: its ``textgym: error:`` line, or the
+    last line of its traceback (a bug, an out-of-memory error); the first one, and not one that says it
+    stopped because another process failed. "" when it printed none."""
     lines, errors = output.splitlines(), []
     for i, line in enumerate(lines):
         if line.startswith("textgym: error: "):
@@ -394,6 +398,11 @@ def _error_of(output: str) -> str:
     errors = [e for e in errors if e]
     own = [e for e in errors if not any(said in e for said in FOLLOWED)]
     return (own or errors or [""])[0]
+
+
+def _read_all(file: Any) -> str:
+    file.seek(0)
+    return file.read()
 
 
 def _signal_of(code: int) -> signal.Signals | None:
