@@ -559,7 +559,7 @@ def test_a_run_keeps_its_failed_mark_until_it_finishes_and_a_left_out_design_res
         job.run_dir.mkdir(parents=True)
         bench_records.record_start(out, job)
     failed_job = next(j for j in jobs if j.run_id == "grpo/exact-seed0")
-    bench_records.record_failure(out, failed_job, {"error": "it broke", "log": "x.log"})
+    bench_records.record_failures(out, {failed_job.run_id: {"error": "it broke", "log": "x.log"}})
     bench_records.record_start(out, failed_job)  # resumed
     assert (
         json.loads((out / "bench.json").read_text())["runs"]["grpo/exact-seed0"]["failed"]["error"]

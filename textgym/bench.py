@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import errno
 import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 from textgym import bench_rm
 from textgym.bench_config import BENCH_DEFAULTS, load_designs
 from textgym.bench_identity import file_digest, file_stats
+from textgym.bench_numbers import named
 from textgym.bench_plan import Job, eval_settings, plan
 from textgym.bench_records import (
     EVAL_FILE,
@@ -39,7 +39,7 @@ from textgym.bench_records import (
     add_curve_parts,
     evaluation_changes,
     group_of,
-    record_failure,
+    record_failures,
     record_left_out,
     record_start,
     write_json,
@@ -48,6 +48,7 @@ from textgym.bench_stats import mean_ci
 from textgym.errors import ConfigError, RunsFailed, TextgymError, WriteError
 from textgym.eval_settings import BUILTIN_METRICS
 from textgym.run_log import logged_to
+from textgym.rundir import DISK_FULL
 
 __all__ = [
     "BENCH_DEFAULTS", "BUILTIN_METRICS", "Job", "RunsFailed", "Stopped", "evaluate", "load_designs", "mean_ci", "plan",
@@ -186,6 +187,8 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
         bench_rm.prepare(spec["reward_models"], progress=progress)
         (out / "runs").mkdir(parents=True, exist_ok=True)
         failed: dict[str, dict[str, str]] = {}  # run_id -> its error and log
+        # a reused run is finished: a mark from a failed evaluation since is old news
+        record_failures(out, {j.run_id: None for j in jobs if todo[j.run_id] == "reuse"})
         with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
             for job in jobs:
                 bar.set_postfix(run=job.run_id)
@@ -194,22 +197,21 @@ def _run(spec: Mapping[str, Any], out: Path, progress: bool) -> Path:
                     if todo[job.run_id] == "restart":
                         shutil.rmtree(job.run_dir)
                     record_start(out, job)
-                if todo[job.run_id] == "reuse":  # finished: a mark from a failed evaluation since is old news
-                    record_failure(out, job, None)
-                else:
+                if todo[job.run_id] != "reuse":
                     try:
                         result = _train_and_evaluate(job, spec, todo[job.run_id] != "evaluate")
-                    except (WriteError, _Changed):
-                        raise  # every run after it would fail alike, or use other files than its record says
                     except Exception as exc:  # (a Ctrl-C is not one: it stops the bench)
-                        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                            raise  # a full disk outside textgym's own writes: as a WriteError
+                        # a full disk (textgym's own writes or another's), a file edited meanwhile: every run
+                        # after it would fail alike, or use other files than its record says
+                        full = isinstance(exc, OSError) and exc.errno in DISK_FULL
+                        if full or isinstance(exc, (WriteError, _Changed)):
+                            raise
                         failed[job.run_id] = _failure(out, job, exc)
                         if progress:
                             tqdm.write(f"textgym: {job.run_id} failed: {failed[job.run_id]['error']}")
                     else:
                         write_json(job.run_dir / EVAL_FILE, result)  # written last: it means "finished"
-                        record_failure(out, job, None)
+                        record_failures(out, {job.run_id: None})
                 bar.update(1)
         if failed:
             _report_failures(out, spec, jobs, failed)
@@ -254,7 +256,7 @@ def _failure(out: Path, job: Job, exc: Exception) -> dict[str, str]:
             f.write("\n" + "".join(traceback.format_exception(exc)))
     error = str(exc) if isinstance(exc, TextgymError) else f"{type(exc).__name__}: {exc}"
     failure = {"error": one_line(error), "log": str(log)}
-    record_failure(out, job, failure)
+    record_failures(out, {job.run_id: failure})
     return failure
 
 
@@ -273,11 +275,7 @@ def _report_failures(
     kept = [j for j in jobs if j.design["name"] not in designs and j.agent["label"] not in agents]
     runs = "; ".join(f"{run_id}: {f['error']} (log: {f['log']})" for run_id, f in list(failed.items())[:3])
     runs += f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
-    said = [
-        f"{noun}{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}"
-        for noun, names in (("design", designs), ("agent", agents))
-        if names
-    ]
+    said = named(designs, agents, repr)
     reduced = {
         **spec,
         "designs": [d for d in spec["designs"] if d["name"] not in designs],

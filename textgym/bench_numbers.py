@@ -5,7 +5,7 @@ and ``report.html``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from textgym.bench_stats import ALPHA
@@ -19,6 +19,7 @@ __all__ = [
     "is_missing",
     "md_escape",
     "md_text",
+    "named",
     "plural",
 ]
 
@@ -98,3 +99,13 @@ def md_escape(text: str) -> str:
     for char in "\\`*[]|":
         text = text.replace(char, "\\" + char)
     return text
+
+
+def named(designs: Sequence[str], agents: Sequence[str], quote: Callable[[str], str]) -> list[str]:
+    """The designs and the agents given, each kind with its noun: ``["designs 'a', 'b'", "agent 'x'"]``
+    (``quote=repr``); a kind with none is left out."""
+    return [
+        f"{noun}{'s' if len(names) > 1 else ''} {', '.join(map(quote, names))}"
+        for noun, names in (("design", designs), ("agent", agents))
+        if names
+    ]

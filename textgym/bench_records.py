@@ -66,9 +66,7 @@ def actions(jobs: Sequence[Job], out: Path) -> dict[str, str]:
                 f"{job.run_dir} exists, but {out / INDEX_FILE} has no record of this bench starting it"
             )
         elif unreported(job) and record.get("config_hash") != job.config_hash:
-            todo[job.run_id] = (
-                "restart"  # changed since it failed, or since its design failed: never reported
-            )
+            todo[job.run_id] = "restart"  # changed since it or its design failed: no report shows it
         elif record.get("config_hash") != job.config_hash:
             changes = config_changes(record.get("config", {}), job.identity)
             problems.append(
@@ -209,23 +207,31 @@ def record_left_out(out: Path, designs: Sequence[str], agents: Sequence[str]) ->
     path = out / INDEX_FILE
     index = read_json(path) or {}
     left = {"designs": list(designs), "agents": list(agents)} if designs or agents else None
-    if index.get("left_out") != left:
-        if left is None:
-            del index["left_out"]
-        else:
-            index["left_out"] = left
+    if _put(index, "left_out", left):
         write_json(path, index)
 
 
-def record_failure(out: Path, job: Job, failure: Mapping[str, str] | None) -> None:
-    """Mark the run failed in ``bench.json`` (or, with None, no longer failed)."""
+def record_failures(out: Path, failures: Mapping[str, Mapping[str, str] | None]) -> None:
+    """Mark each run (by its run_id) failed in ``bench.json`` with its error and log, or, with None, no
+    longer failed: one read and at most one write for them all."""
     path = out / INDEX_FILE
     index = read_json(path) or {}
-    record = index.get("runs", {}).get(job.run_id)
-    if record is None or record.get("failed") == failure or (failure is None and "failed" not in record):
-        return
-    if failure is None:
-        del record["failed"]
+    runs = index.get("runs", {})
+    changed = [
+        _put(runs[run_id], "failed", None if failure is None else dict(failure))
+        for run_id, failure in failures.items()
+        if run_id in runs
+    ]
+    if any(changed):
+        write_json(path, index)
+
+
+def _put(mapping: dict[str, Any], key: str, value: Any) -> bool:
+    """``mapping[key] = value``, or no ``key`` for None; whether that changed ``mapping``."""
+    if mapping.get(key) == value:
+        return False
+    if value is None:
+        del mapping[key]
     else:
-        record["failed"] = dict(failure)
-    write_json(path, index)
+        mapping[key] = value
+    return True

@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from textgym.bench_flag_text import flag_lines, no_flags_text, quiet_checks_text, unchecked_lines
-from textgym.bench_numbers import fmt, fmt_cell, fmt_interval, fmt_p, is_missing, md_escape, md_text, plural
+from textgym.bench_numbers import (
+    fmt,
+    fmt_cell,
+    fmt_interval,
+    fmt_p,
+    is_missing,
+    md_escape,
+    md_text,
+    named,
+    plural,
+)
 from textgym.bench_results import BenchResults, registered
 from textgym.bench_stats import ALPHA
 from textgym.composition import describe_stack
@@ -145,11 +155,7 @@ def failed_text(results: BenchResults) -> str | None:
     if not results.failed:
         return None
     designs, agents = results.left_out
-    said = [
-        f"{noun}{'s' if len(names) > 1 else ''} {', '.join(f'`{n}`' for n in names)}"
-        for noun, names in (("design", designs), ("agent", agents))
-        if names
-    ]
+    said = named(designs, agents, lambda name: f"`{name}`")
     return (
         f"**{plural(len(results.failed), 'run')} failed**, so this report leaves out {' and '.join(said)}: "
         f"{'an agent' if agents else 'a design'} is reported only when all its runs finished (its finished runs "

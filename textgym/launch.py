@@ -391,10 +391,8 @@ def _error_of(output: str) -> str:
     for i, line in enumerate(lines):
         if line.startswith("textgym: error: "):
             errors.append(line.removeprefix("textgym: error: "))
-        elif line.startswith(
-            "Traceback (most recent call last):"
-        ):  # its exception: the first line not indented
-            errors += [next((x for x in lines[i + 1 :] if x and not x[0].isspace()), "")][:1]
+        elif line.startswith("Traceback (most recent call last):"):  # its exception: the next unindented line
+            errors.append(next((x for x in lines[i + 1 :] if x and not x[0].isspace()), ""))
     errors = [e for e in errors if e]
     own = [e for e in errors if not any(said in e for said in FOLLOWED)]
     return (own or errors or [""])[0]

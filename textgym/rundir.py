@@ -26,6 +26,7 @@ from typing import Any
 
 from textgym.errors import ConfigError, WriteError
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the errnos of a write that found no room
 MARKER = ".textgym-run"
 WRITTEN_CONFIG = ".config-written.toml"  # config.toml as textgym last wrote it: a resume finds edits by hand
 LOCK = ".lock"
@@ -276,7 +277,7 @@ class RunDir:
 
     def disk_error(self, what: str, exc: OSError) -> WriteError:
         reason = exc.strerror or str(exc)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno in DISK_FULL:
             reason += " (the disk is full)"
         elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             reason += " (the directory is not writable)"
