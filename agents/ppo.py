@@ -38,8 +38,8 @@ from textgym.agents.ppo_core import (
     value_loss,
 )
 from textgym.agents.rollout_batch import RolloutBatch, masked_token_mean
+from textgym.conversation import AGENT_ROLE
 from textgym.errors import ConfigError
-from textgym.responders import AGENT_ROLE
 
 
 @dataclass

@@ -81,7 +81,7 @@ def format_table(rows: Sequence[dict[str, Any]], prompt_width: int = 32, complet
 def conversation(row: dict[str, Any]) -> str:
     """An episode's completion, or for a multi-turn one its turns in order: the agent's as written (``""``
     where it said nothing), the environment's as ``[role: text]``."""
-    from textgym.responders import AGENT_ROLE
+    from textgym.conversation import AGENT_ROLE
 
     turns = row.get("turns") or ()
     if len(turns) <= 1:

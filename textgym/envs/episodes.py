@@ -14,6 +14,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.error import InvalidAction
 
+from textgym.conversation import AGENT_ROLE, ResponderError, is_environment_role
 from textgym.envs.conversation import ReplyFormatter
 from textgym.envs.prompt_ids import PromptIds
 from textgym.envs.responder_calls import validated_openings
@@ -21,7 +22,7 @@ from textgym.envs.turns import Turns
 from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
-from textgym.responders import AGENT_ROLE, ResponderError, ResponderSpec, is_environment_role, make_responder
+from textgym.responders import ResponderSpec, make_responder
 from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31

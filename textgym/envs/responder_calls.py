@@ -11,8 +11,15 @@ from typing import Any
 
 import numpy as np
 
+from textgym.conversation import (
+    AGENT_ROLE,
+    Conversation,
+    Reply,
+    Responder,
+    ResponderError,
+    is_environment_role,
+)
 from textgym.errors import TextgymError, raised_in
-from textgym.responders import AGENT_ROLE, Conversation, Reply, Responder, ResponderError, is_environment_role
 
 __all__ = ["notify_end", "validated_openings", "validated_replies"]
 

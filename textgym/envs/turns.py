@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from textgym.conversation import AGENT_ROLE, Conversation, Reply, ResponderError
 from textgym.envs.conversation import ReplyFormatter
 from textgym.envs.responder_calls import notify_end, validated_replies
-from textgym.responders import AGENT_ROLE, Conversation, Reply, ResponderError
 from textgym.rewards import Turn
 
 

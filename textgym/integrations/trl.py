@@ -23,8 +23,8 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from textgym.conversation import AGENT_ROLE
 from textgym.errors import ConfigError
-from textgym.responders import AGENT_ROLE
 from textgym.reward_functions import TRLCall, trl_call
 from textgym.rewards import BaseDir, RewardStack, Sample, Turn, build_reward_stack
 
