@@ -230,17 +230,26 @@ def _load_trained_policy(agent: LMAgent, policy_dir: Path) -> None:
         sharding.load_from_main(agent.rollout_model, weights, agent.device)
 
 
+def checked_checkpoint(path: str | Path, agent_class: str) -> Path:
+    """``path`` as a checkpoint directory (:func:`checkpoint_path`), refused unless a save completed it."""
+    from textgym.atomic import is_complete
+
+    path = checkpoint_path(path)
+    if not path.exists():
+        raise ConfigError(f"{str(path)!r} does not exist: give the directory {agent_class}.save wrote.")
+    if not is_complete(path):
+        raise ConfigError(
+            f"{str(path)!r} is not a complete {agent_class} checkpoint (no state.json written by save)."
+        )
+    return path
+
+
 def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
     from transformers import AutoModelForCausalLM
 
-    from textgym.atomic import is_complete
+    from textgym.agents.parameters import keep_configured_optimizer_settings
 
-    if not path.exists():
-        raise ConfigError(f"{str(path)!r} does not exist: give the directory {cls.__name__}.save wrote.")
-    if not is_complete(path):
-        raise ConfigError(
-            f"{str(path)!r} is not a complete {cls.__name__} checkpoint (no state.json written by save)."
-        )
+    path = checked_checkpoint(path, cls.__name__)
     try:
         state = json.loads((path / "state.json").read_text())
         saved_by = state.get("agent", "lmppo")
@@ -321,12 +330,8 @@ def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[st
             sharding.load_full_optimizer_state(agent.optimizer, optimizer_state)
         else:
             agent.optimizer.load_state_dict(optimizer_state)
-        # the optimizer's state holds the saved settings: the agent's config's instead (an override's; a constant
-        # schedule's rate, where a linear one had annealed it; a linear schedule sets it at every iteration)
-        for group in agent.optimizer.param_groups:
-            group["weight_decay"] = agent.config.weight_decay
-            if "learning_rate" in changed or agent.config.lr_schedule == "constant":
-                group["lr"] = agent.config.learning_rate
+        # (an override's rate too; a constant schedule's, where a linear one had annealed it)
+        keep_configured_optimizer_settings(agent, learning_rate="learning_rate" in changed)
         agent.num_timesteps, agent.iteration = state["num_timesteps"], state["iteration"]
         agent.skipped_steps = state.get("skipped_steps", 0)
         agent.score_moments = RunningMoments(**state["score_moments"])

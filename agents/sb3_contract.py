@@ -129,6 +129,7 @@ class SB3Contract:
     optimizer: torch.optim.Optimizer
     num_timesteps: int
     iteration: int
+    seed: int  # this process's: the config's, offset by the process's rank
     skipped_steps: int
     history: list[dict[str, float]]
     _folder_logger: Any  # the logger _setup_logger made (None before): closed when another replaces it
@@ -322,6 +323,46 @@ class SB3Contract:
             actions = torch.multinomial((logits / self.config.temperature).softmax(-1), 1).squeeze(-1)
         actions = actions.cpu().numpy()
         return (actions[0] if single else actions), state
+
+    def get_parameters(self) -> dict[str, dict[str, Any]]:
+        """The agent's parameters by name, as SB3's: ``"policy"``, each trainable module (LMPPO's
+        ``"value_head"``) and ``"optimizer"``, each a state dict of the agent's own tensors (not copies). Not
+        the frozen reference. See :mod:`textgym.agents.parameters`."""
+        from textgym.agents.parameters import get_parameters
+
+        return get_parameters(self)
+
+    def set_parameters(
+        self,
+        load_path_or_dict: str | os.PathLike | dict[str, Any],
+        exact_match: bool = True,
+        device: str | torch.device = "auto",
+    ) -> None:
+        """Set the parameters from a :meth:`get_parameters` dict or a checkpoint directory :meth:`save`
+        wrote (its policy, this agent's modules, and its optimizer state when the same agent saved it), as
+        SB3's: ``exact_match`` asks for every name and every key; ``exact_match=False`` sets what is given.
+        Counters, config and the reference stay the agent's. The weights go to the agent's device, whatever
+        ``device`` says. Everything is checked before anything changes."""
+        from textgym.agents.parameters import set_parameters
+
+        set_parameters(self, load_path_or_dict, exact_match)
+
+    def set_random_seed(self, seed: int | None = None) -> None:
+        """Seed the agent's rollouts and torch, numpy and Python from ``seed`` (each process its own, as the
+        agent's ``seed`` setting does), as SB3's; a checkpoint keeps it. None leaves them as they are."""
+        if seed is None:
+            return
+        import dataclasses
+
+        from accelerate.utils import set_seed
+
+        seed = int(seed) if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) else seed
+        self.config = dataclasses.replace(self.config, seed=seed)  # checked as the setting is
+        self.seed = self.config.seed + 10_007 * self.dist.rank
+        set_seed(self.seed)
+        if self.env is not None:
+            self.env.single_action_space.seed(self.seed)
+            self.env.action_space.seed(self.seed)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write a checkpoint directory atomically: the policy in Hugging Face format (the adapter with
