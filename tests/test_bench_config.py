@@ -663,6 +663,23 @@ def test_the_log_of_a_failed_start_is_named_after_its_whole_run_directory(tmp_pa
     assert (tmp_path / "v1.5-seed0.log").read_text() == "failed v1.5-seed0\n"
 
 
+def test_the_log_of_a_failed_start_moves_into_the_runs_log_once_a_start_made_its_directory(tmp_path):
+    """A stale runs/<run>.log stayed beside a run that a later start trained."""
+    from textgym.rundir import RunDir
+
+    run = tmp_path / "v1-seed0"
+    with pytest.raises(ConfigError), run_log.logged_to(run / "train.log"):
+        print("refused")
+        raise ConfigError("refused")
+    RunDir(run).create()
+    with run_log.logged_to(run / "train.log"):
+        print("trained")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1-seed0"]
+    assert (
+        run / "train.log"
+    ).read_text() == "(from v1-seed0.log, an earlier start that failed)\nrefused\n\ntrained\n"
+
+
 def test_the_log_of_a_failed_start_is_kept_when_its_agents_folder_does_not_exist_yet(tmp_path):
     """A bench with agents as an axis keeps its runs under runs/<agent>/: the first run of an agent that
     failed to start had its log go to a folder nobody had made, and the bench ended in a FileNotFoundError

@@ -14,7 +14,8 @@ __all__ = ["log_file", "logged_to", "readable"]
 @contextlib.contextmanager
 def logged_to(path: Path) -> Iterator[None]:
     """What a run prints (training progress, model loading) goes to its log, not to the bench's output. A
-    start that failed leaves no run directory (``textgym train`` removes it): its log goes next to it."""
+    start that failed leaves no run directory (``textgym train`` removes it): its log goes next to it, and
+    into the run's own log once a later start made the directory."""
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -23,8 +24,14 @@ def logged_to(path: Path) -> Iterator[None]:
         where = log_file(path)
         # (its folder may not exist yet: an agent's, when that agent's first run failed to start)
         where.parent.mkdir(parents=True, exist_ok=True)
+        beside = path.parent.with_name(path.parent.name + ".log")
+        earlier = beside.read_text(encoding="utf-8") if where == path and beside.is_file() else None
         with where.open("a", encoding="utf-8") as f:
+            if earlier is not None:  # the run has a directory now: the log of its failed start goes in it
+                f.write(f"(from {beside.name}, an earlier start that failed)\n{earlier}\n")
             f.write(readable(log.getvalue()))
+        if earlier is not None:
+            beside.unlink()
 
 
 def log_file(path: Path) -> Path:
