@@ -2,28 +2,27 @@
 
 Everything textgym can name (rewards, envs, agents, prompt sources, models, responders) is registered
 through the hooks in :mod:`textgym.hookspecs`, the built-ins exactly like third-party plugins. The
-registries are rebuilt from the hooks whenever the set of plugins changes.
+registries (:mod:`textgym.plugin_registry`) are rebuilt from the hooks whenever the set of plugins changes.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 import inspect
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pluggy
 
 from textgym import hookspecs
-from textgym.errors import DuplicateNameError, PluginError, UnknownNameError, did_you_mean
+from textgym.errors import DuplicateNameError, PluginError, did_you_mean
 from textgym.plugin_files import import_file, local_imports, plugin_dirs, read_bytes
+from textgym.plugin_registry import Entry, Registry, call_impl, register_gym_envs, resolve
 
 DEFAULT_PLUGINS = (
     "textgym.plugins.rm_score",
@@ -59,12 +58,6 @@ KINDS = {
     "register_responders": "responder",
 }
 
-# the keyword arguments each kind's register() takes (None: any, an env's defaults), and those it also
-# takes by position, after the name and the value
-EXTRAS: dict[str, set[str] | None] = {"env": None, "model": {"tokenizer_loader"}}
-POSITIONAL: dict[str, tuple[str, ...]] = {"env": ("vector_entry_point",), "model": ("tokenizer_loader",)}
-SPEC_KINDS = ("reward", "responder")  # named in spec strings ('NAME key=value ...'), which split on spaces
-
 pm = pluggy.PluginManager("textgym")
 pm.add_hookspecs(hookspecs)
 
@@ -73,84 +66,21 @@ _registries: dict[str, Registry] = {}
 _loaded = False
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One registered name: the thing itself, the plugin that registered it, and extra keyword arguments."""
-
-    name: str
-    value: Any
-    plugin: str
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class Registry:
-    """Names of one kind (e.g. rewards) -> :class:`Entry`, with duplicate detection."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self._entries: dict[str, Entry] = {}
-
-    def add(self, name: str, value: Any, plugin: str, **extra: Any) -> None:
-        spaced = (
-            self.kind in SPEC_KINDS and isinstance(name, str) and any(c.isspace() or c == "=" for c in name)
-        )
-        if not isinstance(name, str) or not name or spaced:
-            raise PluginError(
-                f"plugin {plugin!r} registered a {self.kind} with an invalid name {name!r}: a {self.kind}'s name is "
-                f"a non-empty string without spaces or '=' (a spec such as 'NAME weight=2' splits on them)."
-            )
-        if self.kind == "reward" and name.startswith("_"):  # (a spec naming it was refused, not the plugin)
-            raise PluginError(
-                f"plugin {plugin!r} registered the reward {name!r}: a reward's name cannot start with '_', which "
-                f"Gymnasium's vector infos keep for their own masks; register it without the underscore."
-            )
-        allowed = EXTRAS.get(self.kind, set())
-        unknown = sorted(extra.keys() - allowed) if allowed is not None else []
-        if unknown:  # a register("x", X, weight=2) would otherwise be dropped without a word
-            takes = f" takes only {', '.join(sorted(allowed))}" if allowed else " takes none"
-            raise PluginError(
-                f"plugin {plugin!r} registered {self.kind} {name!r} with {', '.join(unknown)}: a {self.kind}'s "
-                f"register(){takes} (weights and arguments belong in the reward specs of a config)."
-            )
-        if self.kind in SPEC_KINDS and (takes := _object_not_factory(value)):
-            cls = type(value).__name__
-            raise PluginError(
-                f"plugin {plugin!r} registered {self.kind} {name!r} as an instance of {cls}, which takes ({takes}): "
-                f"register what makes one, called with a spec's arguments: register({name!r}, {cls}) (the class), "
-                f"or a function that returns one."
-            )
-        if name in self._entries:
-            first = self._entries[name].plugin
-            raise DuplicateNameError(
-                f"{self.kind} {name!r} is registered twice: by plugin {first!r} ({describe_source(first)}) "
-                f"and by plugin {plugin!r} ({describe_source(plugin)}). Rename one of them, or uninstall one "
-                f"plugin{_skip_hint(plugin, first)}."
-            )
-        self._entries[name] = Entry(name, value, plugin, extra)
-
-    def get(self, name: str) -> Entry:
-        try:
-            return self._entries[name]
-        except (KeyError, TypeError):
-            raise UnknownNameError(self.kind, name, self._entries) from None
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[Entry]:
-        return iter(self._entries.values())
-
-
 def describe_source(plugin_name: str) -> str:
     return _sources.get(plugin_name, "registered in code")
 
 
 def _changed() -> None:
     _registries.clear()
-    _register_gym_envs()
+    register_gym_envs(registry("register_envs"))
+
+
+def _duplicate(first: str, later: str) -> str:
+    """Which two plugins registered one name, where they came from, and what to do (for :class:`Registry`)."""
+    return (
+        f"by plugin {first!r} ({describe_source(first)}) and by plugin {later!r} ({describe_source(later)}). "
+        f"Rename one of them, or uninstall one plugin{_skip_hint(later, first)}."
+    )
 
 
 def register_plugin(plugin: object, name: str, source: str = "registered in code") -> None:
@@ -431,109 +361,22 @@ def _warn_other_groups() -> None:
             )
 
 
-def _object_not_factory(value: Any) -> str | None:
-    """The required positional parameters of a callable object (not a class or function) registered as a
-    reward or responder: the reward itself, taking ``samples``, where its factory was meant. None otherwise."""
-    if isinstance(value, type) or inspect.isroutine(value) or isinstance(value, functools.partial):
-        return None
-    try:
-        params = inspect.signature(value).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p.name for p in params if p.kind in positional and p.default is p.empty]
-    return ", ".join(required) or None
-
-
 def registry(hook_name: str) -> Registry:
     """The registry built from every plugin's ``hook_name`` implementation, in loading order."""
     load_plugins()
     if hook_name not in _registries:
-        reg = Registry(KINDS[hook_name])
+        reg = Registry(KINDS[hook_name], _duplicate)
         # Hook implementations are visited in registration order (pluggy *calls* them LIFO), so built-ins
         # come first and a duplicate is reported against the plugin that was loaded later.
         for impl in getattr(pm.hook, hook_name).get_hookimpls()[::-1]:
-            _call_impl(impl, reg)
+            call_impl(impl, reg)
         _registries[hook_name] = reg
     return _registries[hook_name]
-
-
-def _call_impl(impl: pluggy.HookImpl, reg: Registry) -> None:
-    plugin = impl.plugin_name
-
-    def register(name: str, value: Any, *args: Any, **extra: Any) -> None:
-        names = POSITIONAL.get(reg.kind, ())
-        if len(args) > len(names):
-            raise PluginError(
-                f"plugin {plugin!r} registered {reg.kind} {name!r} with {len(args)} more positional argument(s) "
-                f"than a {reg.kind}'s register() takes: register(name, value"
-                + "".join(f", {n}=None" for n in names)
-                + ")."
-            )
-        for key, arg in zip(names, args):
-            if key in extra:
-                raise PluginError(f"plugin {plugin!r} registered {reg.kind} {name!r} with {key} given twice.")
-            extra[key] = arg
-        reg.add(name, value, plugin, **extra)
-
-    try:
-        impl.function(register=register)
-    except (DuplicateNameError, PluginError):
-        raise
-    except Exception as exc:
-        raise PluginError(f"plugin {plugin!r} failed in {impl.function.__name__}: {exc}") from exc
-
-
-_gym_registered: set[str] = set()
-
-
-def _register_gym_envs() -> None:
-    """Register every env of the env registry with Gymnasium (once per id)."""
-    import gymnasium
-
-    envs = registry("register_envs")
-    for env_id in sorted(_gym_registered - set(envs.names())):  # their plugin was unregistered
-        gymnasium.registry.pop(env_id, None)
-        _gym_registered.discard(env_id)
-    for entry in envs:
-        if entry.name in _gym_registered:
-            continue
-        try:
-            gymnasium.envs.registration.parse_env_id(entry.name)
-        except gymnasium.error.Error as exc:
-            raise PluginError(
-                f"plugin {entry.plugin!r} registered env id {entry.name!r}, which Gymnasium cannot parse ({exc}); "
-                f"env ids look like 'myproject/MyTask-v0'."
-            ) from None
-        extra = dict(entry.extra)
-        vector_entry_point = extra.pop("vector_entry_point", None)
-        for point in (entry.value, vector_entry_point):
-            if point is not None and not callable(point) and (not isinstance(point, str) or ":" not in point):
-                raise PluginError(
-                    f"plugin {entry.plugin!r} registered env {entry.name!r} with entry point {point!r}; give a "
-                    f"class or a 'module:Class' string."
-                )
-        gymnasium.register(
-            id=entry.name, entry_point=entry.value, vector_entry_point=vector_entry_point, kwargs=extra
-        )
-        _gym_registered.add(entry.name)
 
 
 def get(hook_name: str, name: str) -> Entry:
     """Shorthand: ``get("register_rewards", "sentiment")``."""
     return registry(hook_name).get(name)
-
-
-def resolve(value: Any) -> Any:
-    """A registered thing, importing it first when it was registered as ``"module:attribute"`` (so that
-    registering an agent does not import torch or Stable-Baselines3 at start-up)."""
-    if isinstance(value, str) and ":" in value:
-        module, _, attribute = value.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError) as exc:
-            raise PluginError(f"cannot import {value!r}: {exc}") from exc
-    return value
 
 
 def load_agent(name: str) -> Any:
