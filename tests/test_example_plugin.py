@@ -199,3 +199,54 @@ def test_textgym_plugins_lists_an_installed_packages_decorated_rewards_under_its
     assert (
         "wrong  (entry point wrongplug in wrongplug 0.1)\n    (@textgym.reward: wrongreward)" in result.stdout
     )
+
+
+EDITABLE_FINDER = """
+import importlib.abc, importlib.util, sys
+
+class Finder(importlib.abc.MetaPathFinder):  # as pip install -e's: after Python's own path finder
+    def find_spec(self, name, path=None, target=None):
+        if name == "wrongplug":
+            init = {init!r}
+            return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[])
+
+sys.meta_path.append(Finder())
+"""
+
+
+def test_an_installed_plugin_that_registers_nothing_is_said_with_the_folder_that_hid_it(tmp_path):
+    """An editable install run from its project folder (`alignrew/alignrew/...`): Python's path finder
+    found the project folder first, an empty namespace package; the plugin loaded, registered nothing, and
+    its env was just 'not found'."""
+    env = a_distribution(tmp_path / "site", "textgym", "wrongplug", "")
+    (tmp_path / "site" / "wrongplug.py").unlink()  # found by the editable install's finder instead
+    init = tmp_path / "src" / "wrongplug" / "__init__.py"
+    init.parent.mkdir(parents=True)
+    init.write_text(
+        "import textgym\n\n@textgym.hookimpl\ndef register_rewards(register):\n"
+        "    register('wrongreward', lambda: textgym.FunctionReward('wrongreward', lambda ss: [1.0] * len(ss)))\n"
+    )
+    script = EDITABLE_FINDER.format(init=str(init)) + (
+        "import textgym.plugin_manager as m; m.load_plugins(); print('wrongreward' in m.registry('register_rewards'))"
+    )
+
+    def python(cwd):
+        return subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+        )
+
+    found = python(tmp_path)
+    assert found.stdout.strip() == "True", found.stderr
+    assert "registers nothing" not in found.stderr
+    (tmp_path / "wrongplug").mkdir()  # the project folder, without __init__.py, in the current directory
+    hidden = python(tmp_path)
+    assert hidden.stdout.strip() == "False"
+    assert (
+        "plugin 'wrong' (entry point wrongplug in wrongplug 0.1) implements none of textgym's hooks "
+        "(register_agents, register_envs, register_models, register_prompt_sources, register_responders, "
+        "register_rewards), so it registers nothing: it imported as the folder 'wrongplug' in the current "
+        "directory, which has no __init__.py"
+    ) in " ".join(hidden.stderr.split())
+    init.write_text("")  # a package with no hooks at all
+    empty = python(tmp_path / "src")
+    assert "so it registers nothing." in " ".join(empty.stderr.split())

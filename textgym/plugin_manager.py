@@ -290,7 +290,10 @@ def _load_all() -> None:
             )
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
             # (and the @textgym.reward functions its import registered, plugins of their own)
-            for name in {ep.name} | {name for name, _ in pm.list_name_plugin()} - before:
+            added = {ep.name} | {name for name, _ in pm.list_name_plugin()} - before
+            if added == {ep.name} and not pm.get_hookcallers(plugin):
+                _warn_registers_nothing(ep.name, f"entry point {ep.value} in {dist}", plugin)
+            for name in added:
                 _entry_points[name] = ep.name
                 if ep.dist:
                     _distributions[name] = (ep.dist.name, ep.dist.version)
@@ -341,6 +344,29 @@ def _warn_unknown_blocked(blocked: set[str], installed: Any) -> None:
             else " (`textgym plugins` lists them)."
         ),
         stacklevel=3,
+    )
+
+
+def _warn_registers_nothing(name: str, source: str, plugin: object) -> None:
+    """An installed plugin that implements no hook registers nothing: said, rather than its rewards and envs
+    being just unknown, with the likely cause when its module is a folder without ``__init__.py``."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    folders = list(getattr(plugin, "__path__", None) or [])
+    cause = ""
+    if getattr(plugin, "__file__", None) is None and folders:  # a namespace package
+        folder = Path(folders[0]).resolve()
+        where = "the current directory" if folder.parent == Path.cwd().resolve() else str(folder.parent)
+        cause = (
+            f": it imported as the folder {folder.name!r} in {where}, which has no __init__.py; a folder of the "
+            f"package's name ahead of it on Python's path (the current directory, a script's) hides it: run from "
+            f"another directory"
+        )
+    hooks = ", ".join(sorted(KINDS))
+    warnings.warn(
+        f"plugin {name!r} ({source}) implements none of textgym's hooks ({hooks}), so it registers "
+        f"nothing{cause}.",
+        stacklevel=2,
     )
 
 
