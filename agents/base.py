@@ -15,6 +15,7 @@ logs (:data:`COMMON_STATS`).
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import os
@@ -173,6 +174,9 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         if env is not None:
             self.set_env(env)
         self.last_episodes: list[dict[str, Any]] = []
+        # SB3's: Monitor's record ({"r": return, "l": length, "t": seconds}) of the last 100 episodes
+        self.ep_info_buffer: collections.deque[dict[str, float]] = collections.deque(maxlen=100)
+        self.ep_success_buffer: collections.deque[bool] = collections.deque(maxlen=100)  # (no success flag)
         self.history: list[dict[str, float]] = []
 
     def _prepare(

@@ -132,11 +132,26 @@ class SB3Contract:
     seed: int  # this process's: the config's, offset by the process's rank
     skipped_steps: int
     history: list[dict[str, float]]
+    last_episodes: list[dict[str, Any]]  # the last iteration's episodes, every process's
+    ep_info_buffer: Any  # SB3's: Monitor's record of the last 100 episodes
     _folder_logger: Any  # the logger _setup_logger made (None before): closed when another replaces it
     _custom_logger: bool  # set_logger was called: learn() keeps that logger (tensorboard_log or not)
 
     def get_env(self) -> TextGenVectorEnv | None:
         return self.env
+
+    # SB3's attributes of the env the agent trains on: a sub-env's spaces, and this process's sub-envs
+    @property
+    def observation_space(self) -> Any:
+        return None if self.env is None else self.env.single_observation_space
+
+    @property
+    def action_space(self) -> Any:
+        return None if self.env is None else self.env.single_action_space
+
+    @property
+    def n_envs(self) -> int | None:
+        return None if self.env is None else self.env.num_envs
 
     def get_vec_normalize_env(self) -> None:
         return None
@@ -212,6 +227,7 @@ class SB3Contract:
         self._total_timesteps = total_timesteps
         self._setup_logger(tb_log_name or type(self).__name__, reset_num_timesteps)
         callback = self._init_callback(callback)
+        started = time.perf_counter()
         callback.on_training_start(locals(), globals())
         bar = tqdm(
             total=total_timesteps,
@@ -230,6 +246,10 @@ class SB3Contract:
             # one env step = one agent token; every process's, so the count is the same everywhere
             tokens = int(self.dist.sum(batch.action_mask.sum()))
             self.num_timesteps += tokens
+            elapsed = round(time.perf_counter() - started, 6)
+            self.ep_info_buffer.extend(
+                {"r": e["reward"], "l": e["num_tokens"], "t": elapsed} for e in self.last_episodes
+            )
             callback.update_locals(locals())
             callback.on_rollout_end()
             start = time.perf_counter()

@@ -194,3 +194,30 @@ def test_set_random_seed_reseeds_the_rollouts_and_is_saved(tmp_path):
     with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*32\), not -1"):
         b.set_random_seed(-1)
     assert b.seed == 0
+
+
+def test_sb3_callbacks_find_the_episodes_in_ep_info_buffer_and_the_envs_spaces():
+    """A callback of SB3's kind reads ``self.model.ep_info_buffer`` (Monitor's r and l) at the end of a rollout,
+    and ``n_envs`` and the spaces: LM agents had none of them."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class MeanReturn(BaseCallback):
+        def _on_rollout_end(self):
+            self.seen = [dict(e) for e in self.model.ep_info_buffer]
+
+        def _on_step(self):
+            return True
+
+    env = make_env(8)
+    agent = LMPPO(char_llama(), env, seed=0, **FAST)
+    assert (agent.n_envs, agent.observation_space, agent.action_space) == (
+        8, env.single_observation_space, env.single_action_space
+    )  # fmt: skip
+    callback = MeanReturn()
+    agent.learn(1, callback=callback)
+    assert len(callback.seen) == 8 and {"r", "l", "t"} <= callback.seen[0].keys()
+    assert sum(e["r"] for e in callback.seen) / 8 == pytest.approx(agent.history[-1]["reward"])
+    assert [e["l"] for e in callback.seen] == [e["num_tokens"] for e in agent.last_episodes]
+    for _ in range(13):  # the last 100 episodes, as SB3 keeps them
+        agent.learn(1, reset_num_timesteps=False)
+    assert len(agent.ep_info_buffer) == 100
