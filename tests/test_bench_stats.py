@@ -201,6 +201,29 @@ def test_ranks_follow_chains_of_significant_differences_when_seeds_are_missing()
     assert ranks == {"a": 1, "b": 2, "c": 3}
 
 
+def test_a_pair_ranked_apart_only_through_a_chain_says_so_in_its_verdict():
+    """a - c is the same difference on every seed: its exact sign-flip p (0.125 on 4 seeds) is above the
+    t-tests' of a - b and b - c, which are significant. The ranks put a above c through b, and the verdict of
+    a - c said only "not significant": the report contradicted itself."""
+    from textgym.bench_report import verdict
+    from textgym.bench_results import _comparison_row as comparison_row
+
+    c, b, a = dict.fromkeys(range(4), 0.0), {0: 1.0, 1: 2.0, 2: 1.0, 3: 2.0}, dict.fromkeys(range(4), 3.0)
+    comparisons, ranks = compare({"a": a, "b": b, "c": c}, "higher")
+    assert ranks == {"a": 1, "b": 2, "c": 3}
+    by_pair = {(x.a, x.b): x for x in comparisons}
+    assert (by_pair["a", "b"].better, by_pair["b", "c"].better) == ("a", "b")
+    assert by_pair["a", "c"].better is None and by_pair["a", "c"].better_by_chain == "a"
+    assert by_pair["a", "b"].better_by_chain is None
+    row = comparison_row("design", "", "m", by_pair["a", "c"])
+    assert verdict(row) == (
+        "not significant on its own (the same difference on every seed: the exact sign test needs 7 seeds); a "
+        "ranks above through a chain of significant differences"
+    )
+    _, ranks = compare({"a": a, "c": c}, "higher")  # without b, nothing separates them
+    assert ranks == {"a": 1, "c": 1}
+
+
 def test_a_seed_measured_for_one_group_only_leaves_the_pair_untested_and_the_group_unranked():
     """c's metric applied to none of the completions of 4 of its 6 seeds (a run gone wrong, most often):
     comparing on the 2 others compared c's good runs only, and called c significantly worse than b."""

@@ -105,6 +105,11 @@ def verdict(c: Mapping[str, Any]) -> str:
         )
     if c["n"] < 2:
         return f"not tested (n = {c['n']} shared seeds)"
+    if c["better"] is None and c.get("better_by_chain"):  # (the report's ranks put one above the other)
+        return (
+            f"not significant on its own{needed_text(c)}; {c['better_by_chain']} ranks above through a chain of "
+            f"significant differences"
+        )
     if c["better"] is None:
         return "not significant" + needed_text(c)
     return f"**{c['better']}** better"
@@ -226,7 +231,8 @@ STATS_TEXT = (
     f"mean difference with its 95% interval, Cohen's d_z (mean difference / sd of the differences) and the "
     f"paired t-test's p-value, Holm-corrected over the pairs of each metric (the interval is not: it can "
     f"exclude 0 where the corrected p is above {ALPHA}). A group ranks below every group significantly better "
-    f"(p < {ALPHA}), directly or through a chain (a > b > c puts a above c), and never above a group with a "
+    f"(p < {ALPHA}), directly or through a chain (a > b > c puts a above c, and a verdict says so where a - c alone "
+    f"is not significant), and never above a group with a "
     f"better mean (unless missing seeds make a lower mean significantly better): equal ranks are not "
     f"significantly different; a group that no test compared with another is not ranked."
 )

@@ -25,7 +25,7 @@ SUMMARY_COLUMNS = [
 ]  # fmt: skip
 COMPARISON_COLUMNS = [
     "scope", "within", "metric", "a", "b", "n", "diff", "ci_low", "ci_high", "d_z", "p", "p_holm", "better",
-    "seeds_needed", "infinite", "unmeasured",
+    "seeds_needed", "better_by_chain", "infinite", "unmeasured",
 ]  # fmt: skip
 
 
@@ -245,6 +245,7 @@ def _comparison_row(scope: str, within: str, metric: str, c: Any) -> dict[str, A
         "p_holm": c.p_holm,
         "better": c.better,
         "seeds_needed": c.seeds_needed,
+        "better_by_chain": c.better_by_chain,
         "infinite": t.infinite,
         "unmeasured": t.unmeasured,
     }

@@ -10,7 +10,8 @@ seed-to-seed variation both share.
   deviation of the differences).
 - :func:`compare` runs every pairwise test within a metric and corrects the p-values for the number of
   pairs (Holm, 1979). Its ranks follow the means and step down only where a test separates: a group ranks
-  below every group significantly better than it, directly or through a chain (a > b > c: a is above c),
+  below every group significantly better than it, directly or through a chain (a > b > c: a is above c,
+  and the comparison of a and c, where not significant itself, names the chain),
   and never above a group with a better mean (except where missing seeds make a group of a lower mean
   significantly better than one of a higher mean: both cannot hold, and the test decides), so two groups
   that share a rank are never significantly different from each other.
@@ -20,6 +21,7 @@ seed-to-seed variation both share.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -177,6 +179,9 @@ class Comparison:
     p_holm: float
     better: str | None  # the significantly better group, None when the difference is not significant
     seeds_needed: int | None = None  # when not significant: seeds for 80% power at the observed d_z
+    # when not significant itself: the group that ranks above the other through a chain of significant
+    # differences (a > b and b > c, where a - c alone is not)
+    better_by_chain: str | None = None
 
 
 def compare(
@@ -205,6 +210,10 @@ def compare(
             needed = seeds_needed(test.d_z, alpha / max(m, 1))
         comparisons.append(Comparison(a, b, test, p, better, needed))
     above = _above(names, comparisons)
+    comparisons = [
+        c if c.better is not None else dataclasses.replace(c, better_by_chain=_chained(c, above))
+        for c in comparisons
+    ]
     tested = {name for c in comparisons if not math.isnan(c.p_holm) for name in (c.a, c.b)}
     valued = [name for name in names if any(_measured(v) for v in groups[name].values())]
     # a group that no test compared with another is not ranked: "1" would read as "none is better" (the one
@@ -229,9 +238,11 @@ def compare(
 
 def _above(names: Sequence[str], comparisons: Sequence[Comparison]) -> dict[str, set[str]]:
     """For each group, the groups better than it: significantly, or through a chain of significant
-    differences (a > b and b > c puts a above c even where a and c share too few seeds to be told apart).
-    With every seed in every group the chain adds nothing: the paired t statistic of a - c is at least the
-    smaller of those of a - b and b - c."""
+    differences (a > b and b > c puts a above c where a - c alone is not significant). Where all three pairs
+    are t-tested on the same seeds the chain adds nothing: the paired t statistic of a - c is at least the
+    smaller of those of a - b and b - c. It does where a and c share too few seeds, and where a - c is the
+    same difference on every seed: the exact sign-flip test's p (2 / 2^n) can be above the t-tests' of the
+    two noisier steps."""
     above: dict[str, set[str]] = {name: set() for name in names}
     for c in comparisons:
         if c.better is not None:
@@ -245,6 +256,11 @@ def _above(names: Sequence[str], comparisons: Sequence[Comparison]) -> dict[str,
                 above[name] |= reached
                 changed = True
     return above
+
+
+def _chained(c: Comparison, above: Mapping[str, set[str]]) -> str | None:
+    """The group of the pair ``c`` that a chain of significant differences puts above the other, or None."""
+    return c.a if c.a in above[c.b] else c.b if c.b in above[c.a] else None
 
 
 def _measured(value: float | None) -> bool:
