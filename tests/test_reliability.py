@@ -1340,3 +1340,20 @@ n_epochs = 1
     main(["train", str(tmp_path / "sb3.toml")])
     assert int(csv_rows(tmp_path / "run" / "metrics.csv")[-1]["timesteps"]) < 4096  # stopped early
     assert csv_rows(tmp_path / "run" / "eval.csv") and (tmp_path / "run" / "eval.png").is_file()
+
+
+def test_a_resume_drops_a_cut_last_sample_line_and_refuses_a_damaged_one_before_it(tmp_path):
+    """A damaged line in the middle of samples.jsonl (no kill makes one) was deleted for good, counted with
+    the rows "after the checkpoint"."""
+    from textgym.errors import ConfigError
+    from textgym.rundir import RunDir
+
+    rows = [json.dumps({"iteration": i}) + "\n" for i in (1, 1, 2, 3)]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(rows) + '{"iteration": 3, "compl')  # the kill cut the last line
+    assert RunDir(tmp_path).truncate_samples(2) == 2  # the row of iteration 3, and the cut one
+    assert samples.read_text() == "".join(rows[:3])
+    samples.write_text(rows[0] + "garbage{\n" + rows[2])
+    with pytest.raises(ConfigError, match=r"samples.jsonl' line 2 is not JSON .*Repair or delete that line"):
+        RunDir(tmp_path).truncate_samples(2)
+    assert samples.read_text() == rows[0] + "garbage{\n" + rows[2]

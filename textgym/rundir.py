@@ -346,17 +346,24 @@ class RunDir:
         self.write_file(name, "".join(json.dumps(row) + "\n" for row in rows))
 
     def truncate_samples(self, iteration: int) -> int:
-        """Drop sample rows written after ``iteration`` (by a run killed after its last checkpoint).
-        Returns how many were dropped."""
+        """Drop sample rows written after ``iteration`` (by a run killed after its last checkpoint), and a
+        last line the kill cut. Returns how many were dropped. A line before the last that is not JSON is
+        damage no kill makes: refused, naming it, rather than deleted with the rows past the checkpoint."""
         path = self.path / "samples.jsonl"
         if not path.is_file():
             return 0
         kept, dropped = [], 0
-        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        for number, line in enumerate(lines, 1):
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by the kill
-                dropped += 1
+            except json.JSONDecodeError as exc:
+                if number < len(lines):
+                    raise ConfigError(
+                        f"{str(path)!r} line {number} is not JSON ({exc}): the file was damaged (a kill cuts "
+                        f"only its last line). Repair or delete that line, then resume."
+                    ) from None
+                dropped += 1  # the line the kill cut
                 continue
             if row.get("iteration", 0) <= iteration:
                 kept.append(line)
