@@ -177,6 +177,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         # SB3's: Monitor's record ({"r": return, "l": length, "t": seconds}) of the last 100 episodes
         self.ep_info_buffer: collections.deque[dict[str, float]] = collections.deque(maxlen=100)
         self.ep_success_buffer: collections.deque[bool] = collections.deque(maxlen=100)  # (no success flag)
+        self._learn_started: float | None = None
         self.history: list[dict[str, float]] = []
 
     def _prepare(

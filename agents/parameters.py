@@ -1,9 +1,10 @@
 """SB3's ``get_parameters`` and ``set_parameters`` for LM agents: the agent's weights and optimizer state by
 name, as state dicts.
 
-The names are ``"policy"`` (the language model; a LoRA policy's is the peft model's, base weights included),
-one per trainable module of the agent (LMPPO's ``"value_head"``) and ``"optimizer"``. The frozen reference is
-not among them: it is where the policy started, and stays that. As in SB3, the state dicts hold the agent's
+The names are ``"policy"`` (the language model; a LoRA policy's is the peft model's, base weights and
+reference adapter included, which are its reference), one per trainable module of the agent (LMPPO's
+``"value_head"``) and ``"optimizer"``. A separate reference model is not among them: it is where the policy
+started, and stays that. As in SB3, the state dicts hold the agent's
 own tensors, not copies (``copy.deepcopy`` the dict to keep a snapshot while training goes on).
 
 ``set_parameters`` takes such a dict, or a checkpoint directory that ``save`` wrote, and checks everything
@@ -14,6 +15,7 @@ was. A sharded agent (FSDP2, ZeRO-3) holds only its shards on each process; both
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,9 +74,20 @@ def _check_module(name: str, own: dict[str, Any], given: Any, exact_match: bool,
             f"{source}[{name!r}] does not fit the agent's {name}: {'; '.join(filter(None, found))}. Give "
             f"the state dict of the same model (exact_match=False loads the keys that are there)."
         )
-    for key in [k for k in own if k in given]:
-        theirs = getattr(given[key], "shape", None)
-        if theirs is not None and tuple(theirs) != tuple(own[key].shape):
+    shared = [k for k in own if k in given]
+    if not shared and own:  # (exact_match=False: nothing would load, and nothing would say so)
+        raise ValueError(
+            f"{source}[{name!r}] shares no key with the agent's {name} (its keys: {_listed(list(given))}; the "
+            f"agent's: {_listed(list(own))}): the state dict of another model, or of a LoRA policy where the "
+            f"agent's is whole (or the other way round)."
+        )
+    for key in shared:
+        if not torch.is_tensor(given[key]):
+            raise ValueError(
+                f"{source}[{name!r}][{key!r}] is a {type(given[key]).__name__}, not a torch tensor."
+            )
+        theirs = given[key].shape
+        if tuple(theirs) != tuple(own[key].shape):
             raise ValueError(
                 f"{source}[{name!r}][{key!r}] has shape {tuple(theirs)}, the agent's {tuple(own[key].shape)}: "
                 f"a state dict of another model's size."
@@ -86,13 +99,24 @@ def _check_optimizer(agent: LMAgent, given: Any, source: str) -> None:
     if not isinstance(groups, list) or "state" not in given:
         raise ValueError(f"{source}['optimizer'] must be an optimizer's state dict (state and param_groups).")
     ours = [len(g["params"]) for g in agent.optimizer.param_groups]
-    theirs = [len(g.get("params", ())) for g in groups]
+    theirs = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
     if ours != theirs:
         raise ValueError(
             f"{source}['optimizer'] holds {theirs} parameters per group, the agent's optimizer {ours}: the "
             f"state of another model's or agent's optimizer. Leave it out (exact_match=False) to keep the "
             f"agent's."
         )
+    # each parameter's state (AdamW's moments) as large as the parameter: the same count of another model's
+    # parameters loads, and fails in the next step or reads the wrong memory
+    params = [p for g in agent.optimizer.param_groups for p in g["params"]]
+    ids = [i for g in groups for i in g["params"]]
+    for i, param in zip(ids, params):
+        for key, value in (given["state"].get(i) or {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(
+                    f"{source}['optimizer'] state {key!r} of parameter {i} has shape {tuple(value.shape)}, the "
+                    f"parameter {tuple(param.shape)}: the state of another model's optimizer."
+                )
 
 
 def set_parameters(
@@ -124,8 +148,8 @@ def set_parameters(
     for name, module in modules.items():
         if name in params:
             module.load_state_dict(params[name], strict=exact_match)
-    if "optimizer" in params:
-        agent.optimizer.load_state_dict(params["optimizer"])
+    if "optimizer" in params:  # (a copy: torch keeps the given state's tensors, which the caller still holds)
+        agent.optimizer.load_state_dict(copy.deepcopy(params["optimizer"]))
         keep_configured_optimizer_settings(agent)
 
 
@@ -155,6 +179,8 @@ def read_parameters(agent: LMAgent, path: str | Path) -> dict[str, Any]:
             f"{str(path)!r} holds {held}, and this agent {trains}: make the agent with lora = {saved_lora!r} "
             f"to set its parameters from it, or load it with load()."
         )
+    if lora is not None:
+        _check_same_adapter(agent, path, state)
     try:
         params = {"policy": _policy_weights(agent, path / "policy", saved_lora is not None)}
         for name in agent.modules:
@@ -167,6 +193,29 @@ def read_parameters(agent: LMAgent, path: str | Path) -> dict[str, Any]:
             f"checkpoint {str(path)!r} is corrupt or incomplete: {type(exc).__name__}: {exc}"
         ) from exc
     return params
+
+
+def _check_same_adapter(agent: LMAgent, path: Path, state: dict[str, Any]) -> None:
+    """The checkpoint's adapter goes onto this agent's base weights with this agent's scaling: refused unless
+    both were made alike (the same LoRA settings; for an initialisation that moves part of the weights into
+    the adapter, PiSSA or OLoRA, the same seed too, which fixes the residual base)."""
+    from textgym.agents import lora
+    from textgym.agents.checkpoint import _lora_settings
+
+    saved, ours = state["config"]["lora"], agent.config.lora
+    if _lora_settings(saved) != _lora_settings(ours):
+        raise ConfigError(
+            f"{str(path)!r} was trained with lora = {saved!r}, this agent has lora = {ours!r}: its adapter "
+            f"belongs to other base weights or another scaling. Make the agent with the checkpoint's lora, or "
+            f"load it with load()."
+        )
+    seed = state["config"].get("seed")
+    if not lora.starts_at_base(ours) and seed != agent.config.seed:
+        raise ConfigError(
+            f"{str(path)!r} was trained from seed {seed}, this agent from {agent.config.seed}: with lora's "
+            f"init_lora_weights = {ours.get('init_lora_weights')!r} the seed makes the base weights the adapter "
+            f"is trained on. Make the agent with seed = {seed}, or load it with load()."
+        )
 
 
 def _policy_weights(agent: LMAgent, policy_dir: Path, adapter: bool) -> dict[str, torch.Tensor]:

@@ -134,6 +134,8 @@ class SB3Contract:
     history: list[dict[str, float]]
     last_episodes: list[dict[str, Any]]  # the last iteration's episodes, every process's
     ep_info_buffer: Any  # SB3's: Monitor's record of the last 100 episodes
+    ep_success_buffer: Any
+    _learn_started: float | None  # when the episode record began (a learn() that reset the count)
     _folder_logger: Any  # the logger _setup_logger made (None before): closed when another replaces it
     _custom_logger: bool  # set_logger was called: learn() keeps that logger (tensorboard_log or not)
 
@@ -220,6 +222,10 @@ class SB3Contract:
                 f"to whole iterations)."
             )
         total_timesteps = int(total_timesteps)
+        if reset_num_timesteps or self._learn_started is None:  # SB3's: a new count, a new episode record
+            self.ep_info_buffer.clear()
+            self.ep_success_buffer.clear()
+            self._learn_started = time.perf_counter()  # Monitor's "t" counts from here
         if reset_num_timesteps:
             self.num_timesteps = 0
         else:
@@ -227,7 +233,6 @@ class SB3Contract:
         self._total_timesteps = total_timesteps
         self._setup_logger(tb_log_name or type(self).__name__, reset_num_timesteps)
         callback = self._init_callback(callback)
-        started = time.perf_counter()
         callback.on_training_start(locals(), globals())
         bar = tqdm(
             total=total_timesteps,
@@ -246,7 +251,7 @@ class SB3Contract:
             # one env step = one agent token; every process's, so the count is the same everywhere
             tokens = int(self.dist.sum(batch.action_mask.sum()))
             self.num_timesteps += tokens
-            elapsed = round(time.perf_counter() - started, 6)
+            elapsed = round(time.perf_counter() - self._learn_started, 6)
             self.ep_info_buffer.extend(
                 {"r": e["reward"], "l": e["num_tokens"], "t": elapsed} for e in self.last_episodes
             )
@@ -347,7 +352,7 @@ class SB3Contract:
     def get_parameters(self) -> dict[str, dict[str, Any]]:
         """The agent's parameters by name, as SB3's: ``"policy"``, each trainable module (LMPPO's
         ``"value_head"``) and ``"optimizer"``, each a state dict of the agent's own tensors (not copies). Not
-        the frozen reference. See :mod:`textgym.agents.parameters`."""
+        a separate reference model. See :mod:`textgym.agents.parameters`."""
         from textgym.agents.parameters import get_parameters
 
         return get_parameters(self)
@@ -361,8 +366,9 @@ class SB3Contract:
         """Set the parameters from a :meth:`get_parameters` dict or a checkpoint directory :meth:`save`
         wrote (its policy, this agent's modules, and its optimizer state when the same agent saved it), as
         SB3's: ``exact_match`` asks for every name and every key; ``exact_match=False`` sets what is given.
-        Counters, config and the reference stay the agent's. The weights go to the agent's device, whatever
-        ``device`` says. Everything is checked before anything changes."""
+        The values are copied in; counters, config and a separate reference model stay the agent's. The
+        weights go to the agent's device, whatever ``device`` says. Everything is checked before anything
+        changes."""
         from textgym.agents.parameters import set_parameters
 
         set_parameters(self, load_path_or_dict, exact_match)

@@ -64,13 +64,20 @@ def test_set_parameters_from_another_agents_parameters_gives_its_weights_optimiz
     assert fresh.iteration == 0  # counters stay the agent's
 
 
-def test_a_deep_copied_snapshot_puts_the_weights_back_after_training():
+def test_a_deep_copied_snapshot_puts_the_weights_back_after_training_again_and_again():
+    """The optimizer took the given state's tensors as its own: training after a restore changed the
+    snapshot, and a second restore brought back moved moments (and two agents shared theirs)."""
     agent = iterations(LMPPO(char_llama(), make_env(8), seed=0, **FAST), 1)
     before = weights(agent)
     snapshot = copy.deepcopy(agent.get_parameters())
-    iterations(agent, 1)
-    assert differs(weights(agent), before)
-    agent.set_parameters(snapshot)
+    for _ in range(2):
+        iterations(agent, 1)
+        assert differs(weights(agent), before)
+        agent.set_parameters(snapshot)
+        assert_same(weights(agent), before)
+    other = LMPPO(char_llama(), make_env(8), seed=1, **FAST)
+    other.set_parameters(agent.get_parameters())
+    iterations(other, 1)
     assert_same(weights(agent), before)
 
 
@@ -100,11 +107,23 @@ def test_a_lora_agents_parameters_come_from_its_checkpoints_adapter(tmp_path):
     assert differs(weights(trained), weights(fresh))
     fresh.set_parameters(tmp_path / "lora")
     assert_same(weights(fresh), weights(trained))
-    other = LMPPO("tiny-random-llama", env, lora={**LORA, "r": 2}, seed=0, **FAST)
-    before = weights(other)
-    with pytest.raises(ConfigError, match="other LoRA settings"):
-        other.set_parameters(tmp_path / "lora")
-    assert_same(weights(other), before)
+    # the adapter goes onto this agent's base weights, with its scaling: both must be made alike
+    for settings, seed, message in [
+        ({**LORA, "r": 2}, 0, "was trained with lora = .*this agent has lora = .*'r': 2"),
+        ({**LORA, "lora_alpha": 32}, 0, "was trained with lora = .*this agent has lora = .*'lora_alpha': 32"),
+    ]:
+        other = LMPPO("tiny-random-llama", env, lora=settings, seed=seed, **FAST)
+        before = weights(other)
+        with pytest.raises(ConfigError, match=message):
+            other.set_parameters(tmp_path / "lora")
+        assert_same(weights(other), before)
+    pissa = {**LORA, "init_lora_weights": "pissa_niter_2"}  # the seed makes the residual base weights
+    LMPPO("tiny-random-llama", env, lora=pissa, seed=0, **FAST).save(tmp_path / "pissa")
+    with pytest.raises(
+        ConfigError, match="trained from seed 0, this agent from 3: .*Make the agent with seed = 0"
+    ):
+        LMPPO("tiny-random-llama", env, lora=pissa, seed=3, **FAST).set_parameters(tmp_path / "pissa")
+    LMPPO("tiny-random-llama", env, lora=pissa, seed=0, **FAST).set_parameters(tmp_path / "pissa")
     whole = LMPPO("tiny-random-llama", env, seed=0, **FAST)
     with pytest.raises(ConfigError, match="holds a LoRA adapter, and this agent trains the whole policy"):
         whole.set_parameters(tmp_path / "lora")
@@ -154,6 +173,22 @@ def test_bad_parameters_are_refused_by_name_before_anything_changes():
         assert_same(weights(agent), before)
     with pytest.raises(ValueError, match="has shape"):  # without exact_match too: a shape cannot load
         agent.set_parameters({"policy": small}, exact_match=False)
+    # an optimizer's state of another model's parameters, as many of them: failed in a later step, or read
+    # the wrong memory
+    bigger = iterations(LMPPO(char_llama(vocab_size=12), make_env(8), seed=0, **FAST), 1)
+    wrong = {"optimizer": bigger.get_parameters()["optimizer"]}
+    with pytest.raises(
+        ValueError, match=r"state 'exp_avg' of parameter 0 has shape \(12, 32\), the parameter \(10, 32\)"
+    ):
+        agent.set_parameters(wrong, exact_match=False)
+    # keys that are all another model's (a LoRA policy's, given to a whole one) loaded nothing, silently
+    renamed = {"base_model.model." + k: v for k, v in good["policy"].items()}
+    with pytest.raises(ValueError, match=r"\['policy'\] shares no key with the agent's policy"):
+        agent.set_parameters({"policy": renamed}, exact_match=False)
+    # an array is no tensor: load_state_dict refused it after the policy had loaded
+    arrays = {k: v.numpy() for k, v in good["value_head"].items()}
+    with pytest.raises(ValueError, match=r"\['value_head'\]\['.*'\] is a ndarray, not a torch tensor"):
+        agent.set_parameters({**good, "value_head": arrays})
     assert_same(weights(agent), before)
 
 
@@ -221,3 +256,7 @@ def test_sb3_callbacks_find_the_episodes_in_ep_info_buffer_and_the_envs_spaces()
     for _ in range(13):  # the last 100 episodes, as SB3 keeps them
         agent.learn(1, reset_num_timesteps=False)
     assert len(agent.ep_info_buffer) == 100
+    times = [e["t"] for e in agent.ep_info_buffer]
+    assert times == sorted(times)  # seconds since the record began, through learn()s that continue it
+    agent.learn(1)  # reset_num_timesteps=True: a new record, as SB3's
+    assert len(agent.ep_info_buffer) == 8

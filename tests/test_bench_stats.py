@@ -222,6 +222,15 @@ def test_a_pair_ranked_apart_only_through_a_chain_says_so_in_its_verdict():
     )
     _, ranks = compare({"a": a, "c": c}, "higher")  # without b, nothing separates them
     assert ranks == {"a": 1, "c": 1}
+    # a and c share one seed: not tested, and ranked apart through b all the same
+    b = {s: 5 + 0.1 * (s % 3) for s in range(11)}
+    a, c = {s: 10 + 0.1 * (s % 2) for s in range(6)}, {s: 0.1 * (s % 2) for s in range(5, 11)}
+    comparisons, ranks = compare({"a": a, "b": b, "c": c}, "higher")
+    assert ranks == {"a": 1, "b": 2, "c": 3}
+    row = comparison_row("design", "", "m", next(x for x in comparisons if (x.a, x.b) == ("a", "c")))
+    assert verdict(row) == (
+        "not tested (n = 1 shared seeds); a ranks above through a chain of significant differences"
+    )
 
 
 def test_a_seed_measured_for_one_group_only_leaves_the_pair_untested_and_the_group_unranked():

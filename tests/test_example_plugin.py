@@ -250,3 +250,16 @@ def test_an_installed_plugin_that_registers_nothing_is_said_with_the_folder_that
     init.write_text("")  # a package with no hooks at all
     empty = python(tmp_path / "src")
     assert "so it registers nothing." in " ".join(empty.stderr.split())
+
+
+def test_a_plugin_of_reward_functions_imported_before_textgym_loads_is_not_said_to_register_nothing(tmp_path):
+    """Importing the package ran its @textgym.reward, which loaded the plugins while the package was half
+    imported: its entry point had no hooks yet, and the warning said it registered nothing."""
+    module = "import textgym\n\n@textgym.reward('wrongreward')\ndef wrongreward(samples):\n    return [1.0 for _ in samples]\n"
+    env = a_distribution(tmp_path, "textgym", "wrongplug", module)
+    script = "import wrongplug, textgym.plugin_manager as m; print('wrongreward' in m.registry('register_rewards'))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.stdout.strip() == "True", result.stderr
+    assert "registers nothing" not in result.stderr

@@ -96,6 +96,13 @@ def _tested(c: Mapping[str, Any]) -> bool:
 
 
 def verdict(c: Mapping[str, Any]) -> str:
+    said = _verdict(c)
+    if c["better"] is None and c.get("better_by_chain"):  # (the report's ranks put one above the other)
+        said += f"; {c['better_by_chain']} ranks above through a chain of significant differences"
+    return said
+
+
+def _verdict(c: Mapping[str, Any]) -> str:
     if c.get("infinite"):
         return f"not tested ({c['infinite']} of {c['n']} shared seeds have an infinite value)"
     if c.get("unmeasured"):
@@ -105,11 +112,8 @@ def verdict(c: Mapping[str, Any]) -> str:
         )
     if c["n"] < 2:
         return f"not tested (n = {c['n']} shared seeds)"
-    if c["better"] is None and c.get("better_by_chain"):  # (the report's ranks put one above the other)
-        return (
-            f"not significant on its own{needed_text(c)}; {c['better_by_chain']} ranks above through a chain of "
-            f"significant differences"
-        )
+    if c["better"] is None and c.get("better_by_chain"):
+        return "not significant on its own" + needed_text(c)
     if c["better"] is None:
         return "not significant" + needed_text(c)
     return f"**{c['better']}** better"

@@ -291,7 +291,9 @@ def _load_all() -> None:
             _sources[ep.name] = f"entry point {ep.value} in {dist}"
             # (and the @textgym.reward functions its import registered, plugins of their own)
             added = {ep.name} | {name for name, _ in pm.list_name_plugin()} - before
-            if added == {ep.name} and not pm.get_hookcallers(plugin):
+            # (a module still being imported, whose import loaded the plugins: its decorators register later)
+            importing = getattr(getattr(plugin, "__spec__", None), "_initializing", False)
+            if added == {ep.name} and not pm.get_hookcallers(plugin) and not importing:
                 _warn_registers_nothing(ep.name, f"entry point {ep.value} in {dist}", plugin)
             for name in added:
                 _entry_points[name] = ep.name
