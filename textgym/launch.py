@@ -419,6 +419,8 @@ GRACE_S = 60.0
 # what the launcher sends the processes as it passes on its first SIGTERM, and its second (see stopping.StopFlag)
 STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
 ABORT_SIGNAL = getattr(signal, "SIGUSR2", None)
+# and its first SIGINT (a `kill -INT` of textgym's own process): the same stop, said as a Ctrl-C
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else STOP_SIGNAL
 # what Linux sends them when the launching process dies (PR_SET_PDEATHSIG): a signal of its own, since the
 # process cannot tell from getppid() whether a STOP_SIGNAL came from that (a multi-threaded launcher's
 # children are first handed to a sibling thread of the same process, which getppid() still names)
@@ -426,15 +428,17 @@ DEATH_SIGNAL = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
 # the exit codes of a process that a Ctrl-C or SIGTERM aborted: 130 (KeyboardInterrupt), or killed by one of
 # the signals above before it could handle it (during start-up)
 _INTERRUPTED = {
-    128 + s for s in (signal.SIGINT, signal.SIGTERM, STOP_SIGNAL, ABORT_SIGNAL, DEATH_SIGNAL) if s is not None
+    128 + s
+    for s in (signal.SIGINT, signal.SIGTERM, STOP_SIGNAL, INTERRUPT_SIGNAL, ABORT_SIGNAL, DEATH_SIGNAL)
+    if s is not None
 }
 
 
 def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int], frozenset[int]]:
     """Wait for every process; returns their exit codes, their indices in the order they exited, the
-    signals this process received meanwhile, and the processes it killed (GRACE_S after a failure). SIGINT
-    and SIGTERM are not acted on here: the terminal sends a Ctrl-C to the processes too, and a SIGTERM is
-    passed on to them."""
+    signals this process received meanwhile, and the processes it killed (GRACE_S after a failure). A SIGINT
+    or SIGTERM is passed on to the processes, as a stop, then an abort: one sent to the whole process group
+    (a terminal's Ctrl-C) reached them too, and one sent to this process alone (`kill -INT PID`) did not."""
     import threading
     import time
 
@@ -449,12 +453,10 @@ def _wait(processes: list[Any]) -> tuple[list[int], list[int], set[int], frozens
 
     def note(signum: int, frame: Any) -> None:
         received.append(signum)
-        if signum != signal.SIGTERM:
-            return
-        # A SIGTERM sent to the whole group reached the processes too, and two would abort them: this passes
+        # A signal sent to the whole group reached the processes too, and two would abort them: this passes
         # on a stop, then an abort, that neither adds to nor doubles theirs
-        first = received.count(signal.SIGTERM) == 1
-        passed_on = (STOP_SIGNAL if first else ABORT_SIGNAL) or signal.SIGTERM  # (Windows: SIGTERM)
+        stop = INTERRUPT_SIGNAL if signum == signal.SIGINT else STOP_SIGNAL
+        passed_on = (stop if len(received) == 1 else ABORT_SIGNAL) or signal.SIGTERM  # (Windows: SIGTERM)
         for i, process in enumerate(processes):
             if i not in exited:
                 process.send_signal(passed_on)  # (one that exited since: nothing is sent)

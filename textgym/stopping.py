@@ -19,7 +19,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from textgym import _is_cli
-from textgym.launch import ABORT_SIGNAL, DEATH_SIGNAL, LAUNCHED_VAR, LAUNCHER_PID_VAR, STOP_SIGNAL, rank
+from textgym.launch import (
+    ABORT_SIGNAL,
+    DEATH_SIGNAL,
+    INTERRUPT_SIGNAL,
+    LAUNCHED_VAR,
+    LAUNCHER_PID_VAR,
+    STOP_SIGNAL,
+    rank,
+)
 
 __all__ = ["StopFlag", "dropped_interrupts_raised_again"]
 
@@ -36,7 +44,7 @@ class StopFlag:
     A process started by textgym's launcher (``run.processes = N``) also takes ``STOP_SIGNAL`` (SIGUSR1), a
     stop that does not count towards an abort, and ``ABORT_SIGNAL`` (SIGUSR2): the launcher passes on its
     first SIGTERM as the one and its second as the other, since the processes may have had the same SIGTERM
-    themselves (one sent to the whole process group). ``DEATH_SIGNAL`` (on Linux) is the same stop, said as
+    themselves (one sent to the whole process group); a first SIGINT, as ``INTERRUPT_SIGNAL``, the same stop. ``DEATH_SIGNAL`` (on Linux) is the same stop, said as
     the launching process's death (``launch.follow_the_launcher``).
     """
 
@@ -54,6 +62,10 @@ class StopFlag:
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         if STOP_SIGNAL is not None and ABORT_SIGNAL is not None and os.environ.get(LAUNCHED_VAR):
             self._previous[STOP_SIGNAL] = signal.signal(STOP_SIGNAL, self._stop_from_launcher)
+            if INTERRUPT_SIGNAL not in (None, STOP_SIGNAL):
+                self._previous[INTERRUPT_SIGNAL] = signal.signal(
+                    INTERRUPT_SIGNAL, self._interrupt_from_launcher
+                )
             self._previous[ABORT_SIGNAL] = signal.signal(ABORT_SIGNAL, _abort)
             if DEATH_SIGNAL is not None:
                 self._previous[DEATH_SIGNAL] = signal.signal(DEATH_SIGNAL, self._launcher_died)
@@ -96,6 +108,9 @@ class StopFlag:
     def _stop_from_launcher(self, signum: int, frame: Any) -> None:
         self._stop("SIGTERM")  # one the launcher passed on
 
+    def _interrupt_from_launcher(self, signum: int, frame: Any) -> None:
+        self._stop("Ctrl-C")  # a SIGINT the launcher passed on
+
     def _launcher_died(self, signum: int, frame: Any) -> None:  # (launch.follow_the_launcher)
         self._stop(f"the launching process ({os.environ.get(LAUNCHER_PID_VAR, '?')}) ended")
 
@@ -114,7 +129,7 @@ class StopFlag:
         # checkpoint is written: SIGTERM's default handler would kill without a word. The count goes on until
         # close().
         for s, previous in self._previous.items():
-            if s in (STOP_SIGNAL, DEATH_SIGNAL):
+            if s in (STOP_SIGNAL, INTERRUPT_SIGNAL, DEATH_SIGNAL):
                 signal.signal(s, signal.SIG_IGN if self.stop else previous)  # (stopping already)
             else:
                 signal.signal(s, _abort if self.stop else previous)
@@ -130,6 +145,7 @@ class StopFlag:
             ours = (
                 self._handle,
                 self._stop_from_launcher,
+                self._interrupt_from_launcher,
                 self._launcher_died,
                 _abort,
                 signal.default_int_handler,
