@@ -135,14 +135,11 @@ class RMScore:
         # The classifier reads each row at its last token that is not config.pad_token_id: the texts must be
         # padded with that id, or a short text in a batch with a longer one is read on its padding.
         config_pad = self.model.config.pad_token_id
-        # A model that names no pad token reads a text alone at its last token. Batched, it needs one: where the
-        # tokenizer's is EOS too (or it has none), a text ending on EOS was read a token early, at the one
-        # before it. Each batch then pads with an id none of its texts holds (_free_id), and reads each row at
-        # its last token.
-        self.reads_last = config_pad is None and self.tokenizer.pad_token_id in (
-            None,
-            self.tokenizer.eos_token_id,
-        )
+        # A model that names no pad token reads a text alone at its last token. Batched, it needs one: any
+        # the tokenizer has (EOS, or one of its own) made a text ending on that token read a token early, at
+        # the one before it. Each batch then pads with an id none of its texts holds (_free_id), and reads
+        # each row at its last token.
+        self.reads_last = config_pad is None
         if config_pad is not None and config_pad != self.tokenizer.pad_token_id:
             token = self.tokenizer.convert_ids_to_tokens(config_pad)
             if not isinstance(token, str):
@@ -151,9 +148,10 @@ class RMScore:
                     f"tokenizer does not have: set config.json's pad_token_id to the tokenizer's pad token id."
                 )
             self.tokenizer.pad_token = token
-        elif self.tokenizer.pad_token_id is None:
+        elif self.tokenizer.pad_token_id is None:  # (for tokenizer.pad: reads_last pads with a free id)
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if not self.reads_last:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
         # Encoders (BERT, DeBERTa) take no KV cache, and their tokens see the whole text: nothing to share.
         self.share_prefix = (
             share_prefix and cache_argument(self.model) is not None and can_share_prefix(self.model)

@@ -548,12 +548,16 @@ def test_rm_score_pads_with_the_id_the_classifier_reads_past(reward_model_dir, t
         make_reward("rm_score", model=str(tmp_path / "padded"))
 
 
-@pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.parametrize(
+    ("share_prefix", "pad"), [(True, None), (False, None), (True, "own"), (False, "own")]
+)
 def test_rm_score_of_a_model_that_names_no_pad_token_reads_each_text_at_its_last_token(
-    reward_model_dir, tmp_path, share_prefix
+    reward_model_dir, tmp_path, share_prefix, pad
 ):
     """No pad token in the config nor the tokenizer: rm_score padded with EOS, so a text that ends on EOS
-    (a template that closes the reply with it) was read at the token before, unlike the model alone."""
+    (a template that closes the reply with it) was read at the token before, unlike the model alone. With a
+    tokenizer pad token of its own (not EOS), that token went into the model's config, and a text ending on
+    it (a completion that wrote it) was read a token early."""
     import shutil
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -562,9 +566,11 @@ def test_rm_score_of_a_model_that_names_no_pad_token_reads_each_text_at_its_last
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "pad_token_id": None}))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    tokenizer.pad_token = None
+    tokenizer.pad_token = None if pad is None else tokenizer.convert_ids_to_tokens(3)
     tokenizer.save_pretrained(tmp_path)
-    template = "{prompt} {completion}" + tokenizer.eos_token
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token_id == (None if pad is None else 3)
+    end = tokenizer.eos_token if pad is None else tokenizer.pad_token
+    template = "{prompt} {completion}" + end
     reward = make_reward("rm_score", model=str(tmp_path), chat_template=False, template=template,
                          share_prefix=share_prefix, batch_size=4)  # fmt: skip
     alone = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()  # no pad: its last token
@@ -572,7 +578,11 @@ def test_rm_score_of_a_model_that_names_no_pad_token_reads_each_text_at_its_last
     expected = []
     for x in SAMPLES:
         ids = tokenizer(reward.format(x), return_tensors="pt")
-        assert ids["input_ids"][0, -1] == tokenizer.eos_token_id
+        assert (
+            ids["input_ids"][0, -1]
+            == tokenizer.convert_tokens_to_ids(end)
+            != (tokenizer.eos_token_id if pad else -1)
+        )
         with torch.inference_mode():
             expected.append(alone(**ids).logits[0, 0].item())
     np.testing.assert_allclose(reward(SAMPLES), expected, rtol=0, atol=1e-5)

@@ -60,6 +60,20 @@ def test_a_plugin_that_fails_to_build_is_named_in_one_line(register):
         make_reward("judge")
 
 
+def test_a_plugins_own_reward_error_names_the_plugin_in_a_stack():
+    """match and similarity raise RewardErrors of their own (a prompt without a reference): re-raised as
+    they were, they did not say which reward of the stack failed."""
+    for name in ("match", "similarity"):
+        stack = build_reward_stack([{"name": "length_penalty", "target": 2, "unit": "words"}, name])
+        with pytest.raises(RewardError, match=f"^reward plugin '{name}': prompt 'q' has no 'reference'"):
+            stack.score([Sample("q", "5")])
+    regex = build_reward_stack([{"name": "match", "mode": "regex"}])
+    with pytest.raises(
+        RewardError, match=r"^reward plugin 'match': prompt 'q': its 'reference' '\(\[' is not"
+    ):
+        regex.score([Sample("q", "5", meta={"reference": "(["})])
+
+
 @pytest.mark.parametrize(
     ("output", "match"),
     [

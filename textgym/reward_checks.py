@@ -83,8 +83,10 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
     samples = tuple(samples)
     try:
         out = reward(samples)
-    except RewardError:
-        raise
+    except RewardError as exc:  # a plugin's own, about its input: named, unless it names a reward already
+        if str(exc).startswith("reward "):  # (a timeout's; an inner reward's, of a composed one)
+            raise
+        raise RewardError(f"{label}: {exc}") from exc
     except Exception as exc:
         hint = ""
         if isinstance(exc, (AttributeError, TypeError)) and "tuple" in str(exc):
