@@ -123,3 +123,64 @@ def test_a_single_prompt_or_another_non_list_is_refused_not_read_as_its_keys(sou
         PromptError, match=r"prompts must be a name, a file, or a list of prompts.*\[\.\.\.\]"
     ):
         load_prompts(source)
+
+
+def test_a_registered_prompt_source_that_returns_no_list_names_the_source(register):
+    """A source whose factory returned a string gave one prompt per character, a dict one per key."""
+    import textgym
+
+    class Sources:
+        @textgym.hookimpl
+        def register_prompt_sources(self, register):
+            register("one-string", lambda: "Hi")
+            register("one-dict", lambda: {"prompt": "Say hi", "reference": "hi"})
+            register("nothing", lambda: None)
+            register("a-generator", lambda: (f"prompt {i}" for i in range(2)))
+
+    register(Sources(), "sources")
+    for name, kind in (("one-string", "str"), ("one-dict", "dict"), ("nothing", "NoneType")):
+        with pytest.raises(
+            PromptError, match=f"prompt source '{name}' \\(plugin 'sources'\\) returned a {kind} "
+        ):
+            load_prompts(name)
+    assert [p.text for p in load_prompts("a-generator")] == ["prompt 0", "prompt 1"]
+
+
+def test_an_empty_name_and_a_directory_that_is_no_saved_dataset_are_said_plainly(tmp_path, monkeypatch):
+    """ "" was the current directory, and a folder of .txt files was 'a saved dataset' needing datasets (or,
+    with datasets installed, its FileNotFoundError: a traceback from the command line)."""
+    with pytest.raises(PromptError, match="prompts is an empty string: give a registered name"):
+        load_prompts("")
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "a.txt").write_text("Hi\n")
+    with pytest.raises(
+        PromptError, match="'.*files' is a directory but not a dataset saved with save_to_disk"
+    ):
+        load_prompts(tmp_path / "files")
+
+
+def test_a_carriage_return_inside_a_line_or_a_quoted_csv_cell_is_kept(tmp_path):
+    """The files were read with universal newlines: a lone "\\r" split a prompt, and one in a quoted CSV cell
+    became "\\n"."""
+    (tmp_path / "p.txt").write_bytes(b"a\rb\r\nc\n")
+    assert [p.text for p in load_prompts(tmp_path / "p.txt")] == ["a\rb", "c"]
+    (tmp_path / "p.csv").write_bytes(b'prompt,reference\r\n"a\rb","x\r\ny"\r\n')
+    assert [(p.text, p.meta) for p in load_prompts(tmp_path / "p.csv")] == [("a\rb", {"reference": "x\r\ny"})]
+
+
+def test_a_saved_dataset_with_splits_takes_its_one_split_or_asks_for_one(tmp_path):
+    datasets = pytest.importorskip("datasets")  # (an optional dependency: not installed by make test)
+    one = datasets.Dataset.from_dict({"prompt": ["Hi", "Why?"], "reference": ["a", "b"]})
+    one.save_to_disk(str(tmp_path / "plain"))
+    assert [(p.text, p.meta) for p in load_prompts(tmp_path / "plain")] == [
+        ("Hi", {"reference": "a"}),
+        ("Why?", {"reference": "b"}),
+    ]
+    datasets.DatasetDict({"train": one}).save_to_disk(str(tmp_path / "single"))
+    assert [p.text for p in load_prompts(tmp_path / "single")] == ["Hi", "Why?"]
+    datasets.DatasetDict({"train": one, "test": one}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(
+        PromptError, match=r"holds the splits train, test: give one of them, as '.*splits/train'"
+    ):
+        load_prompts(tmp_path / "splits")
+    assert [p.text for p in load_prompts(tmp_path / "splits" / "train")] == ["Hi", "Why?"]

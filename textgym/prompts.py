@@ -44,7 +44,7 @@ def load_prompts(source: PromptsLike = None) -> list[Prompt]:
     where = repr(str(source)) if isinstance(source, (str, os.PathLike)) else "the prompt list"
     if isinstance(source, (str, os.PathLike)):
         records = _resolve(source)
-    elif isinstance(source, (Mapping, Prompt, bytes)) or not isinstance(source, Iterable):
+    elif not _is_prompt_list(source):
         # a dict was iterated over its keys: each key became a prompt
         raise PromptError(
             f"prompts must be a name, a file, or a list of prompts, not a {type(source).__name__} "
@@ -58,12 +58,30 @@ def load_prompts(source: PromptsLike = None) -> list[Prompt]:
     return prompts
 
 
+def _is_prompt_list(value: Any) -> bool:
+    """An iterable of prompts, not one prompt or a record (a string is iterated by character, a dict by key)."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, Mapping, Prompt, bytes))
+
+
 def _resolve(source: str | os.PathLike) -> Sequence[Any]:
     from textgym import plugin_manager
 
     sources = plugin_manager.registry("register_prompt_sources")
     if isinstance(source, str) and source in sources:
-        return sources.get(source).value()
+        entry = sources.get(source)
+        records = entry.value()
+        if not _is_prompt_list(records):
+            raise PromptError(
+                f"prompt source {source!r} (plugin {entry.plugin!r}) returned a {type(records).__name__} "
+                f"({str(records)[:60]!r}): its factory must return a list of prompts (strings, or dicts "
+                f"with a 'prompt' key)."
+            )
+        return list(records)
+    if isinstance(source, str) and not source.strip():  # Path("") is the current directory
+        raise PromptError(
+            "prompts is an empty string: give a registered name (textgym plugins lists them), a .txt, "
+            ".jsonl or .csv file, a saved dataset's directory, or a list of prompts."
+        )
     path = Path(source).expanduser()
     if path.is_dir():
         return _read_dataset_dir(path)
@@ -77,8 +95,8 @@ def _resolve(source: str | os.PathLike) -> Sequence[Any]:
 def read_prompt_file(path: Path) -> list[Any]:
     """Records from a ``.txt``, ``.jsonl`` or ``.csv`` prompt file."""
     suffix = path.suffix.lower()
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not text
+    try:  # (bytes: read_text would turn a lone "\r", or one in a quoted CSV cell, into a line break)
+        text = path.read_bytes().decode("utf-8-sig")  # a BOM (Excel's "CSV UTF-8") is not text
     except UnicodeDecodeError as exc:
         raise PromptError(
             f"prompt file {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8."
@@ -145,13 +163,29 @@ def _check_record(record: Any, where: str) -> None:
 
 
 def _read_dataset_dir(path: Path) -> list[Any]:
+    saved = ("state.json", "dataset_dict.json")  # what save_to_disk writes: a dataset's, a DatasetDict's
+    if not any((path / name).is_file() for name in saved):
+        raise PromptError(
+            f"{str(path)!r} is a directory but not a dataset saved with save_to_disk: give a .txt, .jsonl or "
+            f".csv file, a saved dataset's directory, or a registered prompt source."
+        )
     try:
         import datasets
     except ImportError:
         raise PromptError(
             f"{str(path)!r} is a directory; reading a saved dataset needs `pip install datasets`."
         ) from None
-    dataset = datasets.load_from_disk(str(path))
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:  # one save_to_disk did not finish
+        raise PromptError(f"{str(path)!r} is not a complete saved dataset: {exc}") from None
+    if isinstance(dataset, datasets.DatasetDict):  # saved with its splits
+        if len(dataset) != 1:
+            raise PromptError(
+                f"dataset {str(path)!r} holds the splits {', '.join(dataset)}: give one of them, as "
+                f"{str(path / next(iter(dataset)))!r}."
+            )
+        dataset = next(iter(dataset.values()))
     if "prompt" not in dataset.column_names:
         raise PromptError(f"dataset {str(path)!r} has no 'prompt' column (columns: {dataset.column_names}).")
     return list(dataset)
