@@ -451,6 +451,8 @@ def test_reset_with_one_prompt_per_sub_env_by_index_or_text():
     assert prompts_of(infos, 3) == ["fgh", "ed", "abc"]
     _, infos = env.reset(options={"prompts": [1, 1], "reset_mask": np.array([True, False, True])})
     assert infos["prompt"][0] == infos["prompt"][2] == "de" and not infos["_prompt"][1]
+    _, infos = env.reset(options={"prompts": np.array([2, 1, 0])})  # a numpy array was no list of prompts
+    assert prompts_of(infos, 3) == ["fgh", "de", "abc"]
 
 
 @pytest.mark.parametrize("order", ["random", "sequential"])

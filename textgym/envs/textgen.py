@@ -320,6 +320,8 @@ class TextGenVectorEnv(EnvAccessors, VectorEnv):
             return [options["prompt"]] * k
         if "prompts" in options:
             prompts = options["prompts"]
+            if isinstance(prompts, np.ndarray) and prompts.ndim == 1:  # (indices drawn with numpy)
+                prompts = prompts.tolist()
             if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) != k:
                 raise ConfigError(
                     f"options['prompts'] must be a list of {k} prompts (indices or texts), one per sub-env "
