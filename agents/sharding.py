@@ -38,6 +38,7 @@ from torch import nn
 from textgym.agents import zero3
 from textgym.agents.zero3 import is_zero3
 from textgym.errors import ConfigError
+from textgym.launch import SHARDING_VARS
 
 __all__ = [
     "ENGINE_ENVIRONMENT",
@@ -169,8 +170,7 @@ def refuse_accelerate_sharding(accelerator: Any) -> None:
 def accelerate_without_sharding() -> Iterator[None]:
     """Hide ``ACCELERATE_USE_FSDP`` and ``ACCELERATE_USE_DEEPSPEED`` while an ``Accelerator`` is made: textgym
     shards itself (module doc; :mod:`textgym.agents.zero3`)."""
-    names = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    saved = {name: os.environ.pop(name) for name in SHARDING_VARS if name in os.environ}
     try:
         yield
     finally:

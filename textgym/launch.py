@@ -20,7 +20,7 @@ from textgym.agent_config import is_lm_agent
 from textgym.errors import AnotherProcessFailed, ConfigError, TrainingError, WriteError
 from textgym.rundir import RunDir
 
-__all__ = ["LAUNCHED_VAR", "check_processes", "end_process_group", "exit_process", "follow_the_launcher",
+__all__ = ["LAUNCHED_VAR", "SHARDING_VARS", "check_processes", "end_process_group", "exit_process", "follow_the_launcher",
            "init_process_group", "launch", "on_main", "rank", "speaks_for_the_run", "under_launcher",
            "world_size"]  # fmt: skip
 
@@ -193,8 +193,9 @@ class _MainProcessFailed(ConfigError, AnotherProcessFailed):
     """What the other processes raise when the main one could not start the run."""
 
 
-# what asks a launch for sharding (accelerate launch sets them from its config file)
-_SHARDING_VARS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+# what asks a launch for sharding (accelerate launch sets them from its config file), read by textgym's own
+# sharding too (agents/sharding.py)
+SHARDING_VARS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
 def check_processes(
@@ -213,7 +214,7 @@ def check_processes(
         if resuming and run["processes"] != world:
             n, resume = run["processes"], f"textgym train --resume {shlex.quote(str(run['output_dir']))}"
             # a sharded launch: the advice keeps the sharding (a plain resume would drop it)
-            shard = next((v for v in _SHARDING_VARS if os.environ.get(v, "").lower() in ("1", "true")), None)
+            shard = next((v for v in SHARDING_VARS if os.environ.get(v, "").lower() in ("1", "true")), None)
             # (set by accelerate launch, not by torchrun)
             accelerate = "ACCELERATE_DYNAMO_BACKEND" in os.environ
             if shard and accelerate:  # sharding from its config file
