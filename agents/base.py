@@ -102,7 +102,6 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
 
     def __init__(self, policy: Any, env: TextGenVectorEnv | None = None, **hyperparameters: Any):
         from accelerate import Accelerator
-        from accelerate.utils import set_seed
 
         self.config = c = make_config(self.config_class, self.name, hyperparameters)
         on_gpu, bf16, zero, fsdp = self._placement(c)
@@ -126,9 +125,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             torch.set_num_threads(
                 int(os.environ.get("TEXTGYM_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local)
             )
-        # Each process (under `accelerate launch`) gets its own seed, hence its own rollouts.
-        self.seed = c.seed + 10_007 * self.accelerator.process_index
-        set_seed(self.seed)
+        self.seed_process()
         self.policy_source = str(policy) if isinstance(policy, (str, os.PathLike)) else None
         self.source_fingerprint = checkpoint.source_fingerprint(self.policy_source)  # a load checks it
         skeleton = None  # sharded, from a name: only the main process reads it (sharding.load_on_main)
@@ -275,6 +272,14 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         if not hasattr(policy, "config") or not callable(policy):
             raise ConfigError(f"policy must be a zoo name, a model directory or a causal LM, not {policy!r}.")
         return policy
+
+    def seed_process(self) -> None:
+        """Seed torch, numpy and Python from the config's seed, each process (under a launcher) with its own,
+        hence its own rollouts: ``seed`` is this process's."""
+        from accelerate.utils import set_seed
+
+        self.seed = self.config.seed + 10_007 * self.dist.rank
+        set_seed(self.seed)
 
     def set_env(self, env: TextGenVectorEnv, force_reset: bool = True) -> None:
         """Train on ``env`` from the next ``learn``. ``force_reset`` is SB3's argument: every iteration of

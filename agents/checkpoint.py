@@ -244,10 +244,18 @@ def checked_checkpoint(path: str | Path, agent_class: str) -> Path:
     return path
 
 
+def keep_configured_optimizer_settings(agent: LMAgent, learning_rate: bool = False) -> None:
+    """A loaded optimizer state holds the settings it was saved with: the agent's config's instead (its weight
+    decay; its learning rate where ``learning_rate`` is set or the schedule is constant: a linear schedule
+    sets the rate at every iteration)."""
+    for group in agent.optimizer.param_groups:
+        group["weight_decay"] = agent.config.weight_decay
+        if learning_rate or agent.config.lr_schedule == "constant":
+            group["lr"] = agent.config.learning_rate
+
+
 def load_checkpoint(cls: type[LMAgent], path: Path, env: Any, overrides: dict[str, Any]) -> LMAgent:
     from transformers import AutoModelForCausalLM
-
-    from textgym.agents.parameters import keep_configured_optimizer_settings
 
     path = checked_checkpoint(path, cls.__name__)
     try:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from textgym.agents.checkpoint import checked_checkpoint, keep_configured_optimizer_settings
 from textgym.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -153,22 +154,10 @@ def set_parameters(
         keep_configured_optimizer_settings(agent)
 
 
-def keep_configured_optimizer_settings(agent: LMAgent, learning_rate: bool = False) -> None:
-    """A loaded optimizer state holds the settings it was saved with: the agent's config's instead (its weight
-    decay; its learning rate where ``learning_rate`` is set or the schedule is constant: a linear schedule
-    sets the rate at every iteration)."""
-    for group in agent.optimizer.param_groups:
-        group["weight_decay"] = agent.config.weight_decay
-        if learning_rate or agent.config.lr_schedule == "constant":
-            group["lr"] = agent.config.learning_rate
-
-
 def read_parameters(agent: LMAgent, path: str | Path) -> dict[str, Any]:
     """The parameters of the checkpoint ``save`` wrote in ``path``, by :func:`parameter_names`, on the CPU:
     the policy, the modules of this agent that the checkpoint has, and the optimizer state (only when the
     checkpoint's agent is this agent: another's optimizer steps other parameters)."""
-    from textgym.agents.checkpoint import checked_checkpoint
-
     path = checked_checkpoint(path, type(agent).__name__)
     state = json.loads((path / "state.json").read_text())
     saved_lora, lora = state["config"].get("lora"), agent.config.lora

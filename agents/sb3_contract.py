@@ -119,7 +119,8 @@ def continued_formats(folder: str, iteration: int, num_timesteps: int, csv_outpu
 class SB3Contract:
     """``learn``, ``predict``, ``save``, ``load`` and the logger, as Stable-Baselines3 users expect them."""
 
-    # set by LMAgent.__init__; collect_rollouts, train, check_health, rollout_model and autocast are LMAgent's too
+    # set by LMAgent.__init__; collect_rollouts, train, check_health, rollout_model, autocast and seed_process are
+    # LMAgent's too
     name: str
     config: Any
     env: TextGenVectorEnv | None
@@ -380,12 +381,9 @@ class SB3Contract:
             return
         import dataclasses
 
-        from accelerate.utils import set_seed
-
         seed = int(seed) if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) else seed
         self.config = dataclasses.replace(self.config, seed=seed)  # checked as the setting is
-        self.seed = self.config.seed + 10_007 * self.dist.rank
-        set_seed(self.seed)
+        self.seed_process()
         if self.env is not None:
             self.env.single_action_space.seed(self.seed)
             self.env.action_space.seed(self.seed)
