@@ -112,10 +112,10 @@ def _verdict(c: Mapping[str, Any]) -> str:
         )
     if c["n"] < 2:
         return f"not tested (n = {c['n']} shared seeds)"
-    if c["better"] is None and c.get("better_by_chain"):
-        return "not significant on its own" + needed_text(c)
-    if c["better"] is None:
-        return "not significant" + needed_text(c)
+    if c["better"] is None:  # ("on its own" where a chain ranks one above the other: verdict() names it)
+        return (
+            "not significant on its own" if c.get("better_by_chain") else "not significant"
+        ) + needed_text(c)
     return f"**{c['better']}** better"
 
 

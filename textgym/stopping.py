@@ -44,8 +44,9 @@ class StopFlag:
     A process started by textgym's launcher (``run.processes = N``) also takes ``STOP_SIGNAL`` (SIGUSR1), a
     stop that does not count towards an abort, and ``ABORT_SIGNAL`` (SIGUSR2): the launcher passes on its
     first SIGTERM as the one and its second as the other, since the processes may have had the same SIGTERM
-    themselves (one sent to the whole process group); a first SIGINT, as ``INTERRUPT_SIGNAL``, the same stop. ``DEATH_SIGNAL`` (on Linux) is the same stop, said as
-    the launching process's death (``launch.follow_the_launcher``).
+    themselves (one sent to the whole process group), and a first SIGINT as ``INTERRUPT_SIGNAL``, the same
+    stop said as a Ctrl-C. ``DEATH_SIGNAL`` (on Linux) is the same stop, said as the launching process's
+    death (``launch.follow_the_launcher``).
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
