@@ -233,6 +233,10 @@ def test_a_responder_that_raises_or_returns_a_non_string_names_itself():
         (lambda cs: [], r"responder 'bad' returned 0 replies for 1 conversations"),
         (lambda cs: "hi", r"responder 'bad' returned str 'hi'"),
         (lambda cs: [Reply("a", reward=float("nan"))], r"responder 'bad' returned reward nan"),
+        # an int past float's range raised a bare OverflowError, naming no responder
+        (lambda cs: [Reply("a", reward=10**400)], r"'bad' returned reward an int past float's range"),
+        # an empty role was taken as the responder's own
+        (lambda cs: [Reply("a", role="")], r"'bad' replied with role '' "),
         # a truncated reply that goes on was ignored; an "assistant" reply counted as the agent's turn (its
         # text could become the scored completion)
         (lambda cs: [Reply("a", truncated=True)], r"'bad' returned truncated=True without done=True"),
@@ -603,6 +607,25 @@ def test_a_tool_that_hangs_is_cut_at_tool_timeout_and_the_model_reads_why():
     with pytest.raises(PluginArgumentError, match=r"tool_env 'Slow' got unknown argument\(s\) 'tool_timout'. Did "
                                                   r"you mean 'tool_timeout'\?"):  # fmt: skip
         make_responder({"tool_env": "test_multiturn_envs:Counter", "name": "Slow", "tool_timout": 10})
+
+
+@pytest.mark.parametrize("reward", ["1", True])
+def test_a_text_envs_reward_is_checked_as_a_replys(reward):
+    """float() took the string "1" and True from a text env's step(), which a Reply is refused."""
+
+    class Lenient(HotCold):
+        def reset(self):
+            return "a"
+
+        def step(self, text):
+            return "ok", reward, False, False, {}
+
+    env = char_env(textgym.responders.TextEnvResponder(Lenient))
+    env.reset(seed=0)
+    with pytest.raises(
+        ResponderError, match=rf"responder 'Lenient' returned reward {reward!r} .*finite number"
+    ):
+        env.step(EOS)
 
 
 def test_a_text_level_env_class_runs_end_to_end_as_a_responder():

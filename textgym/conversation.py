@@ -90,7 +90,8 @@ class Reply:
 @runtime_checkable
 class Responder(Protocol):
     """Anything with a ``name`` that answers a batch of conversations: one :class:`Reply` or string each.
-    May also have ``role``, ``start(conversations)`` and ``close()`` (see the module docstring)."""
+    May also have ``role``, ``start(conversations)``, ``end(conversations)`` and ``close()`` (see
+    :mod:`textgym.responders`)."""
 
     name: str
 

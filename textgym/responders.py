@@ -127,7 +127,7 @@ class TextEnvResponder:
                 )
             text, reward, terminated, truncated, _ = result
             done, cut = bool(terminated or truncated), bool(truncated and not terminated)
-            replies.append(Reply(text, None if reward is None else float(reward), done, truncated=cut))
+            replies.append(Reply(text, reward, done, truncated=cut))  # the env checks the reward
         return replies
 
     def end(self, conversations: Sequence[Conversation]) -> None:

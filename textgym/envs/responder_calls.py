@@ -24,6 +24,11 @@ from textgym.errors import TextgymError, raised_in
 __all__ = ["notify_end", "validated_openings", "validated_replies"]
 
 
+def reply_role(reply: Reply, responder: Responder) -> str:
+    """The role a reply is written with: its own, or its responder's (``"user"`` when it names none)."""
+    return getattr(responder, "role", "user") if reply.role is None else reply.role
+
+
 def _label(responder: Responder) -> str:
     return f"responder {getattr(responder, 'name', responder)!r}"
 
@@ -72,11 +77,15 @@ def validated_replies(responder: Responder, conversations: Sequence[Conversation
         reward, done = reply.reward, reply.done
         if reward is not None:
             ok = isinstance(reward, numbers.Real) and not isinstance(reward, (bool, np.bool_))
-            if not ok or not math.isfinite(reward):
+            try:
+                value, shown = (float(reward) if ok else math.nan), repr(reward)[:60]
+            except OverflowError:
+                value, shown = math.inf, "an int past float's range"
+            if not math.isfinite(value):
                 raise ResponderError(
-                    f"{label} returned reward {reward!r} {where}; a turn reward must be a finite number or None."
+                    f"{label} returned reward {shown} {where}; a turn reward must be a finite number or None."
                 )
-            reward = float(reward)
+            reward = value
         for flag, value in (("done", done), ("truncated", reply.truncated)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ResponderError(f"{label} returned {flag}={value!r} {where}; it must be True or False.")
@@ -85,7 +94,7 @@ def validated_replies(responder: Responder, conversations: Sequence[Conversation
                 f"{label} returned truncated=True without done=True {where}; truncated marks an episode the "
                 f"reply ends as cut short: give done=True with it."
             )
-        role = reply.role or getattr(responder, "role", "user")  # as the env writes it
+        role = reply_role(reply, responder)
         if not is_environment_role(role):
             raise ResponderError(
                 f"{label} replied with role {role!r} {where}; a reply's role is the environment's (\"user\", "

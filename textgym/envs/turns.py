@@ -11,7 +11,7 @@ import numpy as np
 
 from textgym.conversation import AGENT_ROLE, Conversation, Reply, ResponderError
 from textgym.envs.conversation import ReplyFormatter
-from textgym.envs.responder_calls import notify_end, validated_replies
+from textgym.envs.responder_calls import notify_end, reply_role, validated_replies
 from textgym.rewards import Turn
 
 
@@ -101,7 +101,7 @@ class Turns:
 
     def _write_reply(self, i: int, reply: Reply) -> bool:
         """Write ``reply`` after slot ``i``'s agent turn; False when it had to be cut at the token budget."""
-        role = reply.role or getattr(self.responder, "role", "user")
+        role = reply_role(reply, self.responder)
         ending = self._turn_ending(i)
         try:
             ids = self.formatter.encode(role, reply.text, ending)
