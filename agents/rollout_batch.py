@@ -15,7 +15,11 @@ from textgym.agents.ppo_core import masked_mean
 
 @dataclass
 class RunningMoments:
-    """Running mean and variance of scores (Chan et al.'s parallel update), for ``score_norm``."""
+    """Running mean and variance of scores (Chan et al.'s parallel update), for ``score_norm``.
+
+    ``var`` is the population variance of every score so far; ``std`` is the sample standard deviation
+    (Bessel's correction, as TRL's ``RunningMoments``), which the first batches would otherwise understate.
+    """
 
     count: float = 0.0
     mean: float = 0.0
@@ -31,7 +35,7 @@ class RunningMoments:
 
     @property
     def std(self) -> float:
-        return math.sqrt(self.var) if self.var > 0 else 1.0
+        return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 and self.var > 0 else 1.0
 
 
 @dataclass

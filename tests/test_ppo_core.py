@@ -15,6 +15,7 @@ from textgym.agents.ppo_core import (
     policy_loss,
     value_loss,
 )
+from textgym.agents.rollout_batch import RunningMoments
 
 
 def test_gae_with_constant_values_matches_a_hand_computation():
@@ -149,3 +150,21 @@ def test_the_collective_whitening_of_one_process_is_the_single_process_whitening
         )
     x1, m1 = torch.tensor([[2.0, 7.0]]), torch.tensor([[1, 0]])  # one entry: no variance to correct
     torch.testing.assert_close(collective_whiten(x1, m1, one), masked_whiten(x1, m1))
+
+
+def test_running_score_moments_keep_the_sample_std_of_every_score_so_far():
+    """score_norm divided by the population std, which understates the spread of the first batches (TRL
+    divides by the sample std)."""
+    moments, batches = (
+        RunningMoments(),
+        [torch.arange(8.0), torch.tensor([3.0, -1.0, 10.0]), torch.tensor([2.0])],
+    )
+    moments.update(batches[0])
+    assert moments.std == pytest.approx(2.449490, abs=1e-6)  # of 0..7, with Bessel's correction
+    for batch in batches[1:]:
+        moments.update(batch)
+    every = torch.cat(batches).double()
+    assert moments.mean == pytest.approx(float(every.mean())) and moments.std == pytest.approx(
+        float(every.std())
+    )
+    assert RunningMoments().std == 1.0  # nothing seen yet: scores are only centred
