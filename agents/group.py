@@ -142,11 +142,15 @@ class GroupAgent(LMAgent):
             warnings.warn(
                 f"{self.name}: in each of the last {self.FLAT_ITERATIONS} iterations, every group of "
                 f"{self.group_size} completions of a prompt got equal rewards (frac_reward_zero_std = 1), so "
-                f"every advantage was 0 and the reward taught nothing. Give a reward that tells completions "
+                f"{self._flat_advantages()} Give a reward that tells completions "
                 f"apart (partial credit rather than all-or-nothing), or raise num_generations or the "
                 f"temperature.",
                 stacklevel=user_stacklevel(),
             )
+
+    def _flat_advantages(self) -> str:
+        """What equal rewards in every group leave of the advantages (the flat-reward warning's words)."""
+        return "every advantage was 0 and the reward taught nothing."
 
     def train(self, batch: GroupBatch) -> dict[str, float]:
         c = self.config

@@ -62,6 +62,14 @@ class RLOO(GroupAgent):
             advantages = normalize(advantages)
         return advantages, stats
 
+    def _flat_advantages(self) -> str:
+        if not self.config.beta:
+            return super()._flat_advantages()
+        return (
+            f"the reward taught nothing: the advantages came from the KL penalty alone (beta = "
+            f"{self.config.beta}), which only pulls the policy toward its reference."
+        )
+
     def loss(
         self, mb: GroupBatch, logprobs: torch.Tensor, totals: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
