@@ -419,6 +419,16 @@ def test_make_vec_returns_the_native_vector_env():
     assert obs["input_ids"].shape == (3, 7)
 
 
+def test_gymnasiums_vector_observation_wrappers_take_the_modes_the_readme_names():
+    """The README says which autoreset modes Gymnasium's vector observation wrappers accept."""
+    flatten = gymnasium.wrappers.vector.FlattenObservation
+    with pytest.raises(ValueError, match="autoreset_mode"):  # the default, SameStep, is Gymnasium's refusal
+        flatten(gymnasium.make_vec("textgym/Copy-v0", num_envs=2))
+    for kwargs in ({"autoreset_mode": "Disabled"}, {"vectorization_mode": "sync"}):
+        obs, _ = flatten(gymnasium.make_vec("textgym/Copy-v0", num_envs=2, **kwargs)).reset(seed=0)
+        assert obs.shape == (2, 14)  # input_ids and attention_mask, 7 each
+
+
 def test_vector_env_rejects_bad_actions():
     env = TextGenVectorEnv(
         num_envs=2, model=CHARS, prompts=["ab"], rewards=[{"name": "match", "reference": "a"}]

@@ -205,6 +205,9 @@ class TextGenVectorEnv(EnvAccessors, VectorEnv):
     - ``"Disabled"``: ended episodes stay idle until ``reset(options={"reset_mask": mask})``; their actions
       are ignored and they return reward 0. Agents that generate a whole batch before restarting
       (KV-cached rollouts) use this mode.
+    Gymnasium's vector observation wrappers (``gymnasium.wrappers.vector.FlattenObservation``, ...) take
+    ``"Disabled"`` only; ``gymnasium.make_vec(..., vectorization_mode="sync")`` steps :class:`TextGenEnv`
+    copies with Gymnasium's default ``NextStep`` autoreset, where each episode is scored alone.
 
     ``reset(options=...)`` takes at most one of:
     - ``{"prompt": p}``: every sub-env being reset starts on prompt ``p`` (an index into the source or a text);
@@ -275,7 +278,9 @@ class TextGenVectorEnv(EnvAccessors, VectorEnv):
     def reset(
         self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Obs, dict]:
-        if isinstance(seed, (list, tuple)):  # one per sub-env, as SyncVectorEnv takes: one generator here
+        # a list has one seed per sub-env, in SyncVectorEnv's form; they seed this env's one generator
+        # together, so the episodes repeat with the list but are not SyncVectorEnv's (one generator per copy)
+        if isinstance(seed, (list, tuple)):
             if len(seed) != self.num_envs or not all(
                 s is None or (isinstance(s, (int, np.integer)) and s >= 0) for s in seed
             ):
