@@ -633,6 +633,23 @@ def test_evaluate_policy_repeats_on_a_single_env_and_in_sequential_order_and_lea
     assert round_seed(3, 0) == 3 and round_seed(3, 1) not in (3, 4)
 
 
+def test_evaluate_policy_takes_the_first_prompts_in_sequential_order_in_either_autoreset_mode():
+    """Under SameStep an ended episode restarted on the next prompts, so each batch after the first skipped
+    one batch's worth of them: 6 episodes on 4 sub-envs ran prompts 0-3 and 8-9, where Disabled ran 0-5."""
+
+    def prompt_number(samples):  # the reward says which prompt the episode ran on
+        return [float(PROMPTS.index(s.prompt)) for s in samples]
+
+    agent = LMPPO(char_llama(), make_env(4), seed=0, verbose=0)
+    for mode in ("Disabled", "SameStep"):
+        env = make_env(4, mode, prompt_number, prompts=PROMPTS, prompt_order="sequential")
+        rewards, _ = evaluate_policy(agent, env, 6, return_episode_rewards=True)
+        assert rewards == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], mode
+
+
+PROMPTS = ["ab", "ba", "cd", "dc", "ef", "fe", "gh", "hg", "aa", "bb"]
+
+
 def test_a_mean_return_under_normalize_then_sum_is_refused_and_eval_callback_repeats_its_seed(tmp_path):
     """normalize_then_sum standardises each batch of rewards: evaluate_policy's mean was ~1e-17 for every
     policy, and EvalCallback chose its best model and stopped on that. Its evaluations ran on seeds 1, 2, 3..

@@ -125,6 +125,10 @@ def _evaluate(
     round_ = 0
     with seeded_policy(model, seed):
         while len(rewards) < n_eval_episodes:
+            # a sequential order goes on where the last batch began plus one batch: under SameStep its
+            # sub-envs restarted on the next prompts as their episodes ended, which the batch left unfinished
+            for source in textgym_episodes(env):
+                source.cursor = round_ * env.num_envs % source.n_source
             for episode in _episodes(model, env, deterministic, round_seed(seed, round_)):
                 rewards.append(float(episode["reward"]))
                 lengths.append(int(episode["num_tokens"]))
