@@ -53,7 +53,8 @@ def evaluate_policy(
     ``MaskablePPO``; a single env is wrapped in a ``DummyVecEnv`` first, as SB3 does); for an LM agent it
     defaults to ``model.get_env()``. ``seed`` seeds the episodes' prompts and the sampling, on random streams
     of its own: the same seed, the same episodes, and the caller's streams as they were. Under
-    ``prompt_order = "sequential"`` the evaluation takes the source's first prompts, and leaves the env's
+    ``prompt_order = "sequential"`` the evaluation takes the source's first prompts (on an SB3 ``VecEnv``:
+    from the first on, in the order SB3's episodes end and restart), and leaves the env's
     place in the order where it was. ``MaskablePPO`` steps with its action masks, ``RecurrentPPO`` with its
     state. ``render`` and ``callback`` (called with SB3's ``locals()`` at every step) need an SB3
     ``VecEnv`` (``textgym.sb3.make_vec_env``).
