@@ -181,6 +181,8 @@ def test_set_reaches_an_agents_or_designs_entry_by_its_name(tmp_path, monkeypatc
         ("agents.0.num_generations=4", r"no \[\[agents\]\] entry is named '0' \(an agent is named by its label, "
          r"by its name where it has none\); the entries: 'lmppo', 'g', 'rloo-v2.5'"),
         ("agents.rloo-v2.5.beta=0.1", r"named 'rloo-v2'.* is quoted: agents.\"rloo-v2.5\".key=value"),
+        # the key's + was blamed on the value, at a negative character of it
+        ("designs.a+b.rewards=[]", r"designs.a\+b.rewards is not a TOML key: .* designs.\"a\+b\".rewards=\.\.\."),
         ("designs.nope.rewards=[]", r"no \[\[designs\]\] entry is named 'nope'; the entries: 'exact', 'partial'"),
         ("agents=[]", r"\[\[agents\]\] is set one entry's key at a time: --set agents.<agent name>.<key>=value"),
         ("agents.g=1", r"set a key of the agent, e.g. --set agents.g.num_generations=4"),

@@ -528,6 +528,12 @@ def test_a_set_into_a_list_or_of_broken_toml_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"\(Invalid value at character 2\); for text, quote it: "
                                           r"--set 'env.stop=\"\[/INST\]\"'"):  # fmt: skip
         load_config(config, ["env.stop=[/INST]"])
+    # a key TOML cannot read was blamed on the value ("'1' is not a TOML number: write env.my+key=1")
+    with pytest.raises(ConfigError, match=r"env.my\+key is not a TOML key: .* quoted, as in the file: "
+                                          r"env.\"my\+key\"=\.\.\."):  # fmt: skip
+        load_config(config, ["env.my+key=1"])
+    # a bare word is text whatever its characters (an emoji was refused as "'env.stop' is not a valid key")
+    assert load_config(config, ["env.stop=\N{GRINNING FACE}"])["env"]["stop"] == "\N{GRINNING FACE}"
     assert load_config(config, ['env.rewards=[{name="length_penalty",target=2}]'])["env"]["rewards"] == [
         {"name": "length_penalty", "target": 2}
     ]

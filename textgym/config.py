@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -239,6 +239,17 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
             f"--set '{key.split('[')[0]}=[...]' (as in the config file, one TOML line)."
         )
     try:
+        skeleton = tomllib.loads(f"{key} = 0")  # the key alone: its error is not the value's
+    except tomllib.TOMLDecodeError:
+        quoted = ".".join(
+            part if re.fullmatch(r"[A-Za-z0-9_-]+", part) or part[:1] in "\"'" else f'"{part}"'
+            for part in key.split(".")
+        )
+        raise ConfigError(
+            f"--set {override!r}: {key} is not a TOML key: a part with characters other than letters, digits, "
+            f"- and _ is quoted, as in the file: {quoted}=..."
+        ) from None
+    try:
         parsed = tomllib.loads(f"{key} = {value}")
     except tomllib.TOMLDecodeError as exc:
         if value.strip()[:1] in ("[", "{", '"', "'"):  # meant as TOML, not a bare word: say so
@@ -254,10 +265,10 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
                 text += f', or each text of a list: --set \'{key}=["a", "b"]\''
             raise ConfigError(f"--set {override!r}: the value is not valid TOML ({reason}){text}.") from None
         _check_bare_word(override, key, value.strip())
-        try:
-            parsed = tomllib.loads(f"{key} = {json.dumps(value)}")  # a bare word: a string
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--set {override!r}: {key!r} is not a valid key ({exc}).") from None
+        parsed = node = skeleton  # a bare word: a string, put where the key's 0 was
+        while isinstance(next(iter(node.values())), dict):
+            node = next(iter(node.values()))
+        node[next(iter(node))] = value
     return key, parsed
 
 
