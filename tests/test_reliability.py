@@ -312,7 +312,37 @@ def test_a_signal_finishes_the_iteration_and_checkpoints_and_a_second_aborts_in_
     # in a fresh-clone CI run under load
     assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in output, output
     assert "textgym: aborted" in output
+    assert f"textgym train --resume {out} continues it" in output  # the directory was named on no abort
     assert is_complete(out / "checkpoint")
+
+
+def test_a_run_that_fails_after_training_names_its_directory_and_how_to_continue(config, tmp_path, capsys):
+    """The default directory, runs/<config>-<date>-<time>, was named only at a run's end: a reward that
+    raised at iteration 3 left it with its checkpoints, unnamed."""
+    (tmp_path / "late.py").write_text(
+        "calls = []\n\n\ndef late(samples):\n    calls.append(1)\n"
+        "    if len(calls) > 3:\n        raise ValueError('late failure')\n    return [0.0] * len(samples)\n"
+    )
+    out = tmp_path / "run"
+    args = [
+        "train",
+        str(config),
+        "--set",
+        f"run.output_dir='{out}'",
+        "--set",
+        f"env.rewards=[{{fn='{tmp_path}/late.py:late'}}]",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "late failure" in err and f"textgym: the run directory {out} is kept, with its last checkpoint" in err
+    )
+    assert f"textgym train --resume {out} continues it" in err and (out / "metrics.csv").is_file()
+    # a start that fails leaves no directory, and names none
+    (tmp_path / "late.py").write_text("def late(samples):\n    raise ValueError('at once')\n")
+    assert main([*args[:2], "--set", f"run.output_dir='{tmp_path / 'other'}'", *args[4:]]) == 2
+    err = capsys.readouterr().err
+    assert "at once" in err and "is kept" not in err and not (tmp_path / "other").exists()
 
 
 DROPPED_CTRL_C = """

@@ -250,6 +250,30 @@ def test_config_errors_name_the_bad_value(config, tmp_path):
         run(None, resume=tmp_path / "nothere")
 
 
+def test_a_value_refused_after_loading_is_named_with_the_set_that_gave_it(config, tmp_path, capsys):
+    """A --set value refused by the agent's or the env's own checks was named without the --set."""
+    assert main(["train", str(config), "--set", "agent.learnin_rate=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown hyperparameter 'learnin_rate'" in err
+    assert "textgym: the values given with --set: agent.learnin_rate=1e-3" in err
+    assert main(["train", str(config), "--set", "agnet.x=1"]) == 2  # named in the error itself: once
+    assert capsys.readouterr().err.count("--set") == 1
+
+
+def test_a_config_that_is_a_directory_or_not_text_is_a_clear_error(config, tmp_path, capsys):
+    """A directory was reported as missing, and a binary file raised UnicodeDecodeError with a traceback."""
+    run_dir = run(config, [f"run.output_dir='{tmp_path / 'out'}'"])
+    (tmp_path / "image.toml").write_bytes(b"\x89PNG\r\n\x1a\n\x00")
+    for command in ("train", "bench"):
+        assert main([command, str(run_dir)]) == 2
+        assert f"'{run_dir}' is a directory, not a TOML file. It is a run directory: continue it with " \
+               f"textgym train --resume {run_dir}" in capsys.readouterr().err  # fmt: skip
+        assert main([command, str(tmp_path / "image.toml")]) == 2
+        assert "image.toml' is not a TOML file: it is not UTF-8 text" in capsys.readouterr().err
+    assert main(["train", str(tmp_path)]) == 2
+    assert f"'{tmp_path}' is a directory, not a TOML file.\n" in capsys.readouterr().err
+
+
 def test_unknown_agent_name_suggests(config, capsys):
     assert main(["train", str(config), "--agent", "lmpo"]) == 2
     assert "unknown agent 'lmpo'. Did you mean 'lmppo'?" in capsys.readouterr().err

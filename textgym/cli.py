@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import shlex
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -67,6 +68,7 @@ def _command(args: argparse.Namespace) -> int:
 
             traceback.print_exception(exc)
         print(f"textgym: error: {exc}", file=sys.stderr)
+        _print_notes(exc)
         # under run.processes = N, the launcher blames the process that failed for itself, and tells a full
         # disk (which stops a bench) from a run's own failure
         if os.environ.get(LAUNCHED_VAR) and isinstance(exc, (AnotherProcessFailed, WriteError)):
@@ -83,7 +85,7 @@ def _command(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+    except KeyboardInterrupt as exc:  # a second Ctrl-C, or one before training started
         from textgym.launch import speaks_for_the_run
 
         if speaks_for_the_run():  # said once
@@ -92,7 +94,14 @@ def _command(args: argparse.Namespace) -> int:
                 "bench": " (each run's last checkpoint, if any, is kept)",
             }
             print(f"\ntextgym: aborted{kept.get(args.command, '')}", file=sys.stderr)
+            _print_notes(exc)
         return 130
+
+
+def _print_notes(exc: BaseException) -> None:
+    """What textgym added to an error on its way up (``add_note``): where a failed run left its directory."""
+    for note in getattr(exc, "__notes__", ()):
+        print(f"textgym: {note}", file=sys.stderr)
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -156,7 +165,12 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(
             "give a config file to start a run, or --resume RUN_DIR to continue one (not both)."
         )
-    path = run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
+    try:
+        path = run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
+    except ConfigError as exc:  # a value from --set that a later check refused: named with it
+        if args.set and "--set" not in str(exc):
+            exc.add_note(f"the values given with --set: {' '.join(shlex.quote(o) for o in args.set)}")
+        raise
     # torchrun's and accelerate's processes exit 0: a launcher reports a nonzero exit as a failure
     if under_launcher():
         return 0

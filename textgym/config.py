@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from textgym.errors import ConfigError, did_you_mean
+from textgym.rundir import MARKER
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {
@@ -190,12 +191,21 @@ def _is_registered_name(value: str) -> bool:
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
     """A TOML file as a dict; a missing or invalid file is a :class:`ConfigError` that names it."""
     path = Path(path)
+    if path.is_dir():
+        run = (
+            f" It is a run directory: continue it with textgym train --resume {path}."
+            if (path / MARKER).exists()
+            else ""
+        )
+        raise ConfigError(f"{what} {str(path)!r} is a directory, not a TOML file.{run}")
     if not path.is_file():
         raise ConfigError(f"{what} {str(path)!r} does not exist.")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {str(path)!r} is not a TOML file: it is not UTF-8 text.") from None
 
 
 def apply_override(

@@ -207,9 +207,16 @@ def run(
     flag = StopFlag()
     try:
         return trainer(agent_class, policy, hyperparameters, config, rd, resuming, flag)
-    except BaseException:
+    except BaseException as exc:
         if main:
             rd.discard_failed_start(created)
+            if (
+                rd.path / "metrics.csv"
+            ).exists():  # it trained: kept, and named (runs/<config>-<time> is new)
+                exc.add_note(
+                    f"the run directory {rd.path} is kept, with its last checkpoint if any: textgym train "
+                    f"--resume {shlex.quote(str(rd.path))} continues it"
+                )
         raise
     finally:
         flag.close()
