@@ -1,6 +1,7 @@
 import copy
 import importlib.util
 import os
+import shutil
 import stat
 
 import pytest
@@ -288,4 +289,10 @@ def test_a_run_directory_given_as_a_model_names_its_trained_policy(tmp_path, nam
     with pytest.raises(
         ModelError, match=f"of a LoRA policy, whose adapter is {policy}; merge it into its base"
     ):
+        models.load_tokenizer(str(given))
+    # a Stable-Baselines3 run keeps model.zip: it was told to save a tokenizer with it
+    shutil.rmtree(policy)
+    (tmp_path / "run" / "checkpoint" / "model.zip").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"of a Stable-Baselines3 agent \(model.zip\), whose policy is not a "
+                                         r"language model: load it in Python"):  # fmt: skip
         models.load_tokenizer(str(given))

@@ -133,6 +133,12 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
             fix = f": it is a textgym run or checkpoint of a LoRA policy, whose adapter is {trained}; {merge}"
         elif trained is not None:
             fix = f": it is a textgym run or checkpoint; its trained policy is {trained}."
+        elif any((p / "model.zip").is_file() for p in (Path(path), Path(path) / "checkpoint")):
+            fix = (
+                ": it is a run or checkpoint of a Stable-Baselines3 agent (model.zip), whose policy is not a "
+                "language model: load it in Python with its class's load (e.g. stable_baselines3.PPO.load) and "
+                "evaluate it with textgym.evaluate.evaluate_policy."
+            )
         else:
             fix = (
                 ": give a model directory saved with its tokenizer (save_pretrained of both), or a model name "
