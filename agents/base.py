@@ -20,7 +20,7 @@ import copy
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -429,6 +429,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
 
         set_seed((self.seed * 1_000_003 + self.iteration) % 2**32)
         start, reward_before = time.perf_counter(), env.reward_seconds
+        env.take_reward_metrics()  # (what was logged outside training, e.g. by an evaluation on this env)
         options = {"group_size": self.group_size} if self.group_size > 1 else None
         # shares: a reward plugin that fails on one process stops every process there, naming it
         r = self.rollout(
@@ -457,6 +458,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             batch.ref_logprobs = self.reference_logprobs(batch)
         t_reference = time.perf_counter() - start
         batch.stats = self.rollout_stats(batch)
+        batch.stats.update(logged_reward_metrics(self.dist.gather_objects([env.take_reward_metrics()])))
         # the run's throughput: every process's tokens over the slowest process's rollout
         tokens = float(self.dist.sum(batch.action_mask.sum()))
         slowest = float(self.dist.gather(torch.tensor([t_rollout])).max())
@@ -474,3 +476,15 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
     def rollout_stats(self, batch: RolloutBatch) -> dict[str, float]:
         """The common statistics of a batch (see :data:`COMMON_STATS`), over every process's episodes."""
         return batch_statistics(batch, self.dist, self.group_size)
+
+
+def logged_reward_metrics(records: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, float]:
+    """The mean of each metric TRL-style reward functions logged (``log_metric``), over every process's
+    record (sum and count per name)."""
+    sums: dict[str, list[float]] = {}
+    for record in records:
+        for name, (total, count) in record.items():
+            pair = sums.setdefault(name, [0.0, 0])
+            pair[0] += total
+            pair[1] += count
+    return {name: total / count for name, (total, count) in sorted(sums.items())}

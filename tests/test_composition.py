@@ -77,6 +77,16 @@ def test_standardize_treats_rounding_noise_as_constant():
     np.testing.assert_array_equal(standardize(np.array([0.1, 0.1, 0.1])), [0.0, 0.0, 0.0])
     np.testing.assert_array_equal(standardize(np.array([np.nan, 0.3, np.nan])), [np.nan, 0.0, np.nan])
     assert np.isnan(standardize(np.array([np.nan, np.nan]))).all()
+    np.testing.assert_array_equal(standardize(np.array([0.1 + 0.2, 0.3, 0.3])), [0.0, 0.0, 0.0])
+
+
+def test_standardize_is_the_same_at_any_scale():
+    """The mean and std of 1e308s overflowed: the z-scores became NaN (nansum then dropped the component) or
+    0, silently; and a spread under 1e-12 was taken for rounding noise however small the values were."""
+    z = [-math.sqrt(1.5), 0.0, math.sqrt(1.5)]
+    for scale in (1e-300, 1e-13, 1.0, 1e200, 1e307):
+        np.testing.assert_allclose(standardize(np.array([0.0, 1.0, 2.0]) * scale), z)
+    np.testing.assert_allclose(standardize(np.array([1e308, 1e308, -1e308])), [2**-0.5, 2**-0.5, -(2**0.5)])
 
 
 def test_combine_recomputes_totals_from_gathered_components():
@@ -335,11 +345,15 @@ def test_trl_style_function_gets_lists_metadata_columns_and_completion_ids():
         return [float(len(c)) if ref else None for c, ref in zip(completions, kwargs["reference"])]
 
     samples = [
-        Sample("q1", "ab", completion_ids=(7, 8, 2), meta={"reference": "ab", "topic": "x"}),
+        # a dataset's own completion column is not a keyword, as TRL leaves it out
+        Sample(
+            "q1", "ab", completion_ids=(7, 8, 2), meta={"reference": "ab", "topic": "x", "completion": "z"}
+        ),
         Sample("q2", "abc", completion_ids=(9,), meta={"reference": None}),
         Sample("q3", "abcd", meta={"topic": "y"}),
     ]
     total, components = build_reward_stack([(scorer, 0.5)]).score(samples)
+    assert callable(seen.pop("log_metric")) and callable(seen.pop("log_extra"))  # as TRL passes them
     assert seen == {
         "prompts": ["q1", "q2", "q3"],
         "completions": ["ab", "abc", "abcd"],
@@ -350,6 +364,64 @@ def test_trl_style_function_gets_lists_metadata_columns_and_completion_ids():
     }
     np.testing.assert_allclose(total, [1.0, 0.0, 0.0])
     assert np.isnan(components["scorer"][1:]).all()
+
+
+def test_trl_style_functions_log_metrics_and_columns_into_the_run_as_trl_lets_them(tmp_path):
+    """TRL passes log_metric and log_extra to every reward function: a function that called them failed with
+    a KeyError, and one that named them got a column of None."""
+    import json
+
+    from lm_helpers import char_llama, make_env
+
+    from textgym.agents.ppo import LMPPO
+    from textgym.reward_functions import function_reward
+
+    logged = []  # one value a call: the batches of episodes that end on one step
+
+    def scored(prompts, completions, log_metric, log_extra, **kwargs):
+        logged.append(sum(c.count("a") for c in completions) / len(completions))
+        log_metric("share_a", logged[-1])
+        log_extra("first", [c[:1] for c in completions])
+        return [float(len(c)) for c in completions]
+
+    env = make_env(4, rewards=RewardStack([(function_reward(scored), 1.0)]))
+    agent = LMPPO(char_llama(), env, seed=0, verbose=0)
+    agent.learn(1)
+    completions = [e["completion"] for e in agent.last_episodes]
+    assert len(logged) > 1 and agent.history[-1]["rewards/scored/share_a"] == pytest.approx(np.mean(logged))
+    assert [e["reward_extras"] for e in agent.last_episodes] == [{"scored/first": c[:1]} for c in completions]
+    json.dumps(agent.last_episodes)  # samples.jsonl holds them
+    # a stack called outside an episode takes the calls (and drops what they log); bad calls name the function
+    stack = build_reward_stack([(scored, 1.0)])
+    assert stack.score([Sample("q", "ab")])[0].tolist() == [2.0]
+    for call, message in [
+        (
+            "log_extra('x', [1, 2])",
+            r"log_extra\('x', ...\) got '\[1, 2\]'; give a list of one value per completion \(1\)",
+        ),
+        (
+            "log_extra('x', [object()])",
+            r"log_extra\('x', ...\) got a object .*a string, a number, a bool or None",
+        ),
+        ("log_metric('mean', 1.0)", r"log_metric\('mean', ...\) needs a name .*rewards/bad/mean and /std"),
+        ("log_metric('m', float('nan'))", r"log_metric\('m', nan\): the value must be a finite number"),
+    ]:
+        namespace = {}
+        exec(
+            f"def bad(completions, log_metric, log_extra, **kwargs):\n    {call}\n    return [0.0]", namespace
+        )
+        with pytest.raises(RewardError, match=r"^reward function 'bad' \(.*\): " + message):
+            build_reward_stack([(namespace["bad"], 1.0)]).score([Sample("q", "a")])
+
+
+def test_a_plugins_own_reward_error_is_named_whatever_its_text():
+    """A RewardError whose text began with "reward " was taken as textgym's own, already named."""
+
+    def strict(samples):
+        raise RewardError("reward model weights missing")
+
+    with pytest.raises(RewardError, match=r"^reward function 'strict' \(.*\): reward model weights missing"):
+        build_reward_stack([(strict, 1.0)]).score([Sample("q", "a")])
 
 
 def test_trl_style_function_without_kwargs_gets_only_what_it_names():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from textgym.errors import RewardError, raised_in
+from textgym.reward_functions import reward_component
 
 if TYPE_CHECKING:
     from textgym.rewards import Reward, Sample
@@ -57,9 +58,11 @@ class TimeoutReward:
     def __call__(self, samples: Sequence[Sample]) -> Any:
         returned, out = call_within(lambda: self.reward(samples), self.seconds, f"reward-{self.name}")
         if not returned:
-            raise RewardError(
-                f"reward {self.name!r} did not return within its timeout of {self.seconds:g} s for a batch of "
-                f"{len(samples)} samples; fix the plugin or raise its timeout."
+            raise named(
+                RewardError(
+                    f"reward {self.name!r} did not return within its timeout of {self.seconds:g} s for a batch of "
+                    f"{len(samples)} samples; fix the plugin or raise its timeout."
+                )
             )
         return out
 
@@ -67,6 +70,12 @@ class TimeoutReward:
         close = getattr(self.reward, "close", None)
         if callable(close):
             close()
+
+
+def named(error: RewardError) -> RewardError:
+    """``error``, marked as one whose message textgym wrote to name its reward (not named again above)."""
+    error.names_reward = True  # type: ignore[attr-defined]
+    return error
 
 
 def _label(name: str, reward: Reward) -> str:
@@ -82,32 +91,37 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
     # plugin that sorted it in place scrambled the scores of the rewards after it across the episodes)
     samples = tuple(samples)
     try:
-        out = reward(samples)
-    except RewardError as exc:  # a plugin's own, about its input: named, unless it names a reward already
-        if str(exc).startswith("reward "):  # (a timeout's; an inner reward's, of a composed one)
+        with reward_component(name):  # what a TRL-style function logs goes under this name
+            out = reward(samples)
+    except RewardError as exc:  # a plugin's own, about its input: named, unless textgym named a reward in it
+        if getattr(exc, "names_reward", False):  # (a timeout's; an inner reward's, of a composed one)
             raise
-        raise RewardError(f"{label}: {exc}") from exc
+        raise named(RewardError(f"{label}: {exc}")) from exc
     except Exception as exc:
         hint = ""
         if isinstance(exc, (AttributeError, TypeError)) and "tuple" in str(exc):
             hint = " (a reward gets its samples as a tuple, to read: sort or change a copy, list(samples))"
-        raise RewardError(f"{label} raised {type(exc).__name__}{raised_in(exc)}: {exc}{hint}") from exc
+        raise named(RewardError(f"{label} raised {type(exc).__name__}{raised_in(exc)}: {exc}{hint}")) from exc
     if callable(getattr(out, "detach", None)) and callable(getattr(out, "cpu", None)):
         # a torch tensor, which numpy cannot take in bf16, on a GPU, or while it tracks gradients
         try:
             out = out.detach().float().cpu().numpy()
         except Exception as exc:
-            raise RewardError(
-                f"{label} returned a {type(out).__name__} that cannot be read as floats ({exc}); return "
-                f"scores.detach().float().cpu().tolist()."
+            raise named(
+                RewardError(
+                    f"{label} returned a {type(out).__name__} that cannot be read as floats ({exc}); return "
+                    f"scores.detach().float().cpu().tolist()."
+                )
             ) from None
     if hasattr(out, "__array__") and not isinstance(out, (list, tuple)):
         try:
             array = np.asarray(out)
         except Exception as exc:
-            raise RewardError(
-                f"{label} returned a {type(out).__name__} that numpy cannot read ({type(exc).__name__}: {exc}); "
-                f"return one float per sample, as a list."
+            raise named(
+                RewardError(
+                    f"{label} returned a {type(out).__name__} that numpy cannot read ({type(exc).__name__}: {exc}); "
+                    f"return one float per sample, as a list."
+                )
             ) from None
         if array.ndim == 1 and array.dtype.kind in "biuf":  # a numeric array: no per-item checks needed
             return _checked(label, array.astype(np.float64), samples)
@@ -116,13 +130,17 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
         elif array.ndim == 1 and array.dtype.kind in "USa":
             out = array.tolist()  # reported as strings below
     if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
-        raise RewardError(
-            f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return one float per sample."
+        raise named(
+            RewardError(
+                f"{label} returned {type(out).__name__} {str(out)[:80]!r}; it must return one float per sample."
+            )
         )
     if len(out) != len(samples):
-        raise RewardError(
-            f"{label} returned {len(out)} scores for {len(samples)} samples; it must return exactly one score "
-            f"per sample."
+        raise named(
+            RewardError(
+                f"{label} returned {len(out)} scores for {len(samples)} samples; it must return exactly one score "
+                f"per sample."
+            )
         )
     scores = np.empty(len(out), dtype=np.float64)
     for i, value in enumerate(out):
@@ -136,10 +154,12 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
         except (TypeError, ValueError):
             what = "the string" if isinstance(value, (str, bytes)) else type(value).__name__
             shown = repr(str(value)) if isinstance(value, str) else repr(value)  # np.str_('1') -> '1'
-            raise RewardError(
-                f"{label} returned {what} {shown} for sample {i} (completion {samples[i].completion[:60]!r}); "
-                f"it must return one float per sample (a number, or None where it does not apply). Strings "
-                f"are not converted: return float(...) from the plugin."
+            raise named(
+                RewardError(
+                    f"{label} returned {what} {shown} for sample {i} (completion {samples[i].completion[:60]!r}); "
+                    f"it must return one float per sample (a number, or None where it does not apply). Strings "
+                    f"are not converted: return float(...) from the plugin."
+                )
             ) from None
         if not math.isfinite(scores[i]):
             _raise_not_finite(label, scores[i], i, samples)
@@ -148,9 +168,11 @@ def validated_scores(name: str, reward: Reward, samples: Sequence[Sample]) -> np
 
 def _checked(label: str, scores: np.ndarray, samples: Sequence[Sample]) -> np.ndarray:
     if len(scores) != len(samples):
-        raise RewardError(
-            f"{label} returned {len(scores)} scores for {len(samples)} samples; it must return exactly one "
-            f"score per sample."
+        raise named(
+            RewardError(
+                f"{label} returned {len(scores)} scores for {len(samples)} samples; it must return exactly one "
+                f"score per sample."
+            )
         )
     bad = ~np.isfinite(scores)
     if bad.any():
@@ -160,7 +182,9 @@ def _checked(label: str, scores: np.ndarray, samples: Sequence[Sample]) -> np.nd
 
 
 def _raise_not_finite(label: str, value: float, i: int, samples: Sequence[Sample]) -> None:
-    raise RewardError(
-        f"{label} returned {value} for sample {i} (completion {samples[i].completion[:60]!r}); scores must be "
-        f"finite (return None for a sample the reward does not apply to)."
+    raise named(
+        RewardError(
+            f"{label} returned {value} for sample {i} (completion {samples[i].completion[:60]!r}); scores must be "
+            f"finite (return None for a sample the reward does not apply to)."
+        )
     )

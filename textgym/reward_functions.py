@@ -8,6 +8,8 @@ import contextlib
 import contextvars
 import importlib
 import inspect
+import math
+import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,7 +21,99 @@ if TYPE_CHECKING:
     from textgym.rewards import Reward, Sample
 
 # The columns TRL passes to a reward function besides the dataset's own (TRL's GRPOTrainer._calculate_rewards).
-TRL_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state")
+TRL_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+class RewardLog:
+    """What TRL-style functions logged while one batch of episodes was scored, through the ``log_metric`` and
+    ``log_extra`` callables TRL passes them: per name, the sum and count of the metric's values (an LM agent
+    logs their mean as ``rewards/<reward>/<name>``), and per column, each sample's value (by the sample's
+    identity: an episode's info carries it as ``reward_extras``)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, tuple[float, int]] = {}
+        self.extras: dict[str, dict[int, Any]] = {}
+
+
+_reward_log: contextvars.ContextVar[RewardLog | None] = contextvars.ContextVar(
+    "textgym_reward_log", default=None
+)
+
+
+# the stack's name of the reward being called (validated_scores sets it): what its logs are named by
+_component: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "textgym_reward_component", default="<reward>"
+)
+
+
+@contextlib.contextmanager
+def reward_component(name: str) -> Iterator[None]:
+    token = _component.set(name)
+    try:
+        yield
+    finally:
+        _component.reset(token)
+
+
+@contextlib.contextmanager
+def reward_log() -> Iterator[RewardLog]:
+    """Collect what the TRL-style functions scored inside log (see :class:`RewardLog`)."""
+    log = RewardLog()
+    token = _reward_log.set(log)
+    try:
+        yield log
+    finally:
+        _reward_log.reset(token)
+
+
+EXTRA_TYPES = (str, int, float, bool, type(None))  # what samples.jsonl holds as it is
+
+
+def _loggers(samples: Sequence[Sample]) -> dict[str, Callable[..., None]]:
+    """TRL's ``log_metric(name, value)`` and ``log_extra(column, values)`` for one call of a reward function
+    (outside an episode's scoring, e.g. a stack called directly, what they are given is checked and dropped).
+    Their errors are named with the reward by :func:`~textgym.reward_checks.validated_scores`."""
+    from textgym.errors import RewardError
+
+    log, reward = _reward_log.get(), _component.get()
+
+    def log_metric(name: str, value: float) -> None:
+        if not isinstance(name, str) or not name or name in ("mean", "std"):
+            raise RewardError(
+                f"log_metric({name!r}, ...) needs a name (a non-empty string other than 'mean' and 'std', "
+                f"which textgym logs for every reward as rewards/{reward}/mean and /std)."
+            )
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not ok or not math.isfinite(float(value)):
+            raise RewardError(f"log_metric({name!r}, {value!r}): the value must be a finite number.")
+        if log is not None:
+            total, count = log.metrics.get(f"rewards/{reward}/{name}", (0.0, 0))
+            log.metrics[f"rewards/{reward}/{name}"] = (total + float(value), count + 1)
+
+    def log_extra(column: str, values: Sequence[Any]) -> None:
+        if not isinstance(column, str) or not column:
+            raise RewardError(f"log_extra({column!r}, ...) needs a column name (a string).")
+        if (
+            isinstance(values, (str, bytes))
+            or not isinstance(values, Sequence)
+            or len(values) != len(samples)
+        ):
+            raise RewardError(
+                f"log_extra({column!r}, ...) got {str(values)[:60]!r}; give a list of one value per completion "
+                f"({len(samples)})."
+            )
+        bad = next((v for v in values if not isinstance(v, EXTRA_TYPES)), None)
+        if bad is not None:
+            raise RewardError(
+                f"log_extra({column!r}, ...) got a {type(bad).__name__} ({str(bad)[:40]!r}); each value must be "
+                f"a string, a number, a bool or None."
+            )
+        if log is not None:
+            log.extras.setdefault(f"{reward}/{column}", {}).update(
+                {id(sample): value for sample, value in zip(samples, values)}
+            )
+
+    return {"log_metric": log_metric, "log_extra": log_extra}
 
 
 class TRLCall:
@@ -92,10 +186,8 @@ class FunctionReward:
         call = _trl_call.get()
         given = call.arguments(samples) if call is not None else None
         # trainer_state: TRL's training state, which textgym's own training has no equivalent of
-        arguments = {
-            **(given if given is not None else {**trl_columns(samples), "trainer_state": None}),
-            **self.kwargs,
-        }
+        own = {**trl_columns(samples), "trainer_state": None, **_loggers(samples)}
+        arguments = {**(given if given is not None else own), **self.kwargs}
         for name in self._required:
             arguments.setdefault(name, [None] * len(samples))
         if not self._accepts_any:
@@ -278,6 +370,7 @@ def trl_columns(samples: Sequence[Sample]) -> dict[str, list[Any]]:
         "completion_ids": [list(s.completion_ids) for s in samples],
     }
     for key in dict.fromkeys(k for s in samples for k in s.meta):
-        if key not in TRL_COLUMNS:
+        # (TRL leaves a dataset's prompt, completion and completion_ids columns out of the keywords)
+        if key not in TRL_COLUMNS and key not in ("prompt", "completion"):
             columns[key] = [s.meta.get(key) for s in samples]
     return columns

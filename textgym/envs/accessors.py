@@ -129,6 +129,12 @@ class EnvAccessors:
         """Seconds spent in the reward stack since the env was made (for agents' time breakdowns)."""
         return self.episodes.reward_seconds
 
+    def take_reward_metrics(self) -> dict[str, tuple[float, int]]:
+        """The sum and count of each metric TRL-style reward functions logged (``log_metric``) since the last
+        call, by ``rewards/<reward>/<name>``; the record starts anew."""
+        metrics, self.episodes.reward_metrics = self.episodes.reward_metrics, {}
+        return metrics
+
     def encode_prompt(self, prompt: int | str) -> np.ndarray:
         """The token ids an episode on ``prompt`` (an index or a text) starts from, template applied (without
         a responder's opening)."""

@@ -23,6 +23,7 @@ from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.responders import ResponderSpec, make_responder
+from textgym.reward_functions import reward_log
 from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
@@ -164,6 +165,7 @@ class Episodes(PromptIds, Turns):
         self.cursor = 0  # draws made in the sequential order (modulo the source's size)
         self.shard = (0, 1)  # (process, processes): a data-parallel process's every processes-th prompt
         self.reward_seconds = 0.0  # time spent in the reward stack, for agents' time breakdowns
+        self.reward_metrics: dict[str, tuple[float, int]] = {}  # TRL-style functions' log_metric: sum, count
 
         self.observation_space = spaces.Dict(
             {
@@ -421,8 +423,12 @@ class Episodes(PromptIds, Turns):
         """Score the episodes that ended in ``slots`` in one batched call: rewards and their infos."""
         samples = [self.sample(i, r) for i, r in zip(slots, reasons)]
         start = time.perf_counter()
-        total, components = self.stack.score(samples)
+        with reward_log() as log:  # what TRL-style functions log through log_metric and log_extra
+            total, components = self.stack.score(samples)
         self.reward_seconds += time.perf_counter() - start
+        for name, (value, count) in log.metrics.items():
+            before = self.reward_metrics.get(name, (0.0, 0))
+            self.reward_metrics[name] = (before[0] + value, before[1] + count)
         infos = [
             {
                 "reward_components": {name: float(v[k]) for name, v in components.items()},
@@ -433,6 +439,9 @@ class Episodes(PromptIds, Turns):
             }
             for k, s in enumerate(samples)
         ]
+        if log.extras:  # every episode of the batch has every column (None where a function gave none)
+            for info, s in zip(infos, samples):
+                info["reward_extras"] = {column: values.get(id(s)) for column, values in log.extras.items()}
         if self.responder is not None:
             self.end(slots)
             for i, info, s in zip(slots, infos, samples):
