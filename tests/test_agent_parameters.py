@@ -260,3 +260,24 @@ def test_sb3_callbacks_find_the_episodes_in_ep_info_buffer_and_the_envs_spaces()
     assert times == sorted(times)  # seconds since the record began, through learn()s that continue it
     agent.learn(1)  # reset_num_timesteps=True: a new record, as SB3's
     assert len(agent.ep_info_buffer) == 8
+
+
+def test_the_documented_export_of_a_randomized_pissa_run_is_the_trained_policy(tmp_path):
+    """The advice was peft's merge_and_unload on the adapter: PeftModel.from_pretrained reruns a randomized
+    PiSSA unseeded, onto another residual base. Loading with the agent class remakes it from the seed."""
+    from textgym.models import load_model
+
+    pissa = {**LORA, "init_lora_weights": "pissa_niter_2"}
+    agent = iterations(
+        LMPPO("tiny-random-llama", lm_env(4), lora=pissa, seed=3, learning_rate=5e-2, verbose=0), 2
+    )
+    batch = agent.collect_rollouts()
+    trained = agent.sequence_logprobs(agent.rollout_model, batch)[0]
+    agent.save(tmp_path / "ckpt")
+    LMPPO.load(tmp_path / "ckpt").policy.merge_and_unload().save_pretrained(tmp_path / "merged")
+    load_model("tiny-random-llama")[1].save_pretrained(tmp_path / "merged")
+    merged, _ = load_model(str(tmp_path / "merged"))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            agent.sequence_logprobs(merged.eval(), batch)[0], trained, rtol=0, atol=1e-5
+        )

@@ -126,7 +126,12 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
         trained = next(
             (p for p in (Path(path) / "checkpoint" / "policy", Path(path) / "policy") if p.is_dir()), None
         )
-        merge = "merge it into its base model first (peft's merge_and_unload, then save_pretrained with the tokenizer)."
+        merge = (
+            "merge it into its base model first: load the checkpoint with its agent class (e.g. "
+            "textgym.agents.ppo.LMPPO.load(checkpoint), which remakes the adapter's initialisation from the run's seed, "
+            "as a randomized PiSSA or OLoRA needs), then agent.policy.merge_and_unload().save_pretrained(DIR), and "
+            "save the tokenizer there too."
+        )
         if adapter:
             fix = f": it is a LoRA adapter, not a whole model; {merge}"
         elif trained is not None and (trained / "adapter_config.json").is_file():

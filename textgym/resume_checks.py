@@ -65,8 +65,9 @@ def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any], agent_c
     ]
     # a LoRA checkpoint's policy/ holds the adapter alone, which is not a model to start from
     start = (
-        f"merge its adapter, {rd.checkpoint / 'policy'}, into its base model (peft's merge_and_unload) and save "
-        f"it with the tokenizer, to start from its weights"
+        f"merge its adapter into its base model, to start from its weights: load {rd.checkpoint} with its agent "
+        f"class (it remakes a randomized PiSSA or OLoRA initialisation from the run's seed), then "
+        f"agent.policy.merge_and_unload().save_pretrained(DIR) and save the tokenizer there too"
         if trained.get("lora") is not None
         else f"agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights"
     )
