@@ -335,7 +335,7 @@ def test_lora_reference_is_the_adapter_free_model_and_trains(tmp_path):
         agent.save(tmp_path / "lora")
 
 
-@pytest.mark.parametrize("init", [True, "gaussian", "orthogonal"])
+@pytest.mark.parametrize("init", [True, "gaussian"])
 def test_the_lora_initialisations_that_start_as_a_no_op_keep_the_adapter_disabled_reference(init):
     from textgym.agents.lora import adapters_disabled
 
@@ -349,7 +349,8 @@ def test_the_lora_initialisations_that_start_as_a_no_op_keep_the_adapter_disable
     assert list(model.peft_config) == ["default"]
 
 
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", False])
+# "orthogonal": B A = 0 up to rounding only, which bf16 made a KL of 1e-3 before any update
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", "orthogonal", False])
 def test_a_lora_policy_that_does_not_start_at_its_base_keeps_where_it_started_as_the_reference(
     tmp_path, init
 ):
