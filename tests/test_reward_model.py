@@ -292,6 +292,12 @@ def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
         "chat", "tiny-random-llama", ["chars"], out, num_prompts=24, max_new_tokens=6, batch_size=12
     )
     assert stats.pairs + stats.ties == 24 and stats.flipped == 0
+    # without a terminal (a log, CI) the bar is not drawn: a line at each tenth said nothing went quiet
+    lines = re.findall(
+        r"label-pairs: (\d+)/24 prompts \(\d+%\), \d+ pairs, \d+ ties, 0 flipped, \d+ s",
+        capsys.readouterr().err,
+    )
+    assert len(lines) > 1 and lines[-1] == "24"
     assert len(read_pairs(out)) == stats.pairs  # label-pairs' extra keys are ignored
     argv = ["train-rm", str(out), "--output", str(tmp_path / "rm"), "--model", "tiny-random-llama",
             "--eval-fraction", "0.25", "--learning-rate", "1e-3"]  # fmt: skip
@@ -305,6 +311,9 @@ def test_label_pairs_output_trains_through_the_cli(register, tmp_path, capsys):
     result = subprocess.run([str(textgym_cli), *argv[:3], str(tmp_path / "rm2"), *argv[4:]], capture_output=True,
                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert result.returncode == 0 and result.stdout.startswith("held-out pairs:"), result.stdout
+    assert re.search(
+        r"train-rm: (\d+)/\1 steps \(100%\), batch loss \d\.\d{3}, batch accuracy", result.stderr
+    )
     # an accuracy on a few pairs says how many: "0.500 -> 1.000" on 2 pairs read as more than it is
     assert re.search(r"accuracy +\d\.\d{3} -> \d\.\d{3} \(\d -> \d of 6 pairs\)", printed)
 

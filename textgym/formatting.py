@@ -120,3 +120,32 @@ def headline_scores(stats: dict[str, Any], aggregate: str = "sum") -> dict[str, 
     component's raw mean by name."""
     keys = component_keys(stats) if aggregate == "normalize_then_sum" else []
     return {key[8:-5]: stats[key] for key in keys} or {"reward": stats["reward"]}
+
+
+class Tenths:
+    """Where a progress bar is not drawn because the output is no terminal (a log file, a pipe, CI), a plain
+    line at each tenth of the work, so that a long command shows it is alive: ``label: 400/4000 prompts (10%),
+    <figures>, 12 s``. Silent where the bar is drawn, and where ``progress`` is False (a caller that said so)."""
+
+    def __init__(self, bar: Any, label: str, unit: str, progress: bool | None):
+        import time
+
+        self.bar, self.label, self.unit = bar, label, unit
+        self.on = progress is None and bool(bar.disable)
+        self.next, self.start = 1, time.perf_counter()
+
+    def update(self, done: int, figures: str) -> None:
+        import sys
+        import time
+
+        total = self.bar.total
+        if not self.on or not total or done * 10 < self.next * total:
+            return
+        while self.next * total <= done * 10:
+            self.next += 1
+        seconds = time.perf_counter() - self.start
+        print(
+            f"{self.label}: {done}/{total} {self.unit} ({100 * done // total}%), {figures}, {seconds:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )

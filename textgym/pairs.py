@@ -344,6 +344,7 @@ def label_pairs(
 
     from textgym import composition
     from textgym.envs import TextGenVectorEnv
+    from textgym.formatting import Tenths
     from textgym.models import load_model
     from textgym.prompts import load_prompts
     from textgym.rewards import check_reward_specs
@@ -395,6 +396,7 @@ def label_pairs(
             tqdm(total=total, desc="label-pairs", unit="prompt", disable=_disable(progress)) as bar,
         ):
             opened = True
+            lines = Tenths(bar, "label-pairs", "prompts", progress)
             for batch, first in enumerate(range(0, total, per_batch)):
                 indices = [i % len(source) for i in range(first, min(first + per_batch, total))]
                 # Each prompt goes to two neighbouring sub-envs; a short last batch resets only its own.
@@ -426,6 +428,7 @@ def label_pairs(
                 written += len(rows)
                 bar.update(len(indices))
                 bar.set_postfix(pairs=written, ties=ties, flipped=flipped)
+                lines.update(first + len(indices), f"{written} pairs, {ties} ties, {flipped} flipped")
     except BaseException as exc:
         if opened:  # what the file holds now, for the command to say (a file an error or a Ctrl-C cut short)
             exc.pairs_written = written  # type: ignore[attr-defined]

@@ -268,6 +268,8 @@ def _fit(
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
+    from textgym.formatting import Tenths
+
     model = scorer.model
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     head = [p for name, p in named if HEAD_NAMES & set(name.split("."))]  # peft's copy of it too
@@ -285,6 +287,7 @@ def _fit(
     epoch_losses: list[float] = []
     disable = None if progress is None else not progress  # None: a bar only on a terminal
     with tqdm(total=total_steps, desc="train-rm", unit="step", disable=disable) as bar:
+        lines = Tenths(bar, "train-rm", "steps", progress)
         for _ in range(epochs):
             # eval mode: no dropout (TRL's disable_dropout). Chosen and rejected ran with masks of their own,
             # and the margin, the gradient's one signal, carried their noise; gradients flow all the same
@@ -310,7 +313,9 @@ def _fit(
                 schedule.step()
                 losses.append(loss.item() * len(batch))  # a short last batch weighs by its pairs
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{float((margin > 0).float().mean()):.2f}")
+                figures = {"loss": f"{loss.item():.3f}", "acc": f"{float((margin > 0).float().mean()):.2f}"}
+                bar.set_postfix(figures)
+                lines.update(step, f"batch loss {figures['loss']}, batch accuracy {figures['acc']}")
             epoch_losses.append(sum(losses) / len(train))
     return epoch_losses
 
