@@ -47,23 +47,22 @@ _component: contextvars.ContextVar[str] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def reward_component(name: str) -> Iterator[None]:
-    token = _component.set(name)
+def _setting(var: contextvars.ContextVar[Any], value: Any) -> Iterator[Any]:
+    """``var`` set to ``value`` within the block (``value`` is what ``with`` gives)."""
+    token = var.set(value)
     try:
-        yield
+        yield value
     finally:
-        _component.reset(token)
+        var.reset(token)
 
 
-@contextlib.contextmanager
-def reward_log() -> Iterator[RewardLog]:
-    """Collect what the TRL-style functions scored inside log (see :class:`RewardLog`)."""
-    log = RewardLog()
-    token = _reward_log.set(log)
-    try:
-        yield log
-    finally:
-        _reward_log.reset(token)
+def reward_component(name: str) -> contextlib.AbstractContextManager[str]:
+    return _setting(_component, name)
+
+
+def reward_log() -> contextlib.AbstractContextManager[RewardLog]:
+    """Collect what the TRL-style functions scored inside the block log (see :class:`RewardLog`)."""
+    return _setting(_reward_log, RewardLog())
 
 
 EXTRA_TYPES = (str, int, float, bool, type(None))  # what samples.jsonl holds as it is
@@ -139,14 +138,9 @@ class TRLCall:
 _trl_call: contextvars.ContextVar[TRLCall | None] = contextvars.ContextVar("textgym_trl_call", default=None)
 
 
-@contextlib.contextmanager
-def trl_call(call: TRLCall) -> Iterator[None]:
+def trl_call(call: TRLCall) -> contextlib.AbstractContextManager[TRLCall]:
     """While scoring the samples of one TRL call: TRL-style functions get TRL's own arguments."""
-    token = _trl_call.set(call)
-    try:
-        yield
-    finally:
-        _trl_call.reset(token)
+    return _setting(_trl_call, call)
 
 
 class FunctionReward:
