@@ -274,6 +274,14 @@ def test_a_config_that_is_a_directory_or_not_text_is_a_clear_error(config, tmp_p
     assert f"'{tmp_path}' is a directory, not a TOML file.\n" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("command", "codes"), [("train", "0 the run trained to its end; 130"),
+                                                 ("bench", "0 every run finished; 1 some runs failed")])  # fmt: skip
+def test_the_help_of_a_long_command_names_its_exit_codes(command, codes, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0 and f"exit codes: {codes}" in " ".join(capsys.readouterr().out.split())
+
+
 def test_unknown_agent_name_suggests(config, capsys):
     assert main(["train", str(config), "--agent", "lmpo"]) == 2
     assert "unknown agent 'lmpo'. Did you mean 'lmppo'?" in capsys.readouterr().err

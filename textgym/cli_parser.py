@@ -83,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, help="multi-turn: the most turns of the model per episode")
     p.add_argument("--output", type=Path, help="also write the rows as JSONL here")
 
-    p = add_parser("train", parents=[plugin_args], help="train an agent as a TOML config says")
+    p = add_parser(
+        "train",
+        parents=[plugin_args],
+        help="train an agent as a TOML config says",
+        epilog="exit codes: 0 the run trained to its end; 130 stopped by Ctrl-C or SIGTERM (the checkpoint "
+        "saved; --resume continues), or aborted by a second one; 2 an error textgym names (a config value, a "
+        "plugin that raised); 1 one it did not foresee, or a closed output pipe",
+    )
     p.add_argument(
         "config",
         nargs="?",
@@ -101,7 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Stable-Baselines3 / sb3-contrib algorithm for discrete actions by name (a2c, dqn, recurrentppo, ...)",
     )
 
-    p = add_parser("bench", parents=[plugin_args], help="benchmark reward designs side by side")
+    p = add_parser(
+        "bench",
+        parents=[plugin_args],
+        help="benchmark reward designs side by side",
+        epilog="exit codes: 0 every run finished; 1 some runs failed (the report names them; a rerun resumes "
+        "them); 130 stopped by Ctrl-C or SIGTERM; 2 an error that stopped the bench",
+    )
     p.add_argument("designs", type=Path, help="the designs file (TOML; see docs/bench.md)")
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
