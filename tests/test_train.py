@@ -232,6 +232,10 @@ def test_config_errors_name_the_bad_value(config, tmp_path):
         load_config(config, ["run.total_steps=5"])
     with pytest.raises(ConfigError, match="run.total_timesteps must be a positive integer, not 0"):
         load_config(config, ["run.total_timesteps=0"])
+    # the one value given as text is shown as the list it must be
+    with pytest.raises(ConfigError, match=r"run.report_to must be a list of 'tensorboard', not 'tensorboard': "
+                                          r"report_to = \[\"tensorboard\"\]\.$"):  # fmt: skip
+        load_config(config, ["run.report_to=tensorboard"])
     with pytest.raises(ConfigError, match=r"tiny.toml with --set agnet.x=1: unknown section \[agnet\]"):
         load_config(config, ["agnet.x=1"])  # the value came from --set: said so, not only the file's name
     with pytest.raises(ConfigError, match="must look like section.key=value"):

@@ -356,7 +356,8 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
         raise ConfigError(f"{source}: run.output_dir must be a path (a string), not {run['output_dir']!r}.")
     if not isinstance(run["report_to"], list) or not set(run["report_to"]) <= {"tensorboard"}:
         raise ConfigError(
-            f"{source}: run.report_to must be a list of 'tensorboard', not {run['report_to']!r}."
+            f"{source}: run.report_to must be a list of 'tensorboard', not {run['report_to']!r}"
+            + (': report_to = ["tensorboard"].' if run["report_to"] == "tensorboard" else ".")
         )
     if not isinstance(run["allow_env_import"], bool):
         raise ConfigError(
