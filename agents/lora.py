@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from textgym.errors import ConfigError
+from textgym.errors import ConfigError, did_you_mean
 from textgym.models import cpu_seeded
 from textgym.scoring import restore_linears
 
@@ -265,6 +265,7 @@ def adapted(model: Any, settings: dict[str, Any] | None, seed: int, on_meta: boo
         return model
     from peft import LoraConfig, get_peft_model
 
+    check_lora_keys(settings, f"lora {settings!r}", "CAUSAL_LM")
     init = {"init_lora_weights": False} if on_meta else {}
     try:  # seeded as a checkpoint remakes it (checkpoint.load_checkpoint)
         with seeded_init(seed):
@@ -294,6 +295,24 @@ def is_peft_model(model: Any) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def check_lora_keys(settings: Mapping[str, Any], where: str, task_type: str) -> None:
+    """Refuse a setting peft's ``LoraConfig`` does not take, with the closest one (peft's own TypeError named
+    none), and ``task_type``, which textgym sets (``task_type``)."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    known = [f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name != "task_type"]
+    for name in settings:
+        if name == "task_type":
+            raise ConfigError(f"{where}: task_type is textgym's to set ({task_type!r} here): leave it out.")
+        if name not in known:
+            raise ConfigError(
+                f"{where}: unknown LoRA setting {name!r}.{did_you_mean(name, known)} See peft's LoraConfig for "
+                f"its arguments."
+            )
 
 
 def linear_names(model: nn.Module) -> list[str]:

@@ -424,8 +424,13 @@ def test_an_infinite_clip_range_or_score_limit_is_accepted_as_none():
 def test_bad_lora_settings_are_config_errors_not_peft_tracebacks():
     with pytest.raises(ConfigError, match="lora.r must be a positive integer, not 0"):
         LMPPOConfig(lora={"r": 0})
-    with pytest.raises(ConfigError, match="lora {'rank': 8}: .*unexpected keyword argument 'rank'"):
-        LMPPO(char_llama(), make_env(2), lora={"rank": 8})
+    # peft's TypeError named no setting to use instead
+    with pytest.raises(ConfigError, match="lora {'rr': 8}: unknown LoRA setting 'rr'. Did you mean 'r'?"):
+        LMPPO(char_llama(), make_env(2), lora={"rr": 8})
+    with pytest.raises(
+        ConfigError, match=r"task_type is textgym's to set \('CAUSAL_LM' here\): leave it out"
+    ):
+        LMPPO(char_llama(), make_env(2), lora={"r": 4, "task_type": "CAUSAL_LM"})
     with pytest.raises(
         ConfigError, match=r"lora {'target_modules': \['nope'\]}: .*See peft's LoraConfig"
     ) as err:

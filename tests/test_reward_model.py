@@ -453,6 +453,10 @@ def test_unknown_or_unusable_models(tmp_path):
         train_reward_model(pairs, tmp_path / "rm", model="tiny-char-llama")
     with pytest.raises(ConfigError, match=r"--lora \{rank = 8\}: .*'rank'"):  # as TOML, not peft's repr
         train_reward_model(pairs, tmp_path / "rm", model="tiny-random-llama", lora={"rank": 8})
+    # peft's "got multiple values for keyword argument 'task_type'" said nothing of who set it
+    with pytest.raises(ConfigError, match=r"--lora \{task_type = \"CAUSAL_LM\"\}: task_type is textgym's to set "
+                                          r"\('SEQ_CLS' here\)"):  # fmt: skip
+        train_reward_model(pairs, tmp_path / "rm", model="tiny-random-llama", lora={"task_type": "CAUSAL_LM"})
 
 
 def test_a_max_length_beyond_a_models_learned_positions_is_named_or_cut_to_them(tmp_path, tokenizer):

@@ -331,6 +331,9 @@ def check_lora(lora: Mapping[str, Any] | str | None, key: str = "--lora") -> Non
 def _lora_config(lora: dict[str, Any], key: str = "--lora") -> Any:
     from peft import LoraConfig
 
+    from textgym.agents.lora import check_lora_keys
+
+    check_lora_keys(lora, f"{key} {_toml(lora)}", "SEQ_CLS")
     try:
         # task_type SEQ_CLS also trains (and saves) the new score head in full
         return LoraConfig(task_type="SEQ_CLS", **lora)
