@@ -22,6 +22,7 @@ from lm_helpers import copy_run_config, csv_rows
 from textgym.atomic import is_complete
 from textgym.cli import main
 from textgym.config import load_config
+from textgym.errors import RewardError
 from textgym.rundir import INTERRUPT_VAR, RunDir
 from textgym.stopping import dropped_interrupts_raised_again
 from textgym.train import run
@@ -343,6 +344,13 @@ def test_a_run_that_fails_after_training_names_its_directory_and_how_to_continue
     assert main([*args[:2], "--set", f"run.output_dir='{tmp_path / 'other'}'", *args[4:]]) == 2
     err = capsys.readouterr().err
     assert "at once" in err and "is kept" not in err and not (tmp_path / "other").exists()
+    # from Python (a bench's runs, which a rerun of the bench resumes) the error carries the directory, and no
+    # advice to run textgym train
+    (tmp_path / "late.py").write_text("calls = []\n\n\ndef late(samples):\n    calls.append(1)\n"
+                                      "    if len(calls) > 3:\n        raise ValueError('late')\n    return [0.0] * len(samples)\n")  # fmt: skip
+    with pytest.raises(RewardError) as failed:
+        run(config, [f"run.output_dir='{tmp_path / 'third'}'", args[5]])
+    assert failed.value.kept_run_dir == tmp_path / "third" and not getattr(failed.value, "__notes__", None)
 
 
 DROPPED_CTRL_C = """

@@ -157,7 +157,7 @@ def _quiet_libraries() -> None:
 def _train(args: argparse.Namespace) -> int:
     from textgym.config import load_config
     from textgym.errors import ConfigError
-    from textgym.launch import under_launcher
+    from textgym.launch import speaks_for_the_run, under_launcher
     from textgym.rundir import RunDir
     from textgym.train import run
 
@@ -167,8 +167,16 @@ def _train(args: argparse.Namespace) -> int:
         )
     try:
         path = run(args.config, args.set, resume=args.resume, agent_name=args.agent, plugins=args.plugin)
-    except ConfigError as exc:  # a value from --set that a later check refused: named with it
-        if args.set and "--set" not in str(exc):
+    except BaseException as exc:
+        kept = getattr(exc, "kept_run_dir", None)
+        # a run that failed after training: its directory named (runs/<config>-<time> is new), once, by the
+        # process that speaks for the run (a bench says its own route: run the bench again)
+        if kept is not None and speaks_for_the_run():
+            exc.add_note(
+                f"the run directory {kept} is kept, with its last checkpoint if any: textgym train --resume "
+                f"{shlex.quote(str(kept))} continues it"
+            )
+        if isinstance(exc, ConfigError) and args.set and "--set" not in str(exc):  # a later check's refusal
             exc.add_note(f"the values given with --set: {' '.join(shlex.quote(o) for o in args.set)}")
         raise
     # torchrun's and accelerate's processes exit 0: a launcher reports a nonzero exit as a failure

@@ -156,7 +156,8 @@ def weighted_sum(scores: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 def standardize(x: np.ndarray) -> np.ndarray:
     """(N,) -> (N,) z-scores over the applicable (non-NaN) values, NaN kept. Population std (ddof=0). A
-    constant column (std 0, up to rounding: 1e-12 of the largest value) carries no signal and becomes 0."""
+    constant column (std 0, up to rounding: 1e-12 of the largest value, or of 1) carries no signal and becomes
+    0."""
     out = np.full_like(x, np.nan, dtype=np.float64)
     valid = ~np.isnan(x)
     if not valid.any():
@@ -166,8 +167,9 @@ def standardize(x: np.ndarray) -> np.ndarray:
     u = v / scale if scale > 0 else v  # within [-1, 1]: the mean and std of 1e308s do not overflow
     std = u.std()
     # mean() of equal floats can differ from them in the last bit, which would turn rounding noise into
-    # z-scores of +-1; treat a std that small relative to the values as exactly 0.
-    if std <= 1e-12:
+    # z-scores of +-1; treat a std that small relative to the values (or to 1, for values near 0: 0.1 + 0.2
+    # - 0.3 is noise around 0) as exactly 0.
+    if std * scale <= 1e-12 * max(1.0, scale):
         out[valid] = 0.0
     else:
         out[valid] = (u - u.mean()) / std

@@ -77,10 +77,11 @@ def _loggers(samples: Sequence[Sample]) -> dict[str, Callable[..., None]]:
     log, reward = _reward_log.get(), _component.get()
 
     def log_metric(name: str, value: float) -> None:
-        if not isinstance(name, str) or not name or name in ("mean", "std"):
+        # (rewards/<x>/mean and /std are a reward component's columns, which headlines and plots read)
+        if not isinstance(name, str) or not name or name.rsplit("/", 1)[-1] in ("mean", "std"):
             raise RewardError(
-                f"log_metric({name!r}, ...) needs a name (a non-empty string other than 'mean' and 'std', "
-                f"which textgym logs for every reward as rewards/{reward}/mean and /std)."
+                f"log_metric({name!r}, ...) needs a name (a non-empty string that does not end in 'mean' or "
+                f"'std' after its last /: textgym logs every reward's as rewards/{reward}/mean and /std)."
             )
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if not ok or not math.isfinite(float(value)):

@@ -210,13 +210,8 @@ def run(
     except BaseException as exc:
         if main:
             rd.discard_failed_start(created)
-            if (
-                rd.path / "metrics.csv"
-            ).exists():  # it trained: kept, and named (runs/<config>-<time> is new)
-                exc.add_note(
-                    f"the run directory {rd.path} is kept, with its last checkpoint if any: textgym train "
-                    f"--resume {shlex.quote(str(rd.path))} continues it"
-                )
+            if (rd.path / "metrics.csv").exists():  # it trained: kept, for the caller to name (textgym train)
+                exc.kept_run_dir = rd.path  # type: ignore[attr-defined]
         raise
     finally:
         flag.close()
