@@ -545,6 +545,15 @@ def test_a_set_inline_table_replaces_the_table(tmp_path):
     }  # fmt: skip
 
 
+def test_a_set_inline_table_at_a_quoted_dotted_key_replaces_that_table():
+    """The key's depth was counted by its dots, so env."a.b"={...} merged into the table below it."""
+    from textgym.config import apply_override
+
+    config = {"env": {"a.b": {"y": 2}}}
+    apply_override(config, 'env."a.b"={x = 1}')
+    assert config == {"env": {"a.b": {"x": 1}}}
+
+
 def test_a_set_into_a_list_or_of_broken_toml_says_so(tmp_path):
     """`env.rewards[1].target=0.4` was refused as "'0.4' is not a TOML number: write ...=0.4", exactly what
     was typed; `env.rewards.1.target=0.4` replaced the list with a table; a list with a TOML error became a

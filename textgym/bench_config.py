@@ -29,6 +29,7 @@ from textgym.composition import stack_table
 from textgym.config import (
     MAX_SEED,
     apply_override,
+    key_parts,
     merge_tables,
     parse_override,
     read_toml,
@@ -195,7 +196,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if head == "designs" and isinstance(patch.get("rewards"), list):  # (the file's resolve against it later)
         patch["rewards"] = resolve_fn_paths(patch["rewards"], Path.cwd())
     # the dotted key's parts below the entry (an inline table at the last one replaces that table)
-    merge_tables(entry, patch, depth=len(key.split(".")) - 2 - name.count("."))
+    merge_tables(entry, patch, depth=len(key_parts(key)) - 2)
 
 
 def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:

@@ -221,7 +221,7 @@ def apply_override(
             ``None``, ``.01``): taken as a string, it would mean something else (a non-empty string is true).
     """
     key, parsed = parse_override(override)
-    parts, node = key.split("."), config
+    parts, node = key_parts(key), config
     for i, part in enumerate(parts[:-1]):  # env.rewards.1.target: a list's item is not a table's key
         node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, list):
@@ -232,7 +232,16 @@ def apply_override(
             )
     if resolve is not None:
         parsed = resolve(parsed)
-    merge_tables(config, parsed, depth=len(key.split(".")))
+    merge_tables(config, parsed, depth=len(parts))
+
+
+def key_parts(key: str) -> list[str]:
+    """A valid dotted TOML key's parts, as TOML reads them: ``env."a.b".c`` is ``["env", "a.b", "c"]``."""
+    node, parts = tomllib.loads(f"{key} = 0"), []
+    while isinstance(node, dict):
+        part, node = next(iter(node.items()))
+        parts.append(part)
+    return parts
 
 
 def parse_override(override: str) -> tuple[str, dict[str, Any]]:
