@@ -122,6 +122,22 @@ def test_an_sb3_checkpoint_holds_its_iterations_update_and_a_ctrl_c_trains_the_r
     assert all(torch.equal(expected[k], weights[k]) for k in expected)
 
 
+def test_a_resumed_sb3_run_draws_new_prompts_not_the_runs_first_ones(tmp_path):
+    """SB3's load seeds every stream from the run's seed: each resume replayed the prompts (and the sampling
+    draws) of the run's first iterations, so a run resumed every N iterations trained on the same N batches."""
+    config = tmp_path / "sb3.toml"
+    config.write_text(SB3_COPY)
+    out = tmp_path / "run"
+    common = ["--agent", "sb3-ppo", "--set", f"run.output_dir='{out}'"]
+    assert main(["train", str(config), *common, "--set", "run.total_timesteps=128"]) == 0
+    assert main(["train", "--resume", str(out), "--set", "run.total_timesteps=256"]) == 0
+    prompts = {1: [], 2: []}
+    for row in samples(out):
+        prompts[row["iteration"]].append(row["prompt"])
+    assert len(prompts[1]) == len(prompts[2]) > 4 and prompts[1] != prompts[2]
+    assert len(set(prompts[1]) & set(prompts[2])) < len(prompts[1]) // 2
+
+
 def test_a_dqn_run_resumes_with_its_replay_buffer(tmp_path, capsys):
     """An off-policy agent learns from its replay buffer: a resume started it empty, so DQN trained on a
     handful of fresh transitions (past learning_starts) where the uninterrupted run had them all. The

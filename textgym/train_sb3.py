@@ -52,6 +52,10 @@ def run_sb3(
         if resuming:
             check_sb3_checkpoint_config(rd, agent, hyperparameters)
             agent, state = load_sb3_checkpoint(agent, agent_class, rd.checkpoint, env)
+            # SB3's load seeds every stream (torch, numpy, the env, the action space) from the run's seed, so
+            # a resume replayed the run's first prompts and draws: they go on from (seed, iteration) instead,
+            # as an LM agent's rollouts are seeded (SB3 saves no random state to resume them exactly)
+            agent.set_random_seed((run["seed"] * 1_000_003 + state["iteration"]) % 2**32)
             _resumed(rd, state["iteration"], state["history"], agent.num_timesteps, run["total_timesteps"])
         history = state["history"]
 
