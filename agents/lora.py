@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from textgym.errors import ConfigError, did_you_mean
+from textgym.errors import ConfigError, did_you_mean, user_stacklevel
 from textgym.models import cpu_seeded
 from textgym.scoring import restore_linears
 
@@ -305,6 +306,13 @@ def check_lora_keys(settings: Mapping[str, Any], where: str, task_type: str) -> 
     from peft import LoraConfig
 
     known = [f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name != "task_type"]
+    dropout = settings.get("lora_dropout")
+    if isinstance(dropout, (int, float)) and dropout > 0:
+        warnings.warn(
+            f"{where}: lora_dropout = {dropout} has no effect: textgym trains with dropout off, as TRL does "
+            f"(with it on, a completion's log-probs would differ between the rollout and the update).",
+            stacklevel=user_stacklevel(),
+        )
     for name in settings:
         if name == "task_type":
             raise ConfigError(f"{where}: task_type is textgym's to set ({task_type!r} here): leave it out.")

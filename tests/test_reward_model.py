@@ -7,6 +7,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -173,11 +174,20 @@ def test_train_rm_trains_without_dropout(tmp_path):
     their own, so the margin, the gradient's one signal, carried its noise."""
     rows, margins = marker_pairs(16, seed=2), []
     for dropout in (0.0, 0.5):
-        report = train_reward_model(
-            rows, tmp_path / f"rm{dropout}", model="tiny-random-llama", epochs=1, eval_fraction=0.25,
-            lora=f"{{r = 4, lora_alpha = 8, lora_dropout = {dropout}}}", learning_rate=3e-3,
-        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            report = train_reward_model(
+                rows, tmp_path / f"rm{dropout}", model="tiny-random-llama", epochs=1, eval_fraction=0.25,
+                lora=f"{{r = 4, lora_alpha = 8, lora_dropout = {dropout}}}", learning_rate=3e-3,
+            )  # fmt: skip
         margins.append(report.after.mean_margin)
+        # a dropout that is given and does nothing is said to do nothing
+        said = [
+            w
+            for w in seen
+            if "lora_dropout = 0.5 has no effect: textgym trains with dropout off" in str(w.message)
+        ]
+        assert len(said) == (dropout > 0)
     assert margins[0] == margins[1]
 
 
