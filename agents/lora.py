@@ -39,6 +39,7 @@ __all__ = [
     "is_peft_model",
     "linear_names",
     "load_reference_adapter",
+    "quiet_peft",
     "reference_weights",
     "restoring",
     "seeded_init",
@@ -88,7 +89,18 @@ def seeded_init(seed: int) -> Iterator[None]:
     checkpoint does not hold. Seeded alike both times, the base is the one the adapter was trained over;
     and every process makes the same adapters. They are made on the CPU, before the policy moves to its
     device: the CPU's generator is the one seeded."""
-    with cpu_seeded(seed):
+    with cpu_seeded(seed), quiet_peft():
+        yield
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Within the block, transformers' notice that ``is_gradient_checkpointing`` is deprecated, which peft's
+    own call raises as it adds adapters, is kept from the user, who can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
+        )
         yield
 
 

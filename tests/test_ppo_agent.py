@@ -604,3 +604,14 @@ def test_annotations_written_with_the_typing_module_are_checked_as_their_pipe_sp
     assert annotation_mismatch(typing.List[str], "a") == "a list"  # noqa: UP006
     assert annotation_mismatch("list[int | None] | None", 3) == "a list (or none)"
     assert annotation_mismatch("int | str", []) is None  # not one plain type: left to the plugin
+
+
+def test_a_lora_agent_is_made_without_a_deprecation_notice_the_user_cannot_act_on():
+    """peft's call of transformers' deprecated is_gradient_checkpointing printed a FutureWarning at every
+    LoRA agent made or loaded."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        LMPPO("tiny-random-llama", None, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, verbose=0)
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]

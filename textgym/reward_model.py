@@ -349,7 +349,10 @@ def _toml(table: Mapping[str, Any]) -> str:
 def _with_lora(model: Any, config: Any, lora: Mapping[str, Any]) -> Any:
     from peft import get_peft_model
 
+    from textgym.agents.lora import quiet_peft
+
     try:
-        return get_peft_model(model, config)
+        with quiet_peft():
+            return get_peft_model(model, config)
     except ValueError as exc:
         raise ConfigError(f"--lora {_toml(lora)}: {exc}") from None
