@@ -368,6 +368,9 @@ def test_trl_style_function_gets_lists_metadata_columns_and_completion_ids():
     assert np.isnan(components["scorer"][1:]).all()
 
 
+MIXED = [1, 0.5, None, 2**70, "s", True, 7]  # log_extra values of every kind one column may hold
+
+
 def test_trl_style_functions_log_metrics_and_columns_into_the_run_as_trl_lets_them(tmp_path):
     """TRL passes log_metric and log_extra to every reward function: a function that called them failed with
     a KeyError, and one that named them got a column of None."""
@@ -403,8 +406,10 @@ def test_trl_style_functions_log_metrics_and_columns_into_the_run_as_trl_lets_th
         ),
         (
             "log_extra('x', [object()])",
-            r"log_extra\('x', ...\) got a object .*a string, a number, a bool or None",
+            r"log_extra\('x', ...\) got a object .*a string, a finite number, a bool or None",
         ),
+        # samples.jsonl would hold NaN, which is no JSON
+        ("log_extra('x', [float('nan')])", r"log_extra\('x', ...\) got a float \('nan'\); .*a finite number"),
         ("log_metric('mean', 1.0)", r"log_metric\('mean', ...\) needs a name .*rewards/bad/mean and /std"),
         # read as the mean of a component "bad/acc" by the headlines and plots
         (
@@ -419,6 +424,23 @@ def test_trl_style_functions_log_metrics_and_columns_into_the_run_as_trl_lets_th
         )
         with pytest.raises(RewardError, match=r"^reward function 'bad' \(.*\): " + message):
             build_reward_stack([(namespace["bad"], 1.0)]).score([Sample("q", "a")])
+
+
+def test_log_extra_values_of_one_step_keep_their_own_types_in_the_vector_envs_info():
+    """Gymnasium's info arrays took a column's type from its first sub-env's value: after a 1, 0.5 became 0,
+    True stayed True for a 7, and a None after a number failed the step with a bare TypeError."""
+    from lm_helpers import CHARS, make_env
+
+    from textgym.reward_functions import function_reward
+
+    def mixed(completions, log_extra, **kwargs):
+        log_extra("v", MIXED[: len(completions)])
+        return [0.0] * len(completions)
+
+    env = make_env(len(MIXED), rewards=RewardStack([(function_reward(mixed), 1.0)]))
+    env.reset(seed=0)
+    *_, info = env.step(np.full(len(MIXED), CHARS.eos_token_id))  # every episode ends on this step
+    assert [dict(pairs) for pairs in info["reward_extras"]] == [{"mixed/v": v} for v in MIXED]
 
 
 def test_a_plugins_own_reward_error_is_named_whatever_its_text():

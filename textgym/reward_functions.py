@@ -102,11 +102,18 @@ def _loggers(samples: Sequence[Sample]) -> dict[str, Callable[..., None]]:
                 f"log_extra({column!r}, ...) got {str(values)[:60]!r}; give a list of one value per completion "
                 f"({len(samples)})."
             )
-        bad = next((v for v in values if not isinstance(v, EXTRA_TYPES)), None)
-        if bad is not None:
+        bad = next(
+            (
+                v
+                for v in values
+                if not isinstance(v, EXTRA_TYPES) or (isinstance(v, float) and not math.isfinite(v))
+            ),
+            None,
+        )
+        if bad is not None:  # (samples.jsonl holds them: JSON has no NaN or infinity)
             raise RewardError(
                 f"log_extra({column!r}, ...) got a {type(bad).__name__} ({str(bad)[:40]!r}); each value must be "
-                f"a string, a number, a bool or None."
+                f"a string, a finite number, a bool or None."
             )
         if log is not None:
             log.extras.setdefault(f"{reward}/{column}", {}).update(
