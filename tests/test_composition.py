@@ -441,6 +441,16 @@ def test_log_extra_values_of_one_step_keep_their_own_types_in_the_vector_envs_in
     env.reset(seed=0)
     *_, info = env.step(np.full(len(MIXED), CHARS.eos_token_id))  # every episode ends on this step
     assert [dict(pairs) for pairs in info["reward_extras"]] == [{"mixed/v": v} for v in MIXED]
+    # Stable-Baselines3's per-env infos hold each as a dict, as a single env's does
+    from textgym.sb3 import make_vec_env
+
+    vec = make_vec_env(
+        "textgym/Copy-v0", n_envs=len(MIXED), rewards=RewardStack([(function_reward(mixed), 1.0)])
+    )
+    vec.reset()
+    vec.step_async(np.full(len(MIXED), vec.get_attr("eos_token_id")[0]))
+    *_, infos = vec.step_wait()
+    assert [i["reward_extras"] for i in infos] == [{"mixed/v": v} for v in MIXED]
 
 
 def test_a_plugins_own_reward_error_is_named_whatever_its_text():

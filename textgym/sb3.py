@@ -173,6 +173,10 @@ def _row(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
         mask = vinfo.get(f"_{key}")
         if not key.startswith(("_", "final_")) and not isinstance(values, dict) and (mask is None or mask[i]):
             row[key] = values[i]
+    if (
+        "reward_extras" in row
+    ):  # a sub-env's (column, value) pairs (see TextGenVectorEnv): a single env's dict
+        row["reward_extras"] = dict(row["reward_extras"])
     return row
 
 
@@ -281,6 +285,8 @@ def sb3_row(info: dict[str, Any], reward: float) -> dict[str, Any]:
     if "turns" in info:
         row["turns"] = [dict(t) for t in info["turns"]]
         row["turn_rewards"] = [float(r) for r in info.get("turn_rewards", ())]
+    if "reward_extras" in info:
+        row["reward_extras"] = dict(info["reward_extras"])
     return row
 
 
