@@ -165,9 +165,15 @@ class FunctionReward:
         call = None if inspect.isfunction(fn) else type(fn).__dict__.get("__call__")  # a callable object's
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call):
             # (called, it returns a coroutine, which failed only at the first batch, as "not a list of scores")
+            example = (  # in the function's own signature
+                f"def {name}(prompts, completions, **kwargs): return asyncio.run(my_async(prompts, completions, "
+                f"**kwargs))"
+                if is_trl_style(fn)
+                else f"def {name}(samples): return asyncio.run(my_async(samples))"
+            )
             raise ConfigError(
                 f"reward function {name!r} is async (async def): textgym calls rewards synchronously. Give a "
-                f"plain function that runs it, e.g. def {name}(samples): return asyncio.run(my_async(samples))."
+                f"plain function that runs it, e.g. {example}."
             )
         self.name, self.fn, self.kwargs = name, fn, kwargs
         self.trl_style = is_trl_style(fn)
