@@ -279,6 +279,7 @@ def adapted(model: Any, settings: dict[str, Any] | None, seed: int, on_meta: boo
     from peft import LoraConfig, get_peft_model
 
     check_lora_keys(settings, f"lora {settings!r}", "CAUSAL_LM")
+    warn_of_inert_dropout(settings)
     init = {"init_lora_weights": False} if on_meta else {}
     try:  # seeded as a checkpoint remakes it (checkpoint.load_checkpoint)
         with seeded_init(seed):
@@ -318,13 +319,6 @@ def check_lora_keys(settings: Mapping[str, Any], where: str, task_type: str) -> 
     from peft import LoraConfig
 
     known = [f.name for f in dataclasses.fields(LoraConfig) if f.init and f.name != "task_type"]
-    dropout = settings.get("lora_dropout")
-    if isinstance(dropout, (int, float)) and dropout > 0:
-        warnings.warn(
-            f"{where}: lora_dropout = {dropout} has no effect: textgym trains with dropout off, as TRL does "
-            f"(with it on, a completion's log-probs would differ between the rollout and the update).",
-            stacklevel=user_stacklevel(),
-        )
     for name in settings:
         if name == "task_type":
             raise ConfigError(f"{where}: task_type is textgym's to set ({task_type!r} here): leave it out.")
@@ -333,6 +327,20 @@ def check_lora_keys(settings: Mapping[str, Any], where: str, task_type: str) -> 
                 f"{where}: unknown LoRA setting {name!r}.{did_you_mean(name, known)} See peft's LoraConfig for "
                 f"its arguments."
             )
+
+
+def warn_of_inert_dropout(settings: Mapping[str, Any]) -> None:
+    """Warn that a ``lora_dropout`` above 0 does nothing: textgym trains with dropout off. Called where the
+    adapter is made, once per run (the main process)."""
+    from textgym.launch import rank
+
+    dropout = settings.get("lora_dropout")
+    if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout > 0 and rank() == 0:
+        warnings.warn(
+            f"lora_dropout = {dropout} has no effect: textgym trains with dropout off, as TRL does (with it on, "
+            f"a completion's log-probs would differ between the rollout and the update).",
+            stacklevel=user_stacklevel(),
+        )
 
 
 def linear_names(model: nn.Module) -> list[str]:

@@ -154,6 +154,21 @@ def test_paths_given_with_set_are_relative_to_the_working_directory(tmp_path, mo
     assert spec["bench"]["eval_prompts"] == str(tmp_path / "extra.jsonl")
 
 
+def test_set_reads_an_entrys_key_as_toml_reads_it(tmp_path):
+    """The list's name was cut at the first dot: `agents . g.x=4` and `"agents".g.x=4` (the same TOML key)
+    went to the whole-list route and were refused as reaching into a list."""
+    import tomli_w
+
+    d = designs(tmp_path)
+    del d["agent"]["name"]
+    d["agents"] = [{"name": "grpo", "label": "g"}]
+    path = tmp_path / "designs.toml"
+    path.write_text(tomli_w.dumps(d))
+    for key in ("agents . g.num_generations", '"agents".g.num_generations'):
+        spec = load_designs(path, [f"{key}=4"])
+        assert spec["agents"][0]["table"]["grpo"] == {"num_generations": 4}, key
+
+
 def test_set_reaches_an_agents_or_designs_entry_by_its_name(tmp_path, monkeypatch):
     """`--set agents.0.num_generations=4` replaced the whole [[agents]] list with a table, and the bench
     blamed the file ("[[agents]] must be a list of tables"); no --set could change an entry."""

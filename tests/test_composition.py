@@ -11,6 +11,7 @@ import tomllib
 import warnings
 from pathlib import Path
 
+import gymnasium
 import numpy as np
 import pytest
 
@@ -440,7 +441,21 @@ def test_log_extra_values_of_one_step_keep_their_own_types_in_the_vector_envs_in
     env = make_env(len(MIXED), rewards=RewardStack([(function_reward(mixed), 1.0)]))
     env.reset(seed=0)
     *_, info = env.step(np.full(len(MIXED), CHARS.eos_token_id))  # every episode ends on this step
-    assert [dict(pairs) for pairs in info["reward_extras"]] == [{"mixed/v": v} for v in MIXED]
+    assert [dict(extras) for extras in info["reward_extras"]] == [{"mixed/v": v} for v in MIXED]
+    # the same through Gymnasium's own vectorization of the single env: each copy scores its own episode,
+    # copy k in the k-th call
+    calls = []
+
+    def one_each(completions, log_extra, **kwargs):
+        calls.append(1)
+        log_extra("v", [MIXED[len(calls) - 1]])
+        return [0.0]
+
+    sync = gymnasium.make_vec("textgym/Copy-v0", num_envs=len(MIXED), vectorization_mode="sync",
+                              rewards=RewardStack([(function_reward(one_each, name="mixed"), 1.0)]))  # fmt: skip
+    sync.reset(seed=0)
+    *_, info = sync.step(np.full(len(MIXED), CHARS.eos_token_id))
+    assert [dict(extras) for extras in info["reward_extras"]] == [{"mixed/v": v} for v in MIXED]
     # Stable-Baselines3's per-env infos hold each as a dict, as a single env's does
     from textgym.sb3 import make_vec_env
 

@@ -615,3 +615,17 @@ def test_a_lora_agent_is_made_without_a_deprecation_notice_the_user_cannot_act_o
         warnings.simplefilter("always")
         LMPPO("tiny-random-llama", None, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, verbose=0)
     assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_a_lora_dropout_that_does_nothing_is_said_once():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        LMPPO("tiny-random-llama", None, lora={"r": 4, "lora_dropout": 0.1}, verbose=0)
+    said = [
+        w
+        for w in seen
+        if "lora_dropout = 0.1 has no effect: textgym trains with dropout off" in str(w.message)
+    ]
+    assert len(said) == 1

@@ -552,6 +552,10 @@ def test_a_set_inline_table_at_a_quoted_dotted_key_replaces_that_table():
     config = {"env": {"a.b": {"y": 2}}}
     apply_override(config, 'env."a.b"={x = 1}')
     assert config == {"env": {"a.b": {"x": 1}}}
+    # the whole-list advice keeps the quotes (env.a.b=[...] would set another key)
+    config = {"env": {"a.b": [1, 2]}}
+    with pytest.raises(ConfigError, match=r"""e.g. --set 'env."a.b"=\[...\]'"""):
+        apply_override(config, 'env."a.b".0=3')
 
 
 def test_a_set_into_a_list_or_of_broken_toml_says_so(tmp_path):

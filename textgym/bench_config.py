@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
+import tomllib
 import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -153,12 +154,17 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     """``--set`` on a designs file: ``section.key=value`` as in ``textgym train``, and
     ``agents.<label>.key=value`` or ``designs.<name>.key=value`` for a key of the ``[[agents]]`` entry of that
     label (its name where it has none) or of the ``[[designs]]`` entry of that name."""
-    head = override.partition("=")[0].strip().partition(".")[0]
+    written = override.partition("=")[0].strip()
+    try:  # read as TOML reads it (agents . x, "agents".x)
+        parts = key_parts(written)
+    except tomllib.TOMLDecodeError:  # not a key: apply_override says what is wrong with it
+        parts = [written]
+    head = parts[0]
     if head not in ENTRY_LISTS:
         apply_override(raw, override, lambda given: _resolve_paths(given, Path.cwd()))
         return
     what, example = ENTRY_LISTS[head], "num_generations=4" if head == "agents" else "rewards=[{name='match'}]"
-    if "." not in override.partition("=")[0]:
+    if len(parts) < 2:
         raise ConfigError(
             f"--set {override!r}: [[{head}]] is set one entry's key at a time: --set {head}.<{what} name>.<key>=value "
             f"(e.g. {head}.x.{example}). To add or remove an entry, edit the file."

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import math
 import os
 import re
@@ -225,7 +226,7 @@ def apply_override(
     for i, part in enumerate(parts[:-1]):  # env.rewards.1.target: a list's item is not a table's key
         node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, list):
-            whole = ".".join(parts[: i + 1])
+            whole = dotted_key(parts[: i + 1])
             raise ConfigError(
                 f"--set {override!r}: {whole} is a list, and a key cannot reach into one: give the whole list, "
                 f"e.g. --set '{whole}=[...]' (as in the config file, one TOML line)."
@@ -233,6 +234,17 @@ def apply_override(
     if resolve is not None:
         parsed = resolve(parsed)
     merge_tables(config, parsed, depth=len(parts))
+
+
+def dotted_key(parts: Sequence[str], keep_quoted: bool = False) -> str:
+    """Key parts as one TOML key: a part with characters other than letters, digits, - and _ quoted
+    (``keep_quoted``: a part written with its quotes already is kept as it is)."""
+    return ".".join(
+        part
+        if re.fullmatch(r"[A-Za-z0-9_-]+", part) or (keep_quoted and part[:1] in "\"'")
+        else json.dumps(part)
+        for part in parts
+    )
 
 
 def key_parts(key: str) -> list[str]:
@@ -260,10 +272,7 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
     try:
         skeleton = tomllib.loads(f"{key} = 0")  # the key alone: its error is not the value's
     except tomllib.TOMLDecodeError:
-        quoted = ".".join(
-            part if re.fullmatch(r"[A-Za-z0-9_-]+", part) or part[:1] in "\"'" else f'"{part}"'
-            for part in key.split(".")
-        )
+        quoted = dotted_key(key.split("."), keep_quoted=True)
         raise ConfigError(
             f"--set {override!r}: {key} is not a TOML key: a part with characters other than letters, digits, "
             f"- and _ is quoted, as in the file: {quoted}=..."

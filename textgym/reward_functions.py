@@ -40,6 +40,28 @@ _reward_log: contextvars.ContextVar[RewardLog | None] = contextvars.ContextVar(
 )
 
 
+class RewardExtras(Mapping[str, Any]):
+    """An episode's ``log_extra`` values, ``{"<reward>/<column>": value}``: a read-only mapping, not a ``dict``,
+    so that a Gymnasium vector env's info keeps each sub-env's whole (its info arrays take a ``dict``'s
+    entries apart into one array per key, typed by its first value: 0.5 after a 1 became 0, and a None after a
+    number failed the step). ``dict(extras)`` is plain JSON."""
+
+    def __init__(self, values: Mapping[str, Any]):
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"RewardExtras({self._values!r})"
+
+
 # the stack's name of the reward being called (validated_scores sets it): what its logs are named by
 _component: contextvars.ContextVar[str] = contextvars.ContextVar(
     "textgym_reward_component", default="<reward>"

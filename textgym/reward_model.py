@@ -349,8 +349,9 @@ def _toml(table: Mapping[str, Any]) -> str:
 def _with_lora(model: Any, config: Any, lora: Mapping[str, Any]) -> Any:
     from peft import get_peft_model
 
-    from textgym.agents.lora import quiet_peft
+    from textgym.agents.lora import quiet_peft, warn_of_inert_dropout
 
+    warn_of_inert_dropout(lora)
     try:
         with quiet_peft():
             return get_peft_model(model, config)

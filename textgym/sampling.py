@@ -323,7 +323,7 @@ def _episode_info(step_infos: dict[str, Any], i: int, episode_return: float) -> 
         info["turn_rewards"] = [float(r) for r in step_infos["turn_rewards"][i]]
     extras = step_infos.get("reward_extras")
     if extras is not None and step_infos["_reward_extras"][i]:  # TRL-style functions' log_extra columns
-        info["reward_extras"] = dict(extras[i])  # the env's (column, value) pairs
+        info["reward_extras"] = dict(extras[i])  # (a RewardExtras mapping in the env's info)
     return info
 
 

@@ -173,9 +173,7 @@ def _row(vinfo: dict[str, Any], i: int) -> dict[str, Any]:
         mask = vinfo.get(f"_{key}")
         if not key.startswith(("_", "final_")) and not isinstance(values, dict) and (mask is None or mask[i]):
             row[key] = values[i]
-    if (
-        "reward_extras" in row
-    ):  # a sub-env's (column, value) pairs (see TextGenVectorEnv): a single env's dict
+    if "reward_extras" in row:  # a RewardExtras mapping: a plain dict, as SB3's infos hold values
         row["reward_extras"] = dict(row["reward_extras"])
     return row
 

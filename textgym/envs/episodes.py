@@ -23,7 +23,7 @@ from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.responders import ResponderSpec, make_responder
-from textgym.reward_functions import reward_log
+from textgym.reward_functions import RewardExtras, reward_log
 from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
@@ -441,7 +441,9 @@ class Episodes(PromptIds, Turns):
         ]
         if log.extras:  # every episode of the batch has every column (None where a function gave none)
             for info, s in zip(infos, samples):
-                info["reward_extras"] = {column: values.get(id(s)) for column, values in log.extras.items()}
+                info["reward_extras"] = RewardExtras(
+                    {column: values.get(id(s)) for column, values in log.extras.items()}
+                )
         if self.responder is not None:
             self.end(slots)
             for i, info, s in zip(slots, infos, samples):

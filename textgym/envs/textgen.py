@@ -388,7 +388,6 @@ class TextGenVectorEnv(EnvAccessors, VectorEnv):
             rewards[ended] += total
             terminated[ended] = True  # every end is terminal: the return was paid whole (see TextGenEnv)
             truncated[ended[np.array([r != "stop" for r in reasons])]] = True
-            episode_infos = [_boxed_extras(info) for info in episode_infos]
             if self.autoreset_mode is AutoresetMode.SAME_STEP:
                 for i, info in zip(ended, episode_infos):
                     infos = self._add_info(infos, {"final_obs": self.episodes.obs(i), "final_info": info}, i)
@@ -418,11 +417,3 @@ class TextGenVectorEnv(EnvAccessors, VectorEnv):
 
     def close_extras(self, **kwargs: Any) -> None:
         self._close()
-
-
-def _boxed_extras(info: dict[str, Any]) -> dict[str, Any]:
-    """``info`` with its ``reward_extras`` (a dict of TRL-style functions' ``log_extra`` values) as one tuple of
-    (column, value) pairs: Gymnasium's vector info arrays take each column's type from its first value, which
-    cut 0.5 to 0 after a 1 and failed on a None after a number."""
-    extras = info.get("reward_extras")
-    return info if extras is None else {**info, "reward_extras": tuple(extras.items())}
