@@ -713,6 +713,8 @@ def test_a_second_ctrl_c_aborts_a_run_processes_2_run_in_one_line(config, tmp_pa
         output
     )
     assert (out / "metrics.csv").is_file()  # a run that logged an iteration is kept
+    # and named once, as a one-process run names it (the launcher's abort carried no directory)
+    assert output.count(f"textgym train --resume {out} continues it") == 1, output
 
 
 SLOW_ON_RANK_0 = """

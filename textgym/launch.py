@@ -337,7 +337,14 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
             if k is None
             else f" Its last checkpoint is at iteration {k}: {resume} continues from there."
         )
-    _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, outputs)
+    try:
+        _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, outputs)
+    except (
+        KeyboardInterrupt
+    ) as exc:  # aborted by a second Ctrl-C: what it trained is kept, for the caller to name
+        if (run_dir / "metrics.csv").exists():
+            exc.kept_run_dir = run_dir  # type: ignore[attr-defined]
+        raise
 
 
 def _raise_for(
