@@ -86,6 +86,12 @@ def test_the_reward_trend_names_its_spans(capsys):
         capsys.readouterr().out
         == "reward trend: 0.000 (first iteration) -> 0.000 (last iteration), 1 iteration\n"
     )
+    # a Stable-Baselines3 rollout that ended no episode has no reward: "n/a (first 3 iterations)" said nothing
+    _print_trend([{"reward": math.nan}] * 6 + [{"reward": r} for r in (0.1, 0.3, 0.5, 0.7)], "sum")
+    assert (
+        "0.100 (first iteration with episodes) -> 0.700 (last iteration with episodes), 10 iterations"
+        in capsys.readouterr().out
+    )
 
 
 def test_tables_show_a_score_that_rounds_to_zero_without_a_minus_sign():

@@ -463,14 +463,17 @@ def _print_trend(history: Sequence[dict[str, Any]], aggregate: str = "sum") -> N
     each batch, so its mean is 0 whatever the policy: then each component's raw mean instead."""
     if not history:
         return
-    k = max(1, len(history) // 4)
-    span = "iteration" if k == 1 else f"{k} iterations"
     count = "1 iteration" if len(history) == 1 else f"{len(history)} iterations"
 
     def mean(rows: Sequence[dict[str, Any]], key: str) -> float:
         values = [float(v) for r in rows if (v := r.get(key)) is not None and not math.isnan(float(v))]
         return float(np.mean(values)) if values else math.nan
 
+    # the iterations that ended episodes (an SB3 rollout may end none: its reward is nan), or all of them
+    ended = [r for r in history if not math.isnan(mean([r], "reward"))]
+    history, which = (ended, " with episodes") if 0 < len(ended) < len(history) else (history, "")
+    k = max(1, len(history) // 4)
+    span = f"iteration{which}" if k == 1 else f"{k} iterations{which}"
     if aggregate != "normalize_then_sum":
         first, last = mean(history[:k], "reward"), mean(history[-k:], "reward")
         print(f"reward trend: {number(first)} (first {span}) -> {number(last)} (last {span}), {count}")
