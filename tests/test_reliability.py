@@ -1040,7 +1040,7 @@ def test_a_home_relative_output_dir_and_plugin_file_are_expanded(config, tmp_pat
         ("run.seed=4294967296", "run.seed must be an integer in [0, 2**32), not 4294967296"),  # numpy's limit
         ("run.output_dir=3", "run.output_dir must be a path"),
         ("agent.learning_rate=0", "learning_rate must be a positive number, not 0"),
-        ("env.num_envs=true", "env.num_envs must be an integer in"),
+        ("env.num_envs=true", "env.num_envs must be an integer in [1, 65536], not true."),  # TOML's spelling
         ("env.max_new_tokens=1000000000", "GiB for observations alone; lower them"),
         ("env.num_envs=1000000", "env.num_envs must be an integer in"),
         ("env.prompts=['ABC']", "cannot be tokenized: character 'A' is not in the alphabet"),

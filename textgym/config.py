@@ -361,36 +361,42 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
     resolved = copy.deepcopy(DEFAULTS)
     for section, values in config.items():
         if not isinstance(values, Mapping):
-            raise ConfigError(f"{source}: [{section}] must be a table, not {values!r}.")
+            raise ConfigError(f"{source}: [{section}] must be a table, not {toml_shown(values)}.")
         resolved[section].update(values)
     run = resolved["run"]
     check_keys(run, "run", DEFAULTS["run"], source)
     for key in POSITIVE_INTS:
         if not _is_int(run[key]) or run[key] < 1:
-            raise ConfigError(f"{source}: run.{key} must be a positive integer, not {run[key]!r}.")
+            raise ConfigError(f"{source}: run.{key} must be a positive integer, not {toml_shown(run[key])}.")
     if not _is_int(run["seed"]) or not 0 <= run["seed"] < MAX_SEED:
-        raise ConfigError(f"{source}: run.seed must be an integer in [0, 2**32), not {run['seed']!r}.")
+        raise ConfigError(
+            f"{source}: run.seed must be an integer in [0, 2**32), not {toml_shown(run['seed'])}."
+        )
     if run["output_dir"] is not None and not isinstance(run["output_dir"], str):
-        raise ConfigError(f"{source}: run.output_dir must be a path (a string), not {run['output_dir']!r}.")
+        raise ConfigError(
+            f"{source}: run.output_dir must be a path (a string), not {toml_shown(run['output_dir'])}."
+        )
     if not isinstance(run["report_to"], list) or not set(run["report_to"]) <= {"tensorboard"}:
         raise ConfigError(
-            f"{source}: run.report_to must be a list of 'tensorboard', not {run['report_to']!r}"
+            f"{source}: run.report_to must be a list of 'tensorboard', not {toml_shown(run['report_to'])}"
             + (': report_to = ["tensorboard"].' if run["report_to"] == "tensorboard" else ".")
         )
     if not isinstance(run["allow_env_import"], bool):
         raise ConfigError(
-            f"{source}: run.allow_env_import must be true or false, not {run['allow_env_import']!r}."
+            f"{source}: run.allow_env_import must be true or false, not {toml_shown(run['allow_env_import'])}."
         )
     env = resolved["env"]
     if not _is_int(env["num_envs"]) or not 1 <= env["num_envs"] <= MAX_NUM_ENVS:
         raise ConfigError(
-            f"{source}: env.num_envs must be an integer in [1, {MAX_NUM_ENVS}], not {env['num_envs']!r}."
+            f"{source}: env.num_envs must be an integer in [1, {MAX_NUM_ENVS}], not {toml_shown(env['num_envs'])}."
         )
     if not isinstance(env["id"], str) or not env["id"]:
-        raise ConfigError(f"{source}: env.id must be a registered env id (a string), not {env['id']!r}.")
+        raise ConfigError(
+            f"{source}: env.id must be a registered env id (a string), not {toml_shown(env['id'])}."
+        )
     for key in ("max_new_tokens", "max_prompt_tokens"):
         if key in env and (not _is_int(env[key]) or env[key] < 1):
-            raise ConfigError(f"{source}: env.{key} must be a positive integer, not {env[key]!r}.")
+            raise ConfigError(f"{source}: env.{key} must be a positive integer, not {toml_shown(env[key])}.")
     length = env.get("max_new_tokens", 32) + env.get("max_prompt_tokens", 96)
     if env["num_envs"] * length * 9 > MAX_EPISODE_BYTES:
         raise ConfigError(
@@ -398,9 +404,13 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
             f"would need {env['num_envs'] * length * 9 / 2**30:.1f} GiB for observations alone; lower them."
         )
     if not isinstance(run["plugins"], list) or not all(isinstance(p, str) for p in run["plugins"]):
-        raise ConfigError(f"{source}: run.plugins must be a list of plugin files, not {run['plugins']!r}.")
+        raise ConfigError(
+            f"{source}: run.plugins must be a list of plugin files, not {toml_shown(run['plugins'])}."
+        )
     if not isinstance(resolved["agent"]["name"], str):
-        raise ConfigError(f"{source}: agent.name must be an agent name, not {resolved['agent']['name']!r}.")
+        raise ConfigError(
+            f"{source}: agent.name must be an agent name, not {toml_shown(resolved['agent']['name'])}."
+        )
     if "eval" in config:
         from textgym.eval_settings import check_eval_section
 
@@ -408,6 +418,11 @@ def validate(config: Mapping[str, Any], source: str = "the config") -> dict[str,
     else:
         del resolved["eval"]
     return resolved
+
+
+def toml_shown(value: Any) -> str:
+    """A config value as the file would write it where Python's repr differs: ``true``, not ``True``."""
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
 def _is_int(value: Any) -> bool:
