@@ -35,6 +35,7 @@ from textgym.agents.rollout_batch import RolloutBatch, RunningMoments
 from textgym.agents.sb3_contract import COMMON_STATS, SB3Contract, require_tensorboard
 from textgym.agents.tokenizer_check import check_tokenizer
 from textgym.agents.update_guards import UpdateGuards
+from textgym.config import MAX_SEED, iteration_seed
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
 from textgym.sampling import Rollout, allowed_actions, rollout
@@ -427,7 +428,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
         # uninterrupted one drew, and whatever ran between iterations ([eval], samples) changes nothing.
         from accelerate.utils import set_seed
 
-        set_seed((self.seed * 1_000_003 + self.iteration) % 2**32)
+        set_seed(iteration_seed(self.seed, self.iteration) % MAX_SEED)
         start, reward_before = time.perf_counter(), env.reward_seconds
         env.take_reward_metrics()  # (what was logged outside training, e.g. by an evaluation on this env)
         options = {"group_size": self.group_size} if self.group_size > 1 else None
@@ -436,7 +437,7 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
             env,
             shares=True,
             temperature=self.config.temperature,
-            seed=self.seed * 1_000_003 + self.iteration,
+            seed=iteration_seed(self.seed, self.iteration),
             options=options,
             keep_hidden=keep_hidden and not self.bf16,  # bf16: from the forward below
         )

@@ -19,6 +19,7 @@ import torch
 from textgym.agents.base import LMAgent
 from textgym.agents.lm_config import LMAgentConfig, check_number, check_positive_int
 from textgym.agents.rollout_batch import RolloutBatch
+from textgym.config import iteration_seed
 from textgym.errors import ConfigError, user_stacklevel
 
 
@@ -155,7 +156,7 @@ class GroupAgent(LMAgent):
     def train(self, batch: GroupBatch) -> dict[str, float]:
         c = self.config
         n = len(batch)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
+        generator = torch.Generator().manual_seed(iteration_seed(self.seed, self.iteration))
         # statistics stay tensors on the device until the update ends: no host read per micro-batch
         sums: dict[str, list[torch.Tensor | float]] = {}
 

@@ -38,6 +38,7 @@ from textgym.agents.ppo_core import (
     value_loss,
 )
 from textgym.agents.rollout_batch import RolloutBatch, masked_token_mean
+from textgym.config import iteration_seed
 from textgym.conversation import AGENT_ROLE
 from textgym.errors import ConfigError
 
@@ -216,7 +217,7 @@ class LMPPO(LMAgent):
         their share of the minibatch's tokens, so the result equals one forward over the minibatch."""
         c = self.config
         n = len(batch)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.iteration)
+        generator = torch.Generator().manual_seed(iteration_seed(self.seed, self.iteration))
         # each micro-batch's token means, times its tokens: the update's statistics are means over all tokens
         logs: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("pg", "vf", "clip", "vfclip", "approxkl", "approxkl_trl", "ent", "tokens")

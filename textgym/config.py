@@ -108,6 +108,15 @@ def _top_level(text: str, separator: str) -> list[str]:
 
 
 MAX_SEED = 2**32  # numpy's seeds (and so every library seeded from run.seed) stop below it
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """The seed of one iteration's draws (its rollout, its minibatch order) in a run seeded ``seed``: each
+    iteration its own, so that a resumed run draws what the uninterrupted one drew. numpy's seeders take it
+    modulo :data:`MAX_SEED`."""
+    return seed * 1_000_003 + iteration
+
+
 MAX_EPISODE_BYTES = 2**31  # observation arrays of all sub-envs (int64 ids + int8 mask): refuse beyond 2 GiB
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from textgym.config import MAX_SEED, iteration_seed
 from textgym.errors import ConfigError
 from textgym.rundir import RunDir, crash_point
 from textgym.stopping import StopFlag
@@ -55,7 +56,7 @@ def run_sb3(
             # SB3's load seeds every stream (torch, numpy, the env, the action space) from the run's seed, so
             # a resume replayed the run's first prompts and draws: they go on from (seed, iteration) instead,
             # as an LM agent's rollouts are seeded (SB3 saves no random state to resume them exactly)
-            agent.set_random_seed((run["seed"] * 1_000_003 + state["iteration"]) % 2**32)
+            agent.set_random_seed(iteration_seed(run["seed"], state["iteration"]) % MAX_SEED)
             _resumed(rd, state["iteration"], state["history"], agent.num_timesteps, run["total_timesteps"])
         history = state["history"]
 
