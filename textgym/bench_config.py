@@ -30,6 +30,7 @@ from textgym.composition import stack_table
 from textgym.config import (
     MAX_SEED,
     apply_override,
+    dotted_key,
     key_parts,
     merge_tables,
     parse_override,
@@ -169,7 +170,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
             f"--set {override!r}: [[{head}]] is set one entry's key at a time: --set {head}.<{what} name>.<key>=value "
             f"(e.g. {head}.x.{example}). To add or remove an entry, edit the file."
         )
-    key, parsed = parse_override(override)
+    _, parsed = parse_override(override)
     entries = raw.get(head)
     if not isinstance(entries, list):
         hint = " (without an [[agents]] list, set the agent's own table: agent.<name>.key=value)"
@@ -184,9 +185,10 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     entry = next((e for e in entries if isinstance(e, Mapping) and name_of(e) == name), None)
     if entry is None:
         names = [name_of(e) for e in entries if isinstance(e, Mapping)]
-        odd = [n for n in names if isinstance(n, str) and not re.fullmatch(r"[A-Za-z0-9_-]+", n)]
+        odd = [n for n in names if isinstance(n, str) and dotted_key([n]) != n]
         quote = (
-            f' A name with other characters than letters, digits, - and _ is quoted: {head}."{odd[0]}".key=value.'
+            f" A name with other characters than letters, digits, - and _ is quoted: {dotted_key([head, odd[0]])}"
+            f".key=value."
             if odd
             else ""
         )
@@ -202,7 +204,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if head == "designs" and isinstance(patch.get("rewards"), list):  # (the file's resolve against it later)
         patch["rewards"] = resolve_fn_paths(patch["rewards"], Path.cwd())
     # the dotted key's parts below the entry (an inline table at the last one replaces that table)
-    merge_tables(entry, patch, depth=len(key_parts(key)) - 2)
+    merge_tables(entry, patch, depth=len(parts) - 2)
 
 
 def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:

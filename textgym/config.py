@@ -230,8 +230,8 @@ def apply_override(
         ConfigError: a bare word that reads as another language's boolean, null or number (``False``,
             ``None``, ``.01``): taken as a string, it would mean something else (a non-empty string is true).
     """
-    key, parsed = parse_override(override)
-    parts, node = key_parts(key), config
+    parts, parsed = parse_override(override)
+    node = config
     for i, part in enumerate(parts[:-1]):  # env.rewards.1.target: a list's item is not a table's key
         node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, list):
@@ -251,7 +251,7 @@ def dotted_key(parts: Sequence[str], keep_quoted: bool = False) -> str:
     return ".".join(
         part
         if re.fullmatch(r"[A-Za-z0-9_-]+", part) or (keep_quoted and part[:1] in "\"'")
-        else json.dumps(part)
+        else json.dumps(part, ensure_ascii=False)
         for part in parts
     )
 
@@ -265,8 +265,9 @@ def key_parts(key: str) -> list[str]:
     return parts
 
 
-def parse_override(override: str) -> tuple[str, dict[str, Any]]:
-    """``section.key=value`` as ``(key, {section: {key: value}})``, read as :func:`apply_override` reads it."""
+def parse_override(override: str) -> tuple[list[str], dict[str, Any]]:
+    """``section.key=value`` as ``(["section", "key"], {section: {key: value}})``: the key's parts (see
+    :func:`key_parts`) and the value at them, read as :func:`apply_override` reads it."""
     key, sep, value = override.partition("=")
     key = key.strip()
     if not sep or "." not in key or not all(key.split(".")):
@@ -279,7 +280,7 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
             f"--set '{key.split('[')[0]}=[...]' (as in the config file, one TOML line)."
         )
     try:
-        skeleton = tomllib.loads(f"{key} = 0")  # the key alone: its error is not the value's
+        parts = key_parts(key)  # the key alone: its error is not the value's
     except tomllib.TOMLDecodeError:
         quoted = dotted_key(key.split("."), keep_quoted=True)
         raise ConfigError(
@@ -302,11 +303,10 @@ def parse_override(override: str) -> tuple[str, dict[str, Any]]:
                 text += f', or each text of a list: --set \'{key}=["a", "b"]\''
             raise ConfigError(f"--set {override!r}: the value is not valid TOML ({reason}){text}.") from None
         _check_bare_word(override, key, value.strip())
-        parsed = node = skeleton  # a bare word: a string, put where the key's 0 was
-        while isinstance(next(iter(node.values())), dict):
-            node = next(iter(node.values()))
-        node[next(iter(node))] = value
-    return key, parsed
+        parsed = value  # a bare word: a string
+        for part in reversed(parts):
+            parsed = {part: parsed}
+    return parts, parsed
 
 
 def check_keys(given: Mapping[str, Any], section: str, known: Mapping[str, Any], where: str) -> None:
