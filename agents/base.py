@@ -38,6 +38,7 @@ from textgym.agents.update_guards import UpdateGuards
 from textgym.config import MAX_SEED, iteration_seed
 from textgym.envs import TextGenVectorEnv
 from textgym.errors import ConfigError, TextgymError, TrainingError
+from textgym.reward_functions import add_to_sums
 from textgym.sampling import Rollout, allowed_actions, rollout
 from textgym.scoring import cuda_has_native_bf16
 
@@ -482,10 +483,8 @@ class LMAgent(Forwards, SB3Contract, UpdateGuards):
 def logged_reward_metrics(records: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, float]:
     """The mean of each metric TRL-style reward functions logged (``log_metric``), over every process's
     record (sum and count per name)."""
-    sums: dict[str, list[float]] = {}
+    sums: dict[str, tuple[float, int]] = {}
     for record in records:
         for name, (total, count) in record.items():
-            pair = sums.setdefault(name, [0.0, 0])
-            pair[0] += total
-            pair[1] += count
+            add_to_sums(sums, name, total, count)
     return {name: total / count for name, (total, count) in sorted(sums.items())}

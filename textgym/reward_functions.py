@@ -35,6 +35,13 @@ class RewardLog:
         self.extras: dict[str, dict[int, Any]] = {}
 
 
+def add_to_sums(sums: dict[str, tuple[float, int]], name: str, total: float, count: int) -> None:
+    """Add ``count`` values summing to ``total`` to ``name``'s (sum, count) in ``sums``: how a metric's
+    values logged by ``log_metric`` are kept, per call, per env and over every process."""
+    before_total, before_count = sums.get(name, (0.0, 0))
+    sums[name] = (before_total + total, before_count + count)
+
+
 _reward_log: contextvars.ContextVar[RewardLog | None] = contextvars.ContextVar(
     "textgym_reward_log", default=None
 )
@@ -109,8 +116,7 @@ def _loggers(samples: Sequence[Sample]) -> dict[str, Callable[..., None]]:
         if not ok or not math.isfinite(float(value)):
             raise RewardError(f"log_metric({name!r}, {value!r}): the value must be a finite number.")
         if log is not None:
-            total, count = log.metrics.get(f"rewards/{reward}/{name}", (0.0, 0))
-            log.metrics[f"rewards/{reward}/{name}"] = (total + float(value), count + 1)
+            add_to_sums(log.metrics, f"rewards/{reward}/{name}", float(value), 1)
 
     def log_extra(column: str, values: Sequence[Any]) -> None:
         if not isinstance(column, str) or not column:

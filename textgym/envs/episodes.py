@@ -23,7 +23,7 @@ from textgym.errors import ConfigError, PromptError
 from textgym.models import check_pad_token, declared_eos_ids, load_tokenizer, with_pad_token
 from textgym.prompts import Prompt, PromptsLike, load_prompts
 from textgym.responders import ResponderSpec, make_responder
-from textgym.reward_functions import RewardExtras, reward_log
+from textgym.reward_functions import RewardExtras, add_to_sums, reward_log
 from textgym.rewards import ENDED_ON_A_TOKEN, RewardSpec, RewardStack, Sample, Turn, build_reward_stack
 
 MAX_OBSERVATION_BYTES = 2**31
@@ -426,9 +426,8 @@ class Episodes(PromptIds, Turns):
         with reward_log() as log:  # what TRL-style functions log through log_metric and log_extra
             total, components = self.stack.score(samples)
         self.reward_seconds += time.perf_counter() - start
-        for name, (value, count) in log.metrics.items():
-            before = self.reward_metrics.get(name, (0.0, 0))
-            self.reward_metrics[name] = (before[0] + value, before[1] + count)
+        for name, (total_logged, count) in log.metrics.items():
+            add_to_sums(self.reward_metrics, name, total_logged, count)
         infos = [
             {
                 "reward_components": {name: float(v[k]) for name, v in components.items()},
