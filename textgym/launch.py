@@ -339,9 +339,8 @@ def launch(config: dict[str, Any], run_dir: Path, resuming: bool, overrides: Seq
         )
     try:
         _raise_for(codes, order, signals, f"the {n}-process run of {run_dir}", after, stopped, outputs)
-    except (
-        KeyboardInterrupt
-    ) as exc:  # aborted by a second Ctrl-C: what it trained is kept, for the caller to name
+    except KeyboardInterrupt as exc:
+        # aborted by a second Ctrl-C: what it trained is kept, for the caller to name (as train.run does)
         if (run_dir / "metrics.csv").exists():
             exc.kept_run_dir = run_dir  # type: ignore[attr-defined]
         raise
