@@ -126,12 +126,7 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
         trained = next(
             (p for p in (Path(path) / "checkpoint" / "policy", Path(path) / "policy") if p.is_dir()), None
         )
-        merge = (
-            "merge it into its base model first: load the checkpoint with its agent class (e.g. "
-            "textgym.agents.ppo.LMPPO.load(checkpoint), which remakes the adapter's initialisation from the run's seed, "
-            "as a randomized PiSSA or OLoRA needs), then agent.policy.merge_and_unload().save_pretrained(DIR), and "
-            "save the tokenizer there too."
-        )
+        merge = f"merge it into its base model first: {merge_lora('the checkpoint')}."
         if adapter:
             fix = f": it is a LoRA adapter, not a whole model; {merge}"
         elif trained is not None and (trained / "adapter_config.json").is_file():
@@ -151,6 +146,15 @@ def _cached_tokenizer(path: str, folder: str, stamp: tuple[Any, ...]) -> Any:
             )
         raise ModelError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}){fix}")
     return AutoTokenizer.from_pretrained(folder)
+
+
+def merge_lora(checkpoint: str) -> str:
+    """How a LoRA run's adapter becomes a whole model that gives the trained policy (for messages)."""
+    return (
+        f"load {checkpoint} with its agent class (e.g. textgym.agents.ppo.LMPPO.load, which remakes a randomized "
+        f"PiSSA or OLoRA initialisation from the run's seed), then agent.policy.merge_and_unload()"
+        f".save_pretrained(DIR), and save the tokenizer there too"
+    )
 
 
 # the files of a saved tokenizer, one of which a model directory needs (the vocabulary or its config)

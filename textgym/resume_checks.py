@@ -11,6 +11,7 @@ from typing import Any
 
 from textgym.errors import ConfigError
 from textgym.launch import rank, speaks_for_the_run
+from textgym.models import merge_lora
 from textgym.rundir import RunDir
 
 __all__ = [
@@ -65,9 +66,7 @@ def check_checkpoint_config(rd: RunDir, hyperparameters: dict[str, Any], agent_c
     ]
     # a LoRA checkpoint's policy/ holds the adapter alone, which is not a model to start from
     start = (
-        f"merge its adapter into its base model, to start from its weights: load {rd.checkpoint} with its agent "
-        f"class (it remakes a randomized PiSSA or OLoRA initialisation from the run's seed), then "
-        f"agent.policy.merge_and_unload().save_pretrained(DIR) and save the tokenizer there too"
+        f"merge its adapter into its base model, to start from its weights: {merge_lora(str(rd.checkpoint))}"
         if trained.get("lora") is not None
         else f"agent.policy = '{rd.checkpoint / 'policy'}' starts from its weights"
     )
